@@ -1,0 +1,168 @@
+"""The only reader of os.environ: one frozen Config from KVPS_* names and ps-lite's DMLC_* names."""
+
+import dataclasses
+import os
+
+from .errors import ConfigError
+
+ROLES = ('worker', 'server', 'scheduler')
+
+
+@dataclasses.dataclass(frozen=True)
+class Var:
+    """One environment variable: the native name, the ps-lite/MXNet aliases, parser, default."""
+    field: str
+    names: tuple
+    parse: object
+    default: object
+    doc: str
+
+
+def _positive_float(text):
+    value = float(text)
+    if not value > 0:
+        raise ValueError('must be > 0')
+    return value
+
+
+def _nonneg_int(text):
+    value = int(text)
+    if value < 0:
+        raise ValueError('must be >= 0')
+    return value
+
+
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise ValueError('must be >= 1')
+    return value
+
+
+def _flag(text):
+    low = text.strip().lower()
+    if low in ('1', 'true', 'yes', 'on'):
+        return True
+    if low in ('0', 'false', 'no', 'off', ''):
+        return False
+    raise ValueError('expected 0/1/true/false')
+
+
+def _role(text):
+    low = text.strip().lower()
+    if low not in ROLES:
+        raise ValueError(f'expected one of {", ".join(ROLES)}')
+    return low
+
+
+def _device(text):
+    low = text.strip().lower()
+    if low not in ('cpu', 'cuda'):
+        raise ValueError('expected cpu or cuda')
+    return low
+
+
+def _text(text):
+    return text.strip()
+
+
+# Every variable kvps reads. README's table is generated from the same facts; keep docs here true.
+VARS = (
+    Var('role', ('KVPS_ROLE', 'DMLC_ROLE'), _role, None,
+        'This process\'s role: worker, server or scheduler.'),
+    Var('scheduler_host', ('KVPS_SCHEDULER_HOST', 'DMLC_PS_ROOT_URI'), _text, None,
+        'IP or hostname of the scheduler (resolved with retry).'),
+    Var('scheduler_port', ('KVPS_SCHEDULER_PORT', 'DMLC_PS_ROOT_PORT'), _nonneg_int, None,
+        'TCP port of the scheduler (0 on the scheduler: the OS picks one).'),
+    Var('num_workers', ('KVPS_NUM_WORKERS', 'DMLC_NUM_WORKER'), _positive_int, None,
+        'Number of worker processes in the job.'),
+    Var('num_servers', ('KVPS_NUM_SERVERS', 'DMLC_NUM_SERVER'), _positive_int, None,
+        'Number of server processes in the job.'),
+    Var('interface', ('KVPS_INTERFACE', 'DMLC_INTERFACE'), _text, None,
+        'Network interface whose IPv4 address this node advertises (e.g. eth0).'),
+    Var('node_host', ('KVPS_NODE_HOST', 'DMLC_NODE_HOST'), _text, None,
+        'Address this node advertises to peers (overrides the interface).'),
+    Var('use_kubernetes', ('KVPS_USE_KUBERNETES', 'DMLC_USE_KUBERNETES'), _flag, False,
+        'Scheduler and servers bind 0.0.0.0 (the advertised name is a Service, not a local IP).'),
+    Var('rank', ('KVPS_RANK',), _nonneg_int, None,
+        'Requested rank within the role (the launcher sets it); else ranks follow arrival order.'),
+    Var('bigarray_bound', ('KVPS_BIGARRAY_BOUND', 'MXNET_KVSTORE_BIGARRAY_BOUND'), _positive_int,
+        1_000_000, 'Arrays with more elements than this are split across all servers.'),
+    Var('timeout', ('KVPS_TIMEOUT',), _positive_float, 600.0,
+        'Seconds any single wait (reply, barrier, shutdown) may take before RequestTimeout.'),
+    Var('connect_timeout', ('KVPS_CONNECT_TIMEOUT',), _positive_float, 120.0,
+        'Seconds for every node to register with the scheduler.'),
+    Var('heartbeat_interval', ('KVPS_HEARTBEAT_INTERVAL',), _positive_float, 1.0,
+        'Seconds between heartbeats from each node to the scheduler.'),
+    Var('heartbeat_timeout', ('KVPS_HEARTBEAT_TIMEOUT',), _positive_float, 30.0,
+        'Seconds of silence after which a node is declared lost (PeerLostError).'),
+    Var('server_device', ('KVPS_SERVER_DEVICE',), _device, 'cpu',
+        'Where servers keep shards: cpu, or cuda (needs cupy).'),
+    Var('log_level', ('KVPS_LOG_LEVEL',), _text, 'WARNING',
+        'Python logging level of kvps nodes (DEBUG, INFO, WARNING, ...).'),
+    Var('port_file', ('KVPS_PORT_FILE',), _text, None,
+        'Scheduler only: write the bound port to this file (the launcher uses it).'),
+    Var('max_message_bytes', ('KVPS_MAX_MESSAGE_BYTES',), _positive_int, 1 << 31,
+        'Largest message a node accepts; larger ones are rejected and logged.'),
+)
+
+_BY_FIELD = {v.field: v for v in VARS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Settings of one kvps process; build with `Config.from_env()` or `Config(**fields)`."""
+    role: str = None
+    scheduler_host: str = None
+    scheduler_port: int = None
+    num_workers: int = None
+    num_servers: int = None
+    interface: str = None
+    node_host: str = None
+    use_kubernetes: bool = False
+    rank: int = None
+    bigarray_bound: int = 1_000_000
+    timeout: float = 600.0
+    connect_timeout: float = 120.0
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 30.0
+    server_device: str = 'cpu'
+    log_level: str = 'WARNING'
+    port_file: str = None
+    max_message_bytes: int = 1 << 31
+
+    @classmethod
+    def from_env(cls, environ=None):
+        """Read every variable in VARS; the KVPS_ name wins over its aliases."""
+        env = os.environ if environ is None else environ
+        values = {}
+        for var in VARS:
+            for name in var.names:
+                raw = env.get(name)
+                if raw is not None and raw.strip() != '':
+                    try:
+                        values[var.field] = var.parse(raw)
+                    except ValueError as exc:
+                        raise ConfigError(f'{name}={raw!r}: {exc}') from None
+                    break
+        return cls(**values)
+
+    def require_cluster(self):
+        """Raise ConfigError naming every variable a distributed node still lacks."""
+        needed = ['scheduler_host', 'scheduler_port', 'num_workers', 'num_servers']
+        missing = [_BY_FIELD[f].names for f in needed if getattr(self, f) is None]
+        if missing:
+            names = ', '.join(' or '.join(n[::-1]) for n in missing)
+            raise ConfigError(
+                f'a distributed kvstore needs {names}; start the job with '
+                f'`python -m kvps.launch -n W -s S ...` or set the DMLC_* variables')
+        return self
+
+    def to_env(self):
+        """The KVPS_* variables that reproduce this Config in a child process."""
+        env = {}
+        for var in VARS:
+            value = getattr(self, var.field)
+            if value is not None and value != var.default:
+                env[var.names[0]] = str(int(value) if isinstance(value, bool) else value)
+        return env
