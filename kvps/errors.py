@@ -61,3 +61,19 @@ class RemoteError(KVPSError):
         self.remote_message = message
         self.remote_traceback = remote_traceback
         self.node = node
+
+
+class KeyTypeError(KVPSError, TypeError):
+    """Keys of one store mix kinds (int and str), or a key is neither."""
+
+
+def from_remote(type_name, message, traceback_text='', node=''):
+    """Rebuild a peer's exception: kvps's own types keep their class, others become RemoteError."""
+    cls = globals().get(type_name)
+    where = f' (on {node})' if node else ''
+    if isinstance(cls, type) and issubclass(cls, KVPSError) and cls not in (
+            RemoteError, PeerLostError):
+        exc = cls(f'{message}{where}')
+        exc.node, exc.remote_traceback = node, traceback_text
+        return exc
+    return RemoteError(message, type_name, traceback_text, node)

@@ -1,0 +1,90 @@
+"""Adapters between user values (numpy arrays, torch tensors) and numpy views, without copies.
+
+torch is never imported here: tensors are recognised by their type's module, and viewed as
+numpy through their own ``.numpy()``; bfloat16 tensors are viewed through their raw 16 bits.
+"""
+
+import numpy as np
+
+from .errors import DTypeError, ShapeError
+from .protocol import DTYPES
+
+_NUMPY_NAMES = {np.dtype(v).name: k for k, v in DTYPES.items() if k != 'bfloat16'}
+
+
+def is_torch(value):
+    return type(value).__module__.startswith('torch')
+
+
+def is_array(value):
+    """True for the array types kvps accepts as values."""
+    return isinstance(value, np.ndarray) or (is_torch(value) and hasattr(value, 'dtype'))
+
+
+def dtype_name(value):
+    """The wire dtype name of a numpy array or torch tensor."""
+    if is_torch(value):
+        name = str(value.dtype).replace('torch.', '')
+        name = {'half': 'float16', 'float': 'float32', 'double': 'float64'}.get(name, name)
+    else:
+        name = np.dtype(value.dtype).name
+    if name not in DTYPES:
+        raise DTypeError(f'unsupported dtype {name}; kvps carries {", ".join(DTYPES)}')
+    return name
+
+
+def shape_of(value):
+    return tuple(int(d) for d in value.shape)
+
+
+def as_numpy(value):
+    """A numpy view sharing memory with ``value`` (bfloat16 as uint16 bit patterns)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if is_torch(value):
+        if value.device.type != 'cpu':
+            raise DTypeError(
+                f'tensor on {value.device} given to a CPU path; use a *_device store type')
+        tensor = value.detach()
+        if dtype_name(tensor) == 'bfloat16':
+            import torch  # only here: reinterpret bits, torch has no numpy bfloat16
+            return tensor.view(torch.int16).numpy().view(np.uint16)
+        return tensor.numpy()
+    raise TypeError(f'expected a numpy array or torch tensor, got {type(value).__name__}')
+
+
+def flat_copy(value):
+    """A fresh contiguous 1-D copy: what push sends, so the caller's array is never touched."""
+    return np.array(as_numpy(value), copy=True, order='C').reshape(-1)
+
+
+def sum_values(values):
+    """Sum a list of same-shaped values (one per device) into a new flat numpy array."""
+    total = flat_copy(values[0])
+    for other in values[1:]:
+        arr = as_numpy(other).reshape(-1)
+        if arr.dtype == np.uint16 and dtype_name(values[0]) == 'bfloat16':
+            raise DTypeError('summing several bfloat16 values is not supported on the CPU')
+        np.add(total, arr, out=total)
+    return total
+
+
+def check_like(value, shape, dtype, key, what):
+    """Raise ShapeError/DTypeError unless ``value`` matches the key's shape and dtype."""
+    got_shape, got_dtype = shape_of(value), dtype_name(value)
+    if got_shape != tuple(shape):
+        raise ShapeError(f'key {key!r}: {what} has shape {got_shape}, '
+                         f'but the key was initialized with shape {tuple(shape)}')
+    if got_dtype != dtype:
+        raise DTypeError(f'key {key!r}: {what} has dtype {got_dtype}, '
+                         f'but the key was initialized with dtype {dtype}')
+
+
+def writable_flat(out):
+    """A writable 1-D numpy view of ``out`` if it is contiguous, else None."""
+    arr = as_numpy(out)
+    if not arr.flags.writeable:
+        raise ValueError('pull target is read-only')
+    if arr.flags.c_contiguous:
+        return arr.reshape(-1)
+    return None

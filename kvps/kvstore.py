@@ -1,0 +1,186 @@
+"""`create(name)` and KVStore: MXNet's KVStore API over the local or the distributed backend."""
+
+import atexit
+import threading
+
+from . import arrays
+from .config import Config
+from .errors import (ConfigError, DuplicateInitError, KeyNotInitializedError, KeyTypeError,
+                     KVPSError)
+from .local import LocalBackend
+
+# Type names are parsed by substring as in MXNet; these are the words a name may be built from.
+_WORDS = {'local', 'device', 'dist', 'sync', 'async', 'update', 'cpu', 'allreduce'}
+KNOWN_TYPES = ('local', 'device', 'dist', 'dist_sync', 'dist_async', 'dist_sync_device',
+               'dist_device_sync', 'dist_async_device', 'local_update_cpu',
+               'local_allreduce_cpu', 'local_allreduce_device')
+CAPABILITIES = ('optimizer',)
+
+_dist_lock = threading.Lock()
+_dist_client = None      # one job membership per process, shared by every dist store
+
+
+def parse_type(name):
+    """Return (distributed, sync, device) for a store type name; raise for unknown names."""
+    if not isinstance(name, str):
+        raise TypeError(f'kvstore type must be a str, got {type(name).__name__}')
+    words = set(name.lower().split('_'))
+    if not words <= _WORDS or not words & {'local', 'device', 'dist'}:
+        raise ConfigError(f'unknown kvstore type {name!r}; known types: {", ".join(KNOWN_TYPES)}')
+    return 'dist' in words, 'async' not in words, 'device' in words
+
+
+def create(name='local'):
+    """Create a KVStore: 'local'/'device' in this process, 'dist_*' across the job."""
+    distributed, sync, _ = parse_type(name)
+    backend = _dist_backend(sync) if distributed else LocalBackend()
+    return KVStore(name, backend)
+
+
+def _dist_backend(sync):
+    global _dist_client
+    with _dist_lock:
+        if _dist_client is None or _dist_client.closed:
+            from .worker.client import DistClient  # sockets load only for distributed stores
+            _dist_client = DistClient(Config.from_env(), sync)
+            atexit.register(_dist_client.close)
+        elif _dist_client.sync != sync:
+            raise ConfigError('this process already joined the job with a '
+                              f'{"sync" if _dist_client.sync else "async"} store; every store of '
+                              'one process must use the same mode')
+        return _dist_client
+
+
+class KVStore:
+    """Keys to arrays, shared by every worker of the job (MXNet's KVStore interface)."""
+
+    def __init__(self, name, backend):
+        self._type = name
+        self._backend = backend
+        self._meta = {}            # key -> (shape, dtype name)
+        self._key_kind = None
+        self._optimizer = None
+
+    # -- identity -------------------------------------------------------------------------
+    @property
+    def type(self):
+        return self._type
+
+    @property
+    def rank(self):
+        return self._backend.rank
+
+    @property
+    def num_workers(self):
+        return self._backend.num_workers
+
+    def is_capable(self, capability):
+        """MXNet's capability query: kvps stores can all run optimizers on the servers."""
+        return capability.lower() in CAPABILITIES
+
+    # -- the data API ---------------------------------------------------------------------
+    def init(self, key, value):
+        """Initialize keys (collective: every worker calls it; rank 0's values are stored)."""
+        items = []
+        for k, values in self._pairs(key, value):
+            if k in self._meta or any(k == i[0] for i in items):
+                raise DuplicateInitError(f'key {k!r} is already initialized')
+            v = values[0]
+            shape, dtype = arrays.shape_of(v), arrays.dtype_name(v)
+            items.append((k, arrays.flat_copy(v), shape, dtype))
+        self._backend.init(items)
+        for k, _, shape, dtype in items:
+            self._meta[k] = (shape, dtype)
+
+    def push(self, key, value, priority=0):
+        """Send values (a list per key is summed first); returns without waiting."""
+        for k, values in self._pairs(key, value):
+            shape, dtype = self._known(k)
+            for v in values:
+                arrays.check_like(v, shape, dtype, k, 'pushed value')
+            flat = arrays.sum_values(values) if len(values) > 1 else arrays.flat_copy(values[0])
+            self._backend.push(k, flat, dtype)
+
+    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+        """Write the current values into ``out`` (in place), after this worker's pushes."""
+        if out is None:
+            raise TypeError('pull needs out= (the arrays to write into)')
+        for k, targets in self._pairs(key, out):
+            shape, dtype = self._known(k)
+            for t in targets:
+                arrays.check_like(t, shape, dtype, k, 'pull target')
+            self._backend.pull(k, targets[0], dtype)
+            first = arrays.as_numpy(targets[0])
+            for t in targets[1:]:
+                arrays.as_numpy(t)[...] = first
+
+    def pushpull(self, key, value, out=None, priority=0):
+        """Push then pull; with ``out=None`` the result is written into ``value``."""
+        self.push(key, value, priority)
+        self.pull(key, value if out is None else out, priority)
+
+    def broadcast(self, key, value, out, priority=0):
+        """Initialize with rank 0's ``value`` and pull it into ``out`` on every worker."""
+        self.init(key, value)
+        self.pull(key, out, priority)
+
+    def barrier(self):
+        """Wait until every worker arrives and all of this worker's pushes are applied."""
+        self._backend.barrier()
+
+    def set_optimizer(self, optimizer):
+        """Run ``optimizer`` on the servers for every later push (collective)."""
+        spec = optimizer if isinstance(optimizer, dict) else getattr(optimizer, 'to_spec', None)
+        if spec is None:
+            raise TypeError('set_optimizer takes a kvps optimizer (kvps.optimizer.create(...)) '
+                            f'or its spec, got {type(optimizer).__name__}')
+        spec = spec if isinstance(spec, dict) else spec()
+        self._backend.set_optimizer(spec)
+        self._optimizer = optimizer
+
+    def close(self):
+        """Flush and leave the job (also done at interpreter exit)."""
+        self._backend.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- keys -----------------------------------------------------------------------------
+    def _pairs(self, key, value):
+        """Normalize (key, value) into [(key, [values...])] as MXNet does."""
+        if isinstance(key, (list, tuple)):
+            if not isinstance(value, (list, tuple)) or len(value) != len(key):
+                raise ValueError('a list of keys needs a list of values of the same length')
+            return [(self._check_key(k), self._as_list(v)) for k, v in zip(key, value)]
+        return [(self._check_key(key), self._as_list(value))]
+
+    @staticmethod
+    def _as_list(value):
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if not values or not all(arrays.is_array(v) for v in values):
+            raise TypeError('values must be numpy arrays or torch tensors (or lists of them)')
+        return values
+
+    def _check_key(self, key):
+        if isinstance(key, bool) or not isinstance(key, (int, str)):
+            raise KeyTypeError(f'keys must be int or str, got {type(key).__name__}')
+        kind = type(key)
+        if self._key_kind is None:
+            self._key_kind = kind
+        elif kind is not self._key_kind:
+            raise KeyTypeError(f'this store uses {self._key_kind.__name__} keys; got '
+                               f'{kind.__name__} key {key!r} (one kind per store)')
+        return key
+
+    def _known(self, key):
+        meta = self._meta.get(key)
+        if meta is None:
+            raise KeyNotInitializedError(f'key {key!r} is not initialized; call '
+                                         f'kv.init({key!r}, value) first')
+        return meta
+
+
+__all__ = ['create', 'KVStore', 'KNOWN_TYPES', 'parse_type', 'KVPSError']

@@ -1,0 +1,99 @@
+"""A node's link to the scheduler: registration, heartbeats and the scheduler's liveness."""
+
+import logging
+import os
+import time
+import uuid
+
+from . import protocol as P
+from .errors import ConfigError, PeerLostError, ProtocolError, RequestTimeout, from_remote
+from .transport import Dealer, advertised_host, resolve
+
+log = logging.getLogger('kvps')
+
+
+class SchedulerLink:
+    """Owned by one loop thread: the DEALER to the scheduler and what it has told us."""
+
+    def __init__(self, ctx, config, role):
+        self.config, self.role = config, role
+        self.scheduler_ip = resolve(config.scheduler_host, config.connect_timeout)
+        self.host = advertised_host(config, self.scheduler_ip)
+        self.socket = Dealer(ctx, f'{role}-{uuid.uuid4().hex[:12]}'.encode())
+        self.socket.connect(self.scheduler_ip, config.scheduler_port)
+        self.welcome = None
+        self._last_heard = self._last_sent = time.monotonic()
+
+    def register(self, port=0):
+        """Send REGISTER and wait for WELCOME (every node has arrived); return WELCOME."""
+        self.socket.send(P.encode({'op': P.REGISTER, 'id': 0, 'role': self.role,
+                                   'host': self.host, 'port': port, 'rank': self.config.rank,
+                                   'pid': os.getpid()}))
+        deadline = time.monotonic() + self.config.connect_timeout
+        poll = self.socket.raw.poll
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RequestTimeout(
+                    f'{self.role} waited {self.config.connect_timeout:.0f} s for the scheduler at '
+                    f'{self.config.scheduler_host}:{self.config.scheduler_port} and the other '
+                    'nodes to register (KVPS_CONNECT_TIMEOUT)')
+            if not poll(int(min(left, 1.0) * 1000)):
+                continue
+            header, _ = self.receive()
+            if header['op'] == P.WELCOME:
+                self.welcome = header
+                return header
+            self.raise_if_fatal(header)
+
+    def receive(self):
+        header, buffers = P.decode(self.socket.recv(), self.config.max_message_bytes)
+        self._last_heard = time.monotonic()
+        return header, buffers
+
+    def next_message(self):
+        """The scheduler's next header, or None if it was malformed (logged, not fatal)."""
+        frames = self.socket.recv()
+        self._last_heard = time.monotonic()
+        decoded = decode_or_log(frames, self.config, 'the scheduler')
+        return None if decoded is None else decoded[0]
+
+    def raise_if_fatal(self, header):
+        """Turn the scheduler's ERROR / SHUTDOWN / PEER_LOST into the matching exception."""
+        op = header['op']
+        if op == P.ERROR:
+            raise from_remote(header['type'], header['message'], header.get('traceback', ''),
+                              'scheduler')
+        if op == P.PEER_LOST:
+            raise PeerLostError(f'{header["reason"]}', header['role'], header.get('rank'),
+                                header.get('host'))
+        if op == P.SHUTDOWN:
+            raise ConfigError(f'the scheduler shut the job down: {header.get("reason", "")}')
+
+    def send(self, header):
+        self.socket.send(P.encode(header))
+        self._last_sent = time.monotonic()
+
+    def tick(self, now):
+        """Heartbeat when due; raise PeerLostError if the scheduler has gone silent."""
+        if now - self._last_sent >= self.config.heartbeat_interval:
+            self.send({'op': P.HEARTBEAT, 'id': 0})
+        silent = now - self._last_heard
+        if silent > self.config.heartbeat_timeout:
+            raise PeerLostError(
+                f'lost the scheduler at {self.config.scheduler_host}:'
+                f'{self.config.scheduler_port}: silent for {silent:.1f} s '
+                f'(KVPS_HEARTBEAT_TIMEOUT={self.config.heartbeat_timeout:g})',
+                'scheduler', 0, self.config.scheduler_host)
+
+    def close(self):
+        self.socket.close()
+
+
+def decode_or_log(frames, config, source):
+    """Decode a message; on ProtocolError log the reason and return None (keep serving)."""
+    try:
+        return P.decode(frames, config.max_message_bytes)
+    except ProtocolError as exc:
+        log.warning('rejected a message from %s: %s', source, exc)
+        return None

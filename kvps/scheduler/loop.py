@@ -1,0 +1,152 @@
+"""The scheduler process: owns the ROUTER socket and drives Membership from a poll loop."""
+
+import logging
+import os
+import tempfile
+import time
+
+from .. import protocol as P
+from ..errors import KVPSError
+from ..link import decode_or_log
+from ..transport import Poller, Router, bind_host, new_context, resolve
+from .membership import Membership
+
+log = logging.getLogger('kvps.scheduler')
+
+
+class Scheduler:
+    """Bootstraps the job, runs barriers, watches liveness and ends the job in order."""
+
+    def __init__(self, config):
+        self.config = config.require_cluster()
+        self.members = Membership(config.num_workers, config.num_servers)
+        self.ctx = new_context()
+        self.router = Router(self.ctx)
+        host = resolve(config.scheduler_host, config.connect_timeout)
+        self.port = self.router.bind(bind_host(config, host), config.scheduler_port or 0)
+        if config.port_file:
+            _write_atomically(config.port_file, str(self.port))
+        self.exit_code = None
+        self.started = time.monotonic()
+        log.info('scheduler listening on %s:%d', host, self.port)
+
+    def run(self):
+        """Serve until the job ends; return the process exit code."""
+        poller = Poller()
+        poller.register(self.router)
+        tick = min(self.config.heartbeat_interval, 0.5)
+        try:
+            while self.exit_code is None:
+                if poller.poll(tick):
+                    identity, frames = self.router.recv_from()
+                    self._handle(identity, frames)
+                self._tick(time.monotonic())
+        finally:
+            self.router.close()
+            self.ctx.term()
+        return self.exit_code
+
+    # -- messages -------------------------------------------------------------------------
+    def _handle(self, identity, frames):
+        decoded = decode_or_log(frames, self.config, identity)
+        if decoded is None:
+            return
+        header, _ = decoded
+        self.members.seen(identity, time.monotonic())
+        handler = self._HANDLERS.get(header['op'])
+        if handler is None:
+            log.warning('rejected %s from %r: not a scheduler op', header['op'], identity)
+            return
+        try:
+            handler(self, identity, header)
+        except KVPSError as exc:
+            log.warning('refused %s from %r: %s', header['op'], identity, exc)
+            self._send(identity, P.error_header(header.get('id', 0), exc, 'scheduler'))
+
+    def _on_register(self, identity, header):
+        self.members.register(identity, header['role'], header['host'], header['port'],
+                              header.get('rank'), header.get('pid', 0), time.monotonic())
+        if self.members.complete:
+            self.members.assign_ranks()
+            now = time.monotonic()
+            for node in self.members.nodes.values():
+                node.last_seen = now  # liveness counts from the start of the job
+                self._send(node.identity, {'op': P.WELCOME, 'id': 0,
+                                           **self.members.welcome(node)})
+            log.info('all %d nodes registered', len(self.members.nodes))
+
+    def _on_heartbeat(self, identity, header):
+        if identity in self.members.nodes:
+            self._send(identity, {'op': P.HEARTBEAT_ACK, 'id': 0})
+
+    def _on_barrier(self, identity, header):
+        node = self._worker(identity)
+        for released in self.members.arrive(node.identity, header['seq']):
+            self._send(released, {'op': P.BARRIER_DONE, 'id': header['seq']})
+        self._fail_blocked_barriers()
+
+    def _on_finish(self, identity, header):
+        node = self._worker(identity)
+        self.members.finish(identity)
+        self._send(identity, {'op': P.ACK, 'id': header.get('id', 0)})
+        for server in self.members.of_role('server'):
+            self._send(server.identity, {'op': P.FINISH, 'id': 0, 'rank': node.rank})
+        self._fail_blocked_barriers()
+        if self.members.all_workers_finished:
+            self._end(0, 'all workers finished')
+
+    _HANDLERS = {P.REGISTER: _on_register, P.HEARTBEAT: _on_heartbeat,
+                 P.BARRIER: _on_barrier, P.FINISH: _on_finish}
+
+    def _worker(self, identity):
+        node = self.members.nodes.get(identity)
+        if node is None or node.role != 'worker' or node.rank is None:
+            raise KVPSError('only registered workers may do this')
+        return node
+
+    def _fail_blocked_barriers(self):
+        waiting, finished = self.members.blocked_barriers()
+        for identity in waiting:
+            exc = KVPSError(f'barrier can never complete: {finished.describe()} has finished')
+            self._send(identity, P.error_header(0, exc, 'scheduler'))
+
+    # -- time -------------------------------------------------------------------------------
+    def _tick(self, now):
+        if not self.members.ranked:
+            if now - self.started > self.config.connect_timeout:
+                self._end(1, f'registration timed out after {self.config.connect_timeout:.0f} s: '
+                             f'{self.members.missing()} (KVPS_CONNECT_TIMEOUT)')
+            return
+        silent = self.members.silent(now, self.config.heartbeat_timeout)
+        if silent:
+            lost = silent[0]
+            reason = (f'{lost.describe()} is lost: no heartbeat for '
+                      f'{now - lost.last_seen:.1f} s (KVPS_HEARTBEAT_TIMEOUT)')
+            for node in self.members.nodes.values():
+                if node is not lost:
+                    self._send(node.identity, {'op': P.PEER_LOST, 'id': 0, 'role': lost.role,
+                                               'rank': lost.rank, 'host': lost.host,
+                                               'reason': reason})
+            self._end(1, reason)
+
+    def _end(self, code, reason):
+        if code:
+            log.error('ending the job: %s', reason)
+        for node in self.members.nodes.values():
+            if node.role == 'server' or (code and not node.finished):
+                self._send(node.identity, {'op': P.SHUTDOWN, 'id': 0, 'reason': reason})
+        self.exit_code = code
+
+    def _send(self, identity, header):
+        try:
+            self.router.send_to(identity, P.encode(header))
+        except KVPSError as exc:  # the peer is gone; liveness reports it
+            log.warning('could not send %s to %r: %s', header['op'], identity, exc)
+
+
+def _write_atomically(path, text):
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix='.kvps-port-')
+    with os.fdopen(fd, 'w') as f:
+        f.write(text)
+    os.replace(tmp, path)

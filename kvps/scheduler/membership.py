@@ -1,0 +1,122 @@
+"""Pure cluster membership: registration, rank assignment, barriers, liveness and finishing."""
+
+import dataclasses
+
+from ..errors import ConfigError
+
+
+@dataclasses.dataclass
+class Node:
+    identity: bytes
+    role: str
+    host: str
+    port: int
+    pid: int
+    rank_hint: object
+    last_seen: float
+    rank: int = None
+    finished: bool = False
+
+    def describe(self):
+        rank = '?' if self.rank is None else self.rank
+        return f'{self.role} {rank} (host {self.host}, pid {self.pid})'
+
+    def as_entry(self):
+        return {'role': self.role, 'rank': self.rank, 'host': self.host, 'port': self.port,
+                'pid': self.pid}
+
+
+class Membership:
+    """Who is in the job, with which rank, and who is waiting at which barrier."""
+
+    def __init__(self, num_workers, num_servers):
+        self.want = {'worker': num_workers, 'server': num_servers}
+        self.nodes = {}            # identity -> Node
+        self.ranked = False
+        self._barrier = {}         # seq -> set of worker identities arrived
+
+    # -- registration ------------------------------------------------------------------
+    def register(self, identity, role, host, port, rank_hint, pid, now):
+        """Add a node; raise ConfigError for a bad role, a full role or a taken rank."""
+        if role not in self.want:
+            raise ConfigError(f'cannot register role {role!r}: expected worker or server')
+        if identity in self.nodes:
+            raise ConfigError(f'{role} with this identity is already registered')
+        if self.ranked or self.count(role) >= self.want[role]:
+            raise ConfigError(f'the job already has its {self.want[role]} {role}(s)')
+        if rank_hint is not None:
+            if not 0 <= rank_hint < self.want[role]:
+                raise ConfigError(f'{role} rank {rank_hint} out of range 0..{self.want[role] - 1}')
+            if any(n.rank_hint == rank_hint for n in self.of_role(role)):
+                raise ConfigError(f'{role} rank {rank_hint} is already taken')
+        self.nodes[identity] = Node(identity, role, host, port, pid, rank_hint, now)
+
+    def count(self, role):
+        return sum(1 for n in self.nodes.values() if n.role == role)
+
+    def of_role(self, role):
+        return [n for n in self.nodes.values() if n.role == role]
+
+    @property
+    def complete(self):
+        return all(self.count(role) == want for role, want in self.want.items())
+
+    def missing(self):
+        """A sentence naming how many of each role have not arrived."""
+        parts = [f'{want - self.count(role)} of {want} {role}s'
+                 for role, want in self.want.items() if self.count(role) < want]
+        return ' and '.join(parts) + ' never registered' if parts else ''
+
+    def assign_ranks(self):
+        """Requested ranks are kept; the rest fill the free ranks in order of arrival."""
+        for role in self.want:
+            nodes = self.of_role(role)
+            taken = {n.rank_hint for n in nodes if n.rank_hint is not None}
+            free = iter(r for r in range(self.want[role]) if r not in taken)
+            for node in nodes:  # dicts keep insertion (arrival) order
+                node.rank = node.rank_hint if node.rank_hint is not None else next(free)
+        self.ranked = True
+
+    def welcome(self, node):
+        servers = sorted(self.of_role('server'), key=lambda n: n.rank)
+        return {'rank': node.rank, 'num_workers': self.want['worker'],
+                'num_servers': self.want['server'],
+                'servers': [[s.host, s.port] for s in servers],
+                'nodes': [n.as_entry() for n in self.nodes.values()]}
+
+    # -- barriers and finishing -------------------------------------------------------------
+    def arrive(self, identity, seq):
+        """Record a worker at barrier ``seq``; return the identities to release (or [])."""
+        arrived = self._barrier.setdefault(seq, set())
+        arrived.add(identity)
+        if len(arrived) < self.want['worker']:
+            return []
+        del self._barrier[seq]
+        return sorted(arrived)
+
+    def blocked_barriers(self):
+        """Identities waiting at a barrier that a finished worker can never reach."""
+        finished = [n for n in self.of_role('worker') if n.finished]
+        if not finished:
+            return [], None
+        waiting = sorted(i for ids in self._barrier.values() for i in ids)
+        self._barrier.clear()
+        return waiting, finished[0]
+
+    def finish(self, identity):
+        self.nodes[identity].finished = True
+
+    @property
+    def all_workers_finished(self):
+        return all(n.finished for n in self.of_role('worker'))
+
+    # -- liveness -------------------------------------------------------------------------
+    def seen(self, identity, now):
+        node = self.nodes.get(identity)
+        if node is not None:
+            node.last_seen = now
+
+    def silent(self, now, timeout):
+        """Nodes that are still in the job but have not been heard from within ``timeout``."""
+        return [n for n in self.nodes.values()
+                if not n.finished and now - n.last_seen > timeout]

@@ -1,0 +1,128 @@
+"""The server process: owns the ROUTER that workers talk to and feeds their requests to a Shard."""
+
+import logging
+import time
+import traceback
+
+from .. import protocol as P
+from ..errors import KVPSError, PeerLostError
+from ..link import SchedulerLink, decode_or_log
+from ..transport import Poller, Router, bind_host, new_context
+from .shard import Shard
+
+log = logging.getLogger('kvps.server')
+
+
+class Server:
+    """Registers with the scheduler, then serves init/push/pull until told to stop."""
+
+    def __init__(self, config):
+        self.config = config.require_cluster()
+        self.ctx = new_context()
+        self.link = SchedulerLink(self.ctx, config, 'server')
+        self.router = Router(self.ctx)
+        port = self.router.bind(bind_host(config, self.link.host), 0)
+        welcome = self.link.register(port)
+        self.rank = welcome['rank']
+        self.name = f'server {self.rank}'
+        self.shard = Shard(welcome['num_workers'])
+        self.exit_code = None
+        log.info('%s serving on %s:%d', self.name, self.link.host, port)
+
+    def run(self):
+        """Serve until SHUTDOWN (exit 0) or a lost peer (exit 1); return the exit code."""
+        poller = Poller()
+        poller.register(self.router)
+        poller.register(self.link.socket)
+        tick = min(self.config.heartbeat_interval, 0.5)
+        try:
+            while self.exit_code is None:
+                for sock in poller.poll(tick):
+                    if sock is self.router:
+                        self._serve(*self.router.recv_from())
+                    else:
+                        self._from_scheduler()
+                self._tick()
+        finally:
+            self.router.close()
+            self.link.close()
+            self.ctx.term()
+        return self.exit_code
+
+    def _tick(self):
+        try:
+            self.link.tick(time.monotonic())
+        except PeerLostError as exc:
+            log.error('%s: %s', self.name, exc)
+            self.exit_code = 1
+
+    def _from_scheduler(self):
+        header = self.link.next_message()
+        if header is None:
+            return
+        op = header['op']
+        if op == P.FINISH:
+            self._reply_all(self.shard.worker_finished(P.worker_identity(header['rank'])))
+        elif op == P.SHUTDOWN:
+            log.info('%s: shutting down: %s', self.name, header.get('reason', ''))
+            self.exit_code = 0
+        elif op == P.PEER_LOST:
+            log.error('%s: %s', self.name, header['reason'])
+            self.exit_code = 1
+
+    # -- worker requests --------------------------------------------------------------------
+    def _serve(self, identity, frames):
+        decoded = decode_or_log(frames, self.config, identity)
+        if decoded is None:
+            return
+        header, buffers = decoded
+        token = (identity, header.get('id', 0))
+        handler = self._HANDLERS.get(header['op'])
+        try:
+            if handler is None:
+                raise KVPSError(f'{header["op"]!r} is not a server operation')
+            replies = handler(self, token, header, buffers)
+        except Exception as exc:  # any failure goes back to the caller; the server serves on
+            if not isinstance(exc, KVPSError):
+                log.exception('%s: %s failed', self.name, header['op'])
+            replies = [('error', token, (exc, traceback.format_exc()))]
+        self._reply_all(replies)
+
+    def _init(self, token, h, buffers):
+        return self.shard.init(token, h['key'], h['part'], h['dtype'], h['shape'], h['sync'],
+                               buffers[0])
+
+    def _check(self, token, h, buffers):
+        return self.shard.check(token, h['key'], h['dtype'], h['shape'])
+
+    def _push(self, token, h, buffers):
+        return self.shard.push(token, token[0], h['key'], h['part'], h['dtype'], h['sync'],
+                               buffers[0])
+
+    def _pull(self, token, h, buffers):
+        return self.shard.pull(token, token[0], h['key'], h['part'])
+
+    def _set_optimizer(self, token, h, buffers):
+        from .updater import Updater  # the optimizer stack loads only when one is used
+        self.shard.set_updater(Updater(h['spec']))
+        return [('ack', token, None)]
+
+    _HANDLERS = {P.INIT: _init, P.CHECK: _check, P.PUSH: _push, P.PULL: _pull,
+                 P.SET_OPTIMIZER: _set_optimizer}
+
+    def _reply_all(self, replies):
+        for kind, (identity, req_id), payload in replies:
+            if kind == 'ack':
+                frames = P.encode({'op': P.ACK, 'id': req_id})
+            elif kind == 'data':
+                entry, array = payload
+                frames = P.encode({'op': P.DATA, 'id': req_id, 'key': entry.key,
+                                   'part': entry.part, 'dtype': entry.dtype, 'n': entry.n},
+                                  [array])
+            else:
+                exc, tb = payload if isinstance(payload, tuple) else (payload, '')
+                frames = P.encode(P.error_header(req_id, exc, self.name, tb))
+            try:
+                self.router.send_to(identity, frames)
+            except KVPSError as exc:  # that worker is gone; liveness will report it
+                log.info('%s: could not answer %r: %s', self.name, identity, exc)

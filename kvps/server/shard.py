@@ -1,0 +1,205 @@
+"""Pure key store of one server: init, sync rounds and async pushes, ordered pulls, updates.
+
+Every method takes a ``token`` naming the request (opaque here: the loop uses it to address
+the reply) and returns a list of replies ``(kind, token, payload)`` with kind 'ack', 'data'
+(payload: the Entry and a snapshot array) or 'error' (payload: the exception). Nothing here
+touches a socket, so every rule below is unit-tested directly.
+
+Sync rounds: the n-th push of a key from a worker belongs to round n. A round completes when
+every worker has pushed into it; only then is the update applied and the pushers acked.
+A fast worker's push for a later round is queued, untouched, until its round opens. A pull
+from a worker is answered once the round of that worker's latest push has completed, so
+``pull`` after ``push`` always sees that round's result.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from ..errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInitializedError,
+                      KVPSError, ShapeError)
+from ..protocol import DTYPES
+
+
+@dataclasses.dataclass(eq=False)
+class Entry:
+    """One key part held by this server."""
+    key: object
+    part: int
+    dtype: str
+    shape: tuple
+    sync: bool
+    weight: np.ndarray
+    merge: np.ndarray = None
+    version: int = 0                      # rounds completed (sync) / pushes applied (async)
+    pushed: dict = dataclasses.field(default_factory=dict)   # worker -> pushes received
+    merged: set = dataclasses.field(default_factory=set)     # workers in the open round
+    held: list = dataclasses.field(default_factory=list)     # tokens acked at round end
+    queued: list = dataclasses.field(default_factory=list)   # (worker, round, data, token)
+    deferred: list = dataclasses.field(default_factory=list)  # (round needed, token)
+    snapshot: np.ndarray = None
+    snapshot_version: int = -1
+
+    @property
+    def n(self):
+        return self.weight.size
+
+    def view(self):
+        """The weight as it is now, frozen: replies leave the process later than they are made,
+        and the next update must not change bytes already promised to a puller."""
+        if self.snapshot_version != self.version:
+            self.snapshot = self.weight.copy()
+            self.snapshot_version = self.version
+        return self.snapshot
+
+
+class Shard:
+    """The keys one server holds and the rules for changing them."""
+
+    def __init__(self, num_workers, updater=None):
+        self.num_workers = num_workers
+        self.updater = updater
+        self.entries = {}          # (key, part) -> Entry
+        self.finished = {}         # worker -> pushes it made per key, frozen at finish
+
+    # -- init -----------------------------------------------------------------------------
+    def init(self, token, key, part, dtype, shape, sync, data):
+        if (key, part) in self.entries:
+            raise DuplicateInitError(f'key {key!r} is already initialized')
+        weight = np.array(np.frombuffer(data, dtype=DTYPES[dtype]), copy=True)
+        self.entries[(key, part)] = Entry(key, part, dtype, tuple(shape), sync, weight)
+        return [('ack', token, None)]
+
+    def check(self, token, key, dtype, shape):
+        """Confirm that another worker's view of a key matches what rank 0 initialized."""
+        entry = self._entry(key, 0)
+        if entry.dtype != dtype or entry.shape != tuple(shape):
+            raise ShapeError(f'key {key!r}: this worker has {tuple(shape)} {dtype}, but rank 0 '
+                             f'initialized {entry.shape} {entry.dtype}')
+        return [('ack', token, None)]
+
+    # -- push -----------------------------------------------------------------------------
+    def push(self, token, worker, key, part, dtype, sync, data):
+        entry = self._entry(key, part)
+        self._check_push(entry, dtype, sync, data)
+        if not entry.sync:
+            self._apply(entry, data, copy_grad=True)
+            return [('ack', token, None)]
+        round_index = entry.pushed.get(worker, 0)
+        self._check_round_possible(entry, round_index)
+        entry.pushed[worker] = round_index + 1
+        if round_index > entry.version:   # a fast worker is ahead: keep it for its round
+            entry.queued.append((worker, round_index, data, token))
+            return []
+        self._merge(entry, worker, data, token)
+        return self._close_rounds(entry)
+
+    def _check_push(self, entry, dtype, sync, data):
+        if dtype != entry.dtype:
+            raise DTypeError(f'key {entry.key!r}: pushed {dtype}, initialized as {entry.dtype}')
+        if len(data) != entry.n * entry.weight.itemsize:
+            raise ShapeError(f'key {entry.key!r} part {entry.part}: pushed '
+                             f'{len(data) // entry.weight.itemsize} elements, expected {entry.n}')
+        if sync != entry.sync:
+            mode = 'dist_sync' if entry.sync else 'dist_async'
+            raise ConfigError(f'key {entry.key!r} was initialized by a {mode} store; every '
+                              'worker must create the same kvstore type')
+
+    def _check_round_possible(self, entry, round_index):
+        for worker, counts in self.finished.items():
+            made = counts.get((entry.key, entry.part), 0)
+            if round_index >= made:
+                raise KVPSError(f'round {round_index + 1} of key {entry.key!r} can never complete:'
+                                f' worker {worker} finished after {made} pushes of it')
+
+    def _merge(self, entry, worker, data, token):
+        grad = np.frombuffer(data, dtype=entry.weight.dtype)
+        if entry.merge is None:
+            entry.merge = np.empty_like(entry.weight)
+        if entry.merged:
+            np.add(entry.merge, grad, out=entry.merge)
+        else:
+            np.copyto(entry.merge, grad)
+        entry.merged.add(worker)
+        entry.held.append(token)
+
+    def _close_rounds(self, entry):
+        """Apply every round that is now complete; answer what waited on it."""
+        replies = []
+        while len(entry.merged) == self.num_workers:
+            self._apply(entry, None, copy_grad=False)
+            replies += [('ack', t, None) for t in entry.held]
+            entry.held, entry.merged = [], set()
+            replies += self._answer_deferred(entry)
+            ready = [q for q in entry.queued if q[1] == entry.version]
+            entry.queued = [q for q in entry.queued if q[1] != entry.version]
+            for worker, _, data, token in ready:
+                self._merge(entry, worker, data, token)
+        return replies
+
+    def _apply(self, entry, data, copy_grad):
+        """Run the update with the round's sum (sync) or one push (async); no optimizer: replace."""
+        if self.updater is None:
+            if copy_grad:
+                np.copyto(entry.weight, np.frombuffer(data, dtype=entry.weight.dtype))
+            else:  # the merge buffer becomes the weight; the old weight is the next scratch
+                entry.weight, entry.merge = entry.merge, entry.weight
+        else:
+            if copy_grad:
+                if entry.merge is None:
+                    entry.merge = np.empty_like(entry.weight)
+                np.copyto(entry.merge, np.frombuffer(data, dtype=entry.weight.dtype))
+            self.updater.update(entry.key, entry.weight, entry.merge, part=entry.part)
+        entry.version += 1
+
+    # -- pull -----------------------------------------------------------------------------
+    def pull(self, token, worker, key, part):
+        entry = self._entry(key, part)
+        needed = entry.pushed.get(worker, 0) if entry.sync else 0
+        if needed > entry.version:
+            entry.deferred.append((needed, token))
+            return []
+        return [('data', token, (entry, entry.view()))]
+
+    def _answer_deferred(self, entry):
+        ready = [t for need, t in entry.deferred if need <= entry.version]
+        entry.deferred = [(need, t) for need, t in entry.deferred if need > entry.version]
+        return [('data', t, (entry, entry.view())) for t in ready] if ready else []
+
+    # -- workers leaving ------------------------------------------------------------------
+    def worker_finished(self, worker):
+        """A worker is done: fail every sync round that now lacks its push."""
+        self.finished[worker] = {k: e.pushed.get(worker, 0) for k, e in self.entries.items()}
+        replies = []
+        for entry in self.entries.values():
+            replies += self._fail_impossible(entry, worker)
+        return replies
+
+    def _fail_impossible(self, entry, worker):
+        """Rounds from index ``made`` on lack this worker's push: answer their waiters now."""
+        if not entry.sync:
+            return []
+        made = entry.pushed.get(worker, 0)
+        doomed = []
+        if entry.version >= made and entry.merged:
+            doomed += entry.held
+            entry.held, entry.merged = [], set()
+        doomed += [q[3] for q in entry.queued if q[1] >= made]
+        entry.queued = [q for q in entry.queued if q[1] < made]
+        doomed += [t for need, t in entry.deferred if need > made]
+        entry.deferred = [(need, t) for need, t in entry.deferred if need <= made]
+        exc = KVPSError(f'a sync round of key {entry.key!r} can never complete: worker {worker} '
+                        f'finished after {made} pushes of it')
+        return [('error', t, exc) for t in doomed]
+
+    # -- lookup and state -----------------------------------------------------------------
+    def _entry(self, key, part):
+        entry = self.entries.get((key, part))
+        if entry is None:
+            raise KeyNotInitializedError(
+                f'key {key!r} is not initialized on this server; call kv.init({key!r}, value) '
+                'on every worker first (in the same order on every worker)')
+        return entry
+
+    def set_updater(self, updater):
+        self.updater = updater

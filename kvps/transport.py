@@ -1,0 +1,189 @@
+"""The only module importing zmq: sockets, zero-copy send/recv, polling, addresses, error mapping."""
+
+import fcntl
+import socket
+import struct
+import threading
+import time
+
+import zmq
+
+from .errors import ConfigError, TransportError
+
+_LOOPBACK_NAMES = ('127.0.0.1', 'localhost', '::1')
+
+
+def new_context():
+    return zmq.Context(io_threads=1)
+
+
+class Socket:
+    """One zmq socket used by exactly one thread; frames go out and come in without copies."""
+
+    def __init__(self, ctx, kind, identity=None):
+        self._sock = ctx.socket(kind)
+        self._sock.setsockopt(zmq.LINGER, 2000)
+        # kvps bounds memory with its own in-flight window; zmq must never drop silently.
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        if identity is not None:
+            self._sock.setsockopt(zmq.IDENTITY, identity)
+
+    @property
+    def raw(self):
+        return self._sock
+
+    def send(self, frames):
+        """Queue a message without ever blocking: a loop thread that blocks in send cannot
+        notice that its peer is gone. A full or vanished peer raises TransportError."""
+        try:
+            self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            raise TransportError(f'send failed: {exc}') from None
+
+    def recv(self):
+        """Frames of one message; each supports the buffer protocol (no copy made)."""
+        try:
+            return [f.buffer for f in self._sock.recv_multipart(copy=False)]
+        except zmq.ZMQError as exc:
+            raise TransportError(f'receive failed: {exc}') from None
+
+    def close(self, linger_s=2.0):
+        self._sock.close(linger=int(linger_s * 1000))
+
+
+class Router(Socket):
+    """A bound ROUTER: receives ``[identity, *frames]`` and answers by identity."""
+
+    def __init__(self, ctx):
+        super().__init__(ctx, zmq.ROUTER)
+        # Replying to a peer that is gone raises instead of vanishing silently.
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+
+    def bind(self, host, port=0):
+        """Bind host:port (0: the OS picks) and return the port actually bound."""
+        try:
+            if port:
+                self._sock.bind(f'tcp://{host}:{port}')
+                return port
+            endpoint = self._sock.bind_to_random_port(f'tcp://{host}', min_port=1024,
+                                                      max_port=65535, max_tries=1000)
+            return endpoint
+        except zmq.ZMQError as exc:
+            raise TransportError(f'cannot bind {host}:{port}: {exc}') from None
+
+    def recv_from(self):
+        frames = self.recv()
+        return bytes(frames[0]), frames[1:]
+
+    def send_to(self, identity, frames):
+        self.send([identity, *frames])
+
+
+class Dealer(Socket):
+    """A connecting DEALER with a fixed identity."""
+
+    def __init__(self, ctx, identity):
+        super().__init__(ctx, zmq.DEALER, identity)
+
+    def connect(self, host, port):
+        self._sock.connect(f'tcp://{_bracket(host)}:{port}')
+
+
+class Poller:
+    """Waits on several sockets at once."""
+
+    def __init__(self):
+        self._poller = zmq.Poller()
+        self._by_raw = {}
+
+    def register(self, sock):
+        self._poller.register(sock.raw, zmq.POLLIN)
+        self._by_raw[sock.raw] = sock
+
+    def unregister(self, sock):
+        self._poller.unregister(sock.raw)
+        del self._by_raw[sock.raw]
+
+    def poll(self, timeout_s):
+        """The sockets with a message waiting, after at most ``timeout_s`` seconds."""
+        events = self._poller.poll(max(0, int(timeout_s * 1000)))
+        return [self._by_raw[raw] for raw, _ in events]
+
+
+class Waker:
+    """Lets any thread wake a loop thread blocked in Poller.poll (an inproc pair)."""
+
+    _count = 0
+
+    def __init__(self, ctx):
+        Waker._count += 1
+        address = f'inproc://kvps-waker-{id(self)}-{Waker._count}'
+        self.socket = Socket(ctx, zmq.PULL)
+        self.socket.raw.bind(address)
+        self._push = ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(address)
+        self._lock = threading.Lock()
+
+    def wake(self):
+        with self._lock:
+            self._push.send(b'', copy=True)
+
+    def drain(self):
+        while True:
+            try:
+                self.socket.raw.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def close(self):
+        with self._lock:
+            self._push.close(linger=0)
+        self.socket.close(0)
+
+
+def _bracket(host):
+    return f'[{host}]' if ':' in host else host
+
+
+def resolve(host, timeout_s):
+    """IP address of ``host``, retrying DNS until ``timeout_s`` (services appear late on k8s)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+        except socket.gaierror as exc:
+            if time.monotonic() >= deadline:
+                raise ConfigError(f'cannot resolve scheduler host {host!r}: {exc}') from None
+            time.sleep(0.5)
+
+
+def interface_address(name):
+    """IPv4 address of a network interface (DMLC_INTERFACE), e.g. 'eth0'."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
+                                 struct.pack('256s', name[:15].encode()))
+        except OSError as exc:
+            raise ConfigError(f'interface {name!r} has no IPv4 address: {exc}') from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def advertised_host(config, scheduler_ip):
+    """The address this node tells peers to reach it at."""
+    if config.node_host:
+        return config.node_host
+    if config.interface:
+        return interface_address(config.interface)
+    if scheduler_ip.startswith('127.') or config.scheduler_host in _LOOPBACK_NAMES:
+        return '127.0.0.1'
+    # The source address of the route to the scheduler (a UDP connect sends nothing).
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((scheduler_ip, config.scheduler_port or 9))
+        return s.getsockname()[0]
+
+
+def bind_host(config, advertised):
+    """Where to bind: all interfaces under Kubernetes (the advertised name is a Service)."""
+    return '0.0.0.0' if config.use_kubernetes else advertised

@@ -1,0 +1,160 @@
+"""The distributed backend of a KVStore on a worker: splits keys, pipelines requests, waits.
+
+Pushes return as soon as their messages are queued; errors they meet are raised by the next
+call that waits (pull, barrier, close). Pulls and barriers block, bounded by KVPS_TIMEOUT.
+"""
+
+import collections
+import threading
+
+import numpy as np
+
+from .. import protocol as P
+from ..arrays import writable_flat
+from .loop import SCHEDULER, WorkerIO, server_name
+from .pending import Operation, Request
+from .sharding import Placement
+
+
+class DistClient:
+    """One worker's membership in a job; at most one per process."""
+
+    def __init__(self, config, sync):
+        self.config = config.require_cluster()
+        self.sync = sync
+        self.io = WorkerIO(config)
+        self.io.start()
+        if not self.io.ready.wait(config.connect_timeout + 5) or self.io.fatal is not None:
+            self.io.stop(1.0)
+            raise self.io.fatal or RuntimeError('worker I/O thread did not start')
+        welcome = self.io.welcome
+        self.rank = welcome['rank']
+        self.num_workers = welcome['num_workers']
+        self.num_servers = welcome['num_servers']
+        self.placement = Placement(self.num_servers, config.bigarray_bound)
+        self._inflight = collections.deque()   # push Operations not yet known complete
+        self._errors = collections.deque()     # errors of pushes, raised at the next wait
+        self._lock = threading.Lock()
+        self._barrier_seq = 0
+        self.closed = False
+
+    # -- collective setup -----------------------------------------------------------------
+    def init(self, items):
+        """``items``: [(key, flat array, shape, dtype name)]. Rank 0's values win."""
+        for key, flat, _, _ in items:
+            self.placement.place(key, flat.size, flat.itemsize)
+        if self.rank == 0:
+            ops = [self._send_parts(P.INIT, key, flat, dtype, {'shape': list(shape)})
+                   for key, flat, shape, dtype in items]
+            self._wait_all(ops)
+        self.barrier()
+        if self.rank != 0:
+            ops = [self._request(self.placement.parts(key)[0].server, f'init of key {key!r}',
+                                 {'op': P.CHECK, 'key': key, 'dtype': dtype,
+                                  'shape': list(shape)})
+                   for key, _, shape, dtype in items]
+            self._wait_all(ops)
+
+    def set_optimizer(self, spec):
+        """Rank 0 installs the optimizer on every server; everyone returns when all have it."""
+        if self.rank == 0:
+            ops = [self._request(s, 'set_optimizer', {'op': P.SET_OPTIMIZER, 'spec': spec})
+                   for s in range(self.num_servers)]
+            self._wait_all(ops)
+        self.barrier()
+
+    # -- data -----------------------------------------------------------------------------
+    def push(self, key, flat, dtype):
+        """Send ``flat`` (a kvps-owned contiguous array) to the key's servers; do not wait."""
+        self._raise_pending_errors()
+        op = self._send_parts(P.PUSH, key, flat, dtype, {}, on_error=self._errors.append)
+        with self._lock:
+            while self._inflight and self._inflight[0].done.is_set():
+                self._inflight.popleft()
+            self._inflight.append(op)
+
+    def pull(self, key, out, dtype):
+        """Fill ``out`` (the caller's array) with the key's value once this worker's pushes of
+        it have been applied."""
+        self._raise_pending_errors()
+        flat = writable_flat(out)
+        target = flat if flat is not None else np.empty(out.size, dtype=out.dtype)
+        parts = self.placement.parts(key)
+        op = Operation(f'pull of key {key!r}', len(parts))
+
+        def copier(part):
+            def on_data(header, buffers):
+                np.copyto(target[part.start:part.stop], P.as_array(buffers[0], dtype))
+            return on_data
+
+        for part in parts:
+            self._submit(part.server, {'op': P.PULL, 'key': key, 'part': part.part}, (),
+                         Request(op, server_name(part.server), copier(part)))
+        op.wait(self.config.timeout)
+        if flat is None:
+            np.copyto(out, target.reshape(out.shape))
+
+    def barrier(self):
+        """Return when every worker is here and this worker's pushes are all applied."""
+        self.wait_pushes()
+        self._barrier_seq += 1
+        op = Operation('barrier', 1)
+        self.io.submit(SCHEDULER, {'op': P.BARRIER, 'id': self._barrier_seq,
+                                   'seq': self._barrier_seq}, (), Request(op, SCHEDULER))
+        op.wait(self.config.timeout)
+
+    def wait_pushes(self):
+        """Block until every push so far is acknowledged; raise the first error met."""
+        while True:
+            with self._lock:
+                if not self._inflight:
+                    break
+                op = self._inflight.popleft()
+            if not op.done.wait(self.config.timeout):
+                op.wait(0)  # raises RequestTimeout naming the silent servers
+        self._raise_pending_errors()
+
+    def close(self):
+        """Flush, tell the scheduler this worker is done, stop the I/O thread. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.io.fatal is None:
+                self.wait_pushes()
+                op = Operation('finish', 1)
+                self.io.submit(SCHEDULER, {'op': P.FINISH, 'id': -1}, (), Request(op, SCHEDULER))
+                op.wait(min(self.config.timeout, 30.0))
+        finally:
+            self.io.stop(5.0)
+
+    # -- helpers --------------------------------------------------------------------------
+    def _send_parts(self, op_name, key, flat, dtype, extra, on_error=None):
+        parts = self.placement.parts(key)
+        op = Operation(f'{op_name} of key {key!r}', len(parts), on_error)
+        for part in parts:
+            header = {'op': op_name, 'key': key, 'part': part.part, 'dtype': dtype,
+                      'n': part.stop - part.start, 'sync': self.sync, **extra}
+            self._submit(part.server, header, (flat[part.start:part.stop],),
+                         Request(op, server_name(part.server)))
+        return op
+
+    def _request(self, server, what, header):
+        op = Operation(what, 1)
+        self._submit(server, header, (), Request(op, server_name(server)))
+        return op
+
+    def _submit(self, server, header, buffers, request):
+        self.io.submit(server_name(server), header, buffers, request)
+
+    def _wait_all(self, ops):
+        for op in ops:
+            op.wait(self.config.timeout)
+
+    def _raise_pending_errors(self):
+        if self._errors:
+            exc = self._errors.popleft()
+            self._errors.clear()
+            raise exc
+        if self.io.fatal is not None:
+            raise self.io.fatal

@@ -1,0 +1,165 @@
+"""The worker's I/O thread: owns every socket, sends queued requests, routes replies.
+
+API threads never touch a socket: they append ``(node, header, buffers, request)`` to a queue
+and wake this thread, which assigns the request id, sends, and later completes the request's
+Operation from the reply. Many requests are in flight at once (pipelining), and replies from
+different servers are handled as they arrive.
+"""
+
+import collections
+import logging
+import threading
+import time
+
+from .. import protocol as P
+from ..errors import KVPSError, PeerLostError
+from ..link import SchedulerLink, decode_or_log
+from ..transport import Dealer, Poller, Waker, new_context
+from .pending import PendingTable
+
+log = logging.getLogger('kvps.worker')
+
+SCHEDULER = 'scheduler'
+
+
+def server_name(rank):
+    return f'server {rank}'
+
+
+class WorkerIO(threading.Thread):
+    """Registers with the scheduler, connects to every server and moves messages."""
+
+    def __init__(self, config):
+        super().__init__(name='kvps-worker-io', daemon=True)
+        self.config = config
+        self.ctx = new_context()
+        self.waker = Waker(self.ctx)
+        self.ready = threading.Event()
+        self.welcome = None
+        self.fatal = None           # the error that ended this worker's link to the job
+        self._queue = collections.deque()
+        self._pending = PendingTable()
+        # Scheduler requests (barrier, finish) are few and keyed by their own sequence numbers.
+        self._scheduler_requests = {}
+        self._stopping = False
+        self._servers = []          # Dealer per server rank
+        self._by_socket = {}        # Dealer -> node name
+
+    # -- API side (any thread) --------------------------------------------------------------
+    def submit(self, node, header, buffers, request):
+        """Queue one message for ``node`` ('server N' or 'scheduler'); never blocks."""
+        if self.fatal is not None:
+            request.op.fail(self.fatal)
+            return
+        self._queue.append((node, header, buffers, request))
+        self.waker.wake()
+
+    def stop(self, timeout):
+        self._stopping = True
+        self.waker.wake()
+        self.join(timeout)
+
+    # -- the thread -------------------------------------------------------------------------
+    def run(self):
+        try:
+            self._link = SchedulerLink(self.ctx, self.config, 'worker')
+            self.welcome = self._link.register()
+            self._connect_servers(self.welcome)
+        except Exception as exc:  # reported to the API thread waiting on `ready`
+            self.fatal = exc
+            self.ready.set()
+            self._close()
+            return
+        self.ready.set()
+        try:
+            self._serve()
+        except Exception as exc:  # never die silently: every waiter learns why
+            log.exception('worker I/O thread failed')
+            self._die(exc if isinstance(exc, KVPSError) else KVPSError(f'I/O thread: {exc!r}'))
+        finally:
+            self._close()
+
+    def _connect_servers(self, welcome):
+        identity = P.worker_identity(welcome['rank'])
+        for rank, (host, port) in enumerate(welcome['servers']):
+            dealer = Dealer(self.ctx, identity)
+            dealer.connect(host, port)
+            self._servers.append(dealer)
+            self._by_socket[dealer] = server_name(rank)
+
+    def _serve(self):
+        poller = Poller()
+        for sock in [self.waker.socket, self._link.socket, *self._servers]:
+            poller.register(sock)
+        tick = min(self.config.heartbeat_interval, 0.5)
+        while not (self._stopping and not self._queue):
+            for sock in poller.poll(tick):
+                if sock is self.waker.socket:
+                    self.waker.drain()
+                elif sock is self._link.socket:
+                    self._from_scheduler()
+                else:
+                    self._from_server(sock)
+            self._send_queued()
+            if self.fatal is None:
+                try:
+                    self._link.tick(time.monotonic())
+                except PeerLostError as exc:
+                    self._die(exc)
+
+    def _send_queued(self):
+        while self._queue:
+            node, header, buffers, request = self._queue.popleft()
+            if self.fatal is not None:
+                request.op.fail(self.fatal)
+                continue
+            if node == SCHEDULER:
+                self._scheduler_requests[header['id']] = request
+                request.op.waiting_on.add(SCHEDULER)
+                self._link.send(header)
+                continue
+            header['id'] = self._pending.add(request)
+            self._servers[int(node.split()[1])].send(P.encode(header, buffers))
+
+    def _from_server(self, sock):
+        decoded = decode_or_log(sock.recv(), self.config, self._by_socket[sock])
+        if decoded is not None:
+            self._pending.resolve(*decoded)
+
+    def _from_scheduler(self):
+        header = self._link.next_message()
+        if header is None:
+            return
+        op = header['op']
+        if op in (P.BARRIER_DONE, P.ACK, P.ERROR) and header.get('id') in self._scheduler_requests:
+            request = self._scheduler_requests.pop(header['id'])
+            if op == P.ERROR:
+                try:
+                    self._link.raise_if_fatal(header)
+                except KVPSError as exc:
+                    request.op.fail(exc)
+            else:
+                request.op.part_done()
+        elif op in (P.PEER_LOST, P.SHUTDOWN, P.ERROR):
+            try:
+                self._link.raise_if_fatal(header)
+            except KVPSError as exc:
+                self._die(exc)
+
+    def _die(self, exc):
+        """The job is broken for this worker: fail everything now and everything later."""
+        if self.fatal is None:
+            log.error('%s', exc)
+            self.fatal = exc
+        self._pending.fail_all(self.fatal)
+        for request in self._scheduler_requests.values():
+            request.op.fail(self.fatal)
+        self._scheduler_requests.clear()
+
+    def _close(self):
+        for dealer in self._servers:
+            dealer.close(linger_s=0.5)
+        if getattr(self, '_link', None) is not None:
+            self._link.close()
+        self.waker.close()
+        self.ctx.term()
