@@ -1,0 +1,370 @@
+"""Run generic process specs, prefix their output, stop them all on the first failure, reap all."""
+
+import codecs
+import collections
+import contextlib
+import ctypes
+import dataclasses
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+PR_SET_PDEATHSIG = 1
+TAIL_LINES = 20
+_READ_CHUNK = 1 << 16
+_POLL = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcSpec:
+    """One process to start: its role, rank within the role (None for the scheduler), argv, env."""
+    role: str
+    rank: object
+    argv: tuple
+    env: dict
+
+    @property
+    def name(self):
+        return self.role if self.rank is None else f'{self.role} {self.rank}'
+
+
+def exit_code(returncode):
+    """The shell-style exit code of a child: its own code, or 128+signum if a signal killed it."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe(returncode):
+    """'exit code 3' or 'killed by signal SIGKILL'."""
+    if returncode >= 0:
+        return f'exit code {returncode}'
+    try:
+        return f'killed by signal {signal.Signals(-returncode).name}'
+    except ValueError:
+        return f'killed by signal {-returncode}'
+
+
+def _pdeathsig_preexec():
+    """A preexec_fn making the kernel SIGKILL the child when the launcher dies (Linux), or None.
+
+    Everything is looked up before fork: the child runs only the prctl call and getppid, because
+    other threads (output readers) may hold locks at fork time. The kernel fires the signal when
+    the *thread* that forked exits, so children must be spawned from a long-lived thread (main).
+    """
+    if not sys.platform.startswith('linux'):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+    prctl.restype = ctypes.c_int
+    parent, sigkill = os.getpid(), int(signal.SIGKILL)
+
+    def preexec():
+        prctl(PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(1)
+    return preexec
+
+
+def _group_alive(pgid):
+    """Whether any non-zombie process remains in process group `pgid`.
+
+    kill(-pgid, 0) alone is not enough: orphaned zombies count, and a container's PID 1 may
+    never reap them, so on Linux a hit is confirmed by scanning /proc.
+    """
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # only a foreign process could be there; nothing of ours is left
+        return False
+    if not os.path.isdir('/proc'):
+        return True
+    for entry in os.listdir('/proc'):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f'/proc/{entry}/stat', 'rb') as f:
+                fields = f.read().rsplit(b')', 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b'Z':
+            return True
+    return False
+
+
+class _Child:
+    """A started process: its Popen, the thread pumping its output, and the tail of that output."""
+
+    def __init__(self, spec, proc, tail_lines):
+        self.spec, self.proc, self.pid = spec, proc, proc.pid
+        self.name = spec.name
+        self.tail = collections.deque(maxlen=tail_lines)
+        self.done = False        # set by the supervisor when it handled this child's exit
+        self.group_gone = False  # once empty a process group can never gain members again
+        self.reader = None
+
+    @property
+    def returncode(self):
+        return self.proc.returncode
+
+    def signal_group(self, signum):
+        if self.group_gone:
+            return
+        if self.proc.returncode is not None and not _group_alive(self.pid):
+            self.group_gone = True
+            return
+        try:
+            os.killpg(self.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def group_alive(self):
+        if self.proc.returncode is None:
+            return True
+        if not self.group_gone and not _group_alive(self.pid):
+            self.group_gone = True
+        return not self.group_gone
+
+
+class Supervisor:
+    """Starts specs, prints their output prefixed, and turns the first failure into a teardown.
+
+    Events (child exits, signals to the launcher) arrive on one queue and are handled only in
+    the thread that created the Supervisor, which must also be the thread that calls start().
+    """
+
+    def __init__(self, out=None, err=None, grace=5.0, tail_lines=TAIL_LINES):
+        self.out = out if out is not None else sys.stdout
+        self.err = err if err is not None else sys.stderr
+        self.grace = grace
+        self.tail_lines = tail_lines
+        self.children = []
+        self.stopped = None      # exit code once the job has been stopped
+        self._events = queue.SimpleQueue()  # put() is reentrant: safe from signal handlers
+        self._lock = threading.Lock()       # one writer at a time on out and err
+        self._failure = None                # (child, why) of the root cause
+
+    # -- output --------------------------------------------------------------------------
+
+    def _write(self, stream, text):
+        with self._lock:
+            try:
+                stream.write(text)
+                stream.flush()
+            except (BrokenPipeError, ValueError):  # our reader went away: keep draining pipes
+                pass
+
+    def say(self, message):
+        """One line from the launcher itself, on err."""
+        self._write(self.err, f'kvps.launch: {message}\n')
+
+    def _pump(self, child):
+        """Copy a child's merged stdout+stderr to out, one prefixed line at a time."""
+        decoder = codecs.getincrementaldecoder('utf-8')(errors='replace')
+        prefix = f'[{child.name}] '
+        stream = child.proc.stdout
+        while True:
+            chunk = stream.readline(_READ_CHUNK)
+            text = decoder.decode(chunk, final=not chunk)
+            if text:
+                line = text if text.endswith('\n') else text + '\n'
+                child.tail.append(line)
+                self._write(self.out, prefix + line)
+            if not chunk:
+                break
+        stream.close()
+
+    # -- starting ------------------------------------------------------------------------
+
+    def start(self, spec):
+        """Start one spec; returns its child, or None (reported, job stopped) if it cannot run."""
+        try:
+            proc = subprocess.Popen(
+                list(spec.argv), env=spec.env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=_pdeathsig_preexec())
+        except OSError as exc:
+            self.say(f'cannot start {spec.name} ({spec.argv[0]}): {exc}')
+            self.stop(127 if isinstance(exc, FileNotFoundError) else 126)
+            return None
+        child = _Child(spec, proc, self.tail_lines)
+        self.children.append(child)
+        child.reader = threading.Thread(target=self._pump, args=(child,), daemon=True,
+                                        name=f'kvps-out-{child.name}')
+        child.reader.start()
+        threading.Thread(target=self._await_exit, args=(child,), daemon=True,
+                         name=f'kvps-wait-{child.name}').start()
+        return child
+
+    def _await_exit(self, child):
+        child.proc.wait()
+        self._events.put(('exit', child))
+
+    # -- events --------------------------------------------------------------------------
+
+    def on_signal(self, signum, frame=None):
+        """Signal handler: forward through the event queue (handled in the supervising thread)."""
+        self._events.put(('signal', signum))
+
+    def _next_event(self, timeout):
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def poll(self, timeout):
+        """Handle at most one event within `timeout` s; returns the exit code if the job stopped."""
+        event = self._next_event(timeout)
+        if event is None or self.stopped is not None:
+            return self.stopped
+        kind, what = event
+        if kind == 'signal':
+            self.say(f'got {signal.Signals(what).name}; stopping all processes')
+            return self.stop(128 + what)
+        what.done = True
+        if what.returncode != 0:
+            return self.fail(what)
+        return None
+
+    def fail(self, child, why=None):
+        """Stop the job because `child` failed; it is the root cause if nothing failed before."""
+        if self.stopped is not None:  # already stopping: later exits are consequences
+            return self.stopped
+        why = why or describe(child.returncode)
+        self._failure = (child, why)
+        self.say(f'{child.name} (pid {child.pid}) failed first: {why}; '
+                 f'stopping the other processes')
+        return self.stop(exit_code(child.returncode) or 1)
+
+    # -- waiting -------------------------------------------------------------------------
+
+    def wait_for_port(self, child, path, timeout):
+        """Wait for `child` to write a port number to `path`; returns it, or None (job stopped)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            port = _read_port(path)
+            if port is not None:
+                return port
+            if child.done and child.returncode == 0:
+                self.fail(child, 'exited with exit code 0 before writing its port file')
+                return None
+            if self.poll(_POLL) is not None:
+                return None
+        self.say(f'{child.name} (pid {child.pid}) did not write its port file within '
+                 f'{timeout:g} s (--connect-timeout)')
+        self.stop(1)
+        return None
+
+    def supervise(self, shutdown_timeout, primary_role='worker'):
+        """Run until every child has exited; returns the launcher's exit code.
+
+        When every `primary_role` child has exited 0 the others must exit on their own within
+        `shutdown_timeout` s; any that do not are reported and killed (exit code 1).
+        """
+        deadline = None
+        while self.stopped is None:
+            running = [c for c in self.children if not c.done]
+            if not running:
+                return self.stop(0)
+            if deadline is None and all(c.done for c in self.children
+                                        if c.spec.role == primary_role):
+                deadline = time.monotonic() + shutdown_timeout
+            if deadline is not None and time.monotonic() >= deadline:
+                for child in running:
+                    self.say(f'{child.name} did not exit within {shutdown_timeout:g} s '
+                             f'after all {primary_role}s finished')
+                return self.stop(1)
+            left = _POLL if deadline is None else deadline - time.monotonic()
+            self.poll(max(0.0, min(_POLL, left)))
+        return self.stopped
+
+    # -- stopping ------------------------------------------------------------------------
+
+    def stop(self, code):
+        """Terminate every child's process group, kill what outlives the grace, reap, report."""
+        if self.stopped is not None:
+            return self.stopped
+        self.stopped = code
+        self._terminate_all()
+        for child in self.children:
+            try:
+                child.proc.wait(timeout=self.grace + 5.0)
+            except subprocess.TimeoutExpired:  # unkillable (stuck in the kernel): don't hang
+                self.say(f'{child.name} (pid {child.pid}) survived SIGKILL')
+        deadline = time.monotonic() + 2.0  # a setsid'd grandchild may hold a pipe open
+        for child in self.children:
+            child.reader.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._report()
+        return code
+
+    def _terminate_all(self):
+        for child in self.children:
+            child.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline and any(c.group_alive() for c in self.children):
+            event = self._next_event(min(_POLL, max(0.0, deadline - time.monotonic())))
+            if event is not None and event[0] == 'signal':
+                self.say(f'got {signal.Signals(event[1]).name} again; killing all processes')
+                break
+        for child in self.children:
+            if child.group_alive():
+                child.signal_group(signal.SIGKILL)
+
+    def _report(self):
+        if self._failure is None:
+            return
+        child, why = self._failure
+        lines = list(child.tail)
+        text = f'kvps.launch: {child.name} (pid {child.pid}) failed first: {why}\n'
+        if lines:
+            text += f'kvps.launch: output of {child.name}, last {len(lines)} lines:\n'
+            text += ''.join(f'[{child.name}] {line}' for line in lines)
+        else:
+            text += f'kvps.launch: {child.name} printed nothing\n'
+        self._write(self.err, text)
+
+
+def _read_port(path):
+    """The port in `path`, or None while it is absent, incomplete or not yet a valid port."""
+    try:
+        with open(path, encoding='ascii', errors='replace') as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None
+    return int(text) if text.isdigit() and 0 < int(text) < 65536 else None
+
+
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def forwarding_signals(supervisor):
+    """Route SIGINT/SIGTERM/SIGHUP to the supervisor while the job runs (main thread only)."""
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in FORWARDED_SIGNALS:
+            saved[signum] = signal.signal(signum, supervisor.on_signal)
+    try:
+        yield supervisor
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+
+def run_specs(specs, grace=5.0, shutdown_timeout=600.0, out=None, err=None):
+    """Start every spec, supervise them and return the exit code (for tests and simple uses)."""
+    supervisor = Supervisor(out=out, err=err, grace=grace)
+    with forwarding_signals(supervisor):
+        try:
+            for spec in specs:
+                if supervisor.start(spec) is None:
+                    return supervisor.stopped
+            return supervisor.supervise(shutdown_timeout)
+        finally:
+            supervisor.stop(supervisor.stopped if supervisor.stopped is not None else 1)

@@ -1,0 +1,201 @@
+"""`python -m kvps.launch`: plan a job on this host (scheduler, servers, workers), run it, watch it.
+
+Planning is pure (arguments -> process specs); running and supervising generic specs lives in
+`kvps._launch_supervise`, which does not need kvps itself to be runnable.
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+
+from ._launch_supervise import ProcSpec, Supervisor, forwarding_signals
+from .config import VARS, Config
+from .errors import ConfigError
+
+NODE_ARGV = (sys.executable, '-m', 'kvps.node')
+DEFAULT_HOST = '127.0.0.1'
+DEFAULT_GRACE = 5.0
+
+_BY_FIELD = {var.field: var for var in VARS}
+
+# Variables the launcher sets in every child. Inherited values under any of their names are
+# removed first: a stale KVPS_ROLE would win over the DMLC_ROLE set here (KVPS_* names win).
+_CONTRACT = ('role', 'scheduler_host', 'scheduler_port', 'num_workers', 'num_servers',
+             'rank', 'port_file')
+
+# Options passed down to every child as the native KVPS_* variable of a Config field.
+_PASSED_DOWN = ('timeout', 'connect_timeout', 'heartbeat_interval', 'heartbeat_timeout',
+                'log_level')
+
+
+def _name(field):
+    """The name the launcher sets for a contract field: ps-lite's DMLC_* where there is one."""
+    return _BY_FIELD[field].names[-1]
+
+
+def _checked(field, convert=False):
+    """An argparse type validating with the config parser, so the CLI and nodes agree."""
+    var = _BY_FIELD[field]
+
+    def parse(text):
+        try:
+            value = var.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f'{text!r}: {exc}') from None
+        return value if convert else text.strip()
+    parse.__name__ = field
+    return parse
+
+
+def _servers(text):
+    value = _checked('num_servers', convert=True)
+    try:
+        return value(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f'{text!r}: need at least one server') from None
+
+
+def _grace(text):
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f'{text!r}: must be >= 0')
+    return value
+
+
+def _assignment(text):
+    name, sep, value = text.partition('=')
+    if not sep or not name or not name.replace('_', 'A').isalnum():
+        raise argparse.ArgumentTypeError(f'{text!r}: expected NAME=VALUE')
+    owned = {n for field in _CONTRACT for n in _BY_FIELD[field].names}
+    if name in owned:
+        raise argparse.ArgumentTypeError(f'{name} is set by the launcher for each process')
+    return name, value
+
+
+def build_parser():
+    """The argument parser of `python -m kvps.launch` (MXNet/dmlc-style long names accepted)."""
+    p = argparse.ArgumentParser(
+        prog='python -m kvps.launch', allow_abbrev=False,
+        description='Start a kvps job on this host: one scheduler, S servers and W workers '
+                    'running COMMAND; print their output prefixed; stop everything on the '
+                    'first failure.')
+    p.add_argument('-n', '--num-workers', dest='num_workers', required=True,
+                   type=_checked('num_workers', convert=True), metavar='W')
+    p.add_argument('-s', '--num-servers', dest='num_servers', required=True, type=_servers,
+                   metavar='S')
+    p.add_argument('--host', default=DEFAULT_HOST, type=_checked('scheduler_host'),
+                   help=f'address the scheduler binds and everyone dials (default {DEFAULT_HOST})')
+    for field in _PASSED_DOWN:
+        var = _BY_FIELD[field]
+        p.add_argument('--' + field.replace('_', '-'), dest=field, type=_checked(field),
+                       metavar='SEC' if field != 'log_level' else 'LEVEL',
+                       help=f'{var.doc} Passed down as {var.names[0]}.')
+    p.add_argument('--env', dest='env', action='append', default=[], type=_assignment,
+                   metavar='NAME=VALUE', help='set NAME=VALUE for every process (repeatable)')
+    p.add_argument('--grace', type=_grace, default=DEFAULT_GRACE, metavar='SEC',
+                   help='seconds between SIGTERM and SIGKILL when stopping (default 5)')
+    p.add_argument('command', nargs=argparse.REMAINDER,
+                   help='the worker command, e.g. python train.py (after an optional --)')
+    return p
+
+
+def parse_args(argv=None):
+    """Parse the launcher's command line; exits with usage (code 2) on a bad one."""
+    parser = build_parser()
+    opts = parser.parse_args(argv)
+    if opts.command and opts.command[0] == '--':
+        opts.command = opts.command[1:]
+    if not opts.command:
+        parser.error('missing the command each worker runs (e.g. -- python train.py)')
+    return opts
+
+
+def _common_env(opts, environ):
+    """Environment shared by every process of the job."""
+    env = dict(environ)
+    for field in _CONTRACT:
+        for name in _BY_FIELD[field].names:
+            env.pop(name, None)
+    env.update(opts.env)
+    for field in _PASSED_DOWN:
+        value = getattr(opts, field)
+        if value is not None:
+            for name in _BY_FIELD[field].names:
+                env.pop(name, None)
+            env[_BY_FIELD[field].names[0]] = value
+    env.update({
+        _name('scheduler_host'): opts.host,
+        _name('num_workers'): str(opts.num_workers),
+        _name('num_servers'): str(opts.num_servers),
+        'PYTHONUNBUFFERED': '1',  # so the prefixed output arrives line by line, as printed
+    })
+    return env
+
+
+def plan_scheduler(opts, environ, port_file, node_argv=NODE_ARGV):
+    """The scheduler's spec: port 0 (the OS picks) and the file it reports the port through."""
+    env = _common_env(opts, environ)
+    env.update({_name('role'): 'scheduler', _name('scheduler_port'): '0',
+                _name('port_file'): port_file})
+    return ProcSpec('scheduler', None, tuple(node_argv), env)
+
+
+def plan_nodes(opts, environ, port, node_argv=NODE_ARGV):
+    """Specs of the servers, then the workers, with ranks in launch order, dialing `port`."""
+    common = _common_env(opts, environ)
+    common[_name('scheduler_port')] = str(port)
+    specs = []
+    for role, count, argv in (('server', opts.num_servers, node_argv),
+                              ('worker', opts.num_workers, opts.command)):
+        for rank in range(count):
+            env = dict(common, **{_name('role'): role, _name('rank'): str(rank)})
+            specs.append(ProcSpec(role, rank, tuple(argv), env))
+    return specs
+
+
+def run(opts, environ=None, node_argv=NODE_ARGV, out=None, err=None):
+    """Start the job planned from `opts`, supervise it, and return the launcher's exit code."""
+    environ = os.environ.copy() if environ is None else environ
+    with tempfile.TemporaryDirectory(prefix='kvps-launch-') as tmp:
+        port_file = os.path.join(tmp, 'scheduler.port')
+        scheduler = plan_scheduler(opts, environ, port_file, node_argv)
+        try:  # catch a bad inherited KVPS_* value here, not in every child
+            config = Config.from_env(scheduler.env)
+        except ConfigError as exc:
+            print(f'kvps.launch: {exc}', file=err or sys.stderr, flush=True)
+            return 2
+        supervisor = Supervisor(out=out, err=err, grace=opts.grace)
+        with forwarding_signals(supervisor):
+            try:
+                return _run_job(supervisor, opts, environ, scheduler, config, node_argv)
+            finally:  # whatever happened (even a bug here), leave no process behind
+                supervisor.stop(1 if supervisor.stopped is None else supervisor.stopped)
+
+
+def _run_job(supervisor, opts, environ, scheduler, config, node_argv):
+    child = supervisor.start(scheduler)
+    if child is None:
+        return supervisor.stopped
+    port_file = scheduler.env[_name('port_file')]
+    port = supervisor.wait_for_port(child, port_file, config.connect_timeout)
+    if port is None:
+        return supervisor.stopped
+    for spec in plan_nodes(opts, environ, port, node_argv):
+        if supervisor.start(spec) is None:
+            return supervisor.stopped
+    return supervisor.supervise(shutdown_timeout=config.timeout)
+
+
+def main(argv=None, node_argv=NODE_ARGV):
+    """Entry point of `python -m kvps.launch`; returns the exit code."""
+    opts = parse_args(argv)
+    try:  # a child's undecodable bytes were replaced; never crash printing them
+        sys.stdout.reconfigure(errors='replace')
+    except AttributeError:
+        pass
+    return run(opts, node_argv=node_argv)
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,401 @@
+"""The launcher: argument parsing and planning, prefixed output, supervision, the port handshake.
+
+Children here are plain python commands (and a fake node script), never a real kvps cluster.
+"""
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from kvps import launch
+from kvps._launch_supervise import ProcSpec, Supervisor, run_specs
+from kvps.config import Config
+
+pytestmark = pytest.mark.timeout(30)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# A stand-in for `python -m kvps.node`: the scheduler binds port 0 and reports it through the
+# port file like the real one; every role prints what it was given, then sleeps FAKE_<ROLE>_SLEEP.
+FAKE_NODE = textwrap.dedent('''
+    import os, socket, sys, time
+    role = os.environ['DMLC_ROLE']
+    if role == 'scheduler':
+        if os.environ.get('FAKE_SCHEDULER_FAIL'):
+            print('scheduler: cannot bind'); sys.exit(int(os.environ['FAKE_SCHEDULER_FAIL']))
+        if not os.environ.get('FAKE_SCHEDULER_SILENT'):
+            s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
+            path = os.environ['KVPS_PORT_FILE']
+            with open(path + '.tmp', 'w') as f:
+                f.write(str(port))
+            os.replace(path + '.tmp', path)
+            print('bound', port)
+    else:
+        print(role, os.environ['KVPS_RANK'], 'dials', os.environ['DMLC_PS_ROOT_PORT'])
+    time.sleep(float(os.environ.get('FAKE_%s_SLEEP' % role.upper(), '0.2')))
+''')
+
+
+def alive(pid):
+    """Whether `pid` runs; zombies count as dead (this container's PID 1 may never reap them)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f'/proc/{pid}/stat', 'rb') as f:
+            return f.read().rsplit(b')', 1)[1].split()[0] != b'Z'
+    except (OSError, IndexError):
+        return False
+
+
+def assert_gone(pids, within=3.0):
+    deadline = time.monotonic() + within
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not [p for p in pids if alive(p)], 'processes left behind'
+
+
+def py(role, rank, code, **env):
+    return ProcSpec(role, rank, (sys.executable, '-c', textwrap.dedent(code)),
+                    dict(os.environ, PYTHONUNBUFFERED='1', **env))
+
+
+def supervise(specs, grace=1.0, shutdown_timeout=10.0):
+    """Run specs in-process; returns (exit code, stdout text, stderr text, child pids)."""
+    out, err = io.StringIO(), io.StringIO()
+    sup = Supervisor(out=out, err=err, grace=grace)
+    try:
+        for spec in specs:
+            assert sup.start(spec) is not None
+        rc = sup.supervise(shutdown_timeout)
+    finally:
+        sup.stop(1)
+    return rc, out.getvalue(), err.getvalue(), [c.pid for c in sup.children]
+
+
+@pytest.fixture
+def fake_node(tmp_path):
+    path = tmp_path / 'fake_node.py'
+    path.write_text(FAKE_NODE)
+    return (sys.executable, str(path))
+
+
+# -- parsing and planning --------------------------------------------------------------------
+
+def test_parse_command_forms():
+    opts = launch.parse_args(['-n', '2', '-s', '1', 'python', 'train.py', '-n', '5'])
+    assert (opts.num_workers, opts.num_servers) == (2, 1)
+    assert opts.command == ['python', 'train.py', '-n', '5']
+    assert opts.host == '127.0.0.1' and opts.grace == 5.0 and opts.env == []
+    opts = launch.parse_args(['--num-workers', '3', '--num-servers', '2', '--grace', '0.5',
+                              '--env', 'A=1', '--env', 'B=x=y', '--', 'python', '--', 'z'])
+    assert (opts.num_workers, opts.num_servers, opts.grace) == (3, 2, 0.5)
+    assert opts.command == ['python', '--', 'z'] and opts.env == [('A', '1'), ('B', 'x=y')]
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['-n', '1', '-s', '0', 'cmd'], 'need at least one server'),
+    (['-n', '0', '-s', '1', 'cmd'], 'must be >= 1'),
+    (['-n', '1', '-s', '1'], 'missing the command'),
+    (['-n', '1', '-s', '1', '--'], 'missing the command'),
+    (['-s', '1', 'cmd'], '-n/--num-workers'),
+    (['-n', '1', '-s', '1', '--timeout', '-1', 'cmd'], 'must be > 0'),
+    (['-n', '1', '-s', '1', '--connect-timeout', 'soon', 'cmd'], "'soon'"),
+    (['-n', '1', '-s', '1', '--grace', '-2', 'cmd'], 'must be >= 0'),
+    (['-n', '1', '-s', '1', '--env', 'NOEQUALS', 'cmd'], 'expected NAME=VALUE'),
+    (['-n', '1', '-s', '1', '--env', 'DMLC_ROLE=server', 'cmd'], 'set by the launcher'),
+    (['-n', '1', '-s', '1', '--env', 'KVPS_RANK=3', 'cmd'], 'set by the launcher'),
+])
+def test_parse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        launch.parse_args(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert 'usage:' in err and message in err
+
+
+def test_plan_environment_of_each_role():
+    opts = launch.parse_args(['-n', '2', '-s', '3', '--timeout', '7', '--heartbeat-timeout',
+                              '4', '--env', 'EXTRA=1', 'python', 'train.py'])
+    # stale contract variables in the launcher's own environment must not leak into children
+    environ = {'PATH': '/bin', 'KVPS_ROLE': 'worker', 'DMLC_PS_ROOT_PORT': '1',
+               'KVPS_RANK': '9', 'KVPS_TIMEOUT': '99', 'KVPS_LOG_LEVEL': 'INFO'}
+    sched = launch.plan_scheduler(opts, environ, '/tmp/x/port', node_argv=('node',))
+    assert (sched.role, sched.rank, sched.name, sched.argv) == ('scheduler', None, 'scheduler',
+                                                               ('node',))
+    assert sched.env['DMLC_PS_ROOT_PORT'] == '0' and sched.env['KVPS_PORT_FILE'] == '/tmp/x/port'
+    assert 'KVPS_RANK' not in sched.env
+    nodes = launch.plan_nodes(opts, environ, 4242, node_argv=('node',))
+    assert [(s.role, s.rank) for s in nodes] == [
+        ('server', 0), ('server', 1), ('server', 2), ('worker', 0), ('worker', 1)]
+    assert [s.argv for s in nodes] == [('node',)] * 3 + [('python', 'train.py')] * 2
+    for spec in [sched] + nodes:
+        env = spec.env
+        assert env['DMLC_ROLE'] == spec.role and 'KVPS_ROLE' not in env
+        assert env['DMLC_PS_ROOT_URI'] == '127.0.0.1'
+        assert (env['DMLC_NUM_WORKER'], env['DMLC_NUM_SERVER']) == ('2', '3')
+        assert env['PYTHONUNBUFFERED'] == '1' and env['PATH'] == '/bin' and env['EXTRA'] == '1'
+        assert env['KVPS_TIMEOUT'] == '7' and env['KVPS_HEARTBEAT_TIMEOUT'] == '4'
+        assert env['KVPS_LOG_LEVEL'] == 'INFO' and 'KVPS_CONNECT_TIMEOUT' not in env
+        config = Config.from_env(env)  # what the node will see
+        assert (config.role, config.rank) == (spec.role, spec.rank)
+        assert config.scheduler_port == (0 if spec.role == 'scheduler' else 4242)
+        assert (config.num_workers, config.num_servers, config.timeout) == (2, 3, 7.0)
+    assert environ['KVPS_ROLE'] == 'worker'  # the caller's mapping is not modified
+
+
+def test_plan_host_and_passed_down_options():
+    opts = launch.parse_args(['-n', '1', '-s', '1', '--host', '10.0.0.5', '--connect-timeout',
+                              '3', '--heartbeat-interval', '0.5', '--log-level', 'DEBUG', 'c'])
+    env = launch.plan_nodes(opts, {}, 1, node_argv=('node',))[1].env
+    assert env['DMLC_PS_ROOT_URI'] == '10.0.0.5' and env['KVPS_CONNECT_TIMEOUT'] == '3'
+    assert env['KVPS_HEARTBEAT_INTERVAL'] == '0.5' and env['KVPS_LOG_LEVEL'] == 'DEBUG'
+
+
+def test_module_entry_point_reports_usage_errors():
+    proc = subprocess.run([sys.executable, '-m', 'kvps.launch', '-n', '1', '-s', '0', 'cmd'],
+                          cwd=REPO, capture_output=True, text=True, timeout=20)
+    assert proc.returncode == 2 and 'need at least one server' in proc.stderr
+
+
+def test_bad_inherited_setting_is_reported_before_starting(capsys):
+    opts = launch.parse_args(['-n', '1', '-s', '1', 'true'])
+    assert launch.run(opts, environ={'KVPS_TIMEOUT': 'never'}, node_argv=('false',)) == 2
+    assert "KVPS_TIMEOUT='never'" in capsys.readouterr().err
+
+
+# -- output ----------------------------------------------------------------------------------
+
+def test_output_is_prefixed_per_line_including_a_partial_last_line():
+    rc, out, err, _ = supervise([
+        py('worker', 0, r'''
+            import sys
+            print('hello'); sys.stdout.flush()
+            sys.stderr.write('to stderr\n'); sys.stderr.flush()
+            sys.stdout.buffer.write(b'bad \xff byte\nno newline at the end')
+        '''),
+        py('scheduler', None, 'print("up")'),
+    ])
+    assert rc == 0 and err == ''
+    lines = out.splitlines(keepends=True)
+    assert sorted(lines) == sorted([
+        '[worker 0] hello\n', '[worker 0] to stderr\n', '[worker 0] bad \ufffd byte\n',
+        '[worker 0] no newline at the end\n', '[scheduler] up\n'])
+
+
+def test_interleaved_output_keeps_lines_whole_and_in_order():
+    code = '''
+        import os, time
+        for i in range(40):
+            print(f'line {i} ' + 'x' * 200)
+            time.sleep(0.002)
+    '''
+    rc, out, _, _ = supervise([py('worker', r, code) for r in range(3)])
+    assert rc == 0
+    for rank in range(3):
+        mine = [l for l in out.splitlines() if l.startswith(f'[worker {rank}] ')]
+        assert [l.split()[3] for l in mine] == [str(i) for i in range(40)]
+        assert all(l.endswith('x' * 200) for l in mine)
+    assert len(out.splitlines()) == 120
+
+
+# -- supervision -----------------------------------------------------------------------------
+
+def test_first_failure_stops_everything_including_grandchildren(tmp_path):
+    flag = tmp_path / 'grandchild.pid'
+    rc, out, err, pids = supervise([
+        py('server', 0, 'import time; time.sleep(60)'),
+        py('worker', 0, f'''
+            import subprocess, time
+            p = subprocess.Popen(['sleep', '60'])
+            open({str(flag)!r} + '.tmp', 'w').write(str(p.pid))
+            __import__('os').replace({str(flag)!r} + '.tmp', {str(flag)!r})
+            time.sleep(60)
+        '''),
+        py('worker', 1, f'''
+            import os, sys, time
+            while not os.path.exists({str(flag)!r}):
+                time.sleep(0.01)
+            for i in range(30):
+                print('noise', i)
+            raise SystemExit('ValueError: the real cause')
+        '''),
+    ])
+    assert rc == 1  # SystemExit with a message exits 1
+    grandchild = int(flag.read_text())
+    assert_gone(pids + [grandchild])
+    assert re.search(r'kvps.launch: worker 1 \(pid \d+\) failed first: exit code 1', err)
+    tail = err.split('last 20 lines:\n')[1].splitlines()
+    assert tail[0] == '[worker 1] noise 11' and tail[-1] == '[worker 1] ValueError: the real cause'
+    assert err.count('failed first') == 2  # at once, and again after the teardown
+
+
+def test_exit_code_is_the_failing_childs_and_only_it_is_blamed():
+    rc, _, err, pids = supervise([
+        py('server', 0, 'import time; time.sleep(60)'),
+        py('worker', 0, 'import time; time.sleep(0.3); raise SystemExit(3)'),
+        py('worker', 1, 'import time; time.sleep(60)'),
+    ])
+    assert rc == 3 and 'worker 0' in err and 'worker 1' not in err and 'server' not in err
+    assert 'exit code 3' in err and 'printed nothing' in err
+    assert_gone(pids)
+
+
+def test_child_killed_by_signal():
+    rc, _, err, pids = supervise([
+        py('server', 0, 'import time; time.sleep(60)'),
+        py('worker', 0, 'import os, signal; print("bye"); os.kill(os.getpid(), signal.SIGKILL)'),
+    ])
+    assert rc == 128 + 9
+    assert re.search(r'worker 0 \(pid \d+\) failed first: killed by signal SIGKILL', err)
+    assert '[worker 0] bye' in err
+    assert_gone(pids)
+
+
+def test_all_succeed():
+    rc, out, err, pids = supervise([
+        py('scheduler', None, 'import time; time.sleep(0.3)'),
+        py('server', 0, 'import time; time.sleep(0.3)'),
+        py('worker', 0, 'print("done")'),
+        py('worker', 1, 'print("done")'),
+    ])
+    assert (rc, err) == (0, '') and out.count('done') == 2
+    assert_gone(pids)
+
+
+def test_child_ignoring_sigterm_is_killed_after_the_grace():
+    start = time.monotonic()
+    rc, out, err, pids = supervise([
+        py('server', 0, '''
+            import signal, time
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            print('ready', flush=True)
+            time.sleep(60)
+        '''),
+        py('worker', 0, 'import time; time.sleep(0.5); raise SystemExit(4)'),
+    ], grace=0.6)
+    elapsed = time.monotonic() - start
+    assert rc == 4 and '[server 0] ready' in out
+    assert 1.1 <= elapsed < 5
+    assert_gone(pids)
+
+
+def test_server_that_outlives_the_workers_is_reported_and_killed():
+    rc, _, err, pids = supervise([
+        py('server', 0, 'import time; time.sleep(60)'),
+        py('server', 1, 'import time; time.sleep(0.1)'),
+        py('worker', 0, 'pass'),
+    ], shutdown_timeout=0.5)
+    assert rc == 1
+    assert 'kvps.launch: server 0 did not exit within 0.5 s after all workers finished' in err
+    assert 'server 1' not in err
+    assert_gone(pids)
+
+
+def test_command_that_cannot_start():
+    out, err = io.StringIO(), io.StringIO()
+    rc = run_specs([py('server', 0, 'import time; time.sleep(60)'),
+                    ProcSpec('worker', 0, ('/nonexistent/kvps-cmd',), {})],
+                   grace=1.0, out=out, err=err)
+    assert rc == 127 and 'cannot start worker 0 (/nonexistent/kvps-cmd)' in err.getvalue()
+
+
+def _launcher_subprocess(code, count):
+    """Run a launcher in its own process; returns it and {label: pid} once `count` are printed."""
+    proc = subprocess.Popen([sys.executable, '-c', textwrap.dedent(code)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = {}
+    while len(pids) < count:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        prefix, label, pid = line.rsplit(None, 2)
+        pids[f'{prefix} {label}'] = int(pid)
+    return proc, pids
+
+
+SLEEPERS = '''
+    import sys
+    from kvps._launch_supervise import ProcSpec, run_specs
+    code = 'import os, time; print("pid", os.getpid(), flush=True); time.sleep(60)'
+    specs = [ProcSpec('server', r, (sys.executable, '-c', code), {}) for r in (0, 1)]
+    code = ('import os, subprocess, time; p = subprocess.Popen(["sleep", "60"]); '
+            'print("pid", os.getpid(), flush=True); print("grandchild", p.pid, flush=True); '
+            'time.sleep(60)')
+    specs.append(ProcSpec('worker', 0, (sys.executable, '-c', code), {}))
+    sys.exit(run_specs(specs, grace=2.0))
+'''
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_signal_to_the_launcher_is_forwarded(signum):
+    proc, pids = _launcher_subprocess(SLEEPERS, 4)
+    proc.send_signal(signum)
+    assert proc.wait(timeout=10) == 128 + signum
+    assert f'got {signum.name}; stopping all processes' in proc.stderr.read()
+    assert_gone(pids.values())
+    proc.stdout.close(), proc.stderr.close()
+
+
+def test_children_die_with_a_killed_launcher():
+    proc, pids = _launcher_subprocess(SLEEPERS, 4)
+    proc.kill()
+    proc.wait(timeout=10)
+    proc.stdout.close(), proc.stderr.close()
+    grandchild = pids.pop('[worker 0] grandchild')
+    try:  # PR_SET_PDEATHSIG reaches direct children only: the worker's `sleep` outlives it
+        assert_gone(pids.values())
+    finally:
+        os.kill(grandchild, signal.SIGKILL)
+
+
+# -- the port-file handshake -----------------------------------------------------------------
+
+def _opts(*extra):
+    return launch.parse_args(['-n', '2', '-s', '1', '--grace', '1', *extra, '--',
+                              sys.executable, '-c',
+                              'import os; print("port", os.environ["DMLC_PS_ROOT_PORT"])'])
+
+
+def test_port_file_handshake_with_a_fake_scheduler(fake_node):
+    out, err = io.StringIO(), io.StringIO()
+    assert launch.run(_opts(), node_argv=fake_node, out=out, err=err) == 0, err.getvalue()
+    text = out.getvalue()
+    port = re.search(r'^\[scheduler\] bound (\d+)$', text, re.M).group(1)
+    assert f'[server 0] server 0 dials {port}' in text
+    assert text.count(f'] port {port}') == 2
+    assert err.getvalue() == ''
+
+
+def test_scheduler_that_exits_before_writing_its_port(fake_node):
+    out, err = io.StringIO(), io.StringIO()
+    rc = launch.run(_opts('--env', 'FAKE_SCHEDULER_FAIL=5'), node_argv=fake_node, out=out,
+                    err=err)
+    assert rc == 5
+    assert re.search(r'scheduler \(pid \d+\) failed first: exit code 5', err.getvalue())
+    assert '[scheduler] scheduler: cannot bind' in err.getvalue()
+    assert 'server' not in out.getvalue() and 'worker' not in out.getvalue()
+
+
+def test_scheduler_that_exits_cleanly_without_a_port(fake_node):
+    err = io.StringIO()
+    rc = launch.run(_opts('--env', 'FAKE_SCHEDULER_SILENT=1', '--env', 'FAKE_SCHEDULER_SLEEP=0'),
+                    node_argv=fake_node, out=io.StringIO(), err=err)
+    assert rc == 1 and 'exited with exit code 0 before writing its port file' in err.getvalue()
+
+
+def test_scheduler_that_never_writes_its_port(fake_node):
+    err = io.StringIO()
+    start = time.monotonic()
+    rc = launch.run(_opts('--connect-timeout', '0.5', '--env', 'FAKE_SCHEDULER_SILENT=1',
+                          '--env', 'FAKE_SCHEDULER_SLEEP=60'),
+                    node_argv=fake_node, out=io.StringIO(), err=err)
+    assert rc == 1 and time.monotonic() - start < 5
+    assert 'did not write its port file within 0.5 s' in err.getvalue()
