@@ -1,6 +1,6 @@
 """kvps: a parameter server for data-parallel training with the MXNet KVStore API."""
 
-from . import kvstore
+from . import kvstore, optimizer
 from .errors import (AuthError, ConfigError, DTypeError, DuplicateInitError, KeyNotInitializedError,
                      KeyTypeError, KVPSError, PeerLostError, ProtocolError, RemoteError,
                      RequestTimeout, ShapeError, TransportError)
@@ -8,7 +8,7 @@ from .kvstore import KVStore, create
 
 __version__ = '0.1.0'
 
-__all__ = ['create', 'KVStore', 'kvstore', '__version__',
+__all__ = ['create', 'KVStore', 'kvstore', 'optimizer', '__version__',
            'KVPSError', 'ConfigError', 'ProtocolError', 'TransportError', 'RequestTimeout',
            'PeerLostError', 'RemoteError', 'AuthError', 'KeyNotInitializedError',
            'DuplicateInitError', 'ShapeError', 'DTypeError', 'KeyTypeError']

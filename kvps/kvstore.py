@@ -1,6 +1,8 @@
 """`create(name)` and KVStore: MXNet's KVStore API over the local or the distributed backend."""
 
 import atexit
+import os
+import sys
 import threading
 
 from . import arrays
@@ -43,12 +45,24 @@ def _dist_backend(sync):
         if _dist_client is None or _dist_client.closed:
             from .worker.client import DistClient  # sockets load only for distributed stores
             _dist_client = DistClient(Config.from_env(), sync)
-            atexit.register(_dist_client.close)
+            atexit.register(_leave_job_at_exit, _dist_client)
         elif _dist_client.sync != sync:
             raise ConfigError('this process already joined the job with a '
                               f'{"sync" if _dist_client.sync else "async"} store; every store of '
                               'one process must use the same mode')
         return _dist_client
+
+
+def _leave_job_at_exit(client):
+    """Python ignores exceptions in atexit hooks; a worker that could not leave the job cleanly
+    (pushes lost, scheduler gone) must not exit 0 as if nothing happened."""
+    try:
+        client.close()
+    except KVPSError as exc:
+        sys.stderr.write(f'kvps: this worker did not finish cleanly: {exc}\n')
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
 
 
 class KVStore:

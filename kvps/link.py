@@ -29,7 +29,9 @@ class SchedulerLink:
         self.socket.send(P.encode({'op': P.REGISTER, 'id': 0, 'role': self.role,
                                    'host': self.host, 'port': port, 'rank': self.config.rank,
                                    'pid': os.getpid()}))
-        deadline = time.monotonic() + self.config.connect_timeout
+        # Wait a little past the scheduler's own bound: its verdict names the missing nodes.
+        deadline = time.monotonic() + self.config.connect_timeout + max(
+            2.0, 2 * self.config.heartbeat_interval)
         poll = self.socket.raw.poll
         while True:
             left = deadline - time.monotonic()

@@ -128,7 +128,8 @@ class Waker:
 
     def wake(self):
         with self._lock:
-            self._push.send(b'', copy=True)
+            if not self._push.closed:  # waking a loop that has already ended is a no-op
+                self._push.send(b'', copy=True)
 
     def drain(self):
         while True:

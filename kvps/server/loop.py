@@ -82,9 +82,10 @@ class Server:
             if handler is None:
                 raise KVPSError(f'{header["op"]!r} is not a server operation')
             replies = handler(self, token, header, buffers)
-        except Exception as exc:  # any failure goes back to the caller; the server serves on
-            if not isinstance(exc, KVPSError):
-                log.exception('%s: %s failed', self.name, header['op'])
+        except KVPSError as exc:  # the caller's mistake: its message says it all
+            replies = [('error', token, (exc, ''))]
+        except Exception as exc:  # a server bug: log it, send the traceback, serve on
+            log.exception('%s: %s failed', self.name, header['op'])
             replies = [('error', token, (exc, traceback.format_exc()))]
         self._reply_all(replies)
 

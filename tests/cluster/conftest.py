@@ -1,0 +1,148 @@
+"""Run real kvps jobs on 127.0.0.1 (through the launcher or by hand) and check nothing is left."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+# Short bounds so that failure tests end quickly; generous enough for a loaded 2-core box.
+FAST = {'KVPS_HEARTBEAT_INTERVAL': '0.5', 'KVPS_HEARTBEAT_TIMEOUT': '6',
+        'KVPS_CONNECT_TIMEOUT': '30', 'KVPS_TIMEOUT': '60', 'OMP_NUM_THREADS': '1'}
+
+
+class Job:
+    """A finished job: exit code, combined output, and the RESULT lines workers printed."""
+
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+    @property
+    def output(self):
+        return self.stdout + self.stderr
+
+    def results(self):
+        """{rank: payload} from lines `[worker R] RESULT {...}`."""
+        found = {}
+        for line in self.stdout.splitlines():
+            if '] RESULT ' in line:
+                prefix, payload = line.split('] RESULT ', 1)
+                found[int(prefix.rsplit(' ', 1)[1])] = json.loads(payload)
+        return found
+
+
+def processes_tagged(tag):
+    """PIDs of live processes whose environment carries ``tag``."""
+    pids = []
+    for entry in Path('/proc').iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / 'environ').read_bytes()
+            state = (entry / 'stat').read_text().split(') ', 1)[1][0]
+        except OSError:
+            continue
+        if f'KVPS_TEST_TAG={tag}'.encode() in environ and state != 'Z':
+            pids.append(int(entry.name))
+    return pids
+
+
+def assert_no_leftovers(tag, wait_s=10.0):
+    deadline = time.monotonic() + wait_s
+    while processes_tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = processes_tagged(tag)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f'processes left behind: {left}'
+
+
+@pytest.fixture
+def job(tmp_path):
+    """job(script, workers, servers, env=..., launcher_args=...) -> Job, run by kvps.launch."""
+    tag = uuid.uuid4().hex
+
+    def run(script, workers=2, servers=1, env=None, launcher_args=(), timeout=120):
+        path = tmp_path / f'job_{uuid.uuid4().hex[:6]}.py'
+        path.write_text(PRELUDE + textwrap.dedent(script))
+        full_env = {**os.environ, **FAST, **(env or {}), 'KVPS_TEST_TAG': tag,
+                    'PYTHONUNBUFFERED': '1'}
+        cmd = [sys.executable, '-m', 'kvps.launch', '-n', str(workers), '-s', str(servers),
+               *launcher_args, '--', sys.executable, str(path)]
+        proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True,
+                              timeout=timeout, cwd=tmp_path)
+        result = Job(proc.returncode, proc.stdout, proc.stderr)
+        assert_no_leftovers(tag)
+        return result
+
+    yield run
+    assert_no_leftovers(tag, wait_s=0)
+
+
+@pytest.fixture
+def by_hand(tmp_path):
+    """Start roles one process each, as a cluster operator would; every process is killed
+    at the end of the test."""
+    tag = uuid.uuid4().hex
+    procs = []
+
+    def start(role, env, script=None, rank=None):
+        full_env = {**os.environ, **FAST, **env, 'DMLC_ROLE': role, 'KVPS_TEST_TAG': tag,
+                    'PYTHONUNBUFFERED': '1'}
+        if rank is not None:
+            full_env['KVPS_RANK'] = str(rank)
+        if script is None:
+            argv = [sys.executable, '-m', 'kvps.node']
+        else:
+            path = tmp_path / f'{role}_{uuid.uuid4().hex[:6]}.py'
+            path.write_text(PRELUDE + textwrap.dedent(script))
+            argv = [sys.executable, str(path)]
+        proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+        procs.append(proc)
+        return proc
+
+    def scheduler(num_workers, num_servers, extra=None):
+        port_file = tmp_path / f'port_{uuid.uuid4().hex[:6]}'
+        env = {'DMLC_PS_ROOT_URI': '127.0.0.1', 'DMLC_PS_ROOT_PORT': '0',
+               'DMLC_NUM_WORKER': str(num_workers), 'DMLC_NUM_SERVER': str(num_servers),
+               'KVPS_PORT_FILE': str(port_file), **(extra or {})}
+        proc = start('scheduler', env)
+        deadline = time.monotonic() + 30
+        while not port_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.05)
+        return proc, {**env, 'DMLC_PS_ROOT_PORT': port_file.read_text()}
+
+    start.scheduler = scheduler
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+    assert_no_leftovers(tag, wait_s=5)
+
+
+def finish(proc, timeout=60):
+    """Wait for a hand-started process; return (exit code, output)."""
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+# Every job script starts with these imports and a helper to report results as JSON.
+PRELUDE = '''\
+import json, os, sys, time
+import numpy as np
+import kvps
+
+def report(**values):
+    print('RESULT', json.dumps(values), flush=True)
+
+'''

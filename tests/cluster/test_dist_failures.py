@@ -1,0 +1,161 @@
+"""Clear errors on the caller, dead and missing peers, and hand-started clusters."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import finish
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
+
+
+ERRORS_SCRIPT = '''
+from kvps.errors import *
+kv = kvps.create('dist_sync')
+r = kv.rank
+errors = {}
+def expect(name, fn):
+    try:
+        fn()
+    except KVPSError as exc:
+        errors[name] = type(exc).__name__
+kv.init(0, np.zeros(4, np.float32))
+expect('duplicate', lambda: kv.init(0, np.zeros(4, np.float32)))
+expect('pull_before_init', lambda: kv.pull(5, out=np.zeros(4, np.float32)))
+expect('push_before_init', lambda: kv.push(5, np.zeros(4, np.float32)))
+expect('shape', lambda: kv.push(0, np.zeros(5, np.float32)))
+expect('dtype', lambda: kv.push(0, np.zeros(4, np.float64)))
+expect('key_kind', lambda: kv.push('zero', np.zeros(4, np.float32)))
+# A worker whose value disagrees with rank 0's shape is told so at init.
+expect('init_mismatch', lambda: kv.init(1, np.zeros(3 if r == 0 else 6, np.float32)))
+# The servers still serve: a full round works afterwards.
+kv.push(0, np.full(4, r + 1.0, np.float32))
+out = np.zeros(4, np.float32); kv.pull(0, out=out)
+report(rank=r, errors=errors, after=out.tolist())
+'''
+
+
+def test_bad_calls_raise_clear_errors_and_servers_keep_serving(job):
+    result = job(ERRORS_SCRIPT, 2, 2)
+    assert result.returncode == 0, result.output
+    for rank, res in result.results().items():
+        expected = {'duplicate': 'DuplicateInitError', 'pull_before_init':
+                    'KeyNotInitializedError', 'push_before_init': 'KeyNotInitializedError',
+                    'shape': 'ShapeError', 'dtype': 'DTypeError', 'key_kind': 'KeyTypeError'}
+        if rank == 1:
+            expected['init_mismatch'] = 'ShapeError'
+        assert res['errors'] == expected
+        assert res['after'] == [3.0] * 4
+
+
+KILLED_SCRIPT = '''
+kv = kvps.create('dist_sync')
+kv.init(0, np.zeros(2))
+for step in range(1000):
+    if kv.rank == 1 and step == 3:
+        os.kill(os.getpid(), 9)          # dies mid-run without a word
+    kv.push(0, np.ones(2))
+    kv.pull(0, out=np.zeros(2))
+'''
+
+
+def test_worker_killed_mid_run_ends_the_job_with_a_clear_error(job):
+    started = time.monotonic()
+    result = job(KILLED_SCRIPT, 2, 1)
+    assert result.returncode == 128 + signal.SIGKILL
+    assert 'worker 1' in result.stderr and 'failed first' in result.stderr
+    assert 'SIGKILL' in result.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_worker_error_exit_code_is_the_jobs(job):
+    result = job('kv = kvps.create("dist_sync")\nraise SystemExit(3)\n', 2, 1)
+    assert result.returncode == 3
+    assert 'failed first: exit code 3' in result.stderr
+
+
+def test_missing_server_is_named_within_the_connect_bound(by_hand):
+    _, env = by_hand.scheduler(num_workers=1, num_servers=1,
+                               extra={'KVPS_CONNECT_TIMEOUT': '3'})
+    worker = by_hand('worker', env, script='kvps.create("dist_sync")\n')
+    code, out = finish(worker)
+    assert code != 0
+    assert '1 of 1 servers never registered' in out
+
+
+def test_absent_scheduler_is_a_timeout_naming_it(by_hand):
+    env = {'DMLC_PS_ROOT_URI': '127.0.0.1', 'DMLC_PS_ROOT_PORT': '9',  # nothing listens
+           'DMLC_NUM_WORKER': '1', 'DMLC_NUM_SERVER': '1', 'KVPS_CONNECT_TIMEOUT': '2'}
+    worker = by_hand('worker', env, script='kvps.create("dist_sync")\n')
+    code, out = finish(worker)
+    assert code != 0 and 'RequestTimeout' in out and '127.0.0.1:9' in out
+
+
+LONG_SCRIPT = '''
+from kvps.errors import PeerLostError
+kv = kvps.create('dist_sync')
+kv.init(0, np.zeros(2))
+print('READY', flush=True)
+try:
+    for step in range(100000):
+        kv.push(0, np.ones(2))
+        kv.pull(0, out=np.zeros(2))
+        time.sleep(0.01)
+except PeerLostError as exc:
+    report(error=str(exc), role=exc.role, rank=exc.rank)
+    sys.exit(7)
+'''
+
+
+def _wait_ready(proc):
+    for line in proc.stdout:
+        if 'READY' in line:
+            return
+
+
+@pytest.mark.parametrize('stop', ['kill', 'sigstop'])
+def test_lost_server_is_named_on_every_worker(by_hand, stop):
+    _, env = by_hand.scheduler(num_workers=1, num_servers=2)
+    servers = [by_hand('server', env, rank=i) for i in range(2)]
+    worker = by_hand('worker', env, script=LONG_SCRIPT)
+    _wait_ready(worker)
+    started = time.monotonic()
+    os.kill(servers[1].pid, signal.SIGKILL if stop == 'kill' else signal.SIGSTOP)
+    code, out = finish(worker)
+    assert code == 7, out
+    assert 'server 1' in out and 'lost' in out
+    assert time.monotonic() - started < 30            # heartbeat bound is 6 s here
+    assert servers[0].wait(30) != 0                   # the job ends everywhere
+
+
+def test_lost_scheduler_is_named(by_hand):
+    sched, env = by_hand.scheduler(num_workers=1, num_servers=1)
+    by_hand('server', env)
+    worker = by_hand('worker', env, script=LONG_SCRIPT)
+    _wait_ready(worker)
+    sched.kill()
+    code, out = finish(worker)
+    assert code == 7, out
+    assert 'scheduler' in out
+
+
+HAND_SCRIPT = '''
+kv = kvps.create('dist_sync')
+kv.init(0, np.zeros(3))
+kv.push(0, np.full(3, kv.rank + 1.0))
+out = np.zeros(3); kv.pull(0, out=out)
+report(rank=kv.rank, out=out.tolist())
+'''
+
+
+def test_hand_started_cluster_runs_and_every_process_exits(by_hand):
+    sched, env = by_hand.scheduler(num_workers=2, num_servers=2)
+    servers = [by_hand('server', env, rank=i) for i in range(2)]
+    workers = [by_hand('worker', env, script=HAND_SCRIPT) for _ in range(2)]
+    for proc in workers:
+        code, out = finish(proc)
+        assert code == 0 and '"out": [3.0, 3.0, 3.0]' in out, out
+    for proc in servers + [sched]:
+        assert proc.wait(30) == 0

@@ -1,0 +1,129 @@
+"""dist_sync / dist_async semantics through `python -m kvps.launch`, exact values."""
+
+import pytest
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
+
+
+SYNC_SCRIPT = '''
+kv = kvps.create(os.environ['STORE'])
+r, n = kv.rank, kv.num_workers
+# rank 0's init value wins; a key above the bound is split over every server.
+kv.init([3, 7, 9], [np.full(4, 10.0 * (r + 1), np.float32), np.zeros(3000, np.float32),
+                    np.zeros(5, np.float16)])
+strs = kvps.create(os.environ['STORE'])
+strs.init('w', np.full((2, 2), r + 1.0))          # float64, str keys in a second store
+seen = {}
+init = np.zeros(4, np.float32); kv.pull(3, out=init); seen['init'] = init.tolist()
+for step in range(3):
+    kv.push(3, np.full(4, step + r + 1.0, np.float32))
+    kv.push(7, np.arange(3000, dtype=np.float32) * (r + 1))
+    kv.push(9, np.full(5, 0.5 * (r + 1), np.float16))
+    strs.push('w', np.full((2, 2), float(r)))
+    a = np.zeros(4, np.float32); kv.pull(3, out=a)
+    big = np.zeros(3000, np.float32); kv.pull(7, out=big)
+    half = np.zeros(5, np.float16); kv.pull(9, out=half)
+    w = np.zeros((2, 2)); strs.pull('w', out=w)
+    seen[step] = [a.tolist(), float(big[0]), float(big[1]), float(big[-1]), half.tolist(),
+                  w.tolist()]
+kv.barrier()
+report(rank=r, n=n, seen=seen, type=kv.type)
+'''
+
+
+@pytest.mark.parametrize('workers, servers', [(2, 2), (3, 1)])
+def test_dist_sync_push_replaces_with_the_round_sum(job, workers, servers):
+    result = job(SYNC_SCRIPT, workers, servers,
+                 env={'STORE': 'dist_sync', 'KVPS_BIGARRAY_BOUND': '1000'})
+    assert result.returncode == 0, result.output
+    results = result.results()
+    assert sorted(results) == list(range(workers))
+    total = workers * (workers + 1) / 2            # sum of (r + 1) over ranks
+    for rank, res in results.items():
+        assert res['n'] == workers and res['type'] == 'dist_sync'
+        seen = res['seen']
+        assert seen['init'] == [10.0] * 4
+        for step in range(3):
+            a, big0, big1, big_last, half, w = seen[str(step)]
+            assert a == [workers * (step + 1) + workers * (workers - 1) / 2] * 4
+            assert (big0, big1, big_last) == (0.0, total, 2999 * total)
+            assert half == [0.5 * total] * 5
+            assert w == [[workers * (workers - 1) / 2] * 2] * 2
+
+
+def test_device_type_names_run_on_cpu_arrays(job):
+    result = job(SYNC_SCRIPT, 2, 2, env={'STORE': 'dist_sync_device',
+                                         'KVPS_BIGARRAY_BOUND': '1000'})
+    assert result.returncode == 0, result.output
+    assert result.results()[1]['seen']['2'][0] == [2 * 3 + 1.0] * 4
+
+
+ROUNDS_SCRIPT = '''
+kv = kvps.create('dist_sync')
+r = kv.rank
+kv.init(0, np.zeros(3))
+rounds = 6
+if r == 0:
+    # The fast worker pushes every round before anyone else has pushed the first.
+    for i in range(rounds):
+        kv.push(0, np.full(3, 1000.0 * (i + 1)))
+got = []
+for i in range(rounds):
+    if r != 0:
+        time.sleep(0.05 * r)
+        kv.push(0, np.full(3, float(r * (i + 1))))
+    out = np.zeros(3)
+    kv.pull(0, out=out)      # rank 0 sees the result of its last push's round
+    got.append(out[0])
+report(rank=r, got=got)
+'''
+
+
+def test_sync_rounds_with_a_fast_and_slow_workers(job):
+    result = job(ROUNDS_SCRIPT, 3, 1)
+    assert result.returncode == 0, result.output
+    res = result.results()
+    expected = [1000.0 * (i + 1) + 3.0 * (i + 1) for i in range(6)]
+    assert res[1]['got'] == expected and res[2]['got'] == expected
+    assert res[0]['got'] == [expected[-1]] * 6
+
+
+ASYNC_SCRIPT = '''
+kv = kvps.create('dist_async')
+r = kv.rank
+kv.init('w', np.zeros(4))
+kv.init('plain', np.zeros(2))
+opt = kvps.optimizer.create('sgd', learning_rate=1.0)
+kv.set_optimizer(opt)
+for i in range(20):
+    kv.push('w', np.full(4, float(r + 1)))
+kv.barrier()                 # returns only after every worker's pushes are applied
+out = np.zeros(4); kv.pull('w', out=out)
+report(rank=r, w=out.tolist())
+'''
+
+
+def test_dist_async_applies_every_push_once(job):
+    result = job(ASYNC_SCRIPT, 2, 2)
+    assert result.returncode == 0, result.output
+    for res in result.results().values():
+        assert res['w'] == [-20.0 * (1 + 2)] * 4
+
+
+SGD_SYNC_SCRIPT = '''
+kv = kvps.create('dist_sync')
+r = kv.rank
+kv.init(1, np.ones(6, np.float32))
+kv.set_optimizer(kvps.optimizer.create('sgd', learning_rate=0.5))
+for i in range(4):
+    kv.push(1, np.full(6, float(r + 1), np.float32))
+out = np.zeros(6, np.float32); kv.pull(1, out=out)
+report(rank=r, w=out.tolist())
+'''
+
+
+def test_dist_sync_runs_the_optimizer_once_per_round_on_the_sum(job):
+    result = job(SGD_SYNC_SCRIPT, 3, 2, env={'KVPS_BIGARRAY_BOUND': '4'})
+    assert result.returncode == 0, result.output
+    for res in result.results().values():
+        assert res['w'] == [1.0 - 4 * 0.5 * 6.0] * 6

@@ -1,0 +1,55 @@
+"""The environment contract: KVPS_* names, ps-lite's DMLC_* aliases, and clear errors."""
+
+import pytest
+
+from kvps.config import VARS, Config
+from kvps.errors import ConfigError
+
+DMLC = {'DMLC_ROLE': 'worker', 'DMLC_PS_ROOT_URI': '10.0.0.1', 'DMLC_PS_ROOT_PORT': '9091',
+        'DMLC_NUM_WORKER': '4', 'DMLC_NUM_SERVER': '2', 'DMLC_INTERFACE': 'eth0',
+        'DMLC_NODE_HOST': 'node-3', 'DMLC_USE_KUBERNETES': '1',
+        'MXNET_KVSTORE_BIGARRAY_BOUND': '1000'}
+
+
+def test_ps_lite_names_are_understood():
+    c = Config.from_env(DMLC)
+    assert (c.role, c.scheduler_host, c.scheduler_port) == ('worker', '10.0.0.1', 9091)
+    assert (c.num_workers, c.num_servers) == (4, 2)
+    assert (c.interface, c.node_host, c.use_kubernetes) == ('eth0', 'node-3', True)
+    assert c.bigarray_bound == 1000
+    assert c.require_cluster() is c
+
+
+def test_native_name_wins_over_alias_and_defaults_apply():
+    c = Config.from_env({'KVPS_BIGARRAY_BOUND': '7', 'MXNET_KVSTORE_BIGARRAY_BOUND': '9'})
+    assert c.bigarray_bound == 7
+    d = Config.from_env({})
+    assert d.bigarray_bound == 1_000_000 and d.timeout == 600 and d.role is None
+
+
+@pytest.mark.parametrize('name, value', [
+    ('DMLC_ROLE', 'boss'), ('DMLC_NUM_WORKER', '0'), ('DMLC_NUM_WORKER', 'two'),
+    ('KVPS_TIMEOUT', '-1'), ('DMLC_USE_KUBERNETES', 'maybe'), ('KVPS_SERVER_DEVICE', 'tpu'),
+    ('DMLC_PS_ROOT_PORT', '-5'),
+])
+def test_bad_values_name_the_variable(name, value):
+    with pytest.raises(ConfigError, match=name):
+        Config.from_env({name: value})
+
+
+def test_missing_cluster_variables_are_listed():
+    with pytest.raises(ConfigError, match='DMLC_PS_ROOT_URI.*DMLC_NUM_SERVER'):
+        Config.from_env({'DMLC_NUM_WORKER': '1'}).require_cluster()
+
+
+def test_to_env_round_trips():
+    c = Config.from_env(DMLC)
+    assert Config.from_env(c.to_env()) == c
+
+
+def test_every_variable_is_documented_in_readme():
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[2] / 'README.md').read_text()
+    for var in VARS:
+        for name in var.names:
+            assert f'`{name}`' in readme, f'{name} missing from README'

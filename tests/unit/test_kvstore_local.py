@@ -1,0 +1,158 @@
+"""The MXNet KVStore API on the in-process 'local' store: names, keys, values, errors."""
+
+import numpy as np
+import pytest
+import torch
+
+import kvps
+from kvps.errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInitializedError,
+                         KeyTypeError, ShapeError)
+from kvps.kvstore import parse_type
+
+
+@pytest.mark.parametrize('name, parsed', [
+    ('local', (False, True, False)), ('device', (False, True, True)),
+    ('dist', (True, True, False)), ('dist_sync', (True, True, False)),
+    ('dist_async', (True, False, False)), ('dist_sync_device', (True, True, True)),
+    ('dist_device_sync', (True, True, True)), ('dist_async_device', (True, False, True)),
+    ('local_allreduce_cpu', (False, True, False)),
+])
+def test_type_names_parse_by_substring(name, parsed):
+    assert parse_type(name) == parsed
+
+
+def test_bad_type_names():
+    with pytest.raises(TypeError):
+        kvps.create(3)
+    with pytest.raises(ConfigError, match='unknown kvstore type .*known types'):
+        kvps.create('dist_sink')
+    with pytest.raises(ConfigError):
+        kvps.create('sync')
+
+
+def test_dist_without_environment_says_how_to_start():
+    with pytest.raises(ConfigError, match='kvps.launch'):
+        kvps.kvstore.create('dist_sync')
+
+
+def test_local_and_device_echo_their_type_and_are_single_worker():
+    for name in ('local', 'device'):
+        kv = kvps.kvstore.create(name)
+        assert (kv.type, kv.rank, kv.num_workers) == (name, 0, 1)
+        assert kv.is_capable('optimizer') and not kv.is_capable('sparse')
+
+
+def test_push_replaces_with_the_sum_of_a_value_list():
+    kv = kvps.create('local')
+    kv.init(3, np.ones((2, 3), np.float32))
+    kv.push(3, [np.full((2, 3), 2, np.float32), np.full((2, 3), 5, np.float32)])
+    out = np.zeros((2, 3), np.float32)
+    kv.pull(3, out=out)
+    assert (out == 7).all()
+
+
+def test_list_keys_and_multi_device_pull():
+    kv = kvps.create('local')
+    kv.init(['a', 'b'], [np.zeros(2), np.ones(3)])
+    kv.push(['a', 'b'], [np.full(2, 4.0), np.full(3, 9.0)])
+    outs = [np.zeros(2), np.zeros(2)]
+    b = np.zeros(3)
+    kv.pull(['a', 'b'], out=[outs, b])
+    assert outs[0].tolist() == outs[1].tolist() == [4, 4] and b.tolist() == [9, 9, 9]
+
+
+def test_torch_tensors_in_and_out_in_place():
+    kv = kvps.create('local')
+    w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    kv.init(0, w)
+    kv.push(0, torch.ones(2, 3, requires_grad=True) * 2)
+    target = torch.zeros(2, 3)
+    pointer = target.data_ptr()
+    kv.pull(0, out=target)
+    assert target.data_ptr() == pointer and (target == 2).all()
+
+
+def test_pushed_array_is_not_modified_and_later_changes_do_not_leak():
+    kv = kvps.create('local')
+    kv.init(0, np.zeros(3))
+    g = np.array([1.0, 2.0, 3.0])
+    kv.push(0, g)
+    g[:] = 100                          # after push returned: must not affect the store
+    out = np.zeros(3)
+    kv.pull(0, out=out)
+    assert out.tolist() == [1, 2, 3]
+
+
+def test_pushpull_and_broadcast():
+    kv = kvps.create('local')
+    kv.init(1, np.zeros(2))
+    value = np.array([1.0, 2.0])
+    kv.pushpull(1, value)
+    assert value.tolist() == [1, 2]
+    out = np.zeros(2)
+    kv.broadcast(2, np.array([5.0, 6.0]), out=out)
+    assert out.tolist() == [5, 6]
+
+
+def test_non_contiguous_pull_target():
+    kv = kvps.create('local')
+    kv.init(0, np.zeros((3, 2)))
+    kv.push(0, np.arange(6.0).reshape(3, 2))
+    target = np.zeros((2, 3)).T           # Fortran-ordered view, shape (3, 2)
+    kv.pull(0, out=target)
+    assert target.tolist() == np.arange(6.0).reshape(3, 2).tolist()
+
+
+def test_dtypes_fp16_fp64_and_bfloat16():
+    kv = kvps.create('local')
+    kv.init(0, np.zeros(2, np.float16))
+    kv.push(0, np.array([1.5, 2.5], np.float16))
+    out = np.zeros(2, np.float16)
+    kv.pull(0, out=out)
+    assert out.tolist() == [1.5, 2.5]
+    kv.init(1, torch.zeros(3, dtype=torch.bfloat16))
+    kv.push(1, torch.tensor([1.0, 2.0, 0.5], dtype=torch.bfloat16))
+    b = torch.zeros(3, dtype=torch.bfloat16)
+    kv.pull(1, out=b)
+    assert b.tolist() == [1.0, 2.0, 0.5]
+
+
+def test_clear_errors_leave_the_store_usable():
+    kv = kvps.create('local')
+    kv.init(0, np.zeros(2, np.float32))
+    with pytest.raises(DuplicateInitError):
+        kv.init(0, np.zeros(2, np.float32))
+    with pytest.raises(DuplicateInitError):
+        kv.init([1, 1], [np.zeros(1), np.zeros(1)])
+    with pytest.raises(KeyNotInitializedError, match='kv.init'):
+        kv.push(9, np.zeros(2, np.float32))
+    with pytest.raises(KeyNotInitializedError):
+        kv.pull(9, out=np.zeros(2, np.float32))
+    with pytest.raises(ShapeError, match=r'shape \(3,\)'):
+        kv.push(0, np.zeros(3, np.float32))
+    with pytest.raises(DTypeError, match='float64'):
+        kv.push(0, np.zeros(2, np.float64))
+    with pytest.raises(DTypeError):
+        kv.pull(0, out=np.zeros(2, np.float64))
+    with pytest.raises(KeyTypeError, match='one kind per store'):
+        kv.init('w', np.zeros(1))
+    with pytest.raises(KeyTypeError):
+        kv.push(1.5, np.zeros(2, np.float32))
+    with pytest.raises(DTypeError, match='unsupported dtype'):
+        kv.init(5, np.zeros(2, np.complex64))
+    with pytest.raises(TypeError, match='numpy arrays or torch tensors'):
+        kv.push(0, [1.0, 2.0])
+    with pytest.raises(TypeError, match='out='):
+        kv.pull(0)
+    with pytest.raises(ValueError, match='same length'):
+        kv.push([0, 1], [np.zeros(2, np.float32)])
+    kv.push(0, np.ones(2, np.float32))
+    out = np.zeros(2, np.float32)
+    kv.pull(0, out=out)
+    assert out.tolist() == [1, 1]
+
+
+def test_set_optimizer_rejects_non_optimizers():
+    kv = kvps.create('local')
+    with pytest.raises(TypeError, match='kvps optimizer'):
+        kv.set_optimizer(torch.optim.SGD)

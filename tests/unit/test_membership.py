@@ -1,0 +1,76 @@
+"""Scheduler state: registration, deterministic ranks, barriers, liveness, finishing."""
+
+import pytest
+
+from kvps.errors import ConfigError
+from kvps.scheduler.membership import Membership
+
+
+def full(hints=(None, None)):
+    m = Membership(num_workers=2, num_servers=1)
+    m.register(b'w-a', 'worker', 'h', 0, hints[0], 11, now=0)
+    m.register(b's', 'server', 'h', 5000, None, 12, now=0)
+    m.register(b'w-b', 'worker', 'h', 0, hints[1], 13, now=0)
+    return m
+
+
+def test_ranks_follow_arrival_order_without_hints():
+    m = full()
+    assert m.complete
+    m.assign_ranks()
+    assert [m.nodes[i].rank for i in (b'w-a', b'w-b', b's')] == [0, 1, 0]
+
+
+def test_requested_ranks_are_kept():
+    m = full(hints=(1, 0))
+    m.assign_ranks()
+    assert m.nodes[b'w-a'].rank == 1 and m.nodes[b'w-b'].rank == 0
+    welcome = m.welcome(m.nodes[b'w-a'])
+    assert welcome['servers'] == [['h', 5000]] and welcome['num_workers'] == 2
+
+
+@pytest.mark.parametrize('role, hint, match', [
+    ('boss', None, 'expected worker or server'), ('worker', 5, 'out of range'),
+    ('worker', 0, 'already taken'),
+])
+def test_bad_registrations_are_refused(role, hint, match):
+    m = Membership(2, 1)
+    m.register(b'w0', 'worker', 'h', 0, 0, 1, now=0)
+    with pytest.raises(ConfigError, match=match):
+        m.register(b'x', role, 'h', 0, hint, 2, now=0)
+
+
+def test_a_full_job_refuses_more_nodes():
+    m = full()
+    with pytest.raises(ConfigError, match='already has its 2 worker'):
+        m.register(b'w-c', 'worker', 'h', 0, None, 14, now=0)
+
+
+def test_missing_names_what_never_came():
+    m = Membership(3, 2)
+    m.register(b'w0', 'worker', 'h', 0, None, 1, now=0)
+    assert m.missing() == '2 of 3 workers and 2 of 2 servers never registered'
+
+
+def test_barrier_releases_everyone_once_all_arrive():
+    m = full()
+    m.assign_ranks()
+    assert m.arrive(b'w-a', 1) == []
+    assert m.arrive(b'w-b', 1) == [b'w-a', b'w-b']
+    assert m.arrive(b'w-a', 2) == []
+
+
+def test_finished_worker_blocks_barriers_and_liveness_skips_it():
+    m = full()
+    m.assign_ranks()
+    m.arrive(b'w-a', 1)
+    m.finish(b'w-b')
+    waiting, finished = m.blocked_barriers()
+    assert waiting == [b'w-a'] and finished.identity == b'w-b'
+    m.seen(b'w-a', 10)
+    m.seen(b's', 10)
+    assert m.silent(now=12, timeout=5) == []
+    assert [n.identity for n in m.silent(now=16, timeout=5)] == [b'w-a', b's']
+    assert not m.all_workers_finished
+    m.finish(b'w-a')
+    assert m.all_workers_finished

@@ -1,0 +1,176 @@
+"""Sync rounds, async pushes, ordered pulls and finished workers in the pure server Shard."""
+
+import numpy as np
+import pytest
+
+from kvps.errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInitializedError,
+                         KVPSError, ShapeError)
+from kvps.server.shard import Shard
+
+W0, W1, W2 = b'worker-0', b'worker-1', b'worker-2'
+
+
+def buf(*values, dtype=np.float32):
+    return memoryview(np.array(values, dtype=dtype)).cast('B')
+
+
+def make(num_workers=2, sync=True, values=(0.0, 0.0), updater=None):
+    shard = Shard(num_workers, updater)
+    assert shard.init('t0', 'k', 0, 'float32', [len(values)], sync, buf(*values)) == [
+        ('ack', 't0', None)]
+    return shard
+
+
+def data_of(replies):
+    return {token: payload[1].tolist() for kind, token, payload in replies if kind == 'data'}
+
+
+def acks(replies):
+    return sorted(token for kind, token, _ in replies if kind == 'ack')
+
+
+def test_round_completes_only_after_every_worker_and_replaces_with_the_sum():
+    shard = make()
+    assert shard.push('p0', W0, 'k', 0, 'float32', True, buf(1, 2)) == []
+    replies = shard.push('p1', W1, 'k', 0, 'float32', True, buf(10, 20))
+    assert acks(replies) == ['p0', 'p1']
+    assert data_of(shard.pull('q', W0, 'k', 0)) == {'q': [11.0, 22.0]}
+
+
+def test_same_worker_twice_is_not_two_workers():
+    shard = make()
+    shard.push('a', W0, 'k', 0, 'float32', True, buf(1, 1))
+    assert shard.push('b', W0, 'k', 0, 'float32', True, buf(5, 5)) == []   # queued, round 2
+    replies = shard.push('c', W1, 'k', 0, 'float32', True, buf(2, 2))
+    assert acks(replies) == ['a', 'c']
+    assert data_of(shard.pull('q', W1, 'k', 0)) == {'q': [3.0, 3.0]}
+    # The fast worker's second push opens round 2 untouched by round 1.
+    replies = shard.push('d', W1, 'k', 0, 'float32', True, buf(7, 7))
+    assert acks(replies) == ['b', 'd']
+    assert data_of(shard.pull('q2', W0, 'k', 0)) == {'q2': [12.0, 12.0]}
+
+
+def test_fast_worker_many_rounds_ahead_keeps_every_round_separate():
+    shard = make()
+    for r in range(3):
+        shard.push(f'f{r}', W0, 'k', 0, 'float32', True, buf(r, r))
+    results = []
+    for r in range(3):
+        shard.push(f's{r}', W1, 'k', 0, 'float32', True, buf(100, 100))
+        results.append(data_of(shard.pull(f'q{r}', W1, 'k', 0))[f'q{r}'][0])
+    assert results == [100.0, 101.0, 102.0]
+
+
+def test_pull_waits_for_the_pullers_own_round():
+    shard = make()
+    shard.push('p0', W0, 'k', 0, 'float32', True, buf(1, 1))
+    assert shard.pull('q0', W0, 'k', 0) == []            # deferred: W0's round is open
+    assert data_of(shard.pull('q1', W1, 'k', 0)) == {'q1': [0.0, 0.0]}  # W1 pushed nothing
+    replies = shard.push('p1', W1, 'k', 0, 'float32', True, buf(2, 2))
+    assert acks(replies) == ['p0', 'p1']
+    assert data_of(replies) == {'q0': [3.0, 3.0]}
+
+
+def test_pulled_bytes_do_not_change_with_later_updates():
+    shard = make(num_workers=1)
+    shard.push('p', W0, 'k', 0, 'float32', True, buf(1, 1))
+    (_, _, (_, first)), = shard.pull('q', W0, 'k', 0)
+    shard.push('p2', W0, 'k', 0, 'float32', True, buf(9, 9))
+    assert first.tolist() == [1.0, 1.0]
+
+
+def test_async_applies_every_push_at_once():
+    shard = make(sync=False)
+    assert acks(shard.push('a', W0, 'k', 0, 'float32', False, buf(1, 1))) == ['a']
+    assert data_of(shard.pull('q', W1, 'k', 0)) == {'q': [1.0, 1.0]}
+
+
+class AddUpdater:
+    """weight += grad, recording calls: one per round in sync, one per push in async."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def update(self, key, weight, grad, part=0):
+        self.calls += 1
+        weight += grad
+
+
+def test_optimizer_runs_once_per_sync_round_on_the_sum():
+    updater = AddUpdater()
+    shard = make(values=(1.0, 1.0), updater=updater)
+    shard.push('a', W0, 'k', 0, 'float32', True, buf(1, 2))
+    shard.push('b', W1, 'k', 0, 'float32', True, buf(3, 4))
+    assert updater.calls == 1
+    assert data_of(shard.pull('q', W0, 'k', 0)) == {'q': [5.0, 7.0]}
+
+
+def test_optimizer_runs_once_per_async_push():
+    updater = AddUpdater()
+    shard = make(sync=False, updater=updater)
+    shard.push('a', W0, 'k', 0, 'float32', False, buf(1, 1))
+    shard.push('b', W1, 'k', 0, 'float32', False, buf(1, 1))
+    assert updater.calls == 2
+    assert data_of(shard.pull('q', W0, 'k', 0)) == {'q': [2.0, 2.0]}
+
+
+def test_pushed_buffer_is_never_written():
+    shard = make(updater=AddUpdater())
+    g0, g1 = np.array([1, 2], np.float32), np.array([3, 4], np.float32)
+    shard.push('a', W0, 'k', 0, 'float32', True, memoryview(g0).cast('B'))
+    shard.push('b', W1, 'k', 0, 'float32', True, memoryview(g1).cast('B'))
+    assert g0.tolist() == [1, 2] and g1.tolist() == [3, 4]
+
+
+@pytest.mark.parametrize('dtype', [np.float16, np.float64])
+def test_other_dtypes_sum_exactly(dtype):
+    shard = Shard(2)
+    name = np.dtype(dtype).name
+    shard.init('t', 1, 0, name, [3], True, buf(0, 0, 0, dtype=dtype))
+    shard.push('a', W0, 1, 0, name, True, buf(0.5, 1, 2, dtype=dtype))
+    shard.push('b', W1, 1, 0, name, True, buf(0.25, 1, 2, dtype=dtype))
+    (_, _, (_, value)), = shard.pull('q', W0, 1, 0)
+    assert value.dtype == dtype and value.tolist() == [0.75, 2, 4]
+
+
+def test_errors_are_clear():
+    shard = make()
+    with pytest.raises(DuplicateInitError):
+        shard.init('t', 'k', 0, 'float32', [2], True, buf(1, 1))
+    with pytest.raises(KeyNotInitializedError, match="'nope' is not initialized"):
+        shard.push('p', W0, 'nope', 0, 'float32', True, buf(1, 1))
+    with pytest.raises(KeyNotInitializedError):
+        shard.pull('p', W0, 'nope', 0)
+    with pytest.raises(ShapeError, match='3 elements, expected 2'):
+        shard.push('p', W0, 'k', 0, 'float32', True, buf(1, 1, 1))
+    with pytest.raises(DTypeError):
+        shard.push('p', W0, 'k', 0, 'float64', True, buf(1, 1, dtype=np.float64))
+    with pytest.raises(ConfigError, match='dist_sync'):
+        shard.push('p', W0, 'k', 0, 'float32', False, buf(1, 1))
+    # Nothing above changed the store: a full round still works.
+    shard.push('a', W0, 'k', 0, 'float32', True, buf(1, 1))
+    assert acks(shard.push('b', W1, 'k', 0, 'float32', True, buf(1, 1))) == ['a', 'b']
+
+
+def test_check_compares_another_workers_view():
+    shard = make()
+    assert shard.check('c', 'k', 'float32', [2]) == [('ack', 'c', None)]
+    with pytest.raises(ShapeError, match=r'rank 0 initialized \(2,\)'):
+        shard.check('c', 'k', 'float32', [1, 2])
+
+
+def test_finished_worker_fails_rounds_that_can_never_complete():
+    shard = make(num_workers=3)
+    shard.push('a', W0, 'k', 0, 'float32', True, buf(1, 1))
+    assert shard.pull('q', W0, 'k', 0) == []
+    replies = shard.worker_finished(W2)           # W2 never pushed: round 1 is doomed
+    assert sorted(t for kind, t, _ in replies if kind == 'error') == ['a', 'q']
+    with pytest.raises(KVPSError, match='can never complete'):
+        shard.push('b', W1, 'k', 0, 'float32', True, buf(1, 1))
+
+
+def test_finished_worker_that_already_pushed_lets_the_round_finish():
+    shard = make()
+    shard.push('a', W0, 'k', 0, 'float32', True, buf(1, 1))
+    assert shard.worker_finished(W0) == []
+    assert acks(shard.push('b', W1, 'k', 0, 'float32', True, buf(2, 2))) == ['a', 'b']

@@ -1,0 +1,37 @@
+"""Key placement: big arrays split over every server, small keys balanced by bytes."""
+
+from kvps.worker.sharding import Placement
+
+
+def test_big_array_is_split_across_all_servers_and_covers_every_element():
+    placement = Placement(num_servers=3, bigarray_bound=10)
+    parts = placement.place('big', 100, 4)
+    assert sorted(p.server for p in parts) == [0, 1, 2]
+    assert [p.part for p in parts] == [0, 1, 2]
+    assert parts[0].start == 0 and parts[-1].stop == 100
+    assert all(a.stop == b.start for a, b in zip(parts, parts[1:]))
+    assert max(p.stop - p.start for p in parts) - min(p.stop - p.start for p in parts) <= 1
+
+
+def test_bound_is_exclusive_and_one_server_never_splits():
+    assert len(Placement(2, 10).place('k', 10, 4)) == 1
+    assert len(Placement(2, 10).place('k', 11, 4)) == 2
+    assert len(Placement(1, 10).place('k', 1000, 4)) == 1
+
+
+def test_small_keys_balance_bytes_not_counts():
+    placement = Placement(num_servers=2, bigarray_bound=10**6)
+    placement.place('a', 1000, 4)             # server 0: 4000 bytes
+    servers = [placement.place(k, 10, 4)[0].server for k in 'bcdefgh']
+    assert set(servers) == {1}                # all the small ones go to the lighter server
+    assert placement.load == [4000, 280]
+
+
+def test_placement_is_deterministic_and_remembered():
+    def run():
+        p = Placement(3, 50)
+        return [p.place(k, n, 4) for k, n in [(0, 10), (1, 100), (2, 7), (3, 60)]]
+    assert run() == run()
+    p = Placement(2, 50)
+    first = p.place('x', 10, 4)
+    assert p.place('x', 10, 4) == first == p.parts('x')
