@@ -1,0 +1,129 @@
+"""Optimizer update kernels: GB/s of each fused update against the same device's memory copy.
+
+GB/s counts the bytes an update must move at the least: weight and each state read and
+written, the gradient read (float32: 4 bytes x elements x (3 + 2 x states)), over the median
+time of one update. copy_gbps is a copy of one array of the same element count on the same
+device (read + write bytes over time), the ceiling a streaming kernel can approach.
+One JSON line per (optimizer, device, size).
+
+    python benchmarks/bench_kernels.py            # 1M and 16M float32 elements
+    python benchmarks/bench_kernels.py --quick    # 1M only, few repetitions
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+from kvps._kernels import cuda_kernels, numpy_kernels
+
+# optimizer label -> (kernel, state count, hyper-parameters)
+CONFIGS = {
+    'sgd': ('sgd_update', 1, dict(momentum=0.9)),
+    'nag': ('nag_update', 1, dict(momentum=0.9)),
+    'adam': ('adam_update', 2, dict(t=3)),
+    'adamw': ('adamw_update', 2, dict(t=3)),
+    'adagrad': ('adagrad_update', 1, {}),
+    'rmsprop': ('rmsprop_update', 3, dict(centered=True)),
+    'lamb': ('lamb_update', 2, dict(t=3)),
+    'ftrl': ('ftrl_update', 2, {}),
+    'signum': ('signum_update', 1, {}),
+    'test': ('test_update', 0, {}),
+}
+BASE = dict(lr=0.01, wd=1e-4, rescale_grad=1.0, clip_gradient=None)
+
+
+class Host:
+    """numpy arrays, wall-clock timing."""
+    name, mod = 'cpu', numpy_kernels
+
+    def __init__(self):
+        self.xp = np
+
+    def time(self, fn, before):
+        before()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+
+class Cuda:
+    """cupy arrays, CUDA-event timing."""
+    mod = cuda_kernels
+
+    def __init__(self):
+        import cupy
+        self.xp = cupy
+        self.name = f'cuda:{cupy.cuda.runtime.getDevice()}'
+
+    def time(self, fn, before):
+        before()
+        start, stop = self.xp.cuda.Event(), self.xp.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        return self.xp.cuda.get_elapsed_time(start, stop) / 1e3
+
+
+def _median(dev, fn, before, reps):
+    dev.time(fn, before)  # warm-up: kernel compilation, page faults
+    return statistics.median(dev.time(fn, before) for _ in range(reps))
+
+
+def bench(dev, label, n, reps):
+    kernel, nstates, hyper = CONFIGS[label]
+    xp = dev.xp
+    rng = np.random.default_rng(0)
+    w = xp.asarray(rng.standard_normal(n).astype(np.float32))
+    g0 = xp.asarray(rng.standard_normal(n).astype(np.float32))
+    g = xp.empty_like(g0)
+    states = [xp.zeros_like(w) for _ in range(nstates)]
+    if label == 'rmsprop':
+        states[0] += 1.0  # centered: keep var - mean^2 positive
+    fn = getattr(dev.mod, kernel)
+    # the kernel clobbers grad: restore it outside the timed region (repeated squaring
+    # in place would otherwise drift into denormals, which are slow on CPUs)
+    seconds = _median(dev, lambda: fn(w, g, *states, **BASE, **hyper),
+                      lambda: xp.copyto(g, g0), reps)
+    src, dst = xp.asarray(g0), xp.empty_like(g0)
+    copy_s = _median(dev, lambda: xp.copyto(dst, src), lambda: None, reps)
+    moved = 4 * n * (3 + 2 * nstates)
+    gbps, copy_gbps = moved / seconds / 1e9, 2 * 4 * n / copy_s / 1e9
+    return {'bench': 'kernels', 'optimizer': label, 'device': dev.name, 'dtype': 'float32',
+            'elements': n, 'gbps': round(gbps, 2), 'copy_gbps': round(copy_gbps, 2),
+            'ratio_to_copy': round(gbps / copy_gbps, 3), 'ms': round(seconds * 1e3, 3)}
+
+
+def devices(which):
+    out = [Host()] if which in ('all', 'cpu') else []
+    if which in ('all', 'cuda'):
+        try:
+            import cupy
+            if cupy.cuda.runtime.getDeviceCount() > 0:
+                out.append(Cuda())
+        except Exception:  # no cupy or no GPU: numpy only
+            pass
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('--quick', action='store_true', help='1M elements, 3 repetitions')
+    ap.add_argument('--sizes', type=int, nargs='+', default=None)
+    ap.add_argument('--optimizers', nargs='+', default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument('--device', choices=['all', 'cpu', 'cuda'], default='all')
+    ap.add_argument('--reps', type=int, default=None)
+    args = ap.parse_args()
+    sizes = args.sizes or ([1 << 20] if args.quick else [1 << 20, 1 << 24])
+    for dev in devices(args.device):
+        for n in sizes:
+            reps = args.reps or (3 if args.quick else (10 if n <= 1 << 22 else 5))
+            for label in args.optimizers:
+                print(json.dumps(bench(dev, label, n, reps)), flush=True)
+
+
+if __name__ == '__main__':
+    main()

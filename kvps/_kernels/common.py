@@ -1,0 +1,79 @@
+"""Host-side pieces shared by the numpy and CUDA kernels: argument checks and scalar constants."""
+
+import math
+
+from kvps.errors import DTypeError, ShapeError
+
+# uint16 storage means bfloat16 (numpy and cupy have no bfloat16 dtype); the name on the wire
+# and in state dicts is 'bfloat16'.
+BF16_STORAGE = 'uint16'
+WEIGHT_DTYPES = ('float16', 'float32', 'float64', BF16_STORAGE)
+
+
+def dtype_name(array):
+    """The kvps dtype name of an array: 'bfloat16' for uint16 storage, else numpy's name."""
+    name = str(array.dtype)
+    return 'bfloat16' if name == BF16_STORAGE else name
+
+
+def compute_dtype_name(master):
+    """Arithmetic runs in float64 for float64 weights, float32 for everything else."""
+    return 'float64' if str(master.dtype) == 'float64' else 'float32'
+
+
+def check_arrays(weight, grad, states, weight32):
+    """Raise ShapeError/DTypeError unless every array matches the weight's shape and the
+    dtypes are ones the kernels handle."""
+    for label, arr in (('weight', weight), ('grad', grad), ('weight32', weight32)):
+        if arr is not None and str(arr.dtype) not in WEIGHT_DTYPES:
+            raise DTypeError(f'{label} has dtype {arr.dtype}; supported: float16, float32, '
+                             'float64, bfloat16 (as uint16 storage)')
+    if weight32 is not None and str(weight32.dtype) not in ('float32', 'float64'):
+        raise DTypeError(f'weight32 (the master copy) must be float32, got {weight32.dtype}')
+    named = [('grad', grad), ('weight32', weight32)] + list(states.items())
+    for label, arr in named:
+        if arr is not None and tuple(arr.shape) != tuple(weight.shape):
+            raise ShapeError(f'{label} has shape {tuple(arr.shape)}, weight has '
+                             f'{tuple(weight.shape)}')
+
+
+def off_if_not_positive(value):
+    """MXNet's "None or <= 0 means off" as the kernels' convention: a negative number."""
+    return float(value) if value is not None and value > 0 else -1.0
+
+
+def adam_lr(lr, beta1, beta2, t):
+    """MXNet Adam folds both bias corrections into the step size."""
+    coef1 = 1.0 - beta1 ** t
+    coef2 = 1.0 - beta2 ** t
+    return lr * math.sqrt(coef2) / coef1
+
+
+def adamw_coeffs(lr, wd, beta1, beta2, t):
+    """torch AdamW: (weight decay factor, step size, sqrt of the second bias correction)."""
+    return 1.0 - lr * wd, lr / (1.0 - beta1 ** t), math.sqrt(1.0 - beta2 ** t)
+
+
+def lamb_coeffs(beta1, beta2, t, bias_correction):
+    """Divisors of mean and var (1 when bias correction is off)."""
+    if not bias_correction:
+        return 1.0, 1.0
+    return 1.0 - beta1 ** t, 1.0 - beta2 ** t
+
+
+def lamb_ratio(sumsq_w, sumsq_d, lower_bound, upper_bound):
+    """Trust ratio ||w|| / ||d||, with ||w|| bounded; 1 when either norm is 0 or not finite
+    (MXNet's nan_or_zero rule). The CUDA kernel mirrors this on the device."""
+    r1, r2 = math.sqrt(sumsq_w), math.sqrt(sumsq_d)
+    if lower_bound is not None and lower_bound > 0:
+        r1 = max(r1, lower_bound)
+    if upper_bound is not None and upper_bound > 0:
+        r1 = min(r1, upper_bound)
+    if r1 > 0 and r2 > 0 and math.isfinite(r1 / r2):
+        return r1 / r2
+    return 1.0
+
+
+def signum_decay(lr, wd, wd_lh, momentum):
+    """Signum decays decoupled by wd_lh (wd goes into the gradient); signSGD by wd + wd_lh."""
+    return 1.0 - lr * wd_lh if momentum != 0.0 else 1.0 - lr * (wd + wd_lh)

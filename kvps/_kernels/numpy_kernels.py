@@ -1,0 +1,409 @@
+"""Fused optimizer updates on numpy arrays: each one cache-blocked pass, in place (the reference).
+
+Contract of every `*_update(weight, grad, *states, lr, wd, rescale_grad, clip_gradient, ...,
+weight32=None)`:
+- weight and the states are updated in place; `grad` is scratch space and is clobbered (the
+  server hands its merge buffer, which it no longer needs). Pass a copy to keep a gradient.
+- arrays are C-contiguous and of one shape; arithmetic runs in float64 for float64 weights
+  and float32 otherwise. float16 and bfloat16 (uint16 storage) arrays are widened block by
+  block, updated, and rounded back (round to nearest even), so a low-precision weight, state
+  or grad never needs a full-size temporary.
+- with weight32 (the fp32 master copy of a float16/bfloat16 weight) the update runs on
+  weight32 and weight receives its rounded cast.
+The work goes in blocks of BLOCK elements: every array is read and written once from main
+memory while the handful of ufunc passes per block stay in cache.
+"""
+
+import types
+
+import numpy as np
+
+from kvps._kernels import common
+from kvps.errors import ShapeError
+
+BLOCK = 1 << 15  # 32 Ki elements: ~6 live blocks x 128 KiB stay in a 1-2 MiB L2
+
+
+def bf16_to_f32(u16, out=None):
+    """Widen bfloat16 bits (uint16) to float32 exactly."""
+    u16 = np.asarray(u16)
+    if out is None:
+        out = np.empty(u16.shape, np.float32)
+    bits = out.view(np.uint32)
+    np.copyto(bits, u16, casting='unsafe')
+    bits <<= 16
+    return out
+
+
+def f32_to_bf16(f32, out=None):
+    """Round float32 to bfloat16 bits (uint16), to nearest even; NaN stays a (quiet) NaN."""
+    f32 = np.ascontiguousarray(f32, dtype=np.float32)
+    if out is None:
+        out = np.empty(f32.shape, np.uint16)
+    bits = f32.view(np.uint32)
+    rounded = bits >> 16
+    rounded &= 1
+    rounded += 0x7FFF
+    rounded += bits  # cannot wrap for non-NaN inputs: 0xFF7FFFFF + 0x8000 < 2**32
+    rounded >>= 16
+    nan = np.isnan(f32)
+    if nan.any():
+        rounded[nan] = (bits[nan] >> 16) | 0x40
+    np.copyto(out, rounded, casting='unsafe')
+    return out
+
+
+def _load(src, dst):
+    if src.dtype == np.uint16:
+        bf16_to_f32(src, out=dst)
+    else:
+        np.copyto(dst, src, casting='unsafe')
+
+
+def _store(src, dst):
+    if dst.dtype == np.uint16:
+        f32_to_bf16(src, out=dst)
+    else:
+        np.copyto(dst, src, casting='unsafe')
+
+
+def _flat(array, label):
+    if not array.flags.c_contiguous:
+        raise ShapeError(f'{label} must be C-contiguous for the numpy kernels')
+    return array.reshape(-1)
+
+
+def _scalars(cdt, **values):
+    """Scalars as the compute dtype, so numpy and CUDA round the same constants the same way."""
+    return types.SimpleNamespace(**{k: v if isinstance(v, bool) else cdt(v)
+                                    for k, v in values.items()})
+
+
+def _run(body, weight, grad, states, weight32, sc, write_weight=True):
+    """Apply body(w, g, *states, tmp, sc) block by block; returns the bodies' results."""
+    common.check_arrays(weight, grad, {f'state {i}': s for i, s in enumerate(states)}, weight32)
+    master = weight32 if weight32 is not None else weight
+    cdt = np.dtype(common.compute_dtype_name(master)).type
+    sc = _scalars(cdt, **sc)
+    arrays = [_flat(master, 'weight'), None if grad is None else _flat(grad, 'grad')]
+    arrays += [None if s is None else _flat(s, 'state') for s in states]
+    cast_to = _flat(weight, 'weight') if weight32 is not None and write_weight else None
+    n = master.size
+    blk = max(1, min(BLOCK, n))
+    # a read-only grad (a zero-copy receive buffer) is widened into a block buffer instead
+    bufs = [None if a is None or (a.dtype == cdt and (i != 1 or a.flags.writeable))
+            else np.empty(blk, cdt) for i, a in enumerate(arrays)]
+    tmp = (np.empty(blk, cdt), np.empty(blk, cdt))
+    results = []
+    for lo in range(0, n, blk):
+        hi = min(lo + blk, n)
+        views = []
+        for a, b in zip(arrays, bufs):
+            if a is None:
+                views.append(None)
+            elif b is None:
+                views.append(a[lo:hi])
+            else:
+                _load(a[lo:hi], b[:hi - lo])
+                views.append(b[:hi - lo])
+        results.append(body(*views, [tmp[0][:hi - lo], tmp[1][:hi - lo]], sc))
+        for i, (a, b) in enumerate(zip(arrays, bufs)):
+            if b is not None and i != 1 and (i or write_weight):  # grad is never written back
+                _store(views[i], a[lo:hi])
+        if cast_to is not None:
+            _store(views[0], cast_to[lo:hi])
+    return results
+
+
+def _base(lr, wd, rescale_grad, clip_gradient, **more):
+    return dict(lr=lr, wd=wd, rescale=rescale_grad,
+                clip=common.off_if_not_positive(clip_gradient), **more)
+
+
+def _prep(g, w, tmp, sc, wd=True):
+    """g = clip(rescale * g) (+ wd * w): MXNet's gradient preprocessing, in place."""
+    if sc.rescale != 1:
+        g *= sc.rescale
+    if sc.clip >= 0:
+        np.clip(g, -sc.clip, sc.clip, out=g)
+    if wd and sc.wd != 0:
+        np.multiply(w, sc.wd, out=tmp)
+        g += tmp
+
+
+def _sgd(w, g, mom, tmp, sc):
+    _prep(g, w, tmp[0], sc)
+    if mom is None:
+        g *= sc.lr
+        w -= g
+    elif sc.nesterov:  # mom = m*mom + g; w -= lr*(g + m*mom)
+        mom *= sc.momentum
+        mom += g
+        np.multiply(mom, sc.momentum, out=tmp[0])
+        g += tmp[0]
+        g *= sc.lr
+        w -= g
+    else:  # mom = m*mom - lr*g; w += mom
+        mom *= sc.momentum
+        g *= sc.lr
+        mom -= g
+        w += mom
+
+
+def sgd_update(weight, grad, mom, lr, wd, rescale_grad, clip_gradient, momentum=0.0,
+               nesterov=False, weight32=None):
+    """MXNet SGD (mom is None when momentum is 0); nesterov=True is NAG."""
+    sc = _base(lr, wd, rescale_grad, clip_gradient, momentum=momentum, nesterov=bool(nesterov))
+    _run(_sgd, weight, grad, (mom,), weight32, sc)
+
+
+def nag_update(weight, grad, mom, lr, wd, rescale_grad, clip_gradient, momentum=0.0,
+               weight32=None):
+    """MXNet NAG: mom = m*mom + g; w -= lr*(g + m*mom)."""
+    sgd_update(weight, grad, mom, lr, wd, rescale_grad, clip_gradient, momentum, True, weight32)
+
+
+def _moments(g, mean, var, tmp, sc):
+    """mean = b1*mean + (1-b1)*g; var = b2*var + (1-b2)*g*g (clobbers g)."""
+    mean *= sc.beta1
+    np.multiply(g, sc.omb1, out=tmp)
+    mean += tmp
+    np.multiply(g, g, out=g)
+    g *= sc.omb2
+    var *= sc.beta2
+    var += g
+
+
+def _adam(w, g, mean, var, tmp, sc):
+    _prep(g, w, tmp[0], sc)
+    _moments(g, mean, var, tmp[0], sc)
+    np.sqrt(var, out=tmp[0])
+    tmp[0] += sc.epsilon
+    np.divide(mean, tmp[0], out=tmp[0])
+    tmp[0] *= sc.step
+    w -= tmp[0]
+
+
+def adam_update(weight, grad, mean, var, lr, wd, rescale_grad, clip_gradient, beta1=0.9,
+                beta2=0.999, epsilon=1e-8, t=1, weight32=None):
+    """MXNet Adam: w -= lr*sqrt(1-b2^t)/(1-b1^t) * mean/(sqrt(var)+eps)."""
+    sc = _base(lr, wd, rescale_grad, clip_gradient, beta1=beta1, beta2=beta2, omb1=1 - beta1,
+               omb2=1 - beta2, epsilon=epsilon, step=common.adam_lr(lr, beta1, beta2, t))
+    _run(_adam, weight, grad, (mean, var), weight32, sc)
+
+
+def _adamw(w, g, mean, var, tmp, sc):
+    _prep(g, w, tmp[0], sc, wd=False)
+    _moments(g, mean, var, tmp[0], sc)
+    if sc.decay != 1:
+        w *= sc.decay
+    np.sqrt(var, out=tmp[0])
+    tmp[0] /= sc.bc2sqrt
+    tmp[0] += sc.epsilon
+    np.divide(mean, tmp[0], out=tmp[0])
+    tmp[0] *= sc.step
+    w -= tmp[0]
+
+
+def adamw_update(weight, grad, mean, var, lr, wd, rescale_grad, clip_gradient, beta1=0.9,
+                 beta2=0.999, epsilon=1e-8, t=1, weight32=None):
+    """torch AdamW: w = w*(1-lr*wd) - lr/(1-b1^t) * mean/(sqrt(var)/sqrt(1-b2^t) + eps)."""
+    decay, step, bc2sqrt = common.adamw_coeffs(lr, wd, beta1, beta2, t)
+    sc = _base(lr, wd, rescale_grad, clip_gradient, beta1=beta1, beta2=beta2, omb1=1 - beta1,
+               omb2=1 - beta2, epsilon=epsilon, decay=decay, step=step, bc2sqrt=bc2sqrt)
+    _run(_adamw, weight, grad, (mean, var), weight32, sc)
+
+
+def _adagrad(w, g, history, tmp, sc):
+    _prep(g, w, tmp[0], sc)
+    np.multiply(g, g, out=tmp[0])
+    history += tmp[0]
+    np.sqrt(history, out=tmp[0])
+    tmp[0] += sc.epsilon
+    np.divide(g, tmp[0], out=g)
+    g *= sc.lr
+    w -= g
+
+
+def adagrad_update(weight, grad, history, lr, wd, rescale_grad, clip_gradient, epsilon=1e-6,
+                   weight32=None):
+    """AdaGrad: history += g*g; w -= lr*g/(sqrt(history)+eps)."""
+    sc = _base(lr, wd, rescale_grad, clip_gradient, epsilon=epsilon)
+    _run(_adagrad, weight, grad, (history,), weight32, sc)
+
+
+def _rmsprop(w, g, var, mean, mom, tmp, sc):
+    _prep(g, w, tmp[0], sc)
+    if mean is not None:  # centered (Graves): mean of g too, and heavy-ball momentum
+        mean *= sc.rho
+        np.multiply(g, sc.omr, out=tmp[0])
+        mean += tmp[0]
+    var *= sc.rho
+    np.multiply(g, g, out=tmp[0])
+    tmp[0] *= sc.omr
+    var += tmp[0]
+    if mean is None:
+        np.sqrt(var, out=tmp[0])
+        tmp[0] += sc.epsilon
+    else:
+        np.multiply(mean, mean, out=tmp[0])
+        np.subtract(var, tmp[0], out=tmp[0])
+        tmp[0] += sc.epsilon
+        np.sqrt(tmp[0], out=tmp[0])
+    np.divide(g, tmp[0], out=g)
+    g *= sc.lr
+    if mom is None:
+        w -= g
+    else:
+        mom *= sc.momentum
+        mom -= g
+        w += mom
+    if sc.clip_weights >= 0:
+        np.clip(w, -sc.clip_weights, sc.clip_weights, out=w)
+
+
+def rmsprop_update(weight, grad, var, mean, mom, lr, wd, rescale_grad, clip_gradient, rho=0.9,
+                   momentum=0.9, epsilon=1e-8, centered=False, clip_weights=None,
+                   weight32=None):
+    """RMSProp; centered needs mean and mom, plain ignores them (pass None)."""
+    if not centered:
+        mean = mom = None
+    sc = _base(lr, wd, rescale_grad, clip_gradient, rho=rho, omr=1 - rho, momentum=momentum,
+               epsilon=epsilon, clip_weights=common.off_if_not_positive(clip_weights))
+    _run(_rmsprop, weight, grad, (var, mean, mom), weight32, sc)
+
+
+def _lamb_direction(w, mean, var, tmp, sc):
+    """d = (mean/c1) / (sqrt(var/c2) + eps) + wd*w into tmp[0]."""
+    np.divide(var, sc.c2, out=tmp[0])
+    np.sqrt(tmp[0], out=tmp[0])
+    tmp[0] += sc.epsilon
+    np.divide(mean, sc.c1, out=tmp[1])
+    np.divide(tmp[1], tmp[0], out=tmp[0])
+    if sc.wd != 0:
+        np.multiply(w, sc.wd, out=tmp[1])
+        tmp[0] += tmp[1]
+    return tmp[0]
+
+
+def _lamb_moments(w, g, mean, var, tmp, sc):
+    _prep(g, w, tmp[0], sc, wd=False)
+    _moments(g, mean, var, tmp[0], sc)
+    d = _lamb_direction(w, mean, var, tmp, sc)
+    return float(np.dot(w, w)), float(np.dot(d, d))
+
+
+def _lamb_apply(w, g, mean, var, tmp, sc):
+    d = _lamb_direction(w, mean, var, tmp, sc)
+    d *= sc.step
+    w -= d
+
+
+def lamb_update(weight, grad, mean, var, lr, wd, rescale_grad, clip_gradient, beta1=0.9,
+                beta2=0.999, epsilon=1e-6, t=1, lower_bound=None, upper_bound=None,
+                bias_correction=True, weight32=None):
+    """LAMB in two passes: moments and both norms, then w -= lr*ratio*d (d recomputed, which
+    reads mean and var again instead of keeping a full-size direction array). Keep mean and
+    var in float32 or float64 (the updater does): from rounded float16 states the recomputed
+    d would differ from the one whose norm was taken, and from the CUDA kernel's."""
+    c1, c2 = common.lamb_coeffs(beta1, beta2, t, bias_correction)
+    sc = _base(lr, wd, rescale_grad, clip_gradient, beta1=beta1, beta2=beta2, omb1=1 - beta1,
+               omb2=1 - beta2, epsilon=epsilon, c1=c1, c2=c2)
+    sums = _run(_lamb_moments, weight, grad, (mean, var), weight32, sc, write_weight=False)
+    ratio = common.lamb_ratio(sum(s[0] for s in sums), sum(s[1] for s in sums),
+                              lower_bound, upper_bound)
+    sc['step'] = lr * ratio
+    _run(_lamb_apply, weight, None, (mean, var), weight32, sc)
+
+
+def _ftrl(w, g, z, n, tmp, sc):
+    _prep(g, w, tmp[0], sc, wd=False)
+    np.sqrt(n, out=tmp[0])
+    np.multiply(g, g, out=tmp[1])
+    n += tmp[1]
+    np.sqrt(n, out=tmp[1])
+    np.subtract(tmp[1], tmp[0], out=tmp[0])  # sigma = (sqrt(n_new) - sqrt(n_old)) / lr
+    tmp[0] /= sc.lr
+    tmp[0] *= w
+    g -= tmp[0]
+    z += g
+    tmp[1] += sc.beta  # denominator: (beta + sqrt(n)) / lr + wd
+    tmp[1] /= sc.lr
+    tmp[1] += sc.wd
+    np.abs(z, out=tmp[0])
+    tmp[0] -= sc.lamda1
+    np.maximum(tmp[0], 0, out=tmp[0])
+    np.sign(z, out=g)
+    g *= tmp[0]
+    g /= tmp[1]
+    np.negative(g, out=w)
+
+
+def ftrl_update(weight, grad, z, n, lr, wd, rescale_grad, clip_gradient, lamda1=0.01, beta=1.0,
+                weight32=None):
+    """FTRL-proximal (MXNet)."""
+    sc = _base(lr, wd, rescale_grad, clip_gradient, lamda1=lamda1, beta=beta)
+    _run(_ftrl, weight, grad, (z, n), weight32, sc)
+
+
+def _signum(w, g, mom, tmp, sc):
+    _prep(g, w, tmp[0], sc, wd=mom is not None)
+    if sc.decay != 1:
+        w *= sc.decay
+    if mom is None:  # signSGD
+        np.sign(g, out=g)
+        g *= sc.lr
+        w -= g
+    else:
+        mom *= sc.momentum
+        g *= sc.omm
+        mom -= g
+        np.sign(mom, out=tmp[0])
+        tmp[0] *= sc.lr
+        w += tmp[0]
+
+
+def signum_update(weight, grad, mom, lr, wd, rescale_grad, clip_gradient, momentum=0.9,
+                  wd_lh=0.0, weight32=None):
+    """Signum (mom given) or signSGD (mom None)."""
+    sc = _base(lr, wd, rescale_grad, clip_gradient, momentum=momentum, omm=1 - momentum,
+               decay=common.signum_decay(lr, wd, wd_lh, momentum if mom is not None else 0.0))
+    _run(_signum, weight, grad, (mom,), weight32, sc)
+
+
+def _test(w, g, tmp, sc):
+    g *= sc.rescale
+    w += g
+
+
+def test_update(weight, grad, lr, wd, rescale_grad, clip_gradient, weight32=None):
+    """MXNet's test optimizer: w += rescale_grad * grad."""
+    _run(_test, weight, grad, (), weight32, _base(lr, wd, rescale_grad, clip_gradient))
+
+
+test_update.__test__ = False  # not a pytest test, despite the name
+
+
+# Placement helpers the updater uses to create and move state without knowing the device.
+def zeros_like(array, dtype):
+    return np.zeros(array.shape, dtype=dtype)
+
+
+def widen(array):
+    """A float32 copy of a float16 or bfloat16 (uint16) array: the master weight."""
+    return bf16_to_f32(array) if array.dtype == np.uint16 else array.astype(np.float32)
+
+
+def to_host(array):
+    return np.ascontiguousarray(array)
+
+
+def from_host(array, like):
+    return np.ascontiguousarray(array)
+
+
+def multi_update(calls):
+    """Many small keys: a loop is as good as anything on the CPU.
+    calls: [(fn_name, args, kwargs)]."""
+    for name, args, kwargs in calls:
+        globals()[name](*args, **kwargs)

@@ -1,0 +1,182 @@
+"""Runs one optimizer's fused kernels over many keys, with per-key state and update counts."""
+
+import numpy as np
+
+from kvps._kernels import common, kernels_for, multi_apply
+from kvps.errors import ConfigError, DTypeError, ShapeError
+from kvps.optimizer import Optimizer
+
+STATE_FORMAT = 'kvps.updater.states/1'
+_LOW_PRECISION = ('float16', 'uint16')  # uint16 storage is bfloat16
+_STATE_DTYPES = {'float16': np.float16, 'float32': np.float32, 'float64': np.float64,
+                 'bfloat16': np.uint16}
+
+
+class Updater:
+    """Runs one optimizer over many keys on a server shard (or in the local store).
+
+    State per (key, part) is created on the first update, on the weight's device: the
+    optimizer's state arrays, plus 'weight32', the fp32 master copy, for float16/bfloat16
+    weights under multi_precision. Without multi_precision low-precision states keep the
+    weight's dtype (arithmetic still runs in fp32 and rounds once per step, as on a GPU),
+    except for optimizers with fp32_states (LAMB, as in MXNet).
+    Update counts are kept per (key, part) and drive the lr scheduler as in MXNet: a key's
+    count is incremented before its lr is computed, and num_update = the max over keys.
+    """
+
+    def __init__(self, optimizer):
+        if isinstance(optimizer, dict):
+            optimizer = Optimizer.from_spec(optimizer)
+        if not isinstance(optimizer, Optimizer):
+            raise ConfigError(f'Updater needs an Optimizer or its spec dict, got '
+                              f'{type(optimizer).__name__}')
+        self._opt = optimizer
+        self._states = {}   # (key, part) -> {state name: array}
+        self._counts = {}   # (key, part) -> updates applied
+        self._num_update = optimizer.begin_num_update
+
+    @property
+    def optimizer(self):
+        return self._opt
+
+    @property
+    def num_update(self):
+        return self._num_update
+
+    def update(self, key, weight, grad, part=0):
+        """weight <- optimizer step with the summed grad, in place. grad may be clobbered."""
+        self.update_many([(key, part, weight, grad)])
+
+    def update_many(self, items):
+        """Multi-tensor apply over [(key, part, weight, grad), ...]. Everything is checked
+        before any count moves or any weight changes; then all counts tick (MXNet's
+        aggregated update), then the kernels run."""
+        checked = [self._check(key, part, weight, grad) for key, part, weight, grad in items]
+        counts = [self._tick(key, part) for key, part, _, _ in items]
+        self._opt.num_update = self._num_update
+        calls = [self._call(key, weight, grad, state, count)
+                 for (key, _, weight, _), (grad, state), count in zip(items, checked, counts)]
+        multi_apply(calls)
+
+    # -- per update --------------------------------------------------------------------------
+    def _check(self, key, part, weight, grad):
+        kernels = kernels_for(weight)
+        if kernels_for(grad) is not kernels:
+            raise DTypeError(f'key {key!r}: weight and grad live on different devices '
+                             f'({type(weight).__module__} vs {type(grad).__module__})')
+        for label, arr in (('weight', weight), ('grad', grad)):
+            if str(arr.dtype) not in common.WEIGHT_DTYPES:
+                raise DTypeError(f'key {key!r}: {label} dtype {arr.dtype} is not supported; '
+                                 'use float16, float32, float64 or bfloat16 (uint16 storage)')
+        if tuple(grad.shape) != tuple(weight.shape):
+            raise ShapeError(f'key {key!r} part {part}: grad shape {tuple(grad.shape)} does not '
+                             f'match the stored weight shape {tuple(weight.shape)}')
+        if isinstance(weight, np.ndarray):
+            if not weight.flags.c_contiguous or not weight.flags.writeable:
+                raise ShapeError(f'key {key!r}: the stored weight must be a writable '
+                                 'C-contiguous array')
+            if not grad.flags.c_contiguous:
+                grad = np.ascontiguousarray(grad)
+        return grad, self._state_for(key, part, weight, kernels)
+
+    def _state_for(self, key, part, weight, kernels):
+        state = self._states.get((key, part))
+        if state is None:
+            state = self._states[(key, part)] = self._new_state(weight, kernels)
+            return state
+        mp = self._wants_master(weight)
+        if mp != ('weight32' in state):
+            raise DTypeError(f'key {key!r} part {part}: weight dtype {weight.dtype} does not '
+                             'match the dtype its optimizer state was created for')
+        want = np.dtype(self._state_dtype(weight))
+        for name, arr in list(state.items()):
+            if tuple(arr.shape) != tuple(weight.shape):
+                raise ShapeError(f'key {key!r} part {part}: weight shape '
+                                 f'{tuple(weight.shape)} differs from its optimizer state '
+                                 f'{name!r} shape {tuple(arr.shape)}')
+            if name != 'weight32' and arr.dtype != want:
+                raise DTypeError(f'key {key!r} part {part}: weight dtype {weight.dtype} '
+                                 f'differs from its optimizer state {name!r} ({arr.dtype})')
+            if kernels_for(arr) is not kernels:  # restored by set_states, or device moved
+                state[name] = kernels.from_host(kernels_for(arr).to_host(arr), weight)
+        return state
+
+    def _wants_master(self, weight):
+        return self._opt.multi_precision and str(weight.dtype) in _LOW_PRECISION
+
+    def _state_dtype(self, weight):
+        low = str(weight.dtype) in _LOW_PRECISION
+        return np.float32 if low and (self._opt.multi_precision or self._opt.fp32_states) \
+            else weight.dtype
+
+    def _new_state(self, weight, kernels):
+        state = {}
+        if self._wants_master(weight):
+            state['weight32'] = kernels.widen(weight)
+        for name in self._opt.state_names():
+            state[name] = kernels.zeros_like(weight, self._state_dtype(weight))
+        return state
+
+    def _tick(self, key, part):
+        count = self._counts.get((key, part), self._opt.begin_num_update) + 1
+        self._counts[(key, part)] = count
+        self._num_update = max(self._num_update, count)
+        return count
+
+    def _call(self, key, weight, grad, state, count):
+        opt = self._opt
+        args = (weight, grad) + tuple(state.get(name) for name in opt.kernel_states)
+        kwargs = dict(lr=opt.get_lr(key, self._num_update), wd=opt.get_wd(key),
+                      rescale_grad=opt.rescale_grad, clip_gradient=opt.clip_gradient,
+                      weight32=state.get('weight32'), **opt.kernel_args(count))
+        return opt.kernel, args, kwargs
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def get_states(self, dump_optimizer=False):
+        """All optimizer state as msgpack-able plain data (arrays copied to the host).
+
+        {'format': 'kvps.updater.states/1', 'num_update': int,
+         'counts': [[key, part, count], ...],
+         'states': [[key, part, {name: {'dtype', 'shape', 'data'}}], ...],
+         'optimizer': spec}  (the last only with dump_optimizer=True)
+        Keys sit in lists, not map keys, so int keys survive msgpack's default strict_map_key.
+        """
+        out = {'format': STATE_FORMAT, 'num_update': self._num_update,
+               'counts': [[k, p, c] for (k, p), c in self._counts.items()],
+               'states': [[k, p, {n: _pack(a) for n, a in st.items()}]
+                          for (k, p), st in self._states.items()]}
+        if dump_optimizer:
+            out['optimizer'] = self._opt.to_spec()
+        return out
+
+    def set_states(self, states):
+        """Restore what get_states returned (the optimizer too, when it was dumped)."""
+        if not isinstance(states, dict) or states.get('format') != STATE_FORMAT:
+            raise ConfigError(f'set_states: not a kvps updater state dict (format '
+                              f'{STATE_FORMAT!r} expected)')
+        opt = Optimizer.from_spec(states['optimizer']) if 'optimizer' in states else self._opt
+        try:
+            counts = {(k, int(p)): int(c) for k, p, c in states['counts']}
+            restored = {(k, int(p)): {str(n): _unpack(a) for n, a in st.items()}
+                        for k, p, st in states['states']}
+            num_update = int(states['num_update'])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ConfigError(f'set_states: malformed state dict ({exc})') from None
+        self._opt, self._counts, self._states = opt, counts, restored
+        self._num_update = opt.num_update = num_update
+
+
+def _pack(array):
+    host = kernels_for(array).to_host(array)
+    return {'dtype': common.dtype_name(host), 'shape': list(host.shape), 'data': host.tobytes()}
+
+
+def _unpack(blob):
+    dtype = _STATE_DTYPES.get(blob.get('dtype'))
+    if dtype is None:
+        raise ValueError(f'unknown state dtype {blob.get("dtype")!r}')
+    shape = tuple(int(s) for s in blob['shape'])
+    data = blob['data']
+    if len(data) != int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize:
+        raise ValueError(f'state data of {len(data)} bytes does not fit shape {shape}')
+    return np.frombuffer(data, dtype=dtype).reshape(shape).copy()

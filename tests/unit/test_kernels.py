@@ -1,0 +1,298 @@
+"""The numpy kernels against plain transcriptions of each published rule, and torch.optim."""
+
+import math
+
+import numpy as np
+import pytest
+
+from kvps._kernels import KERNEL_NAMES, kernels_for, multi_apply, numpy_kernels as K
+from kvps.errors import DTypeError, ShapeError
+
+STEPS = 20
+BASE = dict(lr=0.05, wd=0.01, rescale=0.5, clip=0.8)
+
+
+# ---------------------------------------------------------------- reference rules (float64)
+def prep(g, w, rescale, clip, wd, with_wd=True):
+    g = g * rescale
+    if clip is not None:
+        g = np.clip(g, -clip, clip)
+    return g + wd * w if with_wd else g
+
+
+def ref_sgd(w, g, st, lr, wd, rescale, clip, t, momentum=0.0, nesterov=False):
+    g = prep(g, w, rescale, clip, wd)
+    if momentum == 0:
+        return w - lr * g, st
+    if nesterov:
+        mom = momentum * st['mom'] + g
+        return w - lr * (g + momentum * mom), {'mom': mom}
+    mom = momentum * st['mom'] - lr * g
+    return w + mom, {'mom': mom}
+
+
+def ref_nag(w, g, st, lr, wd, rescale, clip, t, momentum=0.0):
+    return ref_sgd(w, g, st, lr, wd, rescale, clip, t, momentum, nesterov=True)
+
+
+def _moments(g, st, beta1, beta2):
+    return beta1 * st['mean'] + (1 - beta1) * g, beta2 * st['var'] + (1 - beta2) * g * g
+
+
+def ref_adam(w, g, st, lr, wd, rescale, clip, t, beta1=0.9, beta2=0.999, epsilon=1e-8):
+    g = prep(g, w, rescale, clip, wd)
+    m, v = _moments(g, st, beta1, beta2)
+    lr_t = lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
+    return w - lr_t * m / (np.sqrt(v) + epsilon), {'mean': m, 'var': v}
+
+
+def ref_adamw(w, g, st, lr, wd, rescale, clip, t, beta1=0.9, beta2=0.999, epsilon=1e-8):
+    g = prep(g, w, rescale, clip, wd, with_wd=False)
+    m, v = _moments(g, st, beta1, beta2)
+    denom = np.sqrt(v) / math.sqrt(1 - beta2 ** t) + epsilon
+    return w * (1 - lr * wd) - lr / (1 - beta1 ** t) * m / denom, {'mean': m, 'var': v}
+
+
+def ref_adagrad(w, g, st, lr, wd, rescale, clip, t, epsilon=1e-6):
+    g = prep(g, w, rescale, clip, wd)
+    h = st['history'] + g * g
+    return w - lr * g / (np.sqrt(h) + epsilon), {'history': h}
+
+
+def ref_rmsprop(w, g, st, lr, wd, rescale, clip, t, rho=0.9, momentum=0.9, epsilon=1e-8,
+                centered=False, clip_weights=None):
+    g = prep(g, w, rescale, clip, wd)
+    var = rho * st['var'] + (1 - rho) * g * g
+    if centered:
+        mean = rho * st['mean'] + (1 - rho) * g
+        mom = momentum * st['mom'] - lr * g / np.sqrt(var - mean * mean + epsilon)
+        w, st = w + mom, {'var': var, 'mean': mean, 'mom': mom}
+    else:
+        w, st = w - lr * g / (np.sqrt(var) + epsilon), {'var': var}
+    return (np.clip(w, -clip_weights, clip_weights) if clip_weights else w), st
+
+
+def ref_lamb(w, g, st, lr, wd, rescale, clip, t, beta1=0.9, beta2=0.999, epsilon=1e-6,
+             lower_bound=None, upper_bound=None, bias_correction=True):
+    g = prep(g, w, rescale, clip, wd, with_wd=False)
+    m, v = _moments(g, st, beta1, beta2)
+    mh, vh = (m / (1 - beta1 ** t), v / (1 - beta2 ** t)) if bias_correction else (m, v)
+    d = mh / (np.sqrt(vh) + epsilon) + wd * w
+    r1, r2 = np.linalg.norm(w), np.linalg.norm(d)
+    if lower_bound:
+        r1 = max(r1, lower_bound)
+    if upper_bound:
+        r1 = min(r1, upper_bound)
+    ratio = r1 / r2 if r1 > 0 and r2 > 0 else 1.0
+    return w - lr * ratio * d, {'mean': m, 'var': v}
+
+
+def ref_ftrl(w, g, st, lr, wd, rescale, clip, t, lamda1=0.01, beta=1.0):
+    # MXNet 1.x's documented form, written differently from the kernel on purpose
+    g = prep(g, w, rescale, clip, wd, with_wd=False)
+    z = st['z'] + g - (np.sqrt(st['n'] + g * g) - np.sqrt(st['n'])) * w / lr
+    n = st['n'] + g * g
+    w = (np.sign(z) * lamda1 - z) / ((beta + np.sqrt(n)) / lr + wd) * (np.abs(z) > lamda1)
+    return w, {'z': z, 'n': n}
+
+
+def ref_signum(w, g, st, lr, wd, rescale, clip, t, momentum=0.9, wd_lh=0.0):
+    if momentum == 0:
+        g = prep(g, w, rescale, clip, wd, with_wd=False)
+        return (1 - lr * (wd + wd_lh)) * w - lr * np.sign(g), st
+    g = prep(g, w, rescale, clip, wd)
+    mom = momentum * st['mom'] - (1 - momentum) * g
+    return (1 - lr * wd_lh) * w + lr * np.sign(mom), {'mom': mom}
+
+
+def ref_test(w, g, st, lr, wd, rescale, clip, t):
+    return w + rescale * g, st
+
+
+# name, kernel states in call order (None = not allocated), hyper-parameters
+CASES = [
+    ('sgd', ['mom'], dict(momentum=0.0)),
+    ('sgd', ['mom'], dict(momentum=0.9)),
+    ('sgd', ['mom'], dict(momentum=0.9, nesterov=True)),
+    ('nag', ['mom'], dict(momentum=0.8)),
+    ('adam', ['mean', 'var'], dict(beta1=0.9, beta2=0.99, epsilon=1e-8)),
+    ('adamw', ['mean', 'var'], dict(beta1=0.85, beta2=0.995, epsilon=1e-7)),
+    ('adagrad', ['history'], dict(epsilon=1e-6)),
+    ('rmsprop', ['var', 'mean', 'mom'], dict(rho=0.9, epsilon=1e-8)),
+    ('rmsprop', ['var', 'mean', 'mom'], dict(rho=0.95, momentum=0.8, epsilon=1e-6,
+                                             centered=True, clip_weights=0.9)),
+    ('lamb', ['mean', 'var'], dict(beta1=0.9, beta2=0.999, epsilon=1e-6)),
+    ('lamb', ['mean', 'var'], dict(bias_correction=False, lower_bound=0.5, upper_bound=3.0)),
+    ('ftrl', ['z', 'n'], dict(lamda1=0.01, beta=1.0)),
+    ('signum', ['mom'], dict(momentum=0.9, wd_lh=0.01)),
+    ('signum', ['mom'], dict(momentum=0.0, wd_lh=0.02)),
+    ('test', [], {}),
+]
+NEEDS_T = {'adam', 'adamw', 'lamb'}
+REFS = {name: globals()['ref_' + name] for name in ('sgd', 'nag', 'adam', 'adamw', 'adagrad',
+                                                    'rmsprop', 'lamb', 'ftrl', 'signum', 'test')}
+
+
+def allocated(name, states, hyper):
+    """Which states the optimizer allocates for this configuration."""
+    if name in ('sgd', 'nag', 'signum') and hyper.get('momentum', 0.0) == 0.0:
+        return []
+    if name == 'rmsprop' and not hyper.get('centered'):
+        return ['var']
+    return states
+
+
+def run_kernel(name, states, hyper, w, g_steps, base=BASE, dtype=np.float32):
+    """STEPS updates through the kernel, in `dtype`; returns the final weight and states."""
+    w = w.astype(dtype)
+    live = allocated(name, states, hyper)
+    st = {s: np.zeros_like(w) for s in live}
+    fn = getattr(K, name + '_update')
+    for t, g in enumerate(g_steps, start=1):
+        extra = {'t': t} if name in NEEDS_T else {}
+        fn(w, g.astype(dtype), *[st.get(s) for s in states], base['lr'], base['wd'],
+           base['rescale'], base['clip'], **hyper, **extra)
+    return w, st
+
+
+def run_ref(name, states, hyper, w, g_steps, base=BASE):
+    w = w.astype(np.float64)
+    st = {s: np.zeros_like(w) for s in allocated(name, states, hyper)}
+    for t, g in enumerate(g_steps, start=1):
+        w, st = REFS[name](w, g.astype(np.float64), st, base['lr'], base['wd'],
+                           base['rescale'], base['clip'], t, **hyper)
+    return w, st
+
+
+def data(n=1000, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal(n), [rng.standard_normal(n) * 1.5 for _ in range(STEPS)]
+
+
+@pytest.mark.parametrize('block', [K.BLOCK, 300])
+@pytest.mark.parametrize('dtype,rtol', [(np.float64, 1e-6), (np.float32, 1e-5)])
+@pytest.mark.parametrize('name,states,hyper', CASES,
+                         ids=[f'{c[0]}-{i}' for i, c in enumerate(CASES)])
+def test_kernel_matches_reference(name, states, hyper, dtype, rtol, block, monkeypatch):
+    monkeypatch.setattr(K, 'BLOCK', block)  # 300: several blocks and a ragged last one
+    w0, g_steps = data()
+    w, st = run_kernel(name, states, hyper, w0, g_steps, dtype=dtype)
+    w_ref, st_ref = run_ref(name, states, hyper, w0, g_steps)
+    assert w.dtype == dtype
+    np.testing.assert_allclose(w, w_ref, rtol=rtol, atol=rtol)
+    for s in st_ref:
+        np.testing.assert_allclose(st[s], st_ref[s], rtol=rtol, atol=rtol)
+
+
+def test_kernel_names_exist_in_both_modules():
+    import ast
+    import pathlib
+    src = pathlib.Path(K.__file__).with_name('cuda_kernels.py').read_text()
+    cuda_defs = {n.name: [a.arg for a in n.args.args] for n in ast.parse(src).body
+                 if isinstance(n, ast.FunctionDef)}
+    for name in KERNEL_NAMES:
+        code = getattr(K, name).__code__
+        np_args = list(code.co_varnames[:code.co_argcount])
+        assert cuda_defs[name] == np_args, name
+
+
+# ---------------------------------------------------------------- torch.optim where identical
+torch = pytest.importorskip('torch')
+
+TORCH_CASES = [
+    # (kernel name, kernel hyper, torch optimizer, torch kwargs)
+    ('sgd', dict(momentum=0.9), 'SGD', dict(momentum=0.9)),
+    ('sgd', dict(momentum=0.9, nesterov=True), 'SGD', dict(momentum=0.9, nesterov=True)),
+    ('nag', dict(momentum=0.7), 'SGD', dict(momentum=0.7, nesterov=True)),
+    ('adam', dict(beta1=0.9, beta2=0.99, epsilon=0.0), 'Adam', dict(betas=(0.9, 0.99), eps=0.0)),
+    ('adamw', dict(beta1=0.9, beta2=0.99, epsilon=1e-8), 'AdamW',
+     dict(betas=(0.9, 0.99), eps=1e-8)),
+    ('adagrad', dict(epsilon=1e-6), 'Adagrad', dict(eps=1e-6)),
+    ('rmsprop', dict(rho=0.9, epsilon=1e-8), 'RMSprop', dict(alpha=0.9, eps=1e-8)),
+    ('rmsprop', dict(rho=0.9, momentum=0.5, epsilon=0.0, centered=True), 'RMSprop',
+     dict(alpha=0.9, eps=0.0, momentum=0.5, centered=True)),
+]
+KERNEL_STATES = {'sgd': ['mom'], 'nag': ['mom'], 'adam': ['mean', 'var'],
+                 'adamw': ['mean', 'var'], 'adagrad': ['history'],
+                 'rmsprop': ['var', 'mean', 'mom']}
+
+
+@pytest.mark.parametrize('name,hyper,topt,tkw', TORCH_CASES,
+                         ids=[f'{c[0]}-{c[2]}-{i}' for i, c in enumerate(TORCH_CASES)])
+def test_kernel_matches_torch(name, hyper, topt, tkw):
+    """Constant lr, rescale 1 and no clipping: where MXNet's rule and torch's coincide
+    (Adam and centered RMSProp place epsilon differently, so eps=0 there)."""
+    w0, g_steps = data(seed=3)
+    base = dict(lr=0.01, wd=0.02, rescale=1.0, clip=None)
+    w, _ = run_kernel(name, KERNEL_STATES[name], hyper, w0, g_steps, base, np.float64)
+    p = torch.nn.Parameter(torch.tensor(w0, dtype=torch.float64))
+    opt = getattr(torch.optim, topt)([p], lr=base['lr'], weight_decay=base['wd'], **tkw)
+    for g in g_steps:
+        p.grad = torch.tensor(g, dtype=torch.float64)
+        opt.step()
+    np.testing.assert_allclose(w, p.detach().numpy(), rtol=1e-6, atol=1e-9)
+
+
+# ---------------------------------------------------------------- bfloat16 and mixed dtypes
+def test_bf16_conversion_matches_torch_round_to_nearest_even():
+    rng = np.random.default_rng(1)
+    x = np.concatenate([rng.standard_normal(10000).astype(np.float32) * 100,
+                        np.array([0.0, -0.0, np.inf, -np.inf, 1e-40, -1e-40, 3.4e38,
+                                  1.00390625, 1.01171875], np.float32)])  # ties both ways
+    ours = K.f32_to_bf16(x)
+    theirs = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(ours, theirs)
+    np.testing.assert_array_equal(K.bf16_to_f32(ours),
+                                  torch.from_numpy(theirs.view(np.int16)).view(torch.bfloat16)
+                                  .float().numpy())
+    nan = K.f32_to_bf16(np.array([np.nan], np.float32))
+    assert np.isnan(K.bf16_to_f32(nan))[0]
+
+
+@pytest.mark.parametrize('wdtype', [np.float16, np.uint16])
+def test_low_precision_weight_with_master_gets_rounded_master(wdtype):
+    w0, g_steps = data(n=777)
+    master = w0.astype(np.float32)
+    weight = master.astype(np.float16) if wdtype == np.float16 else K.f32_to_bf16(master)
+    master = weight.astype(np.float32) if wdtype == np.float16 else K.bf16_to_f32(weight)
+    mom, mom_ref = np.zeros_like(master), np.zeros_like(master)
+    ref = master.copy()
+    for g in g_steps:
+        K.sgd_update(weight, g.astype(np.float16), mom, 0.1, 0.01, 1.0, None, 0.9,
+                     weight32=master)
+        K.sgd_update(ref, g.astype(np.float16).astype(np.float32), mom_ref, 0.1, 0.01, 1.0,
+                     None, 0.9)
+        cast = master.astype(np.float16) if wdtype == np.float16 else K.f32_to_bf16(master)
+        np.testing.assert_array_equal(weight, cast)
+    np.testing.assert_array_equal(master, ref)  # the master sees exactly the fp32 update
+
+
+def test_read_only_grad_is_not_written_and_mixed_dtypes_work():
+    w = np.ones(5000)
+    g = np.full(5000, 2.0, np.float32)
+    g.flags.writeable = False
+    K.adagrad_update(w, g, np.zeros_like(w), 0.1, 0.0, 1.0, None)
+    assert (g == 2.0).all() and w.dtype == np.float64
+    np.testing.assert_allclose(w, 1 - 0.1 * 2 / (2 + 1e-6))
+
+
+def test_kernel_argument_errors():
+    w = np.zeros(10, np.float32)
+    with pytest.raises(ShapeError):
+        K.sgd_update(w, np.zeros(11, np.float32), None, 0.1, 0, 1, None)
+    with pytest.raises(DTypeError):
+        K.sgd_update(np.zeros(10, np.int32), np.zeros(10, np.float32), None, 0.1, 0, 1, None)
+    with pytest.raises(ShapeError):
+        K.sgd_update(np.zeros((10, 10), np.float32)[:, ::2], np.zeros((10, 5), np.float32),
+                     None, 0.1, 0, 1, None)
+    with pytest.raises(DTypeError):
+        kernels_for([1.0, 2.0])
+
+
+def test_multi_apply_runs_every_call_in_order():
+    ws = [np.zeros(n, np.float32) for n in (1, 10, 100)]
+    calls = [('test_update', (w, np.ones_like(w)), dict(lr=0.1, wd=0.0, rescale_grad=2.0,
+                                                       clip_gradient=None))
+             for _ in range(2) for w in ws]  # a fresh grad per call: kernels clobber grads
+    multi_apply(calls)
+    assert all((w == 4.0).all() for w in ws)
