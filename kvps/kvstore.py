@@ -5,7 +5,9 @@ import os
 import sys
 import threading
 
-from . import arrays
+import numpy as np
+
+from . import arrays, states
 from .config import Config
 from .errors import (ConfigError, DuplicateInitError, KeyNotInitializedError, KeyTypeError,
                      KVPSError)
@@ -151,6 +153,23 @@ class KVStore:
         spec = spec if isinstance(spec, dict) else spec()
         self._backend.set_optimizer(spec)
         self._optimizer = optimizer
+
+    def save_optimizer_states(self, fname, dump_optimizer=False):
+        """Save the servers' optimizer state (every shard, whole keys) to ``fname``."""
+        merged = states.merge(self._backend.get_states(dump_optimizer), self._parts)
+        states.write_file(fname, merged)
+
+    def load_optimizer_states(self, fname):
+        """Load a file from save_optimizer_states into the servers (collective in dist
+        stores: every worker calls it; rank 0 sends)."""
+        merged = states.read_file(fname)
+        for key, _, _ in merged.get('keys', ()):
+            self._known(key)
+        self._backend.set_states(states.split(merged, self._backend.num_servers, self._parts))
+
+    def _parts(self, key):
+        shape, _ = self._known(key)
+        return self._backend.parts(key, int(np.prod(shape, dtype=np.int64)))
 
     def close(self):
         """Flush and leave the job (also done at interpreter exit)."""

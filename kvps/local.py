@@ -35,8 +35,18 @@ class LocalBackend:
             np.copyto(out, value.reshape(out.shape))
 
     def set_optimizer(self, spec):
-        from .server.updater import Updater  # the optimizer stack loads only when one is used
-        self.shard.set_updater(Updater(spec))
+        self.shard.set_optimizer(spec)
+
+    def get_states(self, dump_optimizer):
+        return [self.shard.get_states(dump_optimizer)]
+
+    def set_states(self, per_server):
+        self.shard.set_states(per_server[0])
+
+    num_servers = 1
+
+    def parts(self, key, size):
+        return [(0, 0, 0, size)]
 
     def barrier(self):
         pass

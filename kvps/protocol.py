@@ -29,16 +29,17 @@ CHECK = 'check'              # {key, dtype, shape}: verify a non-root worker's v
 PUSH = 'push'                # {key, part, dtype, n, sync} + 1 buffer
 PULL = 'pull'                # {key, part}
 SET_OPTIMIZER = 'set_optimizer'  # {spec}
-GET_STATES = 'get_states'    # -> DATA-less reply {states}
-SET_STATES = 'set_states'    # {states}
+GET_STATES = 'get_states'    # {dump}: answered by STATES
+SET_STATES = 'set_states'    # + 1 buffer: the updater state dict, msgpack
 
 # Replies.
 ACK = 'ack'
 DATA = 'data'                # {key, part, dtype, n} + 1 buffer
 ERROR = 'error'              # {type, message, traceback, node}
+STATES = 'states'            # + 1 buffer: the server's updater state dict, msgpack
 
 # How many raw buffers follow the header for each op; ops not listed carry none.
-_BUFFERS = {INIT: 1, PUSH: 1, DATA: 1}
+_BUFFERS = {INIT: 1, PUSH: 1, DATA: 1, SET_STATES: 1, STATES: 1}
 # Header fields each op must carry (beyond op and id), with their accepted types.
 _KEY = (int, str)
 _FIELDS = {
@@ -49,14 +50,14 @@ _FIELDS = {
     PUSH: {'key': _KEY, 'part': int, 'dtype': str, 'n': int, 'sync': bool},
     PULL: {'key': _KEY, 'part': int},
     SET_OPTIMIZER: {'spec': dict},
-    SET_STATES: {'states': dict},
+    GET_STATES: {'dump': bool},
     DATA: {'key': _KEY, 'part': int, 'dtype': str, 'n': int},
     ERROR: {'type': str, 'message': str},
     PEER_LOST: {'role': str, 'reason': str},
 }
 OPS = frozenset([REGISTER, WELCOME, HEARTBEAT, HEARTBEAT_ACK, BARRIER, BARRIER_DONE, FINISH,
                  SHUTDOWN, PEER_LOST, INIT, CHECK, PUSH, PULL, SET_OPTIMIZER, GET_STATES,
-                 SET_STATES, ACK, DATA, ERROR])
+                 SET_STATES, ACK, DATA, ERROR, STATES])
 
 # dtype names on the wire -> numpy storage dtype. bfloat16 travels as its raw 16-bit pattern.
 DTYPES = {
@@ -128,7 +129,7 @@ def _check_buffers(header, buffers, max_message_bytes):
     total = sum(b.nbytes for b in buffers)
     if max_message_bytes is not None and total > max_message_bytes:
         raise ProtocolError(f'{op}: {total} bytes exceeds the limit of {max_message_bytes}')
-    if want:
+    if want and 'dtype' in header:
         expected = header['n'] * np.dtype(DTYPES[header['dtype']]).itemsize
         if buffers[0].nbytes != expected:
             raise ProtocolError(

@@ -1,11 +1,10 @@
 """The scheduler process: owns the ROUTER socket and drives Membership from a poll loop."""
 
 import logging
-import os
-import tempfile
 import time
 
 from .. import protocol as P
+from ..atomic import write_atomically
 from ..errors import KVPSError
 from ..link import decode_or_log
 from ..transport import Poller, Router, bind_host, new_context, resolve
@@ -25,7 +24,7 @@ class Scheduler:
         host = resolve(config.scheduler_host, config.connect_timeout)
         self.port = self.router.bind(bind_host(config, host), config.scheduler_port or 0)
         if config.port_file:
-            _write_atomically(config.port_file, str(self.port))
+            write_atomically(config.port_file, str(self.port))
         self.exit_code = None
         self.started = time.monotonic()
         log.info('scheduler listening on %s:%d', host, self.port)
@@ -142,11 +141,3 @@ class Scheduler:
             self.router.send_to(identity, P.encode(header))
         except KVPSError as exc:  # the peer is gone; liveness reports it
             log.warning('could not send %s to %r: %s', header['op'], identity, exc)
-
-
-def _write_atomically(path, text):
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix='.kvps-port-')
-    with os.fdopen(fd, 'w') as f:
-        f.write(text)
-    os.replace(tmp, path)

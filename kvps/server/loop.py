@@ -4,6 +4,8 @@ import logging
 import time
 import traceback
 
+import msgpack
+
 from .. import protocol as P
 from ..errors import KVPSError, PeerLostError
 from ..link import SchedulerLink, decode_or_log
@@ -104,17 +106,27 @@ class Server:
         return self.shard.pull(token, token[0], h['key'], h['part'])
 
     def _set_optimizer(self, token, h, buffers):
-        from .updater import Updater  # the optimizer stack loads only when one is used
-        self.shard.set_updater(Updater(h['spec']))
+        self.shard.set_optimizer(h['spec'])
+        return [('ack', token, None)]
+
+    def _get_states(self, token, h, buffers):
+        blob = msgpack.packb(self.shard.get_states(h['dump']), use_bin_type=True)
+        return [('states', token, blob)]
+
+    def _set_states(self, token, h, buffers):
+        self.shard.set_states(msgpack.unpackb(buffers[0], raw=False, strict_map_key=False))
         return [('ack', token, None)]
 
     _HANDLERS = {P.INIT: _init, P.CHECK: _check, P.PUSH: _push, P.PULL: _pull,
-                 P.SET_OPTIMIZER: _set_optimizer}
+                 P.SET_OPTIMIZER: _set_optimizer, P.GET_STATES: _get_states,
+                 P.SET_STATES: _set_states}
 
     def _reply_all(self, replies):
         for kind, (identity, req_id), payload in replies:
             if kind == 'ack':
                 frames = P.encode({'op': P.ACK, 'id': req_id})
+            elif kind == 'states':
+                frames = P.encode({'op': P.STATES, 'id': req_id}, [payload])
             elif kind == 'data':
                 entry, array = payload
                 frames = P.encode({'op': P.DATA, 'id': req_id, 'key': entry.key,

@@ -201,5 +201,23 @@ class Shard:
                 'on every worker first (in the same order on every worker)')
         return entry
 
-    def set_updater(self, updater):
-        self.updater = updater
+    def set_optimizer(self, spec):
+        """Run ``spec`` on every later update; re-sending the optimizer in use keeps its
+        state (a resumed job sets the same optimizer again)."""
+        from .updater import Updater  # the optimizer stack loads only when one is used
+        if self.updater is not None and self.updater.optimizer.to_spec() == spec:
+            return
+        self.updater = Updater(spec)
+
+    def get_states(self, dump_optimizer):
+        if self.updater is None:
+            raise ConfigError('no optimizer is set on the servers: there is no state to save')
+        return self.updater.get_states(dump_optimizer)
+
+    def set_states(self, states):
+        if self.updater is None:
+            if 'optimizer' not in states:
+                raise ConfigError('set an optimizer before loading optimizer states (or load a '
+                                  'file saved with dump_optimizer=True)')
+            self.set_optimizer(states['optimizer'])
+        self.updater.set_states(states)

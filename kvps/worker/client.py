@@ -7,6 +7,7 @@ call that waits (pull, barrier, close). Pulls and barriers block, bounded by KVP
 import collections
 import threading
 
+import msgpack
 import numpy as np
 
 from .. import protocol as P
@@ -62,6 +63,38 @@ class DistClient:
                    for s in range(self.num_servers)]
             self._wait_all(ops)
         self.barrier()
+
+    def get_states(self, dump_optimizer):
+        """Every server's updater state, once this worker's pushes are applied."""
+        self.wait_pushes()
+        blobs = [None] * self.num_servers
+        ops = []
+        for server in range(self.num_servers):
+            op = Operation('save_optimizer_states', 1)
+
+            def keep(header, buffers, server=server):
+                blobs[server] = msgpack.unpackb(buffers[0], raw=False, strict_map_key=False)
+            self._submit(server, {'op': P.GET_STATES, 'dump': dump_optimizer}, (),
+                         Request(op, server_name(server), keep))
+            ops.append(op)
+        self._wait_all(ops)
+        return blobs
+
+    def set_states(self, per_server):
+        """Rank 0 loads each server's share; everyone returns when all servers have it."""
+        if self.rank == 0:
+            ops = []
+            for server, states in enumerate(per_server):
+                op = Operation('load_optimizer_states', 1)
+                self._submit(server, {'op': P.SET_STATES},
+                             (msgpack.packb(states, use_bin_type=True),),
+                             Request(op, server_name(server)))
+                ops.append(op)
+            self._wait_all(ops)
+        self.barrier()
+
+    def parts(self, key, size):
+        return [(p.server, p.part, p.start, p.stop) for p in self.placement.parts(key)]
 
     # -- data -----------------------------------------------------------------------------
     def push(self, key, flat, dtype):

@@ -156,3 +156,40 @@ def test_set_optimizer_rejects_non_optimizers():
     kv = kvps.create('local')
     with pytest.raises(TypeError, match='kvps optimizer'):
         kv.set_optimizer(torch.optim.SGD)
+
+
+def test_optimizer_states_round_trip_through_a_file(tmp_path):
+    def run(load=None, save=None, steps=range(3)):
+        kv = kvps.create('local')
+        kv.init('w', np.linspace(0, 1, 10, dtype=np.float32))
+        kv.set_optimizer(kvps.optimizer.create('adam', learning_rate=0.1))
+        if load:
+            kv.load_optimizer_states(load)
+        for step in steps:
+            kv.push('w', np.full(10, step + 1.0, np.float32))
+        if save:
+            kv.save_optimizer_states(save)
+        out = np.zeros(10, np.float32)
+        kv.pull('w', out=out)
+        return kv, out
+    _, straight = run(steps=range(6))
+    kv, half = run(save=tmp_path / 's')
+    kv2 = kvps.create('local')
+    kv2.init('w', half)
+    kv2.set_optimizer(kvps.optimizer.create('adam', learning_rate=0.1))
+    kv2.load_optimizer_states(tmp_path / 's')
+    for step in range(3, 6):
+        kv2.push('w', np.full(10, step + 1.0, np.float32))
+    out = np.zeros(10, np.float32)
+    kv2.pull('w', out=out)
+    assert out.tolist() == straight.tolist()
+
+
+def test_optimizer_state_errors(tmp_path):
+    kv = kvps.create('local')
+    kv.init(0, np.zeros(2, np.float32))
+    with pytest.raises(ConfigError, match='no optimizer'):
+        kv.save_optimizer_states(tmp_path / 'x')
+    (tmp_path / 'junk').write_bytes(b'\xc1\xc1')
+    with pytest.raises(ConfigError, match='not a kvps optimizer-state file'):
+        kv.load_optimizer_states(tmp_path / 'junk')

@@ -1,0 +1,97 @@
+"""Optimizer-state files: per-server updater states merged into whole keys, and split back.
+
+Servers hold optimizer state per (key, part), and how a key is split depends on the number
+of servers. A file stores each key whole (its parts' flat state arrays concatenated in part
+order), so a file saved by one job loads into another with any number of servers, or into a
+'local' store.
+"""
+
+import msgpack
+
+from .atomic import write_atomically
+from .errors import ConfigError
+from .server.updater import STATE_FORMAT
+
+FILE_FORMAT = 'kvps.optimizer_states/1'
+
+
+def merge(server_states, parts_of):
+    """Whole-key state from ``server_states`` (one updater state dict per server).
+
+    ``parts_of(key)`` gives the key's parts as ``[(server, part, start, stop), ...]``.
+    """
+    by_part, counts = {}, {}
+    for states in server_states:
+        for key, part, arrays in states['states']:
+            by_part[(key, part)] = arrays
+        for key, part, count in states['counts']:
+            counts[(key, part)] = count
+    keys = []
+    for key in sorted({k for k, _ in by_part}, key=lambda k: (str(type(k)), k)):
+        parts = parts_of(key)
+        missing = [p for _, p, _, _ in parts if (key, p) not in by_part]
+        if missing:
+            raise ConfigError(f'key {key!r}: no optimizer state for part(s) {missing}')
+        names = by_part[(key, parts[0][1])].keys()
+        whole = {name: _concat([by_part[(key, p)][name] for _, p, _, _ in parts])
+                 for name in names}
+        keys.append([key, max(counts.get((key, p), 0) for _, p, _, _ in parts), whole])
+    merged = {'format': FILE_FORMAT,
+              'num_update': max((s['num_update'] for s in server_states), default=0),
+              'keys': keys}
+    if server_states and 'optimizer' in server_states[0]:
+        merged['optimizer'] = server_states[0]['optimizer']
+    return merged
+
+
+def split(merged, num_servers, parts_of):
+    """Per-server updater state dicts for the current placement of every key."""
+    if not isinstance(merged, dict) or merged.get('format') != FILE_FORMAT:
+        raise ConfigError(f'not a kvps optimizer-state file (format {FILE_FORMAT!r} expected)')
+    out = [{'format': STATE_FORMAT, 'num_update': merged['num_update'], 'counts': [],
+            'states': []} for _ in range(num_servers)]
+    for key, count, whole in merged['keys']:
+        for server, part, start, stop in parts_of(key):
+            out[server]['counts'].append([key, part, count])
+            out[server]['states'].append(
+                [key, part, {name: _slice(blob, start, stop) for name, blob in whole.items()}])
+    if 'optimizer' in merged:
+        for states in out:
+            states['optimizer'] = merged['optimizer']
+    return out
+
+
+def _concat(blobs):
+    dtype = blobs[0]['dtype']
+    if any(b['dtype'] != dtype for b in blobs):
+        raise ConfigError('parts of one key hold optimizer state of different dtypes')
+    return {'dtype': dtype, 'shape': [sum(_count(b) for b in blobs)],
+            'data': b''.join(b['data'] for b in blobs)}
+
+
+def _count(blob):
+    count = 1
+    for dim in blob['shape']:
+        count *= dim
+    return count
+
+
+def _slice(blob, start, stop):
+    itemsize = len(blob['data']) // max(_count(blob), 1)
+    if stop > _count(blob):
+        raise ConfigError(f'optimizer state holds {_count(blob)} elements, the key has {stop}')
+    return {'dtype': blob['dtype'], 'shape': [stop - start],
+            'data': blob['data'][start * itemsize:stop * itemsize]}
+
+
+def write_file(path, merged):
+    """Write atomically: a crash mid-write leaves the previous file intact."""
+    write_atomically(path, msgpack.packb(merged, use_bin_type=True))
+
+
+def read_file(path):
+    with open(path, 'rb') as f:
+        try:
+            return msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
+        except Exception as exc:  # msgpack raises several unrelated types on garbage
+            raise ConfigError(f'{path}: not a kvps optimizer-state file ({exc})') from None
