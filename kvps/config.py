@@ -25,6 +25,13 @@ def _positive_float(text):
     return value
 
 
+def _nonneg_float(text):
+    value = float(text)
+    if not value >= 0:
+        raise ValueError('must be >= 0')
+    return value
+
+
 def _nonneg_int(text):
     value = int(text)
     if value < 0:
@@ -102,6 +109,12 @@ VARS = (
         'Python logging level of kvps nodes (DEBUG, INFO, WARNING, ...).'),
     Var('port_file', ('KVPS_PORT_FILE',), _text, None,
         'Scheduler only: write the bound port to this file (the launcher uses it).'),
+    Var('checkpoint_dir', ('KVPS_CHECKPOINT_DIR',), _text, None,
+        'Servers checkpoint weights and optimizer state here and resume from it on start.'),
+    Var('checkpoint_every', ('KVPS_CHECKPOINT_EVERY',), _nonneg_int, 0,
+        'Checkpoint after this many applied updates (0: off; shutdown always checkpoints).'),
+    Var('checkpoint_seconds', ('KVPS_CHECKPOINT_SECONDS',), _nonneg_float, 0.0,
+        'Checkpoint when this many seconds passed since the last one and something changed.'),
     Var('max_message_bytes', ('KVPS_MAX_MESSAGE_BYTES',), _positive_int, 1 << 31,
         'Largest message a node accepts; larger ones are rejected and logged.'),
 )
@@ -129,6 +142,9 @@ class Config:
     server_device: str = 'cpu'
     log_level: str = 'WARNING'
     port_file: str = None
+    checkpoint_dir: str = None
+    checkpoint_every: int = 0
+    checkpoint_seconds: float = 0.0
     max_message_bytes: int = 1 << 31
 
     @classmethod

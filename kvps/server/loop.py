@@ -10,6 +10,7 @@ from .. import protocol as P
 from ..errors import KVPSError, PeerLostError
 from ..link import SchedulerLink, decode_or_log
 from ..transport import Poller, Router, bind_host, new_context
+from .checkpoint import Checkpointer
 from .shard import Shard
 
 log = logging.getLogger('kvps.server')
@@ -28,6 +29,14 @@ class Server:
         self.rank = welcome['rank']
         self.name = f'server {self.rank}'
         self.shard = Shard(welcome['num_workers'])
+        self.checkpointer = None
+        if config.checkpoint_dir:
+            self.checkpointer = Checkpointer(config.checkpoint_dir, self.rank,
+                                             welcome['num_servers'], config.checkpoint_every,
+                                             config.checkpoint_seconds, time.monotonic())
+            if self.checkpointer.load(self.shard):
+                log.info('%s resumed %d key parts from %s', self.name,
+                         len(self.shard.entries), self.checkpointer.path)
         self.exit_code = None
         log.info('%s serving on %s:%d', self.name, self.link.host, port)
 
@@ -45,6 +54,7 @@ class Server:
                     else:
                         self._from_scheduler()
                 self._tick()
+            self._checkpoint()   # a clean or aborted end keeps every applied round
         finally:
             self.router.close()
             self.link.close()
@@ -52,11 +62,18 @@ class Server:
         return self.exit_code
 
     def _tick(self):
+        now = time.monotonic()
         try:
-            self.link.tick(time.monotonic())
+            self.link.tick(now)
         except PeerLostError as exc:
             log.error('%s: %s', self.name, exc)
             self.exit_code = 1
+        if self.checkpointer and self.checkpointer.due(self.shard.updates, now):
+            self._checkpoint()
+
+    def _checkpoint(self):
+        if self.checkpointer is not None:
+            self.checkpointer.write(self.shard, time.monotonic())
 
     def _from_scheduler(self):
         header = self.link.next_message()

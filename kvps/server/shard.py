@@ -39,6 +39,7 @@ class Entry:
     deferred: list = dataclasses.field(default_factory=list)  # (round needed, token)
     snapshot: np.ndarray = None
     snapshot_version: int = -1
+    restored: bool = False                # from a checkpoint, not yet claimed by an init
 
     @property
     def n(self):
@@ -61,13 +62,25 @@ class Shard:
         self.updater = updater
         self.entries = {}          # (key, part) -> Entry
         self.finished = {}         # worker -> pushes it made per key, frozen at finish
+        self.updates = 0           # updates applied over all keys (drives checkpoints)
 
     # -- init -----------------------------------------------------------------------------
     def init(self, token, key, part, dtype, shape, sync, data):
-        if (key, part) in self.entries:
+        existing = self.entries.get((key, part))
+        if existing is not None and existing.restored:
+            return self._claim_restored(token, existing, dtype, shape, sync, len(data))
+        if existing is not None:
             raise DuplicateInitError(f'key {key!r} is already initialized')
         weight = np.array(np.frombuffer(data, dtype=DTYPES[dtype]), copy=True)
         self.entries[(key, part)] = Entry(key, part, dtype, tuple(shape), sync, weight)
+        return [('ack', token, None)]
+
+    def _claim_restored(self, token, entry, dtype, shape, sync, nbytes):
+        """A resumed job inits a key the checkpoint holds: the checkpoint's value wins."""
+        if entry.dtype != dtype or entry.shape != tuple(shape) or nbytes != entry.weight.nbytes:
+            raise ShapeError(f'key {entry.key!r}: init with {tuple(shape)} {dtype}, but the '
+                             f'checkpoint holds {entry.shape} {entry.dtype}')
+        entry.restored, entry.sync = False, sync
         return [('ack', token, None)]
 
     def check(self, token, key, dtype, shape):
@@ -151,6 +164,7 @@ class Shard:
                 np.copyto(entry.merge, np.frombuffer(data, dtype=entry.weight.dtype))
             self.updater.update(entry.key, entry.weight, entry.merge, part=entry.part)
         entry.version += 1
+        self.updates += 1
 
     # -- pull -----------------------------------------------------------------------------
     def pull(self, token, worker, key, part):

@@ -104,3 +104,19 @@ def test_dist_sync_matches_local_and_states_survive_a_new_job(job, tmp_path, nam
     uninterrupted = local_run(name, 0, 7)
     for res in second.results().values():
         assert res['weights'] == uninterrupted
+
+
+def test_servers_resume_from_their_checkpoint_directory(job, tmp_path):
+    env = {'OPT': 'adam', 'TEST_DIR': str(Path(__file__).parent), 'KVPS_BIGARRAY_BOUND': '1000',
+           'KVPS_CHECKPOINT_DIR': str(tmp_path / 'ckpt')}
+    first = job(SCRIPT, 2, 2, env={**env, 'FIRST': '0', 'STEPS': '4'})
+    assert first.returncode == 0, first.output
+    assert sorted(p.name for p in (tmp_path / 'ckpt').iterdir()) == [
+        'server-0-of-2.kvps', 'server-1-of-2.kvps']
+    # New servers, same directory: init values are ignored for restored keys, the optimizer
+    # state carries on, and training continues as if it never stopped.
+    second = job(SCRIPT, 2, 2, env={**env, 'FIRST': '4', 'STEPS': '3'})
+    assert second.returncode == 0, second.output
+    expected = local_run('adam', 0, 7)
+    for res in second.results().values():
+        assert res['weights'] == expected

@@ -1,0 +1,79 @@
+"""Server checkpoints: every key part's weight and the optimizer state, written atomically.
+
+A server started with KVPS_CHECKPOINT_DIR resumes from its file (one per rank and job size):
+restored keys keep their checkpointed values when workers `init` them again (shape and dtype
+are checked), and the optimizer resumes with its state and update counts. Checkpoints are
+taken between messages, so every key is at a round boundary; keys may differ by the rounds
+applied since the last checkpoint when a server dies, which is why a clean shutdown always
+checkpoints.
+"""
+
+import os
+
+import msgpack
+import numpy as np
+
+from ..atomic import write_atomically
+from ..errors import ConfigError
+from ..protocol import DTYPES
+from .shard import Entry
+
+FORMAT = 'kvps.server_checkpoint/1'
+
+
+def path_for(directory, rank, num_servers):
+    return os.path.join(directory, f'server-{rank}-of-{num_servers}.kvps')
+
+
+def snapshot(shard):
+    """The shard's weights and optimizer state as bytes."""
+    entries = [[e.key, e.part, e.dtype, list(e.shape), e.sync, e.weight.tobytes()]
+               for e in shard.entries.values()]
+    updater = shard.updater.get_states(dump_optimizer=True) if shard.updater else None
+    return msgpack.packb({'format': FORMAT, 'entries': entries, 'updater': updater},
+                         use_bin_type=True)
+
+
+def restore(shard, blob):
+    """Load ``blob`` (from snapshot) into an empty shard; raise ConfigError if it is not one."""
+    try:
+        state = msgpack.unpackb(blob, raw=False, strict_map_key=False)
+        if state.get('format') != FORMAT:
+            raise ValueError(f'format {state.get("format")!r}')
+        for key, part, dtype, shape, sync, data in state['entries']:
+            weight = np.frombuffer(data, dtype=DTYPES[dtype]).copy()
+            shard.entries[(key, part)] = Entry(key, part, dtype, tuple(shape), sync, weight,
+                                               restored=True)
+    except (ValueError, KeyError, TypeError, AttributeError,
+            msgpack.UnpackException) as exc:
+        raise ConfigError(f'unreadable server checkpoint: {exc!r}') from None
+    if state['updater'] is not None:
+        shard.set_states(state['updater'])
+
+
+class Checkpointer:
+    """Decides when a checkpoint is due and writes it."""
+
+    def __init__(self, directory, rank, num_servers, every=0, seconds=0.0, now=0.0):
+        os.makedirs(directory, exist_ok=True)
+        self.path = path_for(directory, rank, num_servers)
+        self.every, self.seconds = every, seconds
+        self._last_updates, self._last_time = 0, now
+
+    def load(self, shard):
+        """Resume ``shard`` from this server's file if there is one; return whether it did."""
+        if not os.path.exists(self.path):
+            return False
+        with open(self.path, 'rb') as f:
+            restore(shard, f.read())
+        self._last_updates = shard.updates
+        return True
+
+    def due(self, updates, now):
+        changed = updates > self._last_updates
+        return changed and ((self.every and updates - self._last_updates >= self.every) or
+                            (self.seconds and now - self._last_time >= self.seconds))
+
+    def write(self, shard, now):
+        write_atomically(self.path, snapshot(shard))
+        self._last_updates, self._last_time = shard.updates, now

@@ -1,0 +1,66 @@
+"""Server checkpoints: exact round trip, the resume rule for init, and when one is due."""
+
+import numpy as np
+import pytest
+
+from kvps.errors import ConfigError, DuplicateInitError, ShapeError
+from kvps.optimizer import create
+from kvps.server.checkpoint import Checkpointer, restore, snapshot
+from kvps.server.shard import Shard
+
+W0 = b'worker-0'
+
+
+def buf(values, dtype=np.float32):
+    return memoryview(np.asarray(values, dtype=dtype)).cast('B')
+
+
+def trained_shard():
+    shard = Shard(1)
+    shard.init(None, 'w', 0, 'float32', [2, 2], True, buf([1, 2, 3, 4]))
+    shard.init(None, 7, 1, 'float16', [3], False, buf([1, 1, 1], np.float16))
+    shard.set_optimizer(create('adam', learning_rate=0.1).to_spec())
+    for _ in range(3):
+        shard.push(None, W0, 'w', 0, 'float32', True, buf([1, -1, 2, -2]))
+    return shard
+
+
+def test_snapshot_restores_weights_and_optimizer_exactly():
+    shard = trained_shard()
+    resumed = Shard(1)
+    restore(resumed, snapshot(shard))
+    assert resumed.entries[('w', 0)].weight.tolist() == shard.entries[('w', 0)].weight.tolist()
+    assert resumed.entries[(7, 1)].weight.dtype == np.float16
+    for s in (shard, resumed):
+        s.push(None, W0, 'w', 0, 'float32', True, buf([1, 1, 1, 1]))
+    assert resumed.entries[('w', 0)].weight.tolist() == shard.entries[('w', 0)].weight.tolist()
+
+
+def test_init_of_a_restored_key_keeps_the_checkpoint_once():
+    resumed = Shard(1)
+    restore(resumed, snapshot(trained_shard()))
+    before = resumed.entries[('w', 0)].weight.tolist()
+    resumed.init(None, 'w', 0, 'float32', [2, 2], True, buf([0, 0, 0, 0]))
+    assert resumed.entries[('w', 0)].weight.tolist() == before
+    with pytest.raises(DuplicateInitError):
+        resumed.init(None, 'w', 0, 'float32', [2, 2], True, buf([0, 0, 0, 0]))
+    with pytest.raises(ShapeError, match='checkpoint holds'):
+        resumed.init(None, 7, 1, 'float16', [4], False, buf([0, 0, 0, 0], np.float16))
+
+
+def test_garbage_is_not_a_checkpoint():
+    with pytest.raises(ConfigError, match='unreadable server checkpoint'):
+        restore(Shard(1), b'\x93\x01\x02\x03')
+
+
+def test_due_by_updates_or_seconds_and_only_after_changes(tmp_path):
+    by_count = Checkpointer(str(tmp_path), 0, 1, every=3, now=0)
+    assert not by_count.due(2, now=100) and by_count.due(3, now=0)
+    by_time = Checkpointer(str(tmp_path), 0, 1, seconds=10, now=0)
+    assert not by_time.due(1, now=5) and by_time.due(1, now=10)
+    shard = trained_shard()
+    by_time.write(shard, now=10)
+    assert not by_time.due(shard.updates, now=50)       # nothing changed since
+    resumed = Shard(1)
+    assert Checkpointer(str(tmp_path), 0, 1).load(resumed)
+    assert not Checkpointer(str(tmp_path), 1, 2).load(Shard(1))   # other rank: fresh start
