@@ -115,6 +115,12 @@ VARS = (
         'Checkpoint after this many applied updates (0: off; shutdown always checkpoints).'),
     Var('checkpoint_seconds', ('KVPS_CHECKPOINT_SECONDS',), _nonneg_float, 0.0,
         'Checkpoint when this many seconds passed since the last one and something changed.'),
+    Var('secret', ('KVPS_SECRET',), _text, None,
+        'Job secret: every message is authenticated with it (the launcher makes one).'),
+    Var('secret_file', ('KVPS_SECRET_FILE',), _text, None,
+        'File holding the job secret (for clusters started by hand).'),
+    Var('auth_payload', ('KVPS_AUTH_PAYLOAD',), _flag, False,
+        'Also authenticate array payloads, not only headers (costs a hash of every byte).'),
     Var('max_message_bytes', ('KVPS_MAX_MESSAGE_BYTES',), _positive_int, 1 << 31,
         'Largest message a node accepts; larger ones are rejected and logged.'),
 )
@@ -145,7 +151,30 @@ class Config:
     checkpoint_dir: str = None
     checkpoint_every: int = 0
     checkpoint_seconds: float = 0.0
+    secret: str = None
+    secret_file: str = None
+    auth_payload: bool = False
     max_message_bytes: int = 1 << 31
+
+    def __repr__(self):  # never print the secret in logs or tracebacks
+        fields = ', '.join(f'{f.name}={"***" if f.name == "secret" and self.secret else getattr(self, f.name)!r}'
+                           for f in dataclasses.fields(self))
+        return f'Config({fields})'
+
+    def secret_value(self):
+        """The job secret from KVPS_SECRET or KVPS_SECRET_FILE, or None (no authentication)."""
+        if self.secret:
+            return self.secret
+        if self.secret_file:
+            try:
+                with open(self.secret_file, encoding='utf-8') as f:
+                    text = f.read().strip()
+            except OSError as exc:
+                raise ConfigError(f'KVPS_SECRET_FILE={self.secret_file!r}: {exc}') from None
+            if not text:
+                raise ConfigError(f'KVPS_SECRET_FILE={self.secret_file!r} is empty')
+            return text
+        return None
 
     @classmethod
     def from_env(cls, environ=None):
@@ -182,3 +211,15 @@ class Config:
             if value is not None and value != var.default:
                 env[var.names[0]] = str(int(value) if isinstance(value, bool) else value)
         return env
+
+
+def markdown_table():
+    """README's table of environment variables, generated so it cannot drift from VARS."""
+    rows = ['| variable | ps-lite / MXNet name | default | meaning |', '|---|---|---|---|']
+    for var in VARS:
+        alias = ', '.join(f'`{n}`' for n in var.names[1:]) or '—'
+        default = var.default
+        text = ('—' if default is None else str(int(default)) if isinstance(default, bool)
+                else f'{default:g}' if isinstance(default, float) else str(default))
+        rows.append(f'| `{var.names[0]}` | {alias} | {text} | {var.doc} |')
+    return '\n'.join(rows)

@@ -10,6 +10,7 @@ import sys
 import tempfile
 
 from ._launch_supervise import ProcSpec, Supervisor, forwarding_signals
+from .auth import new_secret
 from .config import VARS, Config
 from .errors import ConfigError
 
@@ -93,6 +94,9 @@ def build_parser():
                        help=f'{var.doc} Passed down as {var.names[0]}.')
     p.add_argument('--env', dest='env', action='append', default=[], type=_assignment,
                    metavar='NAME=VALUE', help='set NAME=VALUE for every process (repeatable)')
+    p.add_argument('--no-auth', dest='auth', action='store_false',
+                   help='do not generate a job secret (by default every message of the job is '
+                        'authenticated with a fresh KVPS_SECRET, unless one is already set)')
     p.add_argument('--grace', type=_grace, default=DEFAULT_GRACE, metavar='SEC',
                    help='seconds between SIGTERM and SIGKILL when stopping (default 5)')
     p.add_argument('command', nargs=argparse.REMAINDER,
@@ -156,7 +160,9 @@ def plan_nodes(opts, environ, port, node_argv=NODE_ARGV):
 
 def run(opts, environ=None, node_argv=NODE_ARGV, out=None, err=None):
     """Start the job planned from `opts`, supervise it, and return the launcher's exit code."""
-    environ = os.environ.copy() if environ is None else environ
+    environ = os.environ.copy() if environ is None else dict(environ)
+    if opts.auth and not any(environ.get(n) for n in ('KVPS_SECRET', 'KVPS_SECRET_FILE')):
+        environ['KVPS_SECRET'] = new_secret()   # one secret for the whole job
     with tempfile.TemporaryDirectory(prefix='kvps-launch-') as tmp:
         port_file = os.path.join(tmp, 'scheduler.port')
         scheduler = plan_scheduler(opts, environ, port_file, node_argv)

@@ -7,7 +7,7 @@ import uuid
 
 from . import protocol as P
 from .errors import ConfigError, PeerLostError, ProtocolError, RequestTimeout, from_remote
-from .transport import Dealer, advertised_host, resolve
+from .transport import Dealer, advertised_host, guard_from, resolve
 
 log = logging.getLogger('kvps')
 
@@ -19,7 +19,8 @@ class SchedulerLink:
         self.config, self.role = config, role
         self.scheduler_ip = resolve(config.scheduler_host, config.connect_timeout)
         self.host = advertised_host(config, self.scheduler_ip)
-        self.socket = Dealer(ctx, f'{role}-{uuid.uuid4().hex[:12]}'.encode())
+        self.socket = Dealer(ctx, f'{role}-{uuid.uuid4().hex[:12]}'.encode(),
+                             guard_from(config))
         self.socket.connect(self.scheduler_ip, config.scheduler_port)
         self.welcome = None
         self._last_heard = self._last_sent = time.monotonic()
@@ -42,20 +43,19 @@ class SchedulerLink:
                     'nodes to register (KVPS_CONNECT_TIMEOUT)')
             if not poll(int(min(left, 1.0) * 1000)):
                 continue
-            header, _ = self.receive()
+            header = self.next_message()
+            if header is None:
+                continue
             if header['op'] == P.WELCOME:
                 self.welcome = header
                 return header
             self.raise_if_fatal(header)
 
-    def receive(self):
-        header, buffers = P.decode(self.socket.recv(), self.config.max_message_bytes)
-        self._last_heard = time.monotonic()
-        return header, buffers
-
     def next_message(self):
         """The scheduler's next header, or None if it was malformed (logged, not fatal)."""
         frames = self.socket.recv()
+        if frames is None:
+            return None
         self._last_heard = time.monotonic()
         decoded = decode_or_log(frames, self.config, 'the scheduler')
         return None if decoded is None else decoded[0]
@@ -93,7 +93,10 @@ class SchedulerLink:
 
 
 def decode_or_log(frames, config, source):
-    """Decode a message; on ProtocolError log the reason and return None (keep serving)."""
+    """Decode a message; on ProtocolError log the reason and return None (keep serving).
+    ``frames`` is None when authentication already refused the message (and logged why)."""
+    if frames is None:
+        return None
     try:
         return P.decode(frames, config.max_message_bytes)
     except ProtocolError as exc:

@@ -1,6 +1,7 @@
 """The only module importing zmq: sockets, zero-copy send/recv, polling, addresses, error mapping."""
 
 import fcntl
+import logging
 import socket
 import struct
 import threading
@@ -8,7 +9,10 @@ import time
 
 import zmq
 
-from .errors import ConfigError, TransportError
+from .auth import TO_DEALER, TO_ROUTER, Guard
+from .errors import AuthError, ConfigError, TransportError
+
+log = logging.getLogger('kvps.transport')
 
 _LOOPBACK_NAMES = ('127.0.0.1', 'localhost', '::1')
 
@@ -17,10 +21,17 @@ def new_context():
     return zmq.Context(io_threads=1)
 
 
+def guard_from(config):
+    """A fresh Guard when the job has a secret (one per socket: sessions are per socket)."""
+    secret = config.secret_value()
+    return Guard(secret, config.auth_payload) if secret else None
+
+
 class Socket:
     """One zmq socket used by exactly one thread; frames go out and come in without copies."""
 
-    def __init__(self, ctx, kind, identity=None):
+    def __init__(self, ctx, kind, identity=None, guard=None):
+        self.guard = guard
         self._sock = ctx.socket(kind)
         self._sock.setsockopt(zmq.LINGER, 2000)
         # kvps bounds memory with its own in-flight window; zmq must never drop silently.
@@ -55,8 +66,8 @@ class Socket:
 class Router(Socket):
     """A bound ROUTER: receives ``[identity, *frames]`` and answers by identity."""
 
-    def __init__(self, ctx):
-        super().__init__(ctx, zmq.ROUTER)
+    def __init__(self, ctx, guard=None):
+        super().__init__(ctx, zmq.ROUTER, guard=guard)
         # Replying to a peer that is gone raises instead of vanishing silently.
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
 
@@ -73,18 +84,32 @@ class Router(Socket):
             raise TransportError(f'cannot bind {host}:{port}: {exc}') from None
 
     def recv_from(self):
+        """``(identity, frames)``; frames is None when authentication refused the message."""
         frames = self.recv()
-        return bytes(frames[0]), frames[1:]
+        identity = bytes(frames[0])
+        return identity, _verified(self.guard, frames[1:], TO_ROUTER, identity)
 
     def send_to(self, identity, frames):
-        self.send([identity, *frames])
+        if self.guard is not None:
+            frames = self.guard.sign(frames, TO_DEALER, identity)
+        Socket.send(self, [identity, *frames])
 
 
 class Dealer(Socket):
-    """A connecting DEALER with a fixed identity."""
+    """A connecting DEALER with a fixed identity; signs and verifies when it has a guard."""
 
-    def __init__(self, ctx, identity):
-        super().__init__(ctx, zmq.DEALER, identity)
+    def __init__(self, ctx, identity, guard=None):
+        super().__init__(ctx, zmq.DEALER, identity, guard)
+        self.identity = identity
+
+    def send(self, frames):
+        if self.guard is not None:
+            frames = self.guard.sign(frames, TO_ROUTER, self.identity)
+        super().send(frames)
+
+    def recv(self):
+        """The frames of one message, or None when authentication refused it."""
+        return _verified(self.guard, super().recv(), TO_DEALER, self.identity)
 
     def connect(self, host, port):
         self._sock.connect(f'tcp://{_bracket(host)}:{port}')
@@ -142,6 +167,16 @@ class Waker:
         with self._lock:
             self._push.close(linger=0)
         self.socket.close(0)
+
+
+def _verified(guard, frames, direction, identity):
+    if guard is None:
+        return frames
+    try:
+        return guard.verify(frames, direction, identity)
+    except AuthError as exc:
+        log.warning('refused a message from %r: %s', identity, exc)
+        return None
 
 
 def _bracket(host):

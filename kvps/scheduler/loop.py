@@ -7,7 +7,7 @@ from .. import protocol as P
 from ..atomic import write_atomically
 from ..errors import KVPSError
 from ..link import decode_or_log
-from ..transport import Poller, Router, bind_host, new_context, resolve
+from ..transport import Poller, Router, bind_host, guard_from, new_context, resolve
 from .membership import Membership
 
 log = logging.getLogger('kvps.scheduler')
@@ -20,7 +20,7 @@ class Scheduler:
         self.config = config.require_cluster()
         self.members = Membership(config.num_workers, config.num_servers)
         self.ctx = new_context()
-        self.router = Router(self.ctx)
+        self.router = Router(self.ctx, guard_from(config))
         host = resolve(config.scheduler_host, config.connect_timeout)
         self.port = self.router.bind(bind_host(config, host), config.scheduler_port or 0)
         if config.port_file:

@@ -9,7 +9,7 @@ import msgpack
 from .. import protocol as P
 from ..errors import KVPSError, PeerLostError
 from ..link import SchedulerLink, decode_or_log
-from ..transport import Poller, Router, bind_host, new_context
+from ..transport import Poller, Router, bind_host, guard_from, new_context
 from .checkpoint import Checkpointer
 from .shard import Shard
 
@@ -23,12 +23,14 @@ class Server:
         self.config = config.require_cluster()
         self.ctx = new_context()
         self.link = SchedulerLink(self.ctx, config, 'server')
-        self.router = Router(self.ctx)
+        self.router = Router(self.ctx, guard_from(config))
         port = self.router.bind(bind_host(config, self.link.host), 0)
         welcome = self.link.register(port)
         self.rank = welcome['rank']
         self.name = f'server {self.rank}'
         self.shard = Shard(welcome['num_workers'])
+        # Only the job's workers may talk to a server; anyone else is refused and logged.
+        self.workers = {P.worker_identity(r) for r in range(welcome['num_workers'])}
         self.checkpointer = None
         if config.checkpoint_dir:
             self.checkpointer = Checkpointer(config.checkpoint_dir, self.rank,
@@ -91,6 +93,10 @@ class Server:
 
     # -- worker requests --------------------------------------------------------------------
     def _serve(self, identity, frames):
+        if identity not in self.workers:
+            log.warning('%s: refused a message from %r: not a worker of this job',
+                        self.name, identity)
+            return
         decoded = decode_or_log(frames, self.config, identity)
         if decoded is None:
             return

@@ -14,7 +14,7 @@ import time
 from .. import protocol as P
 from ..errors import KVPSError, PeerLostError
 from ..link import SchedulerLink, decode_or_log
-from ..transport import Dealer, Poller, Waker, new_context
+from ..transport import Dealer, Poller, Waker, guard_from, new_context
 from .pending import PendingTable
 
 log = logging.getLogger('kvps.worker')
@@ -82,7 +82,7 @@ class WorkerIO(threading.Thread):
     def _connect_servers(self, welcome):
         identity = P.worker_identity(welcome['rank'])
         for rank, (host, port) in enumerate(welcome['servers']):
-            dealer = Dealer(self.ctx, identity)
+            dealer = Dealer(self.ctx, identity, guard_from(self.config))
             dealer.connect(host, port)
             self._servers.append(dealer)
             self._by_socket[dealer] = server_name(rank)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvps.config import VARS, Config
+from kvps.config import VARS, Config, markdown_table
 from kvps.errors import ConfigError
 
 DMLC = {'DMLC_ROLE': 'worker', 'DMLC_PS_ROOT_URI': '10.0.0.1', 'DMLC_PS_ROOT_PORT': '9091',
@@ -47,9 +47,10 @@ def test_to_env_round_trips():
     assert Config.from_env(c.to_env()) == c
 
 
-def test_every_variable_is_documented_in_readme():
+def test_readme_lists_every_variable_as_config_describes_it():
     from pathlib import Path
     readme = (Path(__file__).resolve().parents[2] / 'README.md').read_text()
+    assert markdown_table() in readme, 'regenerate README\'s table: kvps.config.markdown_table()'
     for var in VARS:
         for name in var.names:
             assert f'`{name}`' in readme, f'{name} missing from README'
