@@ -121,11 +121,14 @@ class KVStore:
         """Write the current values into ``out`` (in place), after this worker's pushes."""
         if out is None:
             raise TypeError('pull needs out= (the arrays to write into)')
-        for k, targets in self._pairs(key, out):
+        pairs = self._pairs(key, out)
+        for k, targets in pairs:
             shape, dtype = self._known(k)
             for t in targets:
                 arrays.check_like(t, shape, dtype, k, 'pull target')
-            self._backend.pull(k, targets[0], dtype)
+        self._backend.pull([(k, arrays.as_numpy(targets[0]), self._meta[k][1])
+                            for k, targets in pairs])
+        for _, targets in pairs:   # one value per device: the first target feeds the rest
             first = arrays.as_numpy(targets[0])
             for t in targets[1:]:
                 arrays.as_numpy(t)[...] = first

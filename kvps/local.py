@@ -26,13 +26,15 @@ class LocalBackend:
     def push(self, key, flat, dtype):
         self.shard.push(None, _ME, key, 0, dtype, True, memoryview(flat).cast('B'))
 
-    def pull(self, key, out, dtype):
-        (_, _, (entry, value)), = self.shard.pull(None, _ME, key, 0)
-        flat = writable_flat(out)
-        if flat is not None:
-            np.copyto(flat, value)
-        else:
-            np.copyto(out, value.reshape(out.shape))
+    def pull(self, items):
+        for key, out, _ in items:
+            (_, _, (_, value, lease)), = self.shard.pull(None, _ME, key, 0)
+            flat = writable_flat(out)
+            if flat is not None:
+                np.copyto(flat, value)
+            else:
+                np.copyto(out, value.reshape(out.shape))
+            lease.released = True
 
     def set_optimizer(self, spec):
         self.shard.set_optimizer(spec)

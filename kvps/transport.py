@@ -39,16 +39,21 @@ class Socket:
         self._sock.setsockopt(zmq.RCVHWM, 0)
         if identity is not None:
             self._sock.setsockopt(zmq.IDENTITY, identity)
+        # Frames below this are copied: cheaper than tracking a zero-copy frame, whose release
+        # wakes pyzmq's garbage-collector thread (and needs the GIL) once per frame.
+        self._sock.copy_threshold = 1 << 18
 
     @property
     def raw(self):
         return self._sock
 
-    def send(self, frames):
+    def send(self, frames, track=False):
         """Queue a message without ever blocking: a loop thread that blocks in send cannot
-        notice that its peer is gone. A full or vanished peer raises TransportError."""
+        notice that its peer is gone. A full or vanished peer raises TransportError.
+        With ``track``, return a tracker whose ``done`` says zmq has released the last frame."""
         try:
-            self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            return self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False,
+                                             track=track)
         except zmq.ZMQError as exc:
             raise TransportError(f'send failed: {exc}') from None
 
@@ -89,10 +94,10 @@ class Router(Socket):
         identity = bytes(frames[0])
         return identity, _verified(self.guard, frames[1:], TO_ROUTER, identity)
 
-    def send_to(self, identity, frames):
+    def send_to(self, identity, frames, track=False):
         if self.guard is not None:
             frames = self.guard.sign(frames, TO_DEALER, identity)
-        Socket.send(self, [identity, *frames])
+        return Socket.send(self, [identity, *frames], track)
 
 
 class Dealer(Socket):

@@ -151,14 +151,23 @@ class Server:
             elif kind == 'states':
                 frames = P.encode({'op': P.STATES, 'id': req_id}, [payload])
             elif kind == 'data':
-                entry, array = payload
-                frames = P.encode({'op': P.DATA, 'id': req_id, 'key': entry.key,
-                                   'part': entry.part, 'dtype': entry.dtype, 'n': entry.n},
-                                  [array])
+                self._send_data(identity, req_id, *payload)
+                continue
             else:
                 exc, tb = payload if isinstance(payload, tuple) else (payload, '')
                 frames = P.encode(P.error_header(req_id, exc, self.name, tb))
-            try:
-                self.router.send_to(identity, frames)
-            except KVPSError as exc:  # that worker is gone; liveness will report it
-                log.info('%s: could not answer %r: %s', self.name, identity, exc)
+            self._send(identity, frames)
+
+    def _send_data(self, identity, req_id, entry, array, lease):
+        """Send a weight without copying it; the lease tells the shard when zmq is done."""
+        frames = P.encode({'op': P.DATA, 'id': req_id, 'key': entry.key, 'part': entry.part,
+                           'dtype': entry.dtype, 'n': entry.n}, [array])
+        lease.tracker = self._send(identity, frames, track=True)
+        lease.released = lease.tracker is None
+
+    def _send(self, identity, frames, track=False):
+        try:
+            return self.router.send_to(identity, frames, track)
+        except KVPSError as exc:  # that worker is gone; liveness will report it
+            log.info('%s: could not answer %r: %s', self.name, identity, exc)
+            return None

@@ -2,7 +2,7 @@
 
 Every method takes a ``token`` naming the request (opaque here: the loop uses it to address
 the reply) and returns a list of replies ``(kind, token, payload)`` with kind 'ack', 'data'
-(payload: the Entry and a snapshot array) or 'error' (payload: the exception). Nothing here
+(payload: the Entry, its weight and the Lease on it) or 'error' (payload: the exception). Nothing here
 touches a socket, so every rule below is unit-tested directly.
 
 Sync rounds: the n-th push of a key from a worker belongs to round n. A round completes when
@@ -21,6 +21,24 @@ from ..errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInitial
 from ..protocol import DTYPES
 
 
+class Lease:
+    """A buffer lent to an outgoing reply. Until the transport is done with it (the loop sets
+    ``tracker``), or the local store has copied it (``released``), it must not be written."""
+
+    __slots__ = ('tracker', 'released')
+
+    def __init__(self):
+        self.tracker, self.released = None, False
+
+    @property
+    def done(self):
+        return self.released or (self.tracker is not None and self.tracker.done)
+
+
+def _in_use(leases):
+    return any(not lease.done for lease in leases)
+
+
 @dataclasses.dataclass(eq=False)
 class Entry:
     """One key part held by this server."""
@@ -37,21 +55,34 @@ class Entry:
     held: list = dataclasses.field(default_factory=list)     # tokens acked at round end
     queued: list = dataclasses.field(default_factory=list)   # (worker, round, data, token)
     deferred: list = dataclasses.field(default_factory=list)  # (round needed, token)
-    snapshot: np.ndarray = None
-    snapshot_version: int = -1
+    weight_leases: list = dataclasses.field(default_factory=list)
+    merge_leases: list = dataclasses.field(default_factory=list)
     restored: bool = False                # from a checkpoint, not yet claimed by an init
 
     @property
     def n(self):
         return self.weight.size
 
-    def view(self):
-        """The weight as it is now, frozen: replies leave the process later than they are made,
-        and the next update must not change bytes already promised to a puller."""
-        if self.snapshot_version != self.version:
-            self.snapshot = self.weight.copy()
-            self.snapshot_version = self.version
-        return self.snapshot
+    def lend(self):
+        """``(weight, lease)`` for a pull reply: the weight itself, not a copy. Replies leave
+        the process after later updates may run, so writers copy a lent buffer first
+        (copy-on-write): a pull costs no copy unless an update overtakes its send."""
+        self.weight_leases = [l for l in self.weight_leases if not l.done]
+        lease = Lease()
+        self.weight_leases.append(lease)
+        return self.weight, lease
+
+    def writable_weight(self):
+        if _in_use(self.weight_leases):
+            self.weight = self.weight.copy()
+        self.weight_leases = []
+        return self.weight
+
+    def writable_merge(self):
+        if self.merge is None or _in_use(self.merge_leases):
+            self.merge = np.empty_like(self.weight)
+        self.merge_leases = []
+        return self.merge
 
 
 class Shard:
@@ -127,12 +158,10 @@ class Shard:
 
     def _merge(self, entry, worker, data, token):
         grad = np.frombuffer(data, dtype=entry.weight.dtype)
-        if entry.merge is None:
-            entry.merge = np.empty_like(entry.weight)
         if entry.merged:
             np.add(entry.merge, grad, out=entry.merge)
         else:
-            np.copyto(entry.merge, grad)
+            np.copyto(entry.writable_merge(), grad)
         entry.merged.add(worker)
         entry.held.append(token)
 
@@ -154,15 +183,14 @@ class Shard:
         """Run the update with the round's sum (sync) or one push (async); no optimizer: replace."""
         if self.updater is None:
             if copy_grad:
-                np.copyto(entry.weight, np.frombuffer(data, dtype=entry.weight.dtype))
+                np.copyto(entry.writable_weight(), np.frombuffer(data, dtype=entry.weight.dtype))
             else:  # the merge buffer becomes the weight; the old weight is the next scratch
                 entry.weight, entry.merge = entry.merge, entry.weight
+                entry.weight_leases, entry.merge_leases = [], entry.weight_leases
         else:
             if copy_grad:
-                if entry.merge is None:
-                    entry.merge = np.empty_like(entry.weight)
-                np.copyto(entry.merge, np.frombuffer(data, dtype=entry.weight.dtype))
-            self.updater.update(entry.key, entry.weight, entry.merge, part=entry.part)
+                np.copyto(entry.writable_merge(), np.frombuffer(data, dtype=entry.weight.dtype))
+            self.updater.update(entry.key, entry.writable_weight(), entry.merge, part=entry.part)
         entry.version += 1
         self.updates += 1
 
@@ -173,12 +201,12 @@ class Shard:
         if needed > entry.version:
             entry.deferred.append((needed, token))
             return []
-        return [('data', token, (entry, entry.view()))]
+        return [('data', token, (entry, *entry.lend()))]
 
     def _answer_deferred(self, entry):
         ready = [t for need, t in entry.deferred if need <= entry.version]
         entry.deferred = [(need, t) for need, t in entry.deferred if need > entry.version]
-        return [('data', t, (entry, entry.view())) for t in ready] if ready else []
+        return [('data', t, (entry, *entry.lend())) for t in ready]
 
     # -- workers leaving ------------------------------------------------------------------
     def worker_finished(self, worker):

@@ -106,25 +106,26 @@ class DistClient:
                 self._inflight.popleft()
             self._inflight.append(op)
 
-    def pull(self, key, out, dtype):
-        """Fill ``out`` (the caller's array) with the key's value once this worker's pushes of
-        it have been applied."""
+    def pull(self, items):
+        """Fill each ``out`` of ``items`` ([(key, out, dtype)]) with the key's value once this
+        worker's pushes of it are applied. Every part of every key is requested before any
+        answer is awaited, so many keys cost one round trip, not one each."""
         self._raise_pending_errors()
-        flat = writable_flat(out)
-        target = flat if flat is not None else np.empty(out.size, dtype=out.dtype)
-        parts = self.placement.parts(key)
-        op = Operation(f'pull of key {key!r}', len(parts))
-
-        def copier(part):
-            def on_data(header, buffers):
-                np.copyto(target[part.start:part.stop], P.as_array(buffers[0], dtype))
-            return on_data
-
-        for part in parts:
-            self._submit(part.server, {'op': P.PULL, 'key': key, 'part': part.part}, (),
-                         Request(op, server_name(part.server), copier(part)))
-        op.wait(self.config.timeout)
-        if flat is None:
+        ops, finish = [], []
+        for key, out, dtype in items:
+            flat = writable_flat(out)
+            target = flat if flat is not None else np.empty(out.size, dtype=out.dtype)
+            parts = self.placement.parts(key)
+            op = Operation(f'pull of key {key!r}', len(parts))
+            for part in parts:
+                self._submit(part.server, {'op': P.PULL, 'key': key, 'part': part.part}, (),
+                             Request(op, server_name(part.server),
+                                     _copier(target, part, dtype)))
+            ops.append(op)
+            if flat is None:
+                finish.append((out, target))
+        self._wait_all(ops)
+        for out, target in finish:
             np.copyto(out, target.reshape(out.shape))
 
     def barrier(self):
@@ -191,3 +192,10 @@ class DistClient:
             raise exc
         if self.io.fatal is not None:
             raise self.io.fatal
+
+
+def _copier(target, part, dtype):
+    """The reply handler that writes one part of a pulled key into the caller's array."""
+    def on_data(header, buffers):
+        np.copyto(target[part.start:part.stop], P.as_array(buffers[0], dtype))
+    return on_data

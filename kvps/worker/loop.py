@@ -38,6 +38,7 @@ class WorkerIO(threading.Thread):
         self.welcome = None
         self.fatal = None           # the error that ended this worker's link to the job
         self._queue = collections.deque()
+        self._wake_pending = False
         self._pending = PendingTable()
         # Scheduler requests (barrier, finish) are few and keyed by their own sequence numbers.
         self._scheduler_requests = {}
@@ -52,7 +53,9 @@ class WorkerIO(threading.Thread):
             request.op.fail(self.fatal)
             return
         self._queue.append((node, header, buffers, request))
-        self.waker.wake()
+        if not self._wake_pending:   # one wake-up per batch, not one per message
+            self._wake_pending = True
+            self.waker.wake()
 
     def stop(self, timeout):
         self._stopping = True
@@ -95,7 +98,11 @@ class WorkerIO(threading.Thread):
         while not (self._stopping and not self._queue):
             for sock in poller.poll(tick):
                 if sock is self.waker.socket:
+                    # Drain, then clear the flag, then send the queue (below): a submit before
+                    # the clear is already queued; one after it wakes us again. Clearing first
+                    # would let this drain swallow that wake-up and strand the next message.
                     self.waker.drain()
+                    self._wake_pending = False
                 elif sock is self._link.socket:
                     self._from_scheduler()
                 else:

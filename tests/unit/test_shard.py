@@ -74,7 +74,7 @@ def test_pull_waits_for_the_pullers_own_round():
 def test_pulled_bytes_do_not_change_with_later_updates():
     shard = make(num_workers=1)
     shard.push('p', W0, 'k', 0, 'float32', True, buf(1, 1))
-    (_, _, (_, first)), = shard.pull('q', W0, 'k', 0)
+    (_, _, (_, first, _)), = shard.pull('q', W0, 'k', 0)
     shard.push('p2', W0, 'k', 0, 'float32', True, buf(9, 9))
     assert first.tolist() == [1.0, 1.0]
 
@@ -129,7 +129,7 @@ def test_other_dtypes_sum_exactly(dtype):
     shard.init('t', 1, 0, name, [3], True, buf(0, 0, 0, dtype=dtype))
     shard.push('a', W0, 1, 0, name, True, buf(0.5, 1, 2, dtype=dtype))
     shard.push('b', W1, 1, 0, name, True, buf(0.25, 1, 2, dtype=dtype))
-    (_, _, (_, value)), = shard.pull('q', W0, 1, 0)
+    (_, _, (_, value, _)), = shard.pull('q', W0, 1, 0)
     assert value.dtype == dtype and value.tolist() == [0.75, 2, 4]
 
 
