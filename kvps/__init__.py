@@ -2,16 +2,18 @@
 
 from . import kvstore, optimizer
 from .errors import (AuthError, ConfigError, DTypeError, DuplicateInitError, KeyNotInitializedError,
-                     KeyTypeError, KVPSError, PeerLostError, ProtocolError, RemoteError,
-                     RequestTimeout, ShapeError, TransportError)
+                     KeyTypeError, KVPSError, ParameterMismatchError, PeerLostError, ProtocolError,
+                     RemoteError, RequestTimeout, ShapeError, StaleGradientError, TransportError)
 from .kvstore import KVStore, create
+from .trainer import Trainer
 
 __version__ = '0.1.0'
 
-__all__ = ['create', 'KVStore', 'kvstore', 'optimizer', '__version__',
+__all__ = ['create', 'KVStore', 'Trainer', 'kvstore', 'optimizer', '__version__',
            'KVPSError', 'ConfigError', 'ProtocolError', 'TransportError', 'RequestTimeout',
            'PeerLostError', 'RemoteError', 'AuthError', 'KeyNotInitializedError',
-           'DuplicateInitError', 'ShapeError', 'DTypeError', 'KeyTypeError']
+           'DuplicateInitError', 'ShapeError', 'DTypeError', 'KeyTypeError',
+           'ParameterMismatchError', 'StaleGradientError']
 
 
 def _serve_if_server_role():

@@ -63,6 +63,15 @@ class RemoteError(KVPSError):
         self.node = node
 
 
+class ParameterMismatchError(KVPSError, ValueError):
+    """Workers of one job hold different parameter tables (names, shapes, dtypes or order)."""
+
+
+class StaleGradientError(KVPSError, UserWarning):
+    """A parameter's gradient was not produced by backward since the last step (MXNet raises
+    UserWarning here; this is one, and a KVPSError)."""
+
+
 class KeyTypeError(KVPSError, TypeError):
     """Keys of one store mix kinds (int and str), or a key is neither."""
 

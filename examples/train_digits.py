@@ -1,0 +1,132 @@
+"""Data-parallel training of a small MLP on scikit-learn's bundled digits, through a kvps Trainer.
+
+    python -m kvps.launch -n 4 -s 2 python examples/train_digits.py     # 4 workers, 2 servers
+    python examples/train_digits.py                                      # one process, no servers
+    KVPS_KVSTORE=dist_async python -m kvps.launch -n 2 -s 1 python examples/train_digits.py
+
+Each worker trains on its own shard of the training split (rank::num_workers); rank 0's initial
+weights are broadcast to all, the servers sum the gradients, and every rank prints the final
+test accuracy. Nothing is downloaded: the digits ship inside scikit-learn.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+import kvps
+from kvps import Trainer
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--epochs', type=int, default=10)
+    parser.add_argument('--batch-size', type=int, default=16, help='per worker')
+    parser.add_argument('--lr', type=float, default=0.1)
+    parser.add_argument('--hidden', type=int, default=64)
+    parser.add_argument('--kvstore', default=os.environ.get('KVPS_KVSTORE', 'dist_sync'))
+    parser.add_argument('--update-on-kvstore', choices=('auto', 'yes', 'no'), default='auto')
+    return parser.parse_args()
+
+
+def store_name(requested):
+    """The store to use: a dist_* store needs a job (kvps.launch sets DMLC_*/KVPS_* for us)."""
+    in_job = any(name in os.environ for name in ('DMLC_ROLE', 'KVPS_ROLE'))
+    if requested.startswith('dist') and not in_job:
+        print(f'no kvps job found (DMLC_ROLE is unset): training in this process alone with a '
+              f"'local' store instead of {requested!r}. Start a job with "
+              '`python -m kvps.launch -n 4 -s 2 python examples/train_digits.py`', flush=True)
+        return 'local'
+    return requested
+
+
+def load_split():
+    """The same train/test split on every worker (fixed seed), pixels scaled to [0, 1]."""
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    return train_test_split(x, digits.target, test_size=0.25, random_state=0,
+                            stratify=digits.target)
+
+
+def make_model(hidden, rank):
+    # Seeded per rank on purpose: the Trainer replaces every worker's weights with rank 0's.
+    torch.manual_seed(1234 + rank)
+    return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(),
+                               torch.nn.Linear(hidden, 10))
+
+
+class Progress:
+    """A plain-text bar, redrawn in place on a terminal; one line per epoch otherwise."""
+
+    def __init__(self, enabled, epochs, steps):
+        self.enabled, self.epochs, self.steps = enabled, epochs, steps
+        self.tty = sys.stdout.isatty()
+
+    def show(self, epoch, step, loss):
+        if not self.enabled or not (self.tty or step == self.steps):
+            return
+        filled = round(20 * step / self.steps)
+        line = f'[{"#" * filled}{"." * (20 - filled)}] epoch {epoch}/{self.epochs} loss {loss:.3f}'
+        end = '\n' if step == self.steps else ''
+        print(f'\r{line}' if self.tty else line, end=end, flush=True)
+
+
+def train(args, model, trainer, x, y, num_workers):
+    rank = trainer.kvstore.rank if trainer.kvstore is not None else 0
+    # Every worker makes the same number of steps: a sync round needs a push from each.
+    steps = (len(x) // num_workers) // args.batch_size
+    shard_x, shard_y = torch.from_numpy(x[rank::num_workers]), torch.from_numpy(y[rank::num_workers])
+    progress = Progress(rank == 0, args.epochs, steps)
+    rng = np.random.default_rng(rank)
+    loss_fn = torch.nn.CrossEntropyLoss(reduction='sum')
+    for epoch in range(1, args.epochs + 1):
+        order = torch.from_numpy(rng.permutation(len(shard_x)))
+        total = 0.0
+        for step in range(1, steps + 1):
+            idx = order[(step - 1) * args.batch_size: step * args.batch_size]
+            trainer.zero_grad()
+            loss = loss_fn(model(shard_x[idx]), shard_y[idx])
+            loss.backward()
+            # The servers sum over workers: normalizing by the combined batch makes one step
+            # equal to a single-process step on every worker's samples together.
+            trainer.step(args.batch_size * num_workers)
+            total += loss.item() / args.batch_size
+            progress.show(epoch, step, total / step)
+
+
+def accuracy(model, x, y):
+    with torch.no_grad():
+        predicted = model(torch.from_numpy(x)).argmax(dim=1).numpy()
+    return float((predicted == y).mean())
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(1)  # workers share the machine's cores; a tiny MLP gains nothing more
+    name = store_name(args.kvstore)
+    kv = kvps.create(name)
+    uok = {'auto': None, 'yes': True, 'no': False}[args.update_on_kvstore]
+    x_train, x_test, y_train, y_test = load_split()
+    model = make_model(args.hidden, kv.rank)
+    trainer = Trainer(model.named_parameters(), 'sgd',
+                      {'learning_rate': args.lr, 'momentum': 0.9, 'wd': 1e-4},
+                      kvstore=kv, update_on_kvstore=uok)
+    if kv.rank == 0:
+        print(f'{name}: {kv.num_workers} worker(s), {len(x_train)} training digits, '
+              f'update_on_kvstore={trainer.update_on_kvstore}', flush=True)
+    start = time.monotonic()
+    train(args, model, trainer, x_train, y_train.astype(np.int64), kv.num_workers)
+    acc = accuracy(model, x_test, y_test)
+    print(f'rank {kv.rank}: test accuracy {acc:.4f} ({time.monotonic() - start:.1f} s)',
+          flush=True)
+    kv.close()
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

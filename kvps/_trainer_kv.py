@@ -1,0 +1,146 @@
+"""The Trainer's store decisions (Gluon's update_on_kvstore rules) and its access to server-side optimizer state."""
+
+import math
+import os
+import tempfile
+
+from . import kvstore as kvstore_mod
+from . import states
+from .optimizer import Optimizer
+
+
+def resolve(kvstore, requested):
+    """(store or None, update_on_kvstore) as Gluon decides them for one device per process.
+
+    - None, or a non-'dist' name: no store (one device: nothing to reduce), local updates;
+    - a 'dist*' name: that store; a store object: itself;
+    - async stores force update_on_kvstore=True (an explicit False is a ValueError);
+    - an explicit True/False wins otherwise (MXNET_UPDATE_ON_KVSTORE's default is on);
+    - a store that cannot run optimizers falls back to local updates (explicit True: ValueError).
+    """
+    if requested is not None and not isinstance(requested, bool):
+        raise TypeError(f'update_on_kvstore must be None, True or False, got {requested!r}')
+    kv = _store(kvstore)
+    if kv is None:
+        return None, False
+    update = True
+    if _distributed(kv) and 'async' in kv.type:
+        if requested is False:
+            raise ValueError('update_on_kvstore=False is not possible with an async store: '
+                             'its servers apply every push as it comes, so they must run the '
+                             'optimizer. Use update_on_kvstore=True (or None), or a sync store')
+    elif requested is not None:
+        update = requested
+    is_capable = getattr(kv, 'is_capable', None)
+    if update and not (is_capable is not None and is_capable('optimizer')):
+        if requested:
+            raise ValueError(f'update_on_kvstore=True, but the store {type(kv).__name__} cannot '
+                             'run optimizers; use update_on_kvstore=False')
+        update = False
+    return kv, update
+
+
+def _store(kvstore):
+    if kvstore is None:
+        return None
+    if isinstance(kvstore, str):
+        distributed, _, _ = kvstore_mod.parse_type(kvstore)   # rejects unknown names
+        # One device per process: a local store would only copy gradients onto themselves.
+        return kvstore_mod.create(kvstore) if distributed else None
+    if all(hasattr(kvstore, name) for name in ('type', 'init', 'push', 'pull')):
+        return kvstore
+    raise TypeError('kvstore must be None, a type name (e.g. \'dist_sync\') or a KVStore, got '
+                    f'{type(kvstore).__name__}')
+
+
+def _distributed(kv):
+    return kv is not None and 'dist' in kv.type
+
+
+def is_stateful(optimizer):
+    """False when re-installing this optimizer on a server loses nothing (no per-key state,
+    no update counts feeding the step)."""
+    return bool(optimizer.state_names() or optimizer.needs_count or optimizer.lr_scheduler)
+
+
+# -- optimizer state ----------------------------------------------------------------------------
+# One file format everywhere: kvps.states' whole-key optimizer-state file, which the store's
+# save_optimizer_states writes. A file saved by servers loads into local updates and back.
+
+def save_server_states(kv, fname):
+    """The servers' optimizer state (optimizer included) into ``fname``."""
+    if not hasattr(kv, 'save_optimizer_states'):
+        raise no_server_states('save_states')
+    kv.save_optimizer_states(fname, dump_optimizer=True)
+
+
+def load_server_states(kv, fname):
+    """Collective: every worker calls it; the store installs the file on its servers."""
+    if not hasattr(kv, 'load_optimizer_states'):
+        raise no_server_states('load_states')
+    kv.load_optimizer_states(fname)
+
+
+def reinstall_optimizer(kv, optimizer, stateful):
+    """Collective: give the servers new hyper-parameters, keeping their per-key state.
+
+    A store replaces its optimizer's state on set_optimizer with a different spec, so the
+    state makes a round trip through a private file around it.
+    """
+    if not stateful or not hasattr(kv, 'save_optimizer_states'):
+        if stateful:
+            raise no_server_states('changing the optimizer of servers that run a stateful one')
+        kv.set_optimizer(optimizer)
+        return
+    with tempfile.TemporaryDirectory(prefix='kvps-trainer-') as tmp:
+        path = os.path.join(tmp, 'states')
+        kv.save_optimizer_states(path, dump_optimizer=False)
+        kv.set_optimizer(optimizer)
+        kv.load_optimizer_states(path)
+
+
+def no_server_states(what):
+    return NotImplementedError(
+        f'{what} needs the optimizer state held by the servers, and this store cannot read or '
+        'write it (KVStore.save_optimizer_states/load_optimizer_states). Create the Trainer '
+        'with update_on_kvstore=False: gradients are still summed by the servers, and every '
+        'worker then holds the optimizer state itself')
+
+
+def save_local_states(updater, fname, sizes):
+    """A local Updater's state (flat per key, as servers keep it) in the store's file format."""
+    merged = states.merge([updater.get_states(dump_optimizer=True)], _whole(sizes))
+    states.write_file(fname, merged)
+
+
+def load_local_states(updater, fname, sizes):
+    """Restore a local Updater from any optimizer-state file, checking it fits the params."""
+    merged = states.read_file(fname)
+    if not isinstance(merged, dict) or merged.get('format') != states.FILE_FORMAT:
+        raise ValueError(f'{fname}: not a kvps optimizer-state file')
+    for key, _, whole in merged.get('keys', ()):
+        if key not in sizes:
+            raise ValueError(f'{fname}: holds state for key {key!r}, which is not one of '
+                             'this Trainer\'s parameters')
+        for name, blob in whole.items():
+            count = math.prod(blob['shape'])
+            if count != sizes[key]:
+                raise ValueError(f'{fname}: state {name!r} of key {key!r} holds {count} '
+                                 f'elements; the parameter has {sizes[key]} (saved for other '
+                                 'parameters?)')
+    updater.set_states(states.split(merged, 1, _whole(sizes))[0])
+
+
+def read_optimizer(fname):
+    """The optimizer saved in a state file (None when it was saved without one)."""
+    merged = states.read_file(fname)
+    spec = merged.get('optimizer') if isinstance(merged, dict) else None
+    if spec is None:
+        return None
+    optimizer = Optimizer.from_spec(spec)
+    optimizer.num_update = int(merged.get('num_update', optimizer.begin_num_update))
+    return optimizer
+
+
+def _whole(sizes):
+    return lambda key: [(0, 0, 0, sizes[key])]

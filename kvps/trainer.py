@@ -1,0 +1,299 @@
+"""Gluon's Trainer for torch parameters: gradients summed through a KVStore, updates by kvps's kernels."""
+
+import os
+import warnings
+import weakref
+
+from . import optimizer as opt_mod
+from ._trainer_kv import (is_stateful, load_local_states, load_server_states, read_optimizer,
+                          reinstall_optimizer, resolve, save_local_states, save_server_states)
+from ._trainer_params import check_same_everywhere, collect, merge_mults
+from .arrays import as_numpy
+from .errors import ConfigError, ParameterMismatchError, StaleGradientError
+from .server.updater import Updater
+
+__all__ = ['Trainer', 'ParameterMismatchError', 'StaleGradientError']
+
+
+class Trainer:
+    """Applies an optimizer to torch parameters, as ``mxnet.gluon.Trainer`` does.
+
+    ``params``: a module, its ``named_parameters()``, a dict name -> parameter, or a list of
+    parameters; store keys are their positions in the order given. ``optimizer``: a name with
+    ``optimizer_params``, or a ``kvps.optimizer`` instance. ``kvstore``: None, a type name or a
+    KVStore; one process holds one device, so only 'dist*' names create a store.
+    ``update_on_kvstore``: None lets Gluon's rules choose (servers update in async and by
+    default in sync; False sums gradients through the servers and updates on every worker).
+    ``overlap`` (kvps): in distributed mode, send each gradient as soon as backward has
+    accumulated it; turn off to accumulate several backward passes before ``step``.
+
+    Creating a Trainer on a store is collective: every worker must create it, with the same
+    parameters; rank 0's initial weights are copied into every worker's parameters.
+    """
+
+    def __init__(self, params, optimizer, optimizer_params=None, kvstore='device',
+                 compression_params=None, update_on_kvstore=None, *, overlap=True):
+        self._params = collect(params)
+        self._trainable = [p for p in self._params if p.trainable]
+        self._optimizer = _make_optimizer(optimizer, optimizer_params)
+        merge_mults(self._optimizer, self._params)
+        self._scale = self._optimizer.rescale_grad
+        self._kv, self._update_on_kvstore = resolve(kvstore, update_on_kvstore)
+        self._distributed = self._kv is not None and 'dist' in self._kv.type
+        self._updater = None if self._update_on_kvstore else Updater(self._optimizer)
+        self._server_has_optimizer = False
+        self._fresh, self._pushed, self._reduced = set(), set(), False
+        self._seen_grads = {}
+        if self._kv is not None:
+            self._set_compression(compression_params)
+            self._init_store()
+        self._note_grads()
+        self._overlap = bool(overlap) and self._distributed
+        # Servers without an optimizer just sum, so gradients may flow from the first backward;
+        # with update_on_kvstore they must wait until step() has sent the optimizer (it needs
+        # rescale_grad, i.e. the batch size).
+        self._armed = self._overlap and not self._update_on_kvstore
+        ref = weakref.ref(self)
+        self._hooks = [p.tensor.register_post_accumulate_grad_hook(_hook(ref, p))
+                       for p in self._trainable]
+
+    # -- properties ------------------------------------------------------------------------
+    @property
+    def learning_rate(self):
+        return self._optimizer.learning_rate
+
+    @property
+    def optimizer(self):
+        return self._optimizer
+
+    @property
+    def kvstore(self):
+        """The store gradients go through, or None (single process, local updates)."""
+        return self._kv
+
+    @property
+    def update_on_kvstore(self):
+        """True when the servers run the optimizer; False when every worker updates itself."""
+        return self._update_on_kvstore
+
+    def set_learning_rate(self, lr):
+        """Set the optimizer's learning rate; with update_on_kvstore the servers' copy follows
+        at once, so in distributed mode every worker must call this at the same point."""
+        self._optimizer.set_learning_rate(lr)
+        if self._kv is not None and self._update_on_kvstore and self._server_has_optimizer:
+            self._reinstall_optimizer()
+
+    # -- training --------------------------------------------------------------------------
+    def step(self, batch_size, ignore_stale_grad=False):
+        """One update: gradients normalized by 1/batch_size, summed over workers, applied."""
+        self._rescale(batch_size)
+        self._check_stale(ignore_stale_grad)
+        self._allreduce_grads()
+        if not self._update_on_kvstore:
+            self._update(ignore_stale_grad)
+        self._end_step()
+
+    def allreduce_grads(self):
+        """Sum every worker's gradients into each ``param.grad`` (update_on_kvstore=False)."""
+        if self._kv is not None and self._update_on_kvstore:
+            raise RuntimeError('allreduce_grads() is not possible when the servers update the '
+                               'parameters; create the Trainer with update_on_kvstore=False')
+        self._allreduce_grads()
+
+    def update(self, batch_size, ignore_stale_grad=False):
+        """Apply the optimizer to the (reduced) gradients; pairs with allreduce_grads()."""
+        if self._kv is not None and self._update_on_kvstore:
+            raise RuntimeError('update() is not possible when the servers update the '
+                               'parameters; use step(), or update_on_kvstore=False')
+        if self._distributed and not self._reduced:
+            raise RuntimeError('call allreduce_grads() before update() in distributed mode '
+                               '(or use step()); updating with local gradients would make '
+                               'the workers\' parameters diverge')
+        self._rescale(batch_size)
+        self._check_stale(ignore_stale_grad)
+        self._update(ignore_stale_grad)
+        self._end_step()
+
+    def zero_grad(self, set_to_none=True):
+        """Clear the gradients of every parameter (torch's Optimizer.zero_grad)."""
+        for p in self._params:
+            if p.tensor.grad is not None:
+                if set_to_none:
+                    p.tensor.grad = None
+                else:
+                    p.tensor.grad.detach_().zero_()
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save_states(self, fname):
+        """Write the optimizer and its per-parameter state (momentum, counts) to ``fname``.
+
+        One format whoever runs the optimizer: a file saved with update_on_kvstore=True
+        loads into a Trainer that updates locally, and the other way round."""
+        fname = os.fspath(fname)
+        if self._kv is not None and self._update_on_kvstore and self._server_has_optimizer:
+            save_server_states(self._kv, fname)
+        else:  # local updates, or servers that have not updated anything yet
+            updater = self._updater or Updater(self._optimizer)
+            save_local_states(updater, fname, self._sizes())
+
+    def load_states(self, fname):
+        """Restore what save_states wrote (collective when the servers run the optimizer)."""
+        fname = os.fspath(fname)
+        if self._kv is not None and self._update_on_kvstore:
+            optimizer = read_optimizer(fname) or self._optimizer
+            if not self._server_has_optimizer:
+                self._kv.set_optimizer(optimizer)
+                self._server_has_optimizer = True
+            load_server_states(self._kv, fname)
+            self._optimizer = optimizer
+        else:
+            load_local_states(self._updater, fname, self._sizes())
+            self._optimizer = self._updater.optimizer
+
+    # -- internals: setup ------------------------------------------------------------------
+    def _init_store(self):
+        """Prove the workers agree on the parameters, then broadcast rank 0's weights."""
+        sync = 'async' not in self._kv.type
+        check_same_everywhere(self._kv, self._params, sync)
+        keys = [p.key for p in self._params]
+        tensors = [p.tensor for p in self._params]
+        self._kv.init(keys, tensors)
+        self._kv.pull(keys, out=tensors)
+
+    def _set_compression(self, compression_params):
+        if not compression_params:
+            return
+        setter = getattr(self._kv, 'set_gradient_compression', None)
+        if setter is None:
+            warnings.warn('kvps does not compress gradients yet; compression_params are '
+                          'ignored and gradients travel at full precision', stacklevel=3)
+        else:
+            setter(compression_params)
+
+    def _sizes(self):
+        return {p.key: p.tensor.numel() for p in self._params}
+
+    # -- internals: one step ---------------------------------------------------------------
+    def _rescale(self, batch_size):
+        """optimizer.rescale_grad = scale / batch_size, kept in step with the servers' copy."""
+        rescale = self._scale / batch_size
+        changed = rescale != self._optimizer.rescale_grad
+        if changed and self._update_on_kvstore and self._server_has_optimizer \
+                and self._distributed:
+            raise ConfigError(  # MXNet raises here too: the servers hold the old rescale_grad
+                f'batch_size changed (rescale_grad {self._optimizer.rescale_grad} -> {rescale}) '
+                'while the servers run the optimizer: they keep normalizing by the first '
+                'batch size. Keep batch_size constant, or use update_on_kvstore=False')
+        self._optimizer.rescale_grad = rescale
+        if self._kv is not None and self._update_on_kvstore:
+            if not self._server_has_optimizer:
+                self._kv.set_optimizer(self._optimizer)   # collective: the first step
+                self._server_has_optimizer = True
+            elif changed:
+                self._reinstall_optimizer()
+
+    def _reinstall_optimizer(self):
+        """Give the servers the current hyper-parameters, keeping their per-key state."""
+        reinstall_optimizer(self._kv, self._optimizer, is_stateful(self._optimizer))
+
+    def _check_stale(self, ignore_stale_grad):
+        if ignore_stale_grad:
+            return
+        stale = [p.name for p in self._trainable if not self._is_fresh(p)]
+        if stale:
+            raise StaleGradientError(
+                f'the gradient of {", ".join(stale[:5])}{" ..." if len(stale) > 5 else ""} was '
+                'not updated by backward since the last step. If you intentionally use only '
+                'some parameters, call step(..., ignore_stale_grad=True)')
+
+    def _is_fresh(self, p):
+        grad = p.tensor.grad
+        # A gradient assigned by hand (p.grad = ...) counts as fresh, as one from backward does.
+        return p.key in self._fresh or (grad is not None and grad is not self._seen_grads.get(p.key))
+
+    def _on_grad(self, p):
+        """Autograd has accumulated p's gradient: send it now when overlapping."""
+        if self._armed:
+            if p.key in self._pushed:
+                raise RuntimeError(
+                    f'parameter {p.name} got a second gradient before step(), but its first '
+                    'one was already sent (kvps overlaps communication with backward). Call '
+                    'step() after every backward(), or create the Trainer with overlap=False '
+                    'to accumulate gradients over several backward passes')
+            self._push(p, p.tensor.grad)
+        self._fresh.add(p.key)
+
+    def _push(self, p, grad):
+        # Every trainable parameter is pushed every step (zeros when it has no gradient):
+        # a sync round completes only when every worker has pushed into it.
+        value = grad if grad is not None else p.tensor.new_zeros(p.tensor.shape)
+        self._kv.push(p.key, value, priority=-p.key)
+        self._pushed.add(p.key)
+
+    def _allreduce_grads(self):
+        """Send what backward has not sent yet; pull weights (servers update) or summed grads."""
+        if self._kv is None:
+            return
+        for p in self._trainable:
+            if p.key not in self._pushed:
+                self._push(p, p.tensor.grad)
+        for p in self._trainable:
+            if not self._update_on_kvstore and p.tensor.grad is None:
+                p.tensor.grad = p.tensor.new_zeros(p.tensor.shape)
+                self._seen_grads[p.key] = p.tensor.grad
+        # One pipelined pull for every parameter: all requests leave before any answer is
+        # awaited, first layers first (the next forward needs them first).
+        targets = [p.tensor if self._update_on_kvstore else p.tensor.grad
+                   for p in self._trainable]
+        if targets:
+            self._kv.pull([p.key for p in self._trainable], out=targets)
+        self._reduced = True
+
+    def _update(self, ignore_stale_grad):
+        """Local update with the servers' kernels, in place on numpy views of the tensors."""
+        items = []
+        for p in self._trainable:
+            grad = p.tensor.grad
+            # Distributed: every worker updates every parameter with the same summed gradient,
+            # so workers stay identical even when their stale parameters differ.
+            if grad is None or not (self._distributed or self._is_fresh(p)):
+                continue
+            # Flat views: the state then has the servers' layout, so files load either way.
+            items.append((p.key, 0, as_numpy(p.tensor).reshape(-1), as_numpy(grad).reshape(-1)))
+        if items:
+            self._updater.update_many(items)
+
+    def _end_step(self):
+        if self._kv is not None and self._update_on_kvstore:
+            # The servers counted one update per key; mirror it so that learning_rate follows
+            # an lr_scheduler (exact in sync mode; this worker's own updates in async mode).
+            self._optimizer.num_update += 1
+            self._armed = self._overlap
+        self._fresh.clear()
+        self._pushed.clear()
+        self._reduced = False
+        self._note_grads()
+
+    def _note_grads(self):
+        self._seen_grads = {p.key: p.tensor.grad for p in self._trainable}
+
+
+def _hook(ref, p):
+    """A post-accumulate-grad hook that does not keep the Trainer alive."""
+    def on_grad(_tensor):
+        trainer = ref()
+        if trainer is not None:
+            trainer._on_grad(p)
+    return on_grad
+
+
+def _make_optimizer(optimizer, optimizer_params):
+    if isinstance(optimizer, opt_mod.Optimizer):
+        if optimizer_params:
+            raise ValueError('optimizer_params must be None when optimizer is an Optimizer '
+                             'instance (set its parameters when creating it)')
+        return optimizer
+    if isinstance(optimizer, str):
+        return opt_mod.create(optimizer, **(optimizer_params or {}))
+    raise TypeError('optimizer must be a name (e.g. \'sgd\') or a kvps.optimizer.Optimizer, got '
+                    f'{type(optimizer).__name__}')

@@ -1,0 +1,377 @@
+"""kvps.trainer.Trainer in one process: Gluon's decision rules, scaling, lr, states, parameters."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip('torch')
+
+import kvps  # noqa: E402
+from kvps import _trainer_params  # noqa: E402
+from kvps.kvstore import KVStore  # noqa: E402
+from kvps.local import LocalBackend  # noqa: E402
+from kvps.optimizer import create as create_optimizer  # noqa: E402
+from kvps import StaleGradientError, Trainer  # noqa: E402
+
+
+def param(value, shape=(10,)):
+    return torch.nn.Parameter(torch.full(shape, float(value)))
+
+
+def backward(*params, coeff=1.0):
+    """loss = sum(coeff * (p + 1)): every gradient element is coeff."""
+    sum((coeff * (p + 1)).sum() for p in params).backward()
+
+
+def fake_store(name):
+    """A store of the given type name on the in-process backend (one worker, no sockets)."""
+    return KVStore(name, LocalBackend())
+
+
+class NoOptimizerStore(KVStore):
+    def is_capable(self, capability):
+        return False
+
+
+# -- update_on_kvstore decision table -----------------------------------------------------------
+
+@pytest.mark.parametrize('kvstore', [None, 'local', 'device'])
+@pytest.mark.parametrize('requested', [None, True, False])
+def test_single_process_names_mean_no_store(kvstore, requested):
+    t = Trainer([param(0)], 'sgd', kvstore=kvstore, update_on_kvstore=requested)
+    assert t.kvstore is None and t.update_on_kvstore is False
+
+
+@pytest.mark.parametrize('name, requested, expected', [
+    ('local', None, True), ('local', True, True), ('local', False, False),
+    ('dist_sync', None, True), ('dist_sync', True, True), ('dist_sync', False, False),
+    ('dist_device_sync', None, True), ('dist_sync_device', False, False),
+    ('dist_async', None, True), ('dist_async', True, True), ('dist_async', False, ValueError),
+    ('dist_async_device', False, ValueError),
+])
+def test_update_on_kvstore_rules(name, requested, expected):
+    kv = kvps.create('local') if name == 'local' else fake_store(name)
+    if expected is ValueError:
+        with pytest.raises(ValueError, match='async'):
+            Trainer([param(0)], 'sgd', kvstore=kv, update_on_kvstore=requested)
+        return
+    t = Trainer([param(0)], 'sgd', kvstore=kv, update_on_kvstore=requested)
+    assert t.kvstore is kv and t.update_on_kvstore is expected
+
+
+@pytest.mark.parametrize('requested, expected', [(None, False), (False, False),
+                                                 (True, ValueError)])
+def test_store_without_optimizer_falls_back_to_local_updates(requested, expected):
+    kv = NoOptimizerStore('local', LocalBackend())
+    if expected is ValueError:
+        with pytest.raises(ValueError, match='cannot run optimizers'):
+            Trainer([param(0)], 'sgd', kvstore=kv, update_on_kvstore=requested)
+        return
+    t = Trainer([param(0)], 'sgd', {'learning_rate': 1.0}, kvstore=kv,
+                update_on_kvstore=requested)
+    assert t.update_on_kvstore is False
+    x = t._params[0].tensor
+    backward(x)
+    t.step(1)
+    assert torch.all(x == -1)
+
+
+def test_bad_kvstore_arguments():
+    with pytest.raises(kvps.ConfigError):
+        Trainer([param(0)], 'sgd', kvstore='bogus')
+    with pytest.raises(TypeError):
+        Trainer([param(0)], 'sgd', kvstore=3)
+    with pytest.raises(TypeError):
+        Trainer([param(0)], 'sgd', kvstore=None, update_on_kvstore='yes')
+
+
+# -- stepping ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('kvstore, uok', [(None, None), ('local', True), ('local', False),
+                                         ('dist_sync', False)])
+def test_sgd_momentum_steps(kvstore, uok):
+    """MXNet's test_trainer on one device: lr 1, momentum 0.5, gradient 1 each step."""
+    kv = kvps.create('local') if kvstore == 'local' else (
+        fake_store(kvstore) if kvstore else None)
+    x = param(0)
+    t = Trainer([x], 'sgd', {'learning_rate': 1.0, 'momentum': 0.5}, kvstore=kv,
+                update_on_kvstore=uok)
+    backward(x)
+    t.step(1)
+    assert torch.all(x == -1)
+    t.zero_grad()
+    backward(x)
+    t.step(1)
+    assert torch.all(x == -2.5)       # mom = 0.5 * -1 - 1
+
+
+@pytest.mark.parametrize('kvstore', [None, 'local'])
+def test_rescale_grad_is_scale_over_batch_size(kvstore):
+    kv = kvps.create(kvstore) if kvstore else None
+    x = param(0)
+    t = Trainer([x], 'sgd', {'learning_rate': 1.0, 'rescale_grad': 2.0}, kvstore=kv)
+    backward(x)
+    t.step(4)
+    assert t.optimizer.rescale_grad == 0.5
+    assert torch.allclose(x, torch.full((10,), -0.5))
+    t.zero_grad()
+    backward(x)
+    t.step(8)          # a new batch size is honoured on a local store too
+    assert t.optimizer.rescale_grad == 0.25
+    assert torch.allclose(x, torch.full((10,), -0.75))
+
+
+def test_batch_size_change_refused_when_dist_servers_update():
+    x = param(0)
+    t = Trainer([x], 'sgd', kvstore=fake_store('dist_sync'), update_on_kvstore=True)
+    backward(x)
+    t.step(4)
+    t.zero_grad()
+    backward(x)
+    with pytest.raises(kvps.ConfigError, match='batch_size changed'):
+        t.step(8)
+
+
+def test_allreduce_then_update_equals_step():
+    a, b = param(1), param(1)
+    ta = Trainer([a], 'sgd', {'learning_rate': 0.1}, kvstore=kvps.create('local'),
+                 update_on_kvstore=False)
+    tb = Trainer([b], 'sgd', {'learning_rate': 0.1}, kvstore=None)
+    backward(a, coeff=3.0)
+    backward(b, coeff=3.0)
+    ta.allreduce_grads()
+    ta.update(2)
+    tb.step(2)
+    assert torch.equal(a, b)
+
+
+def test_allreduce_and_update_refused_when_servers_update():
+    x = param(0)
+    t = Trainer([x], 'sgd', kvstore=kvps.create('local'), update_on_kvstore=True)
+    backward(x)
+    with pytest.raises(RuntimeError, match='update_on_kvstore=False'):
+        t.allreduce_grads()
+    with pytest.raises(RuntimeError, match='step'):
+        t.update(1)
+
+
+def test_update_without_allreduce_refused_in_dist_mode():
+    x = param(0)
+    t = Trainer([x], 'sgd', kvstore=fake_store('dist_sync'), update_on_kvstore=False)
+    backward(x)
+    with pytest.raises(RuntimeError, match='allreduce_grads'):
+        t.update(1)
+
+
+def test_stale_gradients():
+    used, unused = param(0), param(5)
+    t = Trainer([used, unused], 'sgd', {'learning_rate': 1.0})
+    backward(used)
+    with pytest.raises(StaleGradientError, match='param1') as info:
+        t.step(1)
+    assert isinstance(info.value, UserWarning)      # what MXNet raises
+    t.step(1, ignore_stale_grad=True)
+    assert torch.all(used == -1) and torch.all(unused == 5)
+    with pytest.raises(StaleGradientError, match='param0'):
+        t.step(1)                                   # no backward since the last step
+    used.grad = torch.ones(10)                      # a gradient set by hand is fresh too
+    t.step(1, ignore_stale_grad=True)
+    assert torch.all(used == -2)
+
+
+def test_overlap_pushes_during_backward_and_refuses_a_second_backward():
+    x = param(0)
+    t = Trainer([x], 'sgd', {'learning_rate': 1.0}, kvstore=fake_store('dist_sync'),
+                update_on_kvstore=False)
+    backward(x)
+    assert t._pushed == {0}                          # sent by the hook, before step()
+    with pytest.raises(RuntimeError, match='overlap=False'):
+        backward(x)
+    y = param(0)
+    t2 = Trainer([y], 'sgd', {'learning_rate': 1.0}, kvstore=fake_store('dist_sync'),
+                 update_on_kvstore=False, overlap=False)
+    backward(y)
+    backward(y)                                      # accumulates: gradient 2
+    t2.step(1)
+    assert torch.all(y == -2)
+
+
+# -- learning rate -------------------------------------------------------------------------
+
+@pytest.mark.parametrize('kvstore, uok', [(None, None), ('local', True), ('local', False)])
+def test_learning_rate_get_set(kvstore, uok):
+    x = param(0)
+    t = Trainer([x], 'sgd', {'learning_rate': 0.1, 'momentum': 0.5},
+                kvstore=kvps.create('local') if kvstore else None, update_on_kvstore=uok)
+    assert t.learning_rate == 0.1
+    backward(x)
+    t.step(1)
+    assert torch.allclose(x, torch.full((10,), -0.1))
+    t.set_learning_rate(1.0)
+    assert t.learning_rate == 1.0
+    t.zero_grad()
+    backward(x)
+    t.step(1)           # the servers' copy follows, momentum kept: mom = 0.5 * -0.1 - 1
+    assert torch.allclose(x, torch.full((10,), -1.15))
+
+
+@pytest.mark.parametrize('kvstore, uok', [(None, None), ('local', True)])
+def test_learning_rate_follows_scheduler(kvstore, uok):
+    """MXNet's test_trainer_lr_sched: FactorScheduler(step=2, factor=0.1), base lr 1."""
+    x = param(0)
+    sched = {'name': 'factor', 'params': {'step': 2, 'factor': 0.1, 'base_lr': 1.0}}
+    t = Trainer([x], 'sgd', {'learning_rate': 1.0, 'lr_scheduler': sched},
+                kvstore=kvps.create('local') if kvstore else None, update_on_kvstore=uok)
+    lr = 1.0
+    for i in range(10):
+        t.zero_grad()
+        backward(x)
+        t.step(1)
+        if i % 2 == 0:
+            assert t.learning_rate == pytest.approx(lr), i
+            lr *= 0.1
+    with pytest.raises(kvps.ConfigError):
+        t.set_learning_rate(0.5)
+
+
+# -- states --------------------------------------------------------------------------------
+
+def _train(trainer, x, steps):
+    for _ in range(steps):
+        trainer.zero_grad()
+        backward(x, coeff=float(x.detach().sum().abs()) + 1.0)
+        trainer.step(2)
+
+
+@pytest.mark.parametrize('save_uok, load_uok', [(None, None), (True, True), (True, None),
+                                                (None, True), (False, False)])
+def test_save_load_states_round_trip(tmp_path, save_uok, load_uok):
+    """Saved after 2 steps, loaded into a fresh trainer on the same weights: the next steps
+    match the original's, whichever side ran the optimizer."""
+    def make(value, uok):
+        x = torch.nn.Parameter(value.clone())
+        kv = kvps.create('local') if uok is not None else None
+        return x, Trainer([x], 'adam', {'learning_rate': 0.1}, kvstore=kv, update_on_kvstore=uok)
+
+    x, t = make(torch.linspace(-1, 1, 10), save_uok)
+    _train(t, x, 2)
+    t.save_states(tmp_path / 'a.states')
+    snapshot = x.detach().clone()
+    _train(t, x, 3)
+    y, t2 = make(snapshot, load_uok)
+    t2.load_states(tmp_path / 'a.states')
+    assert t2.optimizer.num_update == 2
+    _train(t2, y, 3)
+    assert torch.allclose(x, y, atol=1e-6)
+    t2.save_states(tmp_path / 'b.states')
+    t2.load_states(tmp_path / 'b.states')
+
+
+def test_load_states_refuses_other_parameters_and_garbage(tmp_path):
+    x = param(0)
+    t = Trainer([x], 'sgd', {'momentum': 0.5})
+    backward(x)
+    t.step(1)
+    t.save_states(tmp_path / 'ok')
+    other = Trainer([param(0, shape=(3,))], 'sgd', {'momentum': 0.5})
+    with pytest.raises(ValueError, match='other parameters'):
+        other.load_states(tmp_path / 'ok')
+    more = Trainer([param(0), param(0)], 'sgd', {'momentum': 0.5})
+    more.load_states(tmp_path / 'ok')              # a subset of the keys is fine
+    (tmp_path / 'bad').write_bytes(b'\x00garbage')
+    with pytest.raises(ValueError, match='not a kvps optimizer-state file'):
+        t.load_states(tmp_path / 'bad')
+
+
+# -- parameters ----------------------------------------------------------------------------
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 3)
+        self.fc2 = torch.nn.Linear(3, 2)
+
+
+def _stored(kv, tensor, key):
+    out = torch.empty_like(tensor)
+    kv.pull(key, out=out)
+    return out
+
+
+@pytest.mark.parametrize('form', ['module', 'named', 'dict', 'list', 'iterator'])
+def test_keys_are_positions_in_the_given_order(form):
+    net = Net()
+    named = list(net.named_parameters())
+    given = {'module': net, 'named': net.named_parameters(), 'dict': dict(named),
+             'list': [p for _, p in named], 'iterator': net.parameters()}[form]
+    kv = kvps.create('local')
+    t = Trainer(given, 'sgd', kvstore=kv)
+    assert [p.key for p in t._params] == [0, 1, 2, 3]
+    for key, (name, tensor) in enumerate(named):
+        assert torch.equal(_stored(kv, tensor, key), tensor.detach()), name
+    if form != 'list' and form != 'iterator':
+        assert [p.name for p in t._params] == [n for n, _ in named]
+
+
+def test_tied_parameters_are_kept_once():
+    shared = param(1)
+    t = Trainer([shared, param(2), shared], 'sgd')
+    assert [p.key for p in t._params] == [0, 1]
+
+
+@pytest.mark.parametrize('params, match', [
+    ([], 'empty'),
+    ('weights', 'must be a module'),
+    (torch.ones(3), 'must be a module'),
+    ([np.ones(3)], 'torch tensor'),
+    ([('a', torch.nn.Parameter(torch.ones(3))), torch.nn.Parameter(torch.ones(3))], 'mixes'),
+    ([(3, torch.nn.Parameter(torch.ones(3)))], 'name'),
+])
+def test_bad_params(params, match):
+    with pytest.raises(ValueError, match=match):
+        Trainer(params, 'sgd')
+
+
+def test_non_leaf_parameter_refused():
+    leaf = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match='leaf'):
+        Trainer([leaf * 2], 'sgd')
+
+
+def test_bad_optimizer_arguments():
+    with pytest.raises(ValueError, match='optimizer_params'):
+        Trainer([param(0)], create_optimizer('sgd'), {'learning_rate': 0.1})
+    with pytest.raises(TypeError):
+        Trainer([param(0)], 3)
+    with pytest.raises(kvps.ConfigError):
+        Trainer([param(0)], 'no-such-optimizer')
+
+
+def test_lr_mult_attributes_are_read():
+    x, y = param(0), param(0)
+    y.lr_mult = 0.5
+    t = Trainer([x, y], 'sgd', {'learning_rate': 1.0})
+    backward(x, y)
+    t.step(1)
+    assert torch.all(x == -1) and torch.all(y == -0.5)
+
+
+def test_digest_sees_names_shapes_dtypes_order_and_frozen():
+    def table(*specs):
+        return [_trainer_params.Param(i, n, t) for i, (n, t) in enumerate(specs)]
+    a = torch.nn.Parameter(torch.ones(2, 3))
+    b = torch.nn.Parameter(torch.ones(3))
+    base = _trainer_params.digest(table(('a', a), ('b', b)))
+    frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    variants = [table(('b', b), ('a', a)), table(('a', a), ('c', b)),
+                table(('a', torch.nn.Parameter(torch.ones(3, 2))), ('b', b)),
+                table(('a', a), ('b', torch.nn.Parameter(torch.ones(3, dtype=torch.float64)))),
+                table(('a', a), ('b', frozen))]
+    for v in variants:
+        assert not np.array_equal(base, _trainer_params.digest(v))
+    assert np.array_equal(base, _trainer_params.digest(table(('a', a), ('b', b))))
+
+
+def test_compression_params_warn_when_unsupported():
+    with pytest.warns(UserWarning, match='compress'):
+        Trainer([param(0)], 'sgd', kvstore=kvps.create('local'),
+                compression_params={'type': '2bit', 'threshold': 0.5})
