@@ -1,0 +1,140 @@
+#!/usr/bin/env python
+"""Worker of bench_pushpull: times kv.push(all keys) + kv.pull(all keys) rounds in dist_sync.
+
+Run by bench_pushpull.py on every worker of a kvps job (DMLC_* variables set by the launcher).
+Mirrors the peers' MXNet benchmark step for step so that the figures compare:
+
+  1. kv = kvps.create('dist_sync'); init K float32 keys totalling about --total-bytes;
+  2. optionally a server-side SGD (kv.set_optimizer(kvps.optimizer.create('sgd', ...)));
+  3. correctness rounds with round-dependent values, checked against the expected sum (no
+     optimizer) or w0 - lr * sum (SGD);
+  4. warm-up rounds, a barrier, then --rounds timed rounds; one round = kv.push(keys, values)
+     then kv.pull(keys, out=outs) (the pull returns once the round's result is in ``outs``);
+  5. writes <out>/worker<rank>.json: per-round times, median, push+pull GB/s per worker, and
+     (rank 0) the CPU seconds every thread of every node of the job spent in the timed window.
+
+kvps never modifies a pushed array, so unlike MXNet no refill is needed between rounds; the
+copy kvps makes of every pushed value is inside the timed region (it is part of its cost).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402  (benchmarks/ is not a package)
+
+
+def parse_args():
+    p = argparse.ArgumentParser()
+    p.add_argument('--keys', type=int, default=40)
+    p.add_argument('--total-bytes', type=int, default=4 << 20)
+    p.add_argument('--rounds', type=int, default=10)
+    p.add_argument('--warmup', type=int, default=2)
+    p.add_argument('--check-rounds', type=int, default=2)
+    p.add_argument('--optimizer', choices=['none', 'sgd'], default='none')
+    p.add_argument('--lr', type=float, default=0.1)
+    p.add_argument('--out', required=True, help='directory for worker<rank>.json')
+    p.add_argument('--tag', default='', help='KVPS_BENCH_TAG of this job (for CPU accounting)')
+    return p.parse_args()
+
+
+def main():
+    args = parse_args()
+    t_start = time.perf_counter()
+    import numpy as np
+    import kvps
+
+    kv = kvps.create('dist_sync')
+    rank, nworkers = kv.rank, kv.num_workers
+    t_connected = time.perf_counter()
+
+    n = max(1, args.total_bytes // (4 * args.keys))
+    keys = list(range(args.keys))
+    actual_bytes = 4 * n * args.keys
+    w0 = 0.5
+    kv.init(keys, [np.full(n, w0, dtype=np.float32) for _ in keys])
+    if args.optimizer == 'sgd':
+        import kvps.optimizer
+        kv.set_optimizer(kvps.optimizer.create('sgd', learning_rate=args.lr))
+    push_vals = [np.full(n, float(rank + 1), dtype=np.float32) for _ in keys]
+    outs = [np.zeros(n, dtype=np.float32) for _ in keys]
+    sum_ranks = nworkers * (nworkers + 1) / 2.0
+    state = {'w': w0}
+    errors = []
+
+    def one_round(vals):
+        t0 = time.perf_counter()
+        kv.push(keys, vals)
+        t1 = time.perf_counter()
+        kv.pull(keys, out=outs)
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t1
+
+    def expect(scale):
+        if args.optimizer == 'none':
+            return scale * sum_ranks
+        state['w'] -= args.lr * scale * sum_ranks
+        return state['w']
+
+    def check(expected, what):
+        worst = max(float(np.max(np.abs(o - expected))) for o in outs)
+        if worst > 1e-4 * max(1.0, abs(expected)):
+            errors.append(f'{what}: expected {expected}, max abs err {worst}')
+
+    for c in range(args.check_rounds):
+        scale = float(c + 3)
+        one_round([np.full(n, scale * (rank + 1), dtype=np.float32) for _ in keys])
+        check(expect(scale), f'check round {c}')
+    for _ in range(args.warmup):
+        one_round(push_vals)
+        expect(1.0)
+
+    kv.barrier()
+    cpu0 = _common.job_thread_cpu(args.tag) if rank == 0 and args.tag else None
+    w0_wall = time.perf_counter()
+    times, push_t, pull_t = [], [], []
+    for _ in range(args.rounds):
+        tp, tl = one_round(push_vals)
+        expect(1.0)
+        push_t.append(tp)
+        pull_t.append(tl)
+        times.append(tp + tl)
+    check(sum_ranks if args.optimizer == 'none' else state['w'], 'after timed rounds')
+    kv.barrier()
+    window = time.perf_counter() - w0_wall
+    cpu = None
+    if cpu0 is not None:
+        cpu = _common.cpu_delta(cpu0, _common.job_thread_cpu(args.tag))
+    kv.barrier()   # nobody closes (ending its threads) before rank 0 has read the counters
+
+    med = statistics.median(times)
+    rec = {
+        'system': 'kvps-dist_sync', 'kvps_version': kvps.__version__, 'pid': os.getpid(),
+        'rank': rank, 'num_workers': nworkers,
+        'num_servers': int(os.environ.get('DMLC_NUM_SERVER', '0')),
+        'keys': args.keys, 'floats_per_key': n, 'total_bytes': actual_bytes,
+        'optimizer': args.optimizer, 'rounds': args.rounds,
+        'round_times_s': times, 'push_times_s': push_t, 'pull_times_s': pull_t,
+        'median_step_s': med, 'min_step_s': min(times),
+        'median_push_s': statistics.median(push_t), 'median_pull_s': statistics.median(pull_t),
+        'per_worker_algbw_GBps': 2 * actual_bytes / med / 1e9,
+        'startup_s': t_connected - t_start, 'correct': not errors, 'errors': errors,
+        'cpu_window_s': window, 'cpu_s': cpu,
+    }
+    print(f'[kvps worker {rank}/{nworkers}] keys={args.keys} bytes={actual_bytes} '
+          f'opt={args.optimizer} median_step={med * 1e3:.2f} ms '
+          f'algbw={rec["per_worker_algbw_GBps"]:.3f} GB/s correct={rec["correct"]}', flush=True)
+    for e in errors:
+        print('  ERROR', e, flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f'worker{rank}.json'), 'w') as f:
+        json.dump(rec, f, indent=1)
+    kv.close()
+    return 0 if not errors else 3
+
+
+if __name__ == '__main__':
+    sys.exit(main())
