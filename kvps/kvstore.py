@@ -110,12 +110,14 @@ class KVStore:
 
     def push(self, key, value, priority=0):
         """Send values (a list per key is summed first); returns without waiting."""
-        for k, values in self._pairs(key, value):
+        pairs = self._pairs(key, value)
+        for k, values in pairs:   # every value is checked before anything is sent
             shape, dtype = self._known(k)
             for v in values:
                 arrays.check_like(v, shape, dtype, k, 'pushed value')
-            flat = arrays.sum_values(values) if len(values) > 1 else arrays.flat_copy(values[0])
-            self._backend.push(k, flat, dtype)
+        self._backend.push([(k, arrays.sum_values(values) if len(values) > 1
+                             else arrays.flat_copy(values[0]), self._meta[k][1])
+                            for k, values in pairs])
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
         """Write the current values into ``out`` (in place), after this worker's pushes."""

@@ -29,7 +29,7 @@ class SchedulerLink:
         """Send REGISTER and wait for WELCOME (every node has arrived); return WELCOME."""
         self.socket.send(P.encode({'op': P.REGISTER, 'id': 0, 'role': self.role,
                                    'host': self.host, 'port': port, 'rank': self.config.rank,
-                                   'pid': os.getpid()}))
+                                   'pid': os.getpid(), 'version': P.VERSION}))
         # Wait a little past the scheduler's own bound: its verdict names the missing nodes.
         deadline = time.monotonic() + self.config.connect_timeout + max(
             2.0, 2 * self.config.heartbeat_interval)

@@ -23,8 +23,9 @@ class LocalBackend:
         for key, flat, shape, dtype in items:
             self.shard.init(None, key, 0, dtype, shape, True, memoryview(flat).cast('B'))
 
-    def push(self, key, flat, dtype):
-        self.shard.push(None, _ME, key, 0, dtype, True, memoryview(flat).cast('B'))
+    def push(self, items):
+        for key, flat, dtype in items:
+            self.shard.push(None, _ME, key, 0, dtype, True, memoryview(flat).cast('B'))
 
     def pull(self, items):
         for key, out, _ in items:

@@ -13,7 +13,8 @@ import numpy as np
 from .errors import ProtocolError
 
 # Node <-> scheduler.
-REGISTER = 'register'        # node -> scheduler: {role, host, port, rank, pid}
+VERSION = 1                  # bumped on any change of the wire format; checked at REGISTER
+REGISTER = 'register'        # node -> scheduler: {role, host, port, rank, pid, version}
 WELCOME = 'welcome'          # scheduler -> node: {rank, num_workers, num_servers, servers, nodes}
 HEARTBEAT = 'heartbeat'      # node -> scheduler, answered by HEARTBEAT_ACK
 HEARTBEAT_ACK = 'heartbeat_ack'
@@ -26,20 +27,23 @@ PEER_LOST = 'peer_lost'      # scheduler -> node: {role, rank, host, reason}
 # Worker <-> server.
 INIT = 'init'                # {key, part, dtype, n, shape, sync} + 1 buffer
 CHECK = 'check'              # {key, dtype, shape}: verify a non-root worker's view of a key
-PUSH = 'push'                # {key, part, dtype, n, sync} + 1 buffer
-PULL = 'pull'                # {key, part}
+PUSH = 'push'                # {sync, keys: [[key, part, dtype, n], ...]} + 1 buffer per key
+PULL = 'pull'                # {keys: [[key, part], ...]}
 SET_OPTIMIZER = 'set_optimizer'  # {spec}
 GET_STATES = 'get_states'    # {dump}: answered by STATES
 SET_STATES = 'set_states'    # + 1 buffer: the updater state dict, msgpack
 
 # Replies.
 ACK = 'ack'
-DATA = 'data'                # {key, part, dtype, n} + 1 buffer
+DATA = 'data'                # {keys: [[key, part, dtype, n], ...]} + 1 buffer per key
 ERROR = 'error'              # {type, message, traceback, node}
 STATES = 'states'            # + 1 buffer: the server's updater state dict, msgpack
 
-# How many raw buffers follow the header for each op; ops not listed carry none.
-_BUFFERS = {INIT: 1, PUSH: 1, DATA: 1, SET_STATES: 1, STATES: 1}
+# How many raw buffers follow the header for each op; ops not listed carry none, and
+# multi-key ops (PUSH, DATA) carry one per key.
+_BUFFERS = {INIT: 1, SET_STATES: 1, STATES: 1}
+_MULTI = {PUSH: 4, PULL: 2, DATA: 4}   # op -> length of each 'keys' item
+MAX_KEYS_PER_MESSAGE = 1 << 16
 # Header fields each op must carry (beyond op and id), with their accepted types.
 _KEY = (int, str)
 _FIELDS = {
@@ -47,11 +51,11 @@ _FIELDS = {
     BARRIER: {'seq': int},
     INIT: {'key': _KEY, 'part': int, 'dtype': str, 'n': int, 'shape': list, 'sync': bool},
     CHECK: {'key': _KEY, 'dtype': str, 'shape': list},
-    PUSH: {'key': _KEY, 'part': int, 'dtype': str, 'n': int, 'sync': bool},
-    PULL: {'key': _KEY, 'part': int},
+    PUSH: {'keys': list, 'sync': bool},
+    PULL: {'keys': list},
     SET_OPTIMIZER: {'spec': dict},
     GET_STATES: {'dump': bool},
-    DATA: {'key': _KEY, 'part': int, 'dtype': str, 'n': int},
+    DATA: {'keys': list},
     ERROR: {'type': str, 'message': str},
     PEER_LOST: {'role': str, 'reason': str},
 }
@@ -85,10 +89,26 @@ def decode(frames, max_message_bytes=None):
         header = msgpack.unpackb(head, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(f'undecodable header: {type(exc).__name__}: {exc}') from None
-    validate_header(header)
-    buffers = [memoryview(f) for f in frames[1:]]
-    _check_buffers(header, buffers, max_message_bytes)
+    try:
+        validate_header(header)
+        buffers = [memoryview(f) for f in frames[1:]]
+        _check_buffers(header, buffers, max_message_bytes)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # backstop: no header, however odd, may crash a node
+        raise ProtocolError(f'malformed {header.get("op")!r} message: {exc!r}') from None
     return header, buffers
+
+
+def request_id(frames):
+    """The id a malformed message asked under, if it can be read, so a job member can be told
+    what was wrong with it instead of waiting for an answer that never comes."""
+    try:
+        header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
+        req_id = header.get('id')
+        return req_id if isinstance(req_id, int) and not isinstance(req_id, bool) else None
+    except Exception:  # garbage has no id
+        return None
 
 
 def validate_header(header):
@@ -96,7 +116,7 @@ def validate_header(header):
     if not isinstance(header, dict):
         raise ProtocolError(f'header must be a map, got {type(header).__name__}')
     op = header.get('op')
-    if op not in OPS:
+    if not isinstance(op, str) or op not in OPS:   # type first: a list is unhashable
         raise ProtocolError(f'unknown op {op!r}')
     if not isinstance(header.get('id', 0), int) or isinstance(header.get('id'), bool):
         raise ProtocolError(f'{op}: id must be an int')
@@ -106,11 +126,40 @@ def validate_header(header):
             raise ProtocolError(f'{op}: field {name!r} missing or of wrong type')
     if 'key' in header:
         check_key(header['key'])
-    if 'dtype' in header and header['dtype'] not in DTYPES:
-        raise ProtocolError(f'{op}: unsupported dtype {header["dtype"]!r}')
-    for name in ('n', 'part'):
-        if name in header and header[name] < 0:
-            raise ProtocolError(f'{op}: {name} must be >= 0')
+    if 'dtype' in header:
+        _check_dtype(op, header['dtype'])
+    for name in ('n', 'part', 'rank', 'port'):
+        value = header.get(name)
+        if name in header and not _natural(value) and not (name == 'rank' and value is None):
+            raise ProtocolError(f'{op}: {name} must be an int >= 0')
+    if op in _MULTI:
+        _check_items(op, header['keys'])
+
+
+def _natural(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_dtype(op, dtype):
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ProtocolError(f'{op}: unsupported dtype {dtype!r}')
+
+
+def _check_items(op, items):
+    """Each item of a multi-key message: [key, part] or [key, part, dtype, n]."""
+    width = _MULTI[op]
+    if not 0 < len(items) <= MAX_KEYS_PER_MESSAGE:
+        raise ProtocolError(f'{op}: 1 to {MAX_KEYS_PER_MESSAGE} keys per message')
+    for item in items:
+        if not isinstance(item, list) or len(item) != width:
+            raise ProtocolError(f'{op}: each item must be a list of {width} fields')
+        check_key(item[0])
+        if not _natural(item[1]):
+            raise ProtocolError(f'{op}: part must be an int >= 0')
+        if width == 4:
+            _check_dtype(op, item[2])
+            if not _natural(item[3]):
+                raise ProtocolError(f'{op}: n must be an int >= 0')
 
 
 def check_key(key):
@@ -123,18 +172,20 @@ def check_key(key):
 
 def _check_buffers(header, buffers, max_message_bytes):
     op = header['op']
-    want = _BUFFERS.get(op, 0)
+    sized = header['keys'] if _MULTI.get(op) == 4 else []
+    if 'dtype' in header and op in _BUFFERS:
+        sized = [[header.get('key'), 0, header['dtype'], header['n']]]
+    want = len(sized) if sized else _BUFFERS.get(op, 0)
     if len(buffers) != want:
         raise ProtocolError(f'{op}: expected {want} data frame(s), got {len(buffers)}')
     total = sum(b.nbytes for b in buffers)
     if max_message_bytes is not None and total > max_message_bytes:
         raise ProtocolError(f'{op}: {total} bytes exceeds the limit of {max_message_bytes}')
-    if want and 'dtype' in header:
-        expected = header['n'] * np.dtype(DTYPES[header['dtype']]).itemsize
-        if buffers[0].nbytes != expected:
-            raise ProtocolError(
-                f'{op}: data frame has {buffers[0].nbytes} bytes, but {header["n"]} '
-                f'{header["dtype"]} elements need {expected}')
+    for (key, _, dtype, n), buffer in zip(sized, buffers):
+        expected = n * np.dtype(DTYPES[dtype]).itemsize
+        if buffer.nbytes != expected:
+            raise ProtocolError(f'{op}: data frame of key {key!r} has {buffer.nbytes} bytes, '
+                                f'but {n} {dtype} elements need {expected}')
 
 
 def as_array(buffer, dtype_name):

@@ -5,7 +5,7 @@ import time
 
 from .. import protocol as P
 from ..atomic import write_atomically
-from ..errors import KVPSError
+from ..errors import ConfigError, KVPSError
 from ..link import decode_or_log
 from ..transport import Poller, Router, bind_host, guard_from, new_context, resolve
 from .membership import Membership
@@ -61,8 +61,14 @@ class Scheduler:
         except KVPSError as exc:
             log.warning('refused %s from %r: %s', header['op'], identity, exc)
             self._send(identity, P.error_header(header.get('id', 0), exc, 'scheduler'))
+        except Exception as exc:  # a scheduler bug: log it and keep the job running
+            log.exception('%s from %r failed', header['op'], identity)
+            self._send(identity, P.error_header(header.get('id', 0), exc, 'scheduler'))
 
     def _on_register(self, identity, header):
+        if header.get('version') != P.VERSION:
+            raise ConfigError(f'this node speaks kvps wire protocol {header.get("version")}, the '
+                              f'scheduler speaks {P.VERSION}: install one kvps version everywhere')
         self.members.register(identity, header['role'], header['host'], header['port'],
                               header.get('rank'), header.get('pid', 0), time.monotonic())
         if self.members.complete:

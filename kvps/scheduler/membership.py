@@ -34,6 +34,7 @@ class Membership:
         self.nodes = {}            # identity -> Node
         self.ranked = False
         self._barrier = {}         # seq -> set of worker identities arrived
+        self.barriers_done = 0
 
     # -- registration ------------------------------------------------------------------
     def register(self, identity, role, host, port, rank_hint, pid, now):
@@ -45,7 +46,7 @@ class Membership:
         if self.ranked or self.count(role) >= self.want[role]:
             raise ConfigError(f'the job already has its {self.want[role]} {role}(s)')
         if rank_hint is not None:
-            if not 0 <= rank_hint < self.want[role]:
+            if not isinstance(rank_hint, int) or not 0 <= rank_hint < self.want[role]:
                 raise ConfigError(f'{role} rank {rank_hint} out of range 0..{self.want[role] - 1}')
             if any(n.rank_hint == rank_hint for n in self.of_role(role)):
                 raise ConfigError(f'{role} rank {rank_hint} is already taken')
@@ -86,12 +87,17 @@ class Membership:
 
     # -- barriers and finishing -------------------------------------------------------------
     def arrive(self, identity, seq):
-        """Record a worker at barrier ``seq``; return the identities to release (or [])."""
+        """Record a worker at barrier ``seq``; return the identities to release (or []).
+        Workers meet at one barrier at a time, so only the next one may be waited at."""
+        if seq != self.barriers_done + 1:
+            raise ConfigError(f'barrier {seq} is out of step: the job is at barrier '
+                              f'{self.barriers_done + 1}')
         arrived = self._barrier.setdefault(seq, set())
         arrived.add(identity)
         if len(arrived) < self.want['worker']:
             return []
         del self._barrier[seq]
+        self.barriers_done = seq
         return sorted(arrived)
 
     def blocked_barriers(self):

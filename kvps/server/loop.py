@@ -7,9 +7,10 @@ import traceback
 import msgpack
 
 from .. import protocol as P
-from ..errors import KVPSError, PeerLostError
+from ..errors import ConfigError, KVPSError, PeerLostError, ProtocolError
 from ..link import SchedulerLink, decode_or_log
 from ..transport import Poller, Router, bind_host, guard_from, new_context
+from .batch import Batch
 from .checkpoint import Checkpointer
 from .shard import Shard
 
@@ -93,12 +94,19 @@ class Server:
 
     # -- worker requests --------------------------------------------------------------------
     def _serve(self, identity, frames):
+        if frames is None:           # authentication refused it, and said why
+            return
         if identity not in self.workers:
             log.warning('%s: refused a message from %r: not a worker of this job',
                         self.name, identity)
             return
         decoded = decode_or_log(frames, self.config, identity)
-        if decoded is None:
+        if decoded is None:          # tell the member what is wrong rather than leave it waiting
+            req_id = P.request_id(frames)
+            if req_id is not None:
+                exc = ProtocolError('the server could not read this request (see its log); '
+                                    'is every node running the same kvps version?')
+                self._send(identity, P.encode(P.error_header(req_id, exc, self.name)))
             return
         header, buffers = decoded
         token = (identity, header.get('id', 0))
@@ -122,11 +130,27 @@ class Server:
         return self.shard.check(token, h['key'], h['dtype'], h['shape'])
 
     def _push(self, token, h, buffers):
-        return self.shard.push(token, token[0], h['key'], h['part'], h['dtype'], h['sync'],
-                               buffers[0])
+        def push_one(item_token, item, buffer):
+            key, part, dtype, _ = item
+            return self.shard.push(item_token, token[0], key, part, dtype, h['sync'], buffer)
+        return self._each_key(token, P.PUSH, h['keys'], buffers, push_one)
 
     def _pull(self, token, h, buffers):
-        return self.shard.pull(token, token[0], h['key'], h['part'])
+        def pull_one(item_token, item, _):
+            return self.shard.pull(item_token, token[0], item[0], item[1])
+        return self._each_key(token, P.PULL, h['keys'], [None] * len(h['keys']), pull_one)
+
+    def _each_key(self, token, op, items, buffers, handle):
+        """Run ``handle`` per key of a multi-key message; one key's error does not stop the
+        others, and the answers are gathered in a Batch."""
+        batch = Batch(token[0], token[1], op, len(items))
+        replies = []
+        for index, (item, buffer) in enumerate(zip(items, buffers)):
+            try:
+                replies += handle((batch, index), item, buffer)
+            except KVPSError as exc:
+                replies.append(('error', (batch, index), (exc, '')))
+        return replies
 
     def _set_optimizer(self, token, h, buffers):
         self.shard.set_optimizer(h['spec'])
@@ -137,7 +161,13 @@ class Server:
         return [('states', token, blob)]
 
     def _set_states(self, token, h, buffers):
-        self.shard.set_states(msgpack.unpackb(buffers[0], raw=False, strict_map_key=False))
+        try:
+            states = msgpack.unpackb(buffers[0], raw=False, strict_map_key=False)
+        except Exception as exc:  # msgpack raises several unrelated types on garbage
+            raise ProtocolError(f'set_states: undecodable state: {exc!r}') from None
+        if not isinstance(states, dict):
+            raise ConfigError('set_states: the state must be a map')
+        self.shard.set_states(states)
         return [('ack', token, None)]
 
     _HANDLERS = {P.INIT: _init, P.CHECK: _check, P.PUSH: _push, P.PULL: _pull,
@@ -146,24 +176,36 @@ class Server:
 
     def _reply_all(self, replies):
         for kind, (identity, req_id), payload in replies:
+            if isinstance(identity, Batch):   # one key of a multi-key message
+                if identity.settle(req_id, kind, payload):
+                    self._answer_batch(identity)
+                continue
             if kind == 'ack':
                 frames = P.encode({'op': P.ACK, 'id': req_id})
             elif kind == 'states':
                 frames = P.encode({'op': P.STATES, 'id': req_id}, [payload])
-            elif kind == 'data':
-                self._send_data(identity, req_id, *payload)
-                continue
             else:
                 exc, tb = payload if isinstance(payload, tuple) else (payload, '')
                 frames = P.encode(P.error_header(req_id, exc, self.name, tb))
             self._send(identity, frames)
 
-    def _send_data(self, identity, req_id, entry, array, lease):
-        """Send a weight without copying it; the lease tells the shard when zmq is done."""
-        frames = P.encode({'op': P.DATA, 'id': req_id, 'key': entry.key, 'part': entry.part,
-                           'dtype': entry.dtype, 'n': entry.n}, [array])
-        lease.tracker = self._send(identity, frames, track=True)
-        lease.released = lease.tracker is None
+    def _answer_batch(self, batch):
+        if batch.error is not None:
+            exc, tb = batch.error if isinstance(batch.error, tuple) else (batch.error, '')
+            self._send(batch.identity, P.encode(P.error_header(batch.req_id, exc, self.name, tb)))
+        elif batch.op == P.PUSH:
+            self._send(batch.identity, P.encode({'op': P.ACK, 'id': batch.req_id}))
+        else:
+            self._send_data(batch.identity, batch.req_id, batch.data())
+
+    def _send_data(self, identity, req_id, parts):
+        """Send weights without copying them; the leases tell the shard when zmq is done."""
+        header = {'op': P.DATA, 'id': req_id,
+                  'keys': [[e.key, e.part, e.dtype, e.n] for e, _, _ in parts]}
+        tracker = self._send(identity, P.encode(header, [a for _, a, _ in parts]), track=True)
+        for _, _, lease in parts:
+            lease.tracker = tracker
+            lease.released = tracker is None
 
     def _send(self, identity, frames, track=False):
         try:

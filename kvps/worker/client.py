@@ -45,8 +45,7 @@ class DistClient:
         for key, flat, _, _ in items:
             self.placement.place(key, flat.size, flat.itemsize)
         if self.rank == 0:
-            ops = [self._send_parts(P.INIT, key, flat, dtype, {'shape': list(shape)})
-                   for key, flat, shape, dtype in items]
+            ops = [self._send_init(key, flat, shape, dtype) for key, flat, shape, dtype in items]
             self._wait_all(ops)
         self.barrier()
         if self.rank != 0:
@@ -97,10 +96,19 @@ class DistClient:
         return [(p.server, p.part, p.start, p.stop) for p in self.placement.parts(key)]
 
     # -- data -----------------------------------------------------------------------------
-    def push(self, key, flat, dtype):
-        """Send ``flat`` (a kvps-owned contiguous array) to the key's servers; do not wait."""
+    def push(self, items):
+        """Send each ``(key, flat, dtype)`` (``flat``: a kvps-owned contiguous copy) to the key's
+        servers, small parts fused into one message per server; do not wait."""
         self._raise_pending_errors()
-        op = self._send_parts(P.PUSH, key, flat, dtype, {}, on_error=self._errors.append)
+        batches = fuse(self._parts_of(items))
+        op = Operation(_describe('push', items), len(batches), on_error=self._errors.append)
+        for server, batch in batches:
+            header = {'op': P.PUSH, 'sync': self.sync,
+                      'keys': [[key, part.part, dtype, part.stop - part.start]
+                               for key, part, _, dtype in batch]}
+            self._submit(server, header, [flat[part.start:part.stop]
+                                          for _, part, flat, _ in batch],
+                         Request(op, server_name(server)))
         with self._lock:
             while self._inflight and self._inflight[0].done.is_set():
                 self._inflight.popleft()
@@ -108,25 +116,30 @@ class DistClient:
 
     def pull(self, items):
         """Fill each ``out`` of ``items`` ([(key, out, dtype)]) with the key's value once this
-        worker's pushes of it are applied. Every part of every key is requested before any
-        answer is awaited, so many keys cost one round trip, not one each."""
+        worker's pushes of it are applied. Every request leaves before any answer is awaited,
+        and small parts share one message per server."""
         self._raise_pending_errors()
-        ops, finish = [], []
+        targets, finish = [], []
         for key, out, dtype in items:
             flat = writable_flat(out)
             target = flat if flat is not None else np.empty(out.size, dtype=out.dtype)
-            parts = self.placement.parts(key)
-            op = Operation(f'pull of key {key!r}', len(parts))
-            for part in parts:
-                self._submit(part.server, {'op': P.PULL, 'key': key, 'part': part.part}, (),
-                             Request(op, server_name(part.server),
-                                     _copier(target, part, dtype)))
-            ops.append(op)
+            targets.append((key, target, dtype))
             if flat is None:
                 finish.append((out, target))
-        self._wait_all(ops)
+        batches = fuse(self._parts_of(targets))
+        op = Operation(_describe('pull', items), len(batches))
+        for server, batch in batches:
+            header = {'op': P.PULL, 'keys': [[key, part.part] for key, part, _, _ in batch]}
+            self._submit(server, header, (),
+                         Request(op, server_name(server), _copier(batch)))
+        op.wait(self.config.timeout)
         for out, target in finish:
             np.copyto(out, target.reshape(out.shape))
+
+    def _parts_of(self, items):
+        """``(key, part, array, dtype)`` for every part of every item, in order."""
+        return [(key, part, array, dtype) for key, array, dtype in items
+                for part in self.placement.parts(key)]
 
     def barrier(self):
         """Return when every worker is here and this worker's pushes are all applied."""
@@ -163,12 +176,12 @@ class DistClient:
             self.io.stop(5.0)
 
     # -- helpers --------------------------------------------------------------------------
-    def _send_parts(self, op_name, key, flat, dtype, extra, on_error=None):
+    def _send_init(self, key, flat, shape, dtype):
         parts = self.placement.parts(key)
-        op = Operation(f'{op_name} of key {key!r}', len(parts), on_error)
+        op = Operation(f'init of key {key!r}', len(parts))
         for part in parts:
-            header = {'op': op_name, 'key': key, 'part': part.part, 'dtype': dtype,
-                      'n': part.stop - part.start, 'sync': self.sync, **extra}
+            header = {'op': P.INIT, 'key': key, 'part': part.part, 'dtype': dtype,
+                      'n': part.stop - part.start, 'sync': self.sync, 'shape': list(shape)}
             self._submit(part.server, header, (flat[part.start:part.stop],),
                          Request(op, server_name(part.server)))
         return op
@@ -194,8 +207,35 @@ class DistClient:
             raise self.io.fatal
 
 
-def _copier(target, part, dtype):
-    """The reply handler that writes one part of a pulled key into the caller's array."""
+FUSE_BYTES = 1 << 20   # parts up to this size share a message with others for the same server
+
+
+def fuse(parts):
+    """Group ``(key, part, array, dtype)`` by server into messages: small parts together (one
+    message per server instead of one per key), a big part alone, so the server starts on
+    it while the next one is still on the wire."""
+    open_batches, batches = {}, []
+    for item in parts:
+        server, nbytes = item[1].server, (item[1].stop - item[1].start) * item[2].itemsize
+        if nbytes > FUSE_BYTES:
+            batches.append((server, [item]))
+            continue
+        batch = open_batches.get(server)
+        if batch is None or batch[0] + nbytes > FUSE_BYTES:
+            batch = open_batches[server] = [0, []]
+            batches.append((server, batch[1]))
+        batch[0] += nbytes
+        batch[1].append(item)
+    return batches
+
+
+def _copier(batch):
+    """The reply handler that writes every pulled part into the caller's arrays."""
     def on_data(header, buffers):
-        np.copyto(target[part.start:part.stop], P.as_array(buffers[0], dtype))
+        for (_, part, target, dtype), buffer in zip(batch, buffers):
+            np.copyto(target[part.start:part.stop], P.as_array(buffer, dtype))
     return on_data
+
+
+def _describe(what, items):
+    return f'{what} of key {items[0][0]!r}' if len(items) == 1 else f'{what} of {len(items)} keys'

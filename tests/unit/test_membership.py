@@ -74,3 +74,20 @@ def test_finished_worker_blocks_barriers_and_liveness_skips_it():
     assert not m.all_workers_finished
     m.finish(b'w-a')
     assert m.all_workers_finished
+
+
+def test_rank_of_the_wrong_type_is_refused():
+    with pytest.raises(ConfigError, match='out of range'):
+        Membership(1, 1).register(b'w', 'worker', 'h', 0, 'x', 1, now=0)
+
+
+def test_only_the_next_barrier_can_be_waited_at():
+    m = full()
+    m.assign_ranks()
+    with pytest.raises(ConfigError, match='out of step'):
+        m.arrive(b'w-a', 2)
+    m.arrive(b'w-a', 1)
+    m.arrive(b'w-b', 1)
+    with pytest.raises(ConfigError, match='out of step'):
+        m.arrive(b'w-a', 1)            # a replayed or stale barrier
+    assert m.arrive(b'w-a', 2) == []

@@ -1,0 +1,28 @@
+"""A multi-key request on a server: per-key answers, gathered into one reply."""
+
+
+class Batch:
+    """Keys of one PUSH or PULL message settle one by one (a sync round may finish later for
+    some keys than for others); the worker gets one answer once every key has settled."""
+
+    __slots__ = ('identity', 'req_id', 'op', 'results', 'remaining', 'error')
+
+    def __init__(self, identity, req_id, op, size):
+        self.identity, self.req_id, self.op = identity, req_id, op
+        self.results = [None] * size
+        self.remaining = size
+        self.error = None
+
+    def settle(self, index, kind, payload):
+        """Record key ``index``'s answer; return True when the whole batch is settled."""
+        if self.results[index] is not None:
+            return False
+        self.results[index] = (kind, payload)
+        self.remaining -= 1
+        if kind == 'error' and self.error is None:
+            self.error = payload
+        return self.remaining == 0
+
+    def data(self):
+        """``[(entry, array, lease), ...]`` of a settled PULL, in the order asked."""
+        return [payload for _, payload in self.results]
