@@ -121,6 +121,8 @@ VARS = (
         'File holding the job secret (for clusters started by hand).'),
     Var('auth_payload', ('KVPS_AUTH_PAYLOAD',), _flag, False,
         'Also authenticate array payloads, not only headers (costs a hash of every byte).'),
+    Var('max_inflight_bytes', ('KVPS_MAX_INFLIGHT_BYTES',), _positive_int, 1 << 29,
+        'Back-pressure: a push waits while this worker has more unacknowledged push bytes.'),
     Var('max_message_bytes', ('KVPS_MAX_MESSAGE_BYTES',), _positive_int, 1 << 31,
         'Largest message a node accepts; larger ones are rejected and logged.'),
 )
@@ -154,6 +156,7 @@ class Config:
     secret: str = None
     secret_file: str = None
     auth_payload: bool = False
+    max_inflight_bytes: int = 1 << 29
     max_message_bytes: int = 1 << 31
 
     def __repr__(self):  # never print the secret in logs or tracebacks

@@ -33,7 +33,8 @@ class DistClient:
         self.num_workers = welcome['num_workers']
         self.num_servers = welcome['num_servers']
         self.placement = Placement(self.num_servers, config.bigarray_bound)
-        self._inflight = collections.deque()   # push Operations not yet known complete
+        self._inflight = collections.deque()   # (push Operation, bytes) not yet known complete
+        self._inflight_bytes = 0
         self._errors = collections.deque()     # errors of pushes, raised at the next wait
         self._lock = threading.Lock()
         self._barrier_seq = 0
@@ -100,6 +101,8 @@ class DistClient:
         """Send each ``(key, flat, dtype)`` (``flat``: a kvps-owned contiguous copy) to the key's
         servers, small parts fused into one message per server; do not wait."""
         self._raise_pending_errors()
+        nbytes = sum(flat.nbytes for _, flat, _ in items)
+        self._make_room(nbytes)
         batches = fuse(self._parts_of(items))
         op = Operation(_describe('push', items), len(batches), on_error=self._errors.append)
         for server, batch in batches:
@@ -110,9 +113,23 @@ class DistClient:
                                           for _, part, flat, _ in batch],
                          Request(op, server_name(server)))
         with self._lock:
-            while self._inflight and self._inflight[0].done.is_set():
-                self._inflight.popleft()
-            self._inflight.append(op)
+            self._inflight.append((op, nbytes))
+            self._inflight_bytes += nbytes
+
+    def _make_room(self, nbytes):
+        """Back-pressure: while this worker's unacknowledged pushes hold more than
+        KVPS_MAX_INFLIGHT_BYTES, wait for the oldest. Each server's queue is then bounded by
+        workers x window, whatever the pace of the servers."""
+        limit = self.config.max_inflight_bytes
+        while True:
+            with self._lock:
+                while self._inflight and self._inflight[0][0].done.is_set():
+                    self._inflight_bytes -= self._inflight.popleft()[1]
+                if not self._inflight or self._inflight_bytes + nbytes <= limit:
+                    return
+                oldest = self._inflight[0][0]
+            if not oldest.done.wait(self.config.timeout):
+                oldest.wait(0)  # raises RequestTimeout naming the silent servers
 
     def pull(self, items):
         """Fill each ``out`` of ``items`` ([(key, out, dtype)]) with the key's value once this
@@ -156,7 +173,8 @@ class DistClient:
             with self._lock:
                 if not self._inflight:
                     break
-                op = self._inflight.popleft()
+                op, nbytes = self._inflight.popleft()
+                self._inflight_bytes -= nbytes
             if not op.done.wait(self.config.timeout):
                 op.wait(0)  # raises RequestTimeout naming the silent servers
         self._raise_pending_errors()

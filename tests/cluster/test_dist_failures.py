@@ -159,3 +159,37 @@ def test_hand_started_cluster_runs_and_every_process_exits(by_hand):
         assert code == 0 and '"out": [3.0, 3.0, 3.0]' in out, out
     for proc in servers + [sched]:
         assert proc.wait(30) == 0
+
+
+BACKPRESSURE_SCRIPT = '''
+kv = kvps.create('dist_async')
+kv.init(0, np.zeros(1000, np.float32))          # 4000 bytes: the window holds one push
+print('READY', flush=True)
+while not os.path.exists(os.environ['GO']):
+    time.sleep(0.02)
+for i in range(50):
+    kv.push(0, np.full(1000, i + 1.0, np.float32))
+    with open(os.environ['COUNT'], 'w') as f:
+        f.write(str(i + 1))
+out = np.zeros(1000, np.float32); kv.pull(0, out=out)
+report(last=float(out[0]))
+'''
+
+
+def test_a_stalled_server_holds_pushes_back_instead_of_queueing_them(by_hand, tmp_path):
+    _, env = by_hand.scheduler(num_workers=1, num_servers=1)
+    server = by_hand('server', env)
+    go, count = tmp_path / 'go', tmp_path / 'count'
+    worker = by_hand('worker', {**env, 'GO': str(go), 'COUNT': str(count),
+                                'KVPS_MAX_INFLIGHT_BYTES': '4000'}, script=BACKPRESSURE_SCRIPT)
+    _wait_ready(worker)
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        go.write_text('')
+        time.sleep(2)                       # the worker pushes as fast as the window allows
+        assert count.read_text() == '1'     # one push in flight, the second one waits
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    code, out = finish(worker)
+    assert code == 0 and '"last": 50.0' in out, out
+    assert count.read_text() == '50'
