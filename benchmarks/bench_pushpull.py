@@ -153,9 +153,14 @@ def measure_mxnet(args, cfg, opt, rounds, run_dir):
                                '--rounds', rounds, '--warmup', args.warmup, '--optimizer', opt,
                                '--lr', 0.1],
         run_dir, args.timeout)
-    records = C.read_worker_records(run_dir, W)
+    return _peer_summary(run_dir, W, total, rc, log, wall)
+
+
+def _peer_summary(run_dir, workers, total, rc, log, wall):
+    """Summarize a peer run from its workers' records, with the log tail if it failed."""
+    records = C.read_worker_records(run_dir, workers)
     extra = {'rc': rc, 'wall_s': round(wall, 2)}
-    if rc != 0 or len(records) < W:
+    if rc != 0 or len(records) < workers:
         extra['error'] = log[-1500:]
     return _summary(records, records[0]['total_bytes'] if records else total, extra)
 
@@ -166,11 +171,7 @@ def measure_gloo(args, cfg, mode, rounds, run_dir):
         'run_gloo_bench.sh', [W, run_dir, '--keys', keys, '--total-bytes', total,
                               '--rounds', rounds, '--warmup', args.warmup, '--mode', mode],
         run_dir, args.timeout)
-    records = C.read_worker_records(run_dir, W)
-    extra = {'rc': rc, 'wall_s': round(wall, 2)}
-    if rc != 0 or len(records) < W:
-        extra['error'] = log[-1500:]
-    return _summary(records, records[0]['total_bytes'] if records else total, extra)
+    return _peer_summary(run_dir, W, total, rc, log, wall)
 
 
 def _record(system, mode, cfg, opt, rounds, result):
