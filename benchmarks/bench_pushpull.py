@@ -22,7 +22,6 @@ compare the ratios of one run, not absolute values across runs.
   python benchmarks/bench_pushpull.py --configs w2s1-64mb --optimizer sgd --profile
 """
 import argparse
-import json
 import os
 import sys
 import uuid

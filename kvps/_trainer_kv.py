@@ -1,8 +1,6 @@
 """The Trainer's store decisions (Gluon's update_on_kvstore rules) and its access to server-side optimizer state."""
 
 import math
-import os
-import tempfile
 
 from . import kvstore as kvstore_mod
 from . import states
@@ -57,12 +55,6 @@ def _distributed(kv):
     return kv is not None and 'dist' in kv.type
 
 
-def is_stateful(optimizer):
-    """False when re-installing this optimizer on a server loses nothing (no per-key state,
-    no update counts feeding the step)."""
-    return bool(optimizer.state_names() or optimizer.needs_count or optimizer.lr_scheduler)
-
-
 # -- optimizer state ----------------------------------------------------------------------------
 # One file format everywhere: kvps.states' whole-key optimizer-state file, which the store's
 # save_optimizer_states writes. A file saved by servers loads into local updates and back.
@@ -79,24 +71,6 @@ def load_server_states(kv, fname):
     if not hasattr(kv, 'load_optimizer_states'):
         raise no_server_states('load_states')
     kv.load_optimizer_states(fname)
-
-
-def reinstall_optimizer(kv, optimizer, stateful):
-    """Collective: give the servers new hyper-parameters, keeping their per-key state.
-
-    A store replaces its optimizer's state on set_optimizer with a different spec, so the
-    state makes a round trip through a private file around it.
-    """
-    if not stateful or not hasattr(kv, 'save_optimizer_states'):
-        if stateful:
-            raise no_server_states('changing the optimizer of servers that run a stateful one')
-        kv.set_optimizer(optimizer)
-        return
-    with tempfile.TemporaryDirectory(prefix='kvps-trainer-') as tmp:
-        path = os.path.join(tmp, 'states')
-        kv.save_optimizer_states(path, dump_optimizer=False)
-        kv.set_optimizer(optimizer)
-        kv.load_optimizer_states(path)
 
 
 def no_server_states(what):

@@ -150,7 +150,8 @@ class KVStore:
         self._backend.barrier()
 
     def set_optimizer(self, optimizer):
-        """Run ``optimizer`` on the servers for every later push (collective)."""
+        """Run ``optimizer`` on the servers for every later push (collective). Setting the
+        same kind of optimizer again changes its hyper-parameters and keeps its state."""
         spec = optimizer if isinstance(optimizer, dict) else getattr(optimizer, 'to_spec', None)
         if spec is None:
             raise TypeError('set_optimizer takes a kvps optimizer (kvps.optimizer.create(...)) '

@@ -5,8 +5,8 @@ import warnings
 import weakref
 
 from . import optimizer as opt_mod
-from ._trainer_kv import (is_stateful, load_local_states, load_server_states, read_optimizer,
-                          reinstall_optimizer, resolve, save_local_states, save_server_states)
+from ._trainer_kv import (load_local_states, load_server_states, read_optimizer, resolve,
+                          save_local_states, save_server_states)
 from ._trainer_params import check_same_everywhere, collect, merge_mults
 from .arrays import as_numpy
 from .errors import ConfigError, ParameterMismatchError, StaleGradientError
@@ -193,8 +193,9 @@ class Trainer:
                 self._reinstall_optimizer()
 
     def _reinstall_optimizer(self):
-        """Give the servers the current hyper-parameters, keeping their per-key state."""
-        reinstall_optimizer(self._kv, self._optimizer, is_stateful(self._optimizer))
+        """Give the servers the current hyper-parameters; the same kind of optimizer keeps its
+        per-key state there (collective)."""
+        self._kv.set_optimizer(self._optimizer)
 
     def _check_stale(self, ignore_stale_grad):
         if ignore_stale_grad:

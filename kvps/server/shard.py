@@ -244,12 +244,12 @@ class Shard:
         return entry
 
     def set_optimizer(self, spec):
-        """Run ``spec`` on every later update; re-sending the optimizer in use keeps its
-        state (a resumed job sets the same optimizer again)."""
+        """Run ``spec`` on every later update. The same kind of optimizer again (new learning
+        rate, a resumed job setting it anew) keeps every key's state and update count;
+        another kind starts fresh."""
         from .updater import Updater  # the optimizer stack loads only when one is used
-        if self.updater is not None and self.updater.optimizer.to_spec() == spec:
-            return
-        self.updater = Updater(spec)
+        if self.updater is None or not self.updater.retune(spec):
+            self.updater = Updater(spec)
 
     def get_states(self, dump_optimizer):
         if self.updater is None:

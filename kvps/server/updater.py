@@ -39,6 +39,19 @@ class Updater:
     def optimizer(self):
         return self._opt
 
+    def retune(self, optimizer):
+        """Take ``optimizer``'s hyper-parameters and keep every key's state and count, if it
+        is the same kind of optimizer with the same state; return whether it was."""
+        if isinstance(optimizer, dict):
+            optimizer = Optimizer.from_spec(optimizer)
+        same = (optimizer.name == self._opt.name and
+                optimizer.state_names() == self._opt.state_names() and
+                optimizer.multi_precision == self._opt.multi_precision)
+        if same:
+            self._opt = optimizer
+            self._opt.num_update = self._num_update
+        return same
+
     @property
     def num_update(self):
         return self._num_update

@@ -1,6 +1,5 @@
 """A job with a secret refuses every process without it, logs why, and carries on."""
 
-import time
 
 import msgpack
 import pytest

@@ -174,3 +174,15 @@ def test_finished_worker_that_already_pushed_lets_the_round_finish():
     shard.push('a', W0, 'k', 0, 'float32', True, buf(1, 1))
     assert shard.worker_finished(W0) == []
     assert acks(shard.push('b', W1, 'k', 0, 'float32', True, buf(2, 2))) == ['a', 'b']
+
+
+def test_same_optimizer_kind_again_keeps_state_other_kind_starts_fresh():
+    from kvps.optimizer import create
+    shard = make(num_workers=1, values=(1.0, 1.0))
+    shard.set_optimizer(create('sgd', learning_rate=1.0, momentum=0.5).to_spec())
+    shard.push('a', W0, 'k', 0, 'float32', True, buf(1, 1))          # mom -1, w 0
+    shard.set_optimizer(create('sgd', learning_rate=2.0, momentum=0.5).to_spec())
+    shard.push('b', W0, 'k', 0, 'float32', True, buf(1, 1))          # mom -0.5-2, w -2.5
+    assert data_of(shard.pull('q', W0, 'k', 0)) == {'q': [-2.5, -2.5]}
+    shard.set_optimizer(create('adam', learning_rate=0.1).to_spec())
+    assert shard.updater.optimizer.name == 'adam' and shard.updater.num_update == 0
