@@ -25,7 +25,10 @@ class DistClient:
         self.sync = sync
         self.io = WorkerIO(config)
         self.io.start()
-        if not self.io.ready.wait(config.connect_timeout + 5) or self.io.fatal is not None:
+        # Outlast the I/O thread's own registration bound, so its error (naming who is missing)
+        # is the one raised.
+        bound = config.connect_timeout + 10 + 2 * config.heartbeat_interval
+        if not self.io.ready.wait(bound) or self.io.fatal is not None:
             self.io.stop(1.0)
             raise self.io.fatal or RuntimeError('worker I/O thread did not start')
         welcome = self.io.welcome
