@@ -3,7 +3,7 @@
 Every benchmark under benchmarks/ prints one JSON object per line (and appends the same lines
 to ``<out>/results.jsonl``). The peers (Apache MXNet ps-lite, torch.distributed gloo, the raw
 ZeroMQ / memcpy ceilings) are never imported or copied: their own scripts under
-``$KVPS_PEERS_DIR`` (default /work/shared/peers) are run with the interpreters installed under
+``$KVPS_PEERS_DIR`` (default ../shared/peers beside the checkout) are run with the interpreters installed under
 ``$KVPS_ANCHORS`` (default /tmp/anchors); when those are absent a benchmark still measures
 kvps and says so in its JSON.
 """
@@ -20,7 +20,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PY = os.environ.get('KVPS_BENCH_PYTHON', sys.executable)
-PEERS_DIR = Path(os.environ.get('KVPS_PEERS_DIR', '/work/shared/peers'))
+# The peers live beside the checkout, in ../shared/peers.
+PEERS_DIR = Path(os.environ.get('KVPS_PEERS_DIR',
+                                Path(__file__).resolve().parents[2] / 'shared' / 'peers'))
 ANCHORS = Path(os.environ.get('KVPS_ANCHORS', '/tmp/anchors'))
 TAG_VAR = 'KVPS_BENCH_TAG'      # set in every process of a benchmark job, to find them in /proc
 MiB = 1 << 20
