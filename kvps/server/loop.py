@@ -22,6 +22,10 @@ class Server:
 
     def __init__(self, config):
         self.config = config.require_cluster()
+        if config.server_device != 'cpu':
+            raise ConfigError('KVPS_SERVER_DEVICE=cuda is not supported yet: servers keep their '
+                              'shards in host memory (the CUDA update kernels exist, the GPU '
+                              'shard store does not)')
         self.ctx = new_context()
         self.link = SchedulerLink(self.ctx, config, 'server')
         self.router = Router(self.ctx, guard_from(config))

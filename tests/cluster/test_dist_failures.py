@@ -193,3 +193,10 @@ def test_a_stalled_server_holds_pushes_back_instead_of_queueing_them(by_hand, tm
     code, out = finish(worker)
     assert code == 0 and '"last": 50.0' in out, out
     assert count.read_text() == '50'
+
+
+def test_a_server_asked_for_gpu_shards_says_it_cannot(by_hand):
+    _, env = by_hand.scheduler(num_workers=1, num_servers=1)
+    server = by_hand('server', {**env, 'KVPS_SERVER_DEVICE': 'cuda'})
+    code, out = finish(server)
+    assert code == 1 and 'KVPS_SERVER_DEVICE=cuda is not supported yet' in out
