@@ -45,6 +45,7 @@ class WorkerIO(threading.Thread):
         self._stopping = False
         self._servers = []          # Dealer per server rank
         self._by_socket = {}        # Dealer -> node name
+        self._server_named = {}     # node name -> Dealer
 
     # -- API side (any thread) --------------------------------------------------------------
     def submit(self, node, header, buffers, request):
@@ -89,6 +90,7 @@ class WorkerIO(threading.Thread):
             dealer.connect(host, port)
             self._servers.append(dealer)
             self._by_socket[dealer] = server_name(rank)
+            self._server_named[server_name(rank)] = dealer
 
     def _serve(self):
         poller = Poller()
@@ -126,7 +128,7 @@ class WorkerIO(threading.Thread):
                 self._link.send(header)
                 continue
             header['id'] = self._pending.add(request)
-            self._servers[int(node.split()[1])].send(P.encode(header, buffers))
+            self._server_named[node].send(P.encode(header, buffers))
 
     def _from_server(self, sock):
         decoded = decode_or_log(sock.recv(), self.config, self._by_socket[sock])
