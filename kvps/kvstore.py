@@ -75,7 +75,6 @@ class KVStore:
         self._backend = backend
         self._meta = {}            # key -> (shape, dtype name)
         self._key_kind = None
-        self._optimizer = None
 
     # -- identity -------------------------------------------------------------------------
     @property
@@ -152,13 +151,14 @@ class KVStore:
     def set_optimizer(self, optimizer):
         """Run ``optimizer`` on the servers for every later push (collective). Setting the
         same kind of optimizer again changes its hyper-parameters and keeps its state."""
-        spec = optimizer if isinstance(optimizer, dict) else getattr(optimizer, 'to_spec', None)
-        if spec is None:
+        if isinstance(optimizer, dict):
+            spec = optimizer
+        elif hasattr(optimizer, 'to_spec'):
+            spec = optimizer.to_spec()
+        else:
             raise TypeError('set_optimizer takes a kvps optimizer (kvps.optimizer.create(...)) '
                             f'or its spec, got {type(optimizer).__name__}')
-        spec = spec if isinstance(spec, dict) else spec()
         self._backend.set_optimizer(spec)
-        self._optimizer = optimizer
 
     def save_optimizer_states(self, fname, dump_optimizer=False):
         """Save the servers' optimizer state (every shard, whole keys) to ``fname``."""

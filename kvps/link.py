@@ -22,14 +22,13 @@ class SchedulerLink:
         self.socket = Dealer(ctx, f'{role}-{uuid.uuid4().hex[:12]}'.encode(),
                              guard_from(config))
         self.socket.connect(self.scheduler_ip, config.scheduler_port)
-        self.welcome = None
         self._last_heard = self._last_sent = time.monotonic()
 
     def register(self, port=0):
         """Send REGISTER and wait for WELCOME (every node has arrived); return WELCOME."""
-        self.socket.send(P.encode({'op': P.REGISTER, 'id': 0, 'role': self.role,
-                                   'host': self.host, 'port': port, 'rank': self.config.rank,
-                                   'pid': os.getpid(), 'version': P.VERSION}))
+        self.send({'op': P.REGISTER, 'id': 0, 'role': self.role, 'host': self.host,
+                   'port': port, 'rank': self.config.rank, 'pid': os.getpid(),
+                   'version': P.VERSION})
         # Wait a little past the scheduler's own bound: its verdict names the missing nodes.
         deadline = time.monotonic() + self.config.connect_timeout + max(
             2.0, 2 * self.config.heartbeat_interval)
@@ -47,7 +46,6 @@ class SchedulerLink:
             if header is None:
                 continue
             if header['op'] == P.WELCOME:
-                self.welcome = header
                 return header
             self.raise_if_fatal(header)
 

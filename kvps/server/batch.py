@@ -1,5 +1,7 @@
 """A multi-key request on a server: per-key answers, gathered into one reply."""
 
+from ..protocol import PUSH
+
 
 class Batch:
     """Keys of one PUSH or PULL message settle one by one (a sync round may finish later for
@@ -23,6 +25,11 @@ class Batch:
             self.error = payload
         return self.remaining == 0
 
-    def data(self):
-        """``[(entry, array, lease), ...]`` of a settled PULL, in the order asked."""
-        return [payload for _, payload in self.results]
+    def outcome(self):
+        """``(kind, payload)`` of the one reply for a settled batch: its first error, else an
+        ack (PUSH) or every key's ``(entry, array, lease)`` in the order asked (PULL)."""
+        if self.error is not None:
+            return 'error', self.error
+        if self.op == PUSH:
+            return 'ack', None
+        return 'data', [payload for _, payload in self.results]

@@ -120,10 +120,10 @@ class Server:
                 raise KVPSError(f'{header["op"]!r} is not a server operation')
             replies = handler(self, token, header, buffers)
         except KVPSError as exc:  # the caller's mistake: its message says it all
-            replies = [('error', token, (exc, ''))]
-        except Exception as exc:  # a server bug: log it, send the traceback, serve on
+            replies = [('error', token, exc)]
+        except Exception as exc:  # a server bug: log it, answer with its traceback, serve on
             log.exception('%s: %s failed', self.name, header['op'])
-            replies = [('error', token, (exc, traceback.format_exc()))]
+            replies = [('error', token, exc)]
         self._reply_all(replies)
 
     def _init(self, token, h, buffers):
@@ -153,7 +153,7 @@ class Server:
             try:
                 replies += handle((batch, index), item, buffer)
             except KVPSError as exc:
-                replies.append(('error', (batch, index), (exc, '')))
+                replies.append(('error', (batch, index), exc))
         return replies
 
     def _set_optimizer(self, token, h, buffers):
@@ -180,27 +180,26 @@ class Server:
 
     def _reply_all(self, replies):
         for kind, (identity, req_id), payload in replies:
-            if isinstance(identity, Batch):   # one key of a multi-key message
-                if identity.settle(req_id, kind, payload):
-                    self._answer_batch(identity)
-                continue
-            if kind == 'ack':
-                frames = P.encode({'op': P.ACK, 'id': req_id})
-            elif kind == 'states':
-                frames = P.encode({'op': P.STATES, 'id': req_id}, [payload])
-            else:
-                exc, tb = payload if isinstance(payload, tuple) else (payload, '')
-                frames = P.encode(P.error_header(req_id, exc, self.name, tb))
-            self._send(identity, frames)
+            if not isinstance(identity, Batch):
+                self._answer(identity, req_id, kind, payload)
+            elif identity.settle(req_id, kind, payload):   # the last key of a batch
+                self._answer(identity.identity, identity.req_id, *identity.outcome())
 
-    def _answer_batch(self, batch):
-        if batch.error is not None:
-            exc, tb = batch.error if isinstance(batch.error, tuple) else (batch.error, '')
-            self._send(batch.identity, P.encode(P.error_header(batch.req_id, exc, self.name, tb)))
-        elif batch.op == P.PUSH:
-            self._send(batch.identity, P.encode({'op': P.ACK, 'id': batch.req_id}))
+    def _answer(self, identity, req_id, kind, payload):
+        """Send one reply: 'ack', 'states' (bytes), 'data' (the parts of a pull) or 'error'."""
+        if kind == 'data':
+            self._send_data(identity, req_id, payload)
+            return
+        if kind == 'error':
+            # A caller's mistake speaks for itself; a server bug also carries its traceback.
+            tb = '' if isinstance(payload, KVPSError) else ''.join(
+                traceback.format_exception(payload))
+            frames = P.encode(P.error_header(req_id, payload, self.name, tb))
+        elif kind == 'states':
+            frames = P.encode({'op': P.STATES, 'id': req_id}, [payload])
         else:
-            self._send_data(batch.identity, batch.req_id, batch.data())
+            frames = P.encode({'op': P.ACK, 'id': req_id})
+        self._send(identity, frames)
 
     def _send_data(self, identity, req_id, parts):
         """Send weights without copying them; the leases tell the shard when zmq is done."""

@@ -63,6 +63,10 @@ class Entry:
     def n(self):
         return self.weight.size
 
+    def holds(self, dtype, shape):
+        """Whether this is the key a worker describes as ``shape`` of ``dtype``."""
+        return self.dtype == dtype and self.shape == tuple(shape)
+
     def lend(self):
         """``(weight, lease)`` for a pull reply: the weight itself, not a copy. Replies leave
         the process after later updates may run, so writers copy a lent buffer first
@@ -108,7 +112,7 @@ class Shard:
 
     def _claim_restored(self, token, entry, dtype, shape, sync, nbytes):
         """A resumed job inits a key the checkpoint holds: the checkpoint's value wins."""
-        if entry.dtype != dtype or entry.shape != tuple(shape) or nbytes != entry.weight.nbytes:
+        if not entry.holds(dtype, shape) or nbytes != entry.weight.nbytes:
             raise ShapeError(f'key {entry.key!r}: init with {tuple(shape)} {dtype}, but the '
                              f'checkpoint holds {entry.shape} {entry.dtype}')
         entry.restored, entry.sync = False, sync
@@ -117,7 +121,7 @@ class Shard:
     def check(self, token, key, dtype, shape):
         """Confirm that another worker's view of a key matches what rank 0 initialized."""
         entry = self._entry(key, 0)
-        if entry.dtype != dtype or entry.shape != tuple(shape):
+        if not entry.holds(dtype, shape):
             raise ShapeError(f'key {key!r}: this worker has {tuple(shape)} {dtype}, but rank 0 '
                              f'initialized {entry.shape} {entry.dtype}')
         return [('ack', token, None)]
@@ -127,7 +131,7 @@ class Shard:
         entry = self._entry(key, part)
         self._check_push(entry, dtype, sync, data)
         if not entry.sync:
-            self._apply(entry, data, copy_grad=True)
+            self._apply(entry, data)
             return [('ack', token, None)]
         round_index = entry.pushed.get(worker, 0)
         self._check_round_possible(entry, round_index)
@@ -169,7 +173,7 @@ class Shard:
         """Apply every round that is now complete; answer what waited on it."""
         replies = []
         while len(entry.merged) == self.num_workers:
-            self._apply(entry, None, copy_grad=False)
+            self._apply(entry)
             replies += [('ack', t, None) for t in entry.held]
             entry.held, entry.merged = [], set()
             replies += self._answer_deferred(entry)
@@ -179,16 +183,17 @@ class Shard:
                 self._merge(entry, worker, data, token)
         return replies
 
-    def _apply(self, entry, data, copy_grad):
-        """Run the update with the round's sum (sync) or one push (async); no optimizer: replace."""
+    def _apply(self, entry, data=None):
+        """Run the update with one push's ``data`` (async) or, without it, the round's sum in the
+        merge buffer (sync); with no optimizer the value is replaced."""
         if self.updater is None:
-            if copy_grad:
+            if data is not None:
                 np.copyto(entry.writable_weight(), np.frombuffer(data, dtype=entry.weight.dtype))
             else:  # the merge buffer becomes the weight; the old weight is the next scratch
                 entry.weight, entry.merge = entry.merge, entry.weight
                 entry.weight_leases, entry.merge_leases = [], entry.weight_leases
         else:
-            if copy_grad:
+            if data is not None:
                 np.copyto(entry.writable_merge(), np.frombuffer(data, dtype=entry.weight.dtype))
             self.updater.update(entry.key, entry.writable_weight(), entry.merge, part=entry.part)
         entry.version += 1

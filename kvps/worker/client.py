@@ -71,29 +71,22 @@ class DistClient:
         """Every server's updater state, once this worker's pushes are applied."""
         self.wait_pushes()
         blobs = [None] * self.num_servers
-        ops = []
-        for server in range(self.num_servers):
-            op = Operation('save_optimizer_states', 1)
 
-            def keep(header, buffers, server=server):
+        def keeper(server):
+            def keep(header, buffers):
                 blobs[server] = msgpack.unpackb(buffers[0], raw=False, strict_map_key=False)
-            self._submit(server, {'op': P.GET_STATES, 'dump': dump_optimizer}, (),
-                         Request(op, server_name(server), keep))
-            ops.append(op)
-        self._wait_all(ops)
+            return keep
+        self._wait_all([self._request(s, 'save_optimizer_states',
+                                      {'op': P.GET_STATES, 'dump': dump_optimizer},
+                                      on_data=keeper(s)) for s in range(self.num_servers)])
         return blobs
 
     def set_states(self, per_server):
         """Rank 0 loads each server's share; everyone returns when all servers have it."""
         if self.rank == 0:
-            ops = []
-            for server, states in enumerate(per_server):
-                op = Operation('load_optimizer_states', 1)
-                self._submit(server, {'op': P.SET_STATES},
-                             (msgpack.packb(states, use_bin_type=True),),
-                             Request(op, server_name(server)))
-                ops.append(op)
-            self._wait_all(ops)
+            self._wait_all([self._request(s, 'load_optimizer_states', {'op': P.SET_STATES},
+                                          (msgpack.packb(states, use_bin_type=True),))
+                            for s, states in enumerate(per_server)])
         self.barrier()
 
     def parts(self, key, size):
@@ -207,9 +200,10 @@ class DistClient:
                          Request(op, server_name(part.server)))
         return op
 
-    def _request(self, server, what, header):
+    def _request(self, server, what, header, buffers=(), on_data=None):
+        """One message to one server, as an Operation to wait on."""
         op = Operation(what, 1)
-        self._submit(server, header, (), Request(op, server_name(server)))
+        self._submit(server, header, buffers, Request(op, server_name(server), on_data))
         return op
 
     def _submit(self, server, header, buffers, request):

@@ -43,9 +43,8 @@ class WorkerIO(threading.Thread):
         # Scheduler requests (barrier, finish) are few and keyed by their own sequence numbers.
         self._scheduler_requests = {}
         self._stopping = False
-        self._servers = []          # Dealer per server rank
-        self._by_socket = {}        # Dealer -> node name
-        self._server_named = {}     # node name -> Dealer
+        self._servers = {}          # node name ('server N') -> Dealer
+        self._by_socket = {}        # Dealer -> node name, to say where a bad reply came from
 
     # -- API side (any thread) --------------------------------------------------------------
     def submit(self, node, header, buffers, request):
@@ -88,13 +87,12 @@ class WorkerIO(threading.Thread):
         for rank, (host, port) in enumerate(welcome['servers']):
             dealer = Dealer(self.ctx, identity, guard_from(self.config))
             dealer.connect(host, port)
-            self._servers.append(dealer)
+            self._servers[server_name(rank)] = dealer
             self._by_socket[dealer] = server_name(rank)
-            self._server_named[server_name(rank)] = dealer
 
     def _serve(self):
         poller = Poller()
-        for sock in [self.waker.socket, self._link.socket, *self._servers]:
+        for sock in [self.waker.socket, self._link.socket, *self._servers.values()]:
             poller.register(sock)
         tick = min(self.config.heartbeat_interval, 0.5)
         while not (self._stopping and not self._queue):
@@ -128,7 +126,7 @@ class WorkerIO(threading.Thread):
                 self._link.send(header)
                 continue
             header['id'] = self._pending.add(request)
-            self._server_named[node].send(P.encode(header, buffers))
+            self._servers[node].send(P.encode(header, buffers))
 
     def _from_server(self, sock):
         decoded = decode_or_log(sock.recv(), self.config, self._by_socket[sock])
@@ -166,7 +164,7 @@ class WorkerIO(threading.Thread):
         self._scheduler_requests.clear()
 
     def _close(self):
-        for dealer in self._servers:
+        for dealer in self._servers.values():
             dealer.close(linger_s=0.5)
         if getattr(self, '_link', None) is not None:
             self._link.close()
