@@ -18,32 +18,20 @@ class Var:
     doc: str
 
 
-def _positive_float(text):
-    value = float(text)
-    if not value > 0:
-        raise ValueError('must be > 0')
-    return value
+def _number(cast, ok, message):
+    """A parser of numbers of type ``cast`` for which ``ok(value)`` holds (NaN never does)."""
+    def parse(text):
+        value = cast(text)
+        if not ok(value):
+            raise ValueError(message)
+        return value
+    return parse
 
 
-def _nonneg_float(text):
-    value = float(text)
-    if not value >= 0:
-        raise ValueError('must be >= 0')
-    return value
-
-
-def _nonneg_int(text):
-    value = int(text)
-    if value < 0:
-        raise ValueError('must be >= 0')
-    return value
-
-
-def _positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise ValueError('must be >= 1')
-    return value
+_positive_float = _number(float, lambda v: v > 0, 'must be > 0')
+_nonneg_float = _number(float, lambda v: v >= 0, 'must be >= 0')
+_nonneg_int = _number(int, lambda v: v >= 0, 'must be >= 0')
+_positive_int = _number(int, lambda v: v >= 1, 'must be >= 1')
 
 
 def _flag(text):

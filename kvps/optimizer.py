@@ -203,8 +203,18 @@ def _unit_interval(opt, *names):
             raise ConfigError(f'{type(opt).__name__}: {name} must be in [0, 1], got {value}')
 
 
+class _MomentumState:
+    """Optimizers whose only state is a momentum buffer, kept only when momentum is on."""
+
+    def _validate(self):
+        _unit_interval(self, 'momentum')
+
+    def state_names(self):
+        return ('mom',) if self.momentum != 0.0 else ()
+
+
 @register
-class SGD(Optimizer):
+class SGD(_MomentumState, Optimizer):
     """mom = momentum*mom - lr*g; w += mom, with g = clip(rescale*grad) + wd*w (MXNet).
     nesterov=True gives NAG's rule; lazy_update only matters for sparse grads (ignored)."""
     name = 'sgd'
@@ -212,11 +222,6 @@ class SGD(Optimizer):
              'nesterov': ('bool', False)}
     kernel, kernel_params, kernel_states = 'sgd_update', ('momentum', 'nesterov'), ('mom',)
 
-    def _validate(self):
-        _unit_interval(self, 'momentum')
-
-    def state_names(self):
-        return ('mom',) if self.momentum != 0.0 else ()
 
 
 @register
@@ -313,18 +318,13 @@ class Ftrl(Optimizer):
 
 
 @register
-class Signum(Optimizer):
+class Signum(_MomentumState, Optimizer):
     """Signum (MXNet): mom = momentum*mom - (1-momentum)*g; w = (1-lr*wd_lh)*w + lr*sign(mom);
     momentum 0 is signSGD: w = (1-lr*(wd+wd_lh))*w - lr*sign(g)."""
     name = 'signum'
     hyper = {'momentum': ('float', 0.9), 'wd_lh': ('float', 0.0)}
     kernel, kernel_params, kernel_states = 'signum_update', ('momentum', 'wd_lh'), ('mom',)
 
-    def _validate(self):
-        _unit_interval(self, 'momentum')
-
-    def state_names(self):
-        return ('mom',) if self.momentum != 0.0 else ()
 
 
 @register
