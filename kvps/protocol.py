@@ -13,9 +13,11 @@ import numpy as np
 from .errors import ProtocolError
 
 # Node <-> scheduler.
-VERSION = 1                  # bumped on any change of the wire format; checked at REGISTER
+VERSION = 2                  # bumped on any change of the wire format; checked at REGISTER
 REGISTER = 'register'        # node -> scheduler: {role, host, port, rank, pid, version}
-WELCOME = 'welcome'          # scheduler -> node: {rank, num_workers, num_servers, servers, nodes}
+# scheduler -> node: {rank, num_workers, num_servers, servers, nodes, recovery_timeout}; to a
+# server that replaces a lost one also {restarted: True, finished: [worker ranks]}
+WELCOME = 'welcome'
 HEARTBEAT = 'heartbeat'      # node -> scheduler, answered by HEARTBEAT_ACK
 HEARTBEAT_ACK = 'heartbeat_ack'
 BARRIER = 'barrier'          # worker -> scheduler: {seq}; answered by BARRIER_DONE when all arrive
@@ -23,15 +25,22 @@ BARRIER_DONE = 'barrier_done'
 FINISH = 'finish'            # worker -> scheduler: done; answered by ACK
 SHUTDOWN = 'shutdown'        # scheduler -> node: exit now ({reason})
 PEER_LOST = 'peer_lost'      # scheduler -> node: {role, rank, host, reason}
+SERVER_LOST = 'server_lost'  # scheduler -> worker: {rank, reason}; the job waits for its return
+SERVER_BACK = 'server_back'  # scheduler -> worker: {rank, host, port} of the replacement
 
 # Worker <-> server.
 INIT = 'init'                # {key, part, dtype, n, shape, sync} + 1 buffer
 CHECK = 'check'              # {key, dtype, shape}: verify a non-root worker's view of a key
-PUSH = 'push'                # {sync, keys: [[key, part, dtype, n], ...]} + 1 buffer per key
+# {sync, keys: [[key, part, dtype, n, seq], ...]} + 1 buffer per key; seq counts this worker's
+# pushes of the key from 0, so a push resent to a restarted server is applied only once
+PUSH = 'push'
 PULL = 'pull'                # {keys: [[key, part], ...]}
 SET_OPTIMIZER = 'set_optimizer'  # {spec}
 GET_STATES = 'get_states'    # {dump}: answered by STATES
 SET_STATES = 'set_states'    # + 1 buffer: the updater state dict, msgpack
+# First message to a restarted server, unanswered: {keys: [[key, part, acked], ...]}, how many
+# of its pushes of each key part this worker has seen acknowledged
+RESUME = 'resume'
 
 # Replies.
 ACK = 'ack'
@@ -42,7 +51,10 @@ STATES = 'states'            # + 1 buffer: the server's updater state dict, msgp
 # How many raw buffers follow the header for each op; ops not listed carry none, and
 # multi-key ops (PUSH, DATA) carry one per key.
 _BUFFERS = {INIT: 1, SET_STATES: 1, STATES: 1}
-_MULTI = {PUSH: 4, PULL: 2, DATA: 4}   # op -> length of each 'keys' item
+_MULTI = {PUSH: 5, PULL: 2, DATA: 4, RESUME: 3}   # op -> length of each 'keys' item
+_SIZED = (PUSH, DATA)        # their items start [key, part, dtype, n]: one buffer each
+_COUNTS = {PUSH: ('part', None, 'n', 'seq'), PULL: ('part',), DATA: ('part', None, 'n'),
+           RESUME: ('part', 'acked')}   # the int fields after the key (None: the dtype)
 MAX_KEYS_PER_MESSAGE = 1 << 16
 # Header fields each op must carry (beyond op and id), with their accepted types.
 _KEY = (int, str)
@@ -58,10 +70,13 @@ _FIELDS = {
     DATA: {'keys': list},
     ERROR: {'type': str, 'message': str},
     PEER_LOST: {'role': str, 'reason': str},
+    SERVER_LOST: {'rank': int, 'reason': str},
+    SERVER_BACK: {'rank': int, 'host': str, 'port': int},
+    RESUME: {'keys': list},
 }
 OPS = frozenset([REGISTER, WELCOME, HEARTBEAT, HEARTBEAT_ACK, BARRIER, BARRIER_DONE, FINISH,
-                 SHUTDOWN, PEER_LOST, INIT, CHECK, PUSH, PULL, SET_OPTIMIZER, GET_STATES,
-                 SET_STATES, ACK, DATA, ERROR, STATES])
+                 SHUTDOWN, PEER_LOST, SERVER_LOST, SERVER_BACK, INIT, CHECK, PUSH, PULL,
+                 SET_OPTIMIZER, GET_STATES, SET_STATES, RESUME, ACK, DATA, ERROR, STATES])
 
 # dtype names on the wire -> numpy storage dtype. bfloat16 travels as its raw 16-bit pattern.
 DTYPES = {
@@ -146,20 +161,21 @@ def _check_dtype(op, dtype):
 
 
 def _check_items(op, items):
-    """Each item of a multi-key message: [key, part] or [key, part, dtype, n]."""
+    """Each item of a multi-key message: [key, part], [key, part, count],
+    [key, part, dtype, n] or [key, part, dtype, n, seq]; counts are ints >= 0."""
     width = _MULTI[op]
-    if not 0 < len(items) <= MAX_KEYS_PER_MESSAGE:
-        raise ProtocolError(f'{op}: 1 to {MAX_KEYS_PER_MESSAGE} keys per message')
+    least = 0 if op == RESUME else 1   # a worker may hold no key of a restarted server
+    if not least <= len(items) <= MAX_KEYS_PER_MESSAGE:
+        raise ProtocolError(f'{op}: {least} to {MAX_KEYS_PER_MESSAGE} keys per message')
     for item in items:
         if not isinstance(item, list) or len(item) != width:
             raise ProtocolError(f'{op}: each item must be a list of {width} fields')
         check_key(item[0])
-        if not _natural(item[1]):
-            raise ProtocolError(f'{op}: part must be an int >= 0')
-        if width == 4:
+        if op in _SIZED:
             _check_dtype(op, item[2])
-            if not _natural(item[3]):
-                raise ProtocolError(f'{op}: n must be an int >= 0')
+        for name, value in zip(_COUNTS[op], item[1:]):
+            if name and not _natural(value):
+                raise ProtocolError(f'{op}: {name} must be an int >= 0')
 
 
 def check_key(key):
@@ -172,7 +188,7 @@ def check_key(key):
 
 def _check_buffers(header, buffers, max_message_bytes):
     op = header['op']
-    sized = header['keys'] if _MULTI.get(op) == 4 else []
+    sized = [item[:4] for item in header['keys']] if op in _SIZED else []
     if 'dtype' in header and op in _BUFFERS:
         sized = [[header.get('key'), 0, header['dtype'], header['n']]]
     want = len(sized) if sized else _BUFFERS.get(op, 0)

@@ -16,6 +16,7 @@ class Node:
     last_seen: float
     rank: int = None
     finished: bool = False
+    lost_since: float = None     # a lost server the job is waiting for, since this time
 
     def describe(self):
         rank = '?' if self.rank is None else self.rank
@@ -32,6 +33,7 @@ class Membership:
     def __init__(self, num_workers, num_servers):
         self.want = {'worker': num_workers, 'server': num_servers}
         self.nodes = {}            # identity -> Node
+        self.replaced = set()      # identities of servers that others have replaced
         self.ranked = False
         self._barrier = {}         # seq -> set of worker identities arrived
         self.barriers_done = 0
@@ -51,6 +53,32 @@ class Membership:
             if any(n.rank_hint == rank_hint for n in self.of_role(role)):
                 raise ConfigError(f'{role} rank {rank_hint} is already taken')
         self.nodes[identity] = Node(identity, role, host, port, pid, rank_hint, now)
+
+    def replace(self, identity, role, host, port, rank_hint, pid, now):
+        """A server rejoins a running job with a rank (or takes the one lost server's rank);
+        return ``(new node, the node it replaces)``. Only servers can rejoin: their state is
+        in checkpoints, a worker's is in its training loop."""
+        if role != 'server':
+            raise ConfigError(f'the job is running with its {self.want.get(role, 0)} {role}(s); '
+                              'only a server can rejoin a running job')
+        if identity in self.nodes:
+            raise ConfigError('a node with this identity is already registered')
+        rank = rank_hint if rank_hint is not None else self._only_lost_rank()
+        if not isinstance(rank, int) or not 0 <= rank < self.want['server']:
+            raise ConfigError(f'server rank {rank} out of range 0..{self.want["server"] - 1}')
+        old = next(n for n in self.of_role('server') if n.rank == rank)
+        del self.nodes[old.identity]
+        self.replaced.add(old.identity)
+        node = Node(identity, role, host, port, pid, rank_hint, now, rank=rank)
+        self.nodes[identity] = node
+        return node, old
+
+    def _only_lost_rank(self):
+        lost = [n.rank for n in self.of_role('server') if n.lost_since is not None]
+        if len(lost) != 1:
+            raise ConfigError(f'{len(lost)} servers are lost: a rejoining server must give its '
+                              'rank (KVPS_RANK)')
+        return lost[0]
 
     def count(self, role):
         return sum(1 for n in self.nodes.values() if n.role == role)
@@ -83,7 +111,8 @@ class Membership:
         return {'rank': node.rank, 'num_workers': self.want['worker'],
                 'num_servers': self.want['server'],
                 'servers': [[s.host, s.port] for s in servers],
-                'nodes': [n.as_entry() for n in self.nodes.values()]}
+                'nodes': [n.as_entry() for n in self.nodes.values()],
+                'finished': [n.rank for n in self.of_role('worker') if n.finished]}
 
     # -- barriers and finishing -------------------------------------------------------------
     def arrive(self, identity, seq):
@@ -123,6 +152,12 @@ class Membership:
             node.last_seen = now
 
     def silent(self, now, timeout):
-        """Nodes that are still in the job but have not been heard from within ``timeout``."""
+        """Nodes that are still in the job but have not been heard from within ``timeout``
+        (lost servers the job is waiting for are not counted again)."""
         return [n for n in self.nodes.values()
-                if not n.finished and now - n.last_seen > timeout]
+                if not n.finished and n.lost_since is None and now - n.last_seen > timeout]
+
+    def overdue(self, now, timeout):
+        """Lost servers that have not been replaced within ``timeout``."""
+        return [n for n in self.of_role('server')
+                if n.lost_since is not None and now - n.lost_since > timeout]

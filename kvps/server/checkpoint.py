@@ -18,7 +18,7 @@ from ..errors import ConfigError
 from ..protocol import DTYPES
 from .shard import Entry
 
-FORMAT = 'kvps.server_checkpoint/1'
+FORMAT = 'kvps.server_checkpoint/2'   # /2 added each entry's version and push counts
 
 
 def path_for(directory, rank, num_servers):
@@ -27,23 +27,33 @@ def path_for(directory, rank, num_servers):
 
 def snapshot(shard):
     """The shard's weights and optimizer state as bytes."""
-    entries = [[e.key, e.part, e.dtype, list(e.shape), e.sync, e.weight.tobytes()]
-               for e in shard.entries.values()]
+    entries = [[e.key, e.part, e.dtype, list(e.shape), e.sync, e.weight.tobytes(), e.version,
+                _applied_pushes(e)] for e in shard.entries.values()]
     updater = shard.updater.get_states(dump_optimizer=True) if shard.updater else None
     return msgpack.packb({'format': FORMAT, 'entries': entries, 'updater': updater},
                          use_bin_type=True)
 
 
-def restore(shard, blob):
-    """Load ``blob`` (from snapshot) into an empty shard; raise ConfigError if it is not one."""
+def _applied_pushes(entry):
+    """Per worker, its pushes that the weight holds: sync pushes of the open round are not
+    in it (a restarted server learns the round from the workers)."""
+    return {} if entry.sync else dict(entry.pushed)
+
+
+def restore(shard, blob, rounds=False):
+    """Load ``blob`` (from snapshot) into an empty shard; raise ConfigError if it is not one.
+    With ``rounds`` (a server rejoining its running job) each key keeps its round and push
+    counts; a new job starts counting again."""
     try:
         state = msgpack.unpackb(blob, raw=False, strict_map_key=False)
         if state.get('format') != FORMAT:
             raise ValueError(f'format {state.get("format")!r}')
-        for key, part, dtype, shape, sync, data in state['entries']:
+        for key, part, dtype, shape, sync, data, version, pushed in state['entries']:
             weight = np.frombuffer(data, dtype=DTYPES[dtype]).copy()
-            shard.entries[(key, part)] = Entry(key, part, dtype, tuple(shape), sync, weight,
-                                               restored=True)
+            entry = Entry(key, part, dtype, tuple(shape), sync, weight, restored=True)
+            if rounds:
+                entry.version, entry.pushed = version, dict(pushed)
+            shard.entries[(key, part)] = entry
     except (ValueError, KeyError, TypeError, AttributeError,
             msgpack.UnpackException) as exc:
         raise ConfigError(f'unreadable server checkpoint: {exc!r}') from None
@@ -60,12 +70,12 @@ class Checkpointer:
         self.every, self.seconds = every, seconds
         self._last_updates, self._last_time = 0, now
 
-    def load(self, shard):
+    def load(self, shard, rounds=False):
         """Resume ``shard`` from this server's file if there is one; return whether it did."""
         if not os.path.exists(self.path):
             return False
         with open(self.path, 'rb') as f:
-            restore(shard, f.read())
+            restore(shard, f.read(), rounds)
         self._last_updates = shard.updates
         return True
 

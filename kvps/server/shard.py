@@ -127,13 +127,20 @@ class Shard:
         return [('ack', token, None)]
 
     # -- push -----------------------------------------------------------------------------
-    def push(self, token, worker, key, part, dtype, sync, data):
+    def push(self, token, worker, key, part, dtype, sync, data, seq=None):
+        """``seq``: the worker's count of its earlier pushes of this key (None: not counted).
+        A push whose ``seq`` is already counted was resent to a restarted server: it is
+        acknowledged, not applied again."""
         entry = self._entry(key, part)
         self._check_push(entry, dtype, sync, data)
+        count = entry.pushed.get(worker, 0)
+        if seq is not None and seq < count:
+            return self._acknowledge_again(entry, seq, token)
         if not entry.sync:
             self._apply(entry, data)
+            entry.pushed[worker] = count + 1 if seq is None else seq + 1
             return [('ack', token, None)]
-        round_index = entry.pushed.get(worker, 0)
+        round_index = count
         self._check_round_possible(entry, round_index)
         entry.pushed[worker] = round_index + 1
         if round_index > entry.version:   # a fast worker is ahead: keep it for its round
@@ -141,6 +148,15 @@ class Shard:
             return []
         self._merge(entry, worker, data, token)
         return self._close_rounds(entry)
+
+    @staticmethod
+    def _acknowledge_again(entry, seq, token):
+        """A resent push that was counted before: async pushes and completed rounds are
+        acknowledged now; one of the open round (resent after a reconnect) with that round."""
+        if not entry.sync or seq < entry.version:
+            return [('ack', token, None)]
+        entry.held.append(token)
+        return []
 
     def _check_push(self, entry, dtype, sync, data):
         if dtype != entry.dtype:
@@ -238,6 +254,29 @@ class Shard:
         exc = KVPSError(f'a sync round of key {entry.key!r} can never complete: worker {worker} '
                         f'finished after {made} pushes of it')
         return [('error', t, exc) for t in doomed]
+
+    # -- a restarted server ---------------------------------------------------------------
+    def rebase(self, acked, workers):
+        """Line the restored counts up with what the workers saw acknowledged before this
+        server was lost: ``acked`` maps worker -> [[key, part, acks], ...] (RESUME).
+
+        A sync round that some worker saw completed is complete here too, even where the
+        checkpoint predates it (its update is then lost: the checkpoint interval bounds how
+        many); every worker has pushed exactly the completed rounds, so a resent push of one of
+        them is acknowledged, not merged again, and the round after them is redone. Async
+        entries count each worker's pushes on their own."""
+        by_part = {}
+        for worker, items in acked.items():
+            for key, part, count in items:
+                by_part.setdefault((key, part), {})[worker] = count
+        for key_part, entry in self.entries.items():
+            counts = by_part.get(key_part, {})
+            if entry.sync:
+                entry.version = max(entry.version, *counts.values(), 0)
+                entry.pushed = {worker: entry.version for worker in workers}
+            else:
+                for worker, count in counts.items():
+                    entry.pushed[worker] = max(entry.pushed.get(worker, 0), count)
 
     # -- lookup and state -----------------------------------------------------------------
     def _entry(self, key, part):

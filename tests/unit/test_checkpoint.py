@@ -64,3 +64,18 @@ def test_due_by_updates_or_seconds_and_only_after_changes(tmp_path):
     resumed = Shard(1)
     assert Checkpointer(str(tmp_path), 0, 1).load(resumed)
     assert not Checkpointer(str(tmp_path), 1, 2).load(Shard(1))   # other rank: fresh start
+
+
+def test_round_counts_come_back_only_for_a_server_rejoining_its_job():
+    shard = Shard(1)
+    shard.init(None, 'k', 0, 'float32', [2], False, memoryview(np.ones(2, np.float32)).cast('B'))
+    shard.push(None, b'worker-0', 'k', 0, 'float32', False,
+               memoryview(np.ones(2, np.float32)).cast('B'), seq=0)
+    blob = snapshot(shard)
+    rejoined, fresh = Shard(1), Shard(1)
+    restore(rejoined, blob, rounds=True)
+    restore(fresh, blob)
+    assert rejoined.entries[('k', 0)].version == 1
+    assert rejoined.entries[('k', 0)].pushed == {b'worker-0': 1}
+    # A new job's workers count their pushes from 0 again: nothing may look like a resend.
+    assert fresh.entries[('k', 0)].version == 0 and fresh.entries[('k', 0)].pushed == {}

@@ -91,3 +91,36 @@ def test_only_the_next_barrier_can_be_waited_at():
     with pytest.raises(ConfigError, match='out of step'):
         m.arrive(b'w-a', 1)            # a replayed or stale barrier
     assert m.arrive(b'w-a', 2) == []
+
+
+def running():
+    m = full()
+    m.assign_ranks()
+    return m
+
+
+def test_a_server_rejoins_with_its_rank_and_replaces_the_old_one():
+    m = running()
+    node, old = m.replace(b's2', 'server', 'h2', 6000, 0, 99, now=5)
+    assert old.identity == b's' and b's' not in m.nodes and b's' in m.replaced
+    assert node.rank == 0 and m.welcome(node)['servers'] == [['h2', 6000]]
+
+
+def test_a_lost_server_is_awaited_not_lost_again_and_its_rank_is_taken_by_default():
+    m = running()
+    m.nodes[b's'].lost_since = 40
+    assert b's' not in [n.identity for n in m.silent(now=41, timeout=30)]
+    assert m.overdue(now=45, timeout=10) == []
+    assert [n.rank for n in m.overdue(now=51, timeout=10)] == [0]
+    node, _ = m.replace(b's2', 'server', 'h', 6000, None, 99, now=42)
+    assert node.rank == 0 and node.lost_since is None
+
+
+@pytest.mark.parametrize('role, hint, match', [
+    ('worker', None, 'only a server can rejoin'),
+    ('server', 3, 'out of range'),
+    ('server', None, '0 servers are lost'),
+])
+def test_bad_rejoins_are_refused(role, hint, match):
+    with pytest.raises(ConfigError, match=match):
+        running().replace(b'x', role, 'h', 1, hint, 1, now=1)

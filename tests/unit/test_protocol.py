@@ -9,7 +9,7 @@ from kvps.errors import ProtocolError
 
 
 def push_frames(n=3, dtype='float32', **over):
-    header = {'op': P.PUSH, 'id': 7, 'keys': [['w', 0, dtype, n]], 'sync': True, **over}
+    header = {'op': P.PUSH, 'id': 7, 'keys': [['w', 0, dtype, n, 0]], 'sync': True, **over}
     return P.encode(header, [np.arange(n, dtype=P.DTYPES.get(dtype, np.float32))])
 
 
@@ -37,13 +37,24 @@ def test_round_trip_keeps_header_and_shares_the_buffer():
     ([msgpack.packb({'op': 'pull', 'id': 1, 'keys': [['k' * 2000, 0]]})], 'longer than'),
     ([msgpack.packb({'op': 'pull', 'id': 1, 'keys': [[1, -1]]})], 'part must be an int >= 0'),
     ([msgpack.packb({'op': 'pull', 'id': 1, 'keys': [[1, 0]]}), b'extra'], 'expected 0'),
-    ([msgpack.packb({'op': 'push', 'id': 1, 'sync': True, 'keys': [[1, 0, 'float32', -2]]})],
+    ([msgpack.packb({'op': 'push', 'id': 1, 'sync': True, 'keys': [[1, 0, 'float32', -2, 0]]})],
      'n must be an int >= 0'),
+    ([msgpack.packb({'op': 'push', 'id': 1, 'sync': True, 'keys': [[1, 0, 'float32', 2]]})],
+     'list of 5 fields'),
+    ([msgpack.packb({'op': 'push', 'id': 1, 'sync': True,
+                     'keys': [[1, 0, 'float32', 2, -1]]})], 'seq must be an int >= 0'),
+    ([msgpack.packb({'op': 'resume', 'id': 0, 'keys': [[1, 0, 'x']]})], 'acked must be an int'),
+    ([msgpack.packb({'op': 'server_back', 'id': 0, 'rank': 1, 'host': 'h'})], "'port' missing"),
     ([b'\x00' * (P.MAX_HEADER_BYTES + 1)], 'exceeds'),
 ])
 def test_malformed_messages_are_rejected_with_a_reason(frames, reason):
     with pytest.raises(ProtocolError, match=reason):
         P.decode(frames)
+
+
+def test_a_worker_holding_no_key_of_a_restarted_server_resumes_with_an_empty_list():
+    header, buffers = P.decode(P.encode({'op': P.RESUME, 'id': 0, 'keys': []}))
+    assert header['keys'] == [] and buffers == []
 
 
 def test_payload_must_match_declared_dtype_and_count():
@@ -58,7 +69,7 @@ def test_payload_must_match_declared_dtype_and_count():
     with pytest.raises(ProtocolError, match="'sync' missing"):
         P.decode(push_frames(sync=1))
     two = P.encode({'op': P.PUSH, 'id': 1, 'sync': True,
-                    'keys': [[1, 0, 'float32', 2], [2, 0, 'float64', 1]]},
+                    'keys': [[1, 0, 'float32', 2, 0], [2, 0, 'float64', 1, 0]]},
                    [np.zeros(2, np.float32), np.zeros(3, np.float32)])
     with pytest.raises(ProtocolError, match='key 2 has 12 bytes, but 1 float64'):
         P.decode(two)
@@ -78,8 +89,8 @@ def test_error_header_carries_type_message_and_node():
 @pytest.mark.parametrize('header', [
     {'op': []}, {'op': 'heartbeat', 'dtype': []}, {'op': 'heartbeat', 'part': None},
     {'op': 'heartbeat', 'n': '3'}, {'op': 'register', 'role': 'worker', 'host': 'h', 'port': 1.5},
-    {'op': 'push', 'id': 1, 'sync': True, 'keys': [[1, 0, [], 3]]},
-    {'op': 'push', 'id': 1, 'sync': True, 'keys': [[1, True, 'float32', 3]]},
+    {'op': 'push', 'id': 1, 'sync': True, 'keys': [[1, 0, [], 3, 0]]},
+    {'op': 'push', 'id': 1, 'sync': True, 'keys': [[1, True, 'float32', 3, 0]]},
     {'op': 'pull', 'id': 1, 'keys': [[{}, 0]]},
 ])
 def test_type_confused_headers_are_protocol_errors_not_crashes(header):

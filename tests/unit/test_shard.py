@@ -186,3 +186,63 @@ def test_same_optimizer_kind_again_keeps_state_other_kind_starts_fresh():
     assert data_of(shard.pull('q', W0, 'k', 0)) == {'q': [-2.5, -2.5]}
     shard.set_optimizer(create('adam', learning_rate=0.1).to_spec())
     assert shard.updater.optimizer.name == 'adam' and shard.updater.num_update == 0
+
+
+# -- a restarted server: resent pushes count once, rounds line up with the workers ---------
+
+def test_a_resent_async_push_is_acknowledged_not_applied_again():
+    shard = make(sync=False)
+    assert acks(shard.push('a', W0, 'k', 0, 'float32', False, buf(1, 1), seq=0)) == ['a']
+    assert acks(shard.push('again', W0, 'k', 0, 'float32', False, buf(1, 1), seq=0)) == ['again']
+    assert data_of(shard.pull('q', W0, 'k', 0)) == {'q': [1.0, 1.0]}
+
+
+def test_a_resent_push_of_a_completed_round_is_acknowledged_not_merged():
+    shard = make()
+    shard.push('a', W0, 'k', 0, 'float32', True, buf(1, 1), seq=0)
+    shard.push('b', W1, 'k', 0, 'float32', True, buf(2, 2), seq=0)
+    assert acks(shard.push('a2', W0, 'k', 0, 'float32', True, buf(1, 1), seq=0)) == ['a2']
+    replies = shard.push('c', W0, 'k', 0, 'float32', True, buf(5, 5), seq=1)
+    replies += shard.push('d', W1, 'k', 0, 'float32', True, buf(6, 6), seq=1)
+    assert acks(replies) == ['c', 'd']
+    assert data_of(shard.pull('q', W0, 'k', 0)) == {'q': [11.0, 11.0]}
+
+
+def restarted(checkpointed_rounds, sync=True):
+    """A shard as a server that rejoins finds it: the checkpoint's round count, no open round."""
+    shard = make(sync=sync, values=(100.0, 100.0))
+    entry = shard.entries[('k', 0)]
+    entry.version = checkpointed_rounds
+    if not sync:
+        entry.pushed = {W0: checkpointed_rounds}
+    return shard
+
+
+def test_rebase_takes_the_rounds_a_worker_saw_completed_and_redoes_the_open_one():
+    shard = restarted(checkpointed_rounds=3)
+    # worker 0 saw round 4 acknowledged (the checkpoint predates it); worker 1's ack of it
+    # was lost, so it resends round 4 (seq 3) and then pushes round 5 (seq 4).
+    shard.rebase({W0: [['k', 0, 4]], W1: [['k', 0, 3]]}, {W0, W1})
+    assert acks(shard.push('dup', W1, 'k', 0, 'float32', True, buf(9, 9), seq=3)) == ['dup']
+    replies = shard.push('a', W0, 'k', 0, 'float32', True, buf(1, 1), seq=4)
+    replies += shard.push('b', W1, 'k', 0, 'float32', True, buf(2, 2), seq=4)
+    assert acks(replies) == ['a', 'b']
+    assert data_of(shard.pull('q', W1, 'k', 0)) == {'q': [3.0, 3.0]}   # round 5 only, once
+    assert shard.entries[('k', 0)].version == 5
+
+
+def test_rebase_keeps_a_checkpoint_newer_than_what_workers_saw():
+    shard = restarted(checkpointed_rounds=5)   # round 5 completed, its acks never left
+    shard.rebase({W0: [['k', 0, 4]], W1: [['k', 0, 4]]}, {W0, W1})
+    assert acks(shard.push('a', W0, 'k', 0, 'float32', True, buf(1, 1), seq=4)) == ['a']
+    assert acks(shard.push('b', W1, 'k', 0, 'float32', True, buf(1, 1), seq=4)) == ['b']
+    assert data_of(shard.pull('q', W0, 'k', 0)) == {'q': [100.0, 100.0]}   # not merged again
+
+
+def test_rebase_of_async_keys_counts_each_worker_on_its_own():
+    shard = restarted(checkpointed_rounds=2, sync=False)
+    shard.rebase({W0: [['k', 0, 1]], W1: [['k', 0, 4]]}, {W0, W1})
+    assert acks(shard.push('old', W0, 'k', 0, 'float32', False, buf(1, 1), seq=1)) == ['old']
+    assert acks(shard.push('old1', W1, 'k', 0, 'float32', False, buf(1, 1), seq=3)) == ['old1']
+    assert acks(shard.push('new', W1, 'k', 0, 'float32', False, buf(7, 7), seq=4)) == ['new']
+    assert data_of(shard.pull('q', W0, 'k', 0)) == {'q': [7.0, 7.0]}
