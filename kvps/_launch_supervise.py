@@ -139,7 +139,8 @@ class Supervisor:
     the thread that created the Supervisor, which must also be the thread that calls start().
     """
 
-    def __init__(self, out=None, err=None, grace=5.0, tail_lines=TAIL_LINES):
+    def __init__(self, out=None, err=None, grace=5.0, tail_lines=TAIL_LINES, restarts=None,
+                 primary_role='worker'):
         self.out = out if out is not None else sys.stdout
         self.err = err if err is not None else sys.stderr
         self.grace = grace
@@ -149,6 +150,8 @@ class Supervisor:
         self._events = queue.SimpleQueue()  # put() is reentrant: safe from signal handlers
         self._lock = threading.Lock()       # one writer at a time on out and err
         self._failure = None                # (child, why) of the root cause
+        self.restarts = dict(restarts or {})  # role -> restarts left over the whole job
+        self.primary_role = primary_role
 
     # -- output --------------------------------------------------------------------------
 
@@ -228,9 +231,20 @@ class Supervisor:
             self.say(f'got {signal.Signals(what).name}; stopping all processes')
             return self.stop(128 + what)
         what.done = True
-        if what.returncode != 0:
+        if what.returncode != 0 and not self._restart(what):
             return self.fail(what)
-        return None
+        return self.stopped
+
+    def _restart(self, child):
+        """Start a failed child's spec again if its role has restarts left and the job is still
+        running (some primary child is); return whether it did."""
+        left = self.restarts.get(child.spec.role, 0)
+        if left <= 0 or all(c.done for c in self.children if c.spec.role == self.primary_role):
+            return False
+        self.restarts[child.spec.role] = left - 1
+        self.say(f'{child.name} (pid {child.pid}) failed: {describe(child.returncode)}; '
+                 f'restarting it ({left - 1} restart(s) left)')
+        return self.start(child.spec) is not None
 
     def fail(self, child, why=None):
         """Stop the job because `child` failed; it is the root cause if nothing failed before."""
@@ -261,12 +275,13 @@ class Supervisor:
         self.stop(1)
         return None
 
-    def supervise(self, shutdown_timeout, primary_role='worker'):
+    def supervise(self, shutdown_timeout):
         """Run until every child has exited; returns the launcher's exit code.
 
         When every `primary_role` child has exited 0 the others must exit on their own within
         `shutdown_timeout` s; any that do not are reported and killed (exit code 1).
         """
+        primary_role = self.primary_role
         deadline = None
         while self.stopped is None:
             running = [c for c in self.children if not c.done]

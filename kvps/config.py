@@ -103,6 +103,9 @@ VARS = (
         'Checkpoint after this many applied updates (0: off; shutdown always checkpoints).'),
     Var('checkpoint_seconds', ('KVPS_CHECKPOINT_SECONDS',), _nonneg_float, 0.0,
         'Checkpoint when this many seconds passed since the last one and something changed.'),
+    Var('recovery_timeout', ('KVPS_RECOVERY_TIMEOUT',), _nonneg_float, 0.0,
+        'Seconds the job waits for a lost server to rejoin with its rank (0: a lost server '
+        'ends the job). Servers then need KVPS_CHECKPOINT_DIR.'),
     Var('secret', ('KVPS_SECRET',), _text, None,
         'Job secret: every message is authenticated with it (the launcher makes one).'),
     Var('secret_file', ('KVPS_SECRET_FILE',), _text, None,
@@ -141,6 +144,7 @@ class Config:
     checkpoint_dir: str = None
     checkpoint_every: int = 0
     checkpoint_seconds: float = 0.0
+    recovery_timeout: float = 0.0
     secret: str = None
     secret_file: str = None
     auth_payload: bool = False

@@ -17,6 +17,7 @@ from .errors import ConfigError
 NODE_ARGV = (sys.executable, '-m', 'kvps.node')
 DEFAULT_HOST = '127.0.0.1'
 DEFAULT_GRACE = 5.0
+DEFAULT_RECOVERY_TIMEOUT = '60'   # seconds the job waits for a restarted server to rejoin
 
 _BY_FIELD = {var.field: var for var in VARS}
 
@@ -64,6 +65,12 @@ def _grace(text):
     return value
 
 
+def _count(text):
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f'{text!r}: expected a whole number >= 0')
+    return int(text)
+
+
 def _assignment(text):
     name, sep, value = text.partition('=')
     if not sep or not name or not name.replace('_', 'A').isalnum():
@@ -97,6 +104,11 @@ def build_parser():
     p.add_argument('--no-auth', dest='auth', action='store_false',
                    help='do not generate a job secret (by default every message of the job is '
                         'authenticated with a fresh KVPS_SECRET, unless one is already set)')
+    p.add_argument('--restart-servers', dest='restart_servers', type=_count, default=0,
+                   metavar='N',
+                   help='restart a server that dies, up to N times in all; it rejoins with its '
+                        'rank and resumes from its checkpoint (needs KVPS_CHECKPOINT_DIR; sets '
+                        f'KVPS_RECOVERY_TIMEOUT={DEFAULT_RECOVERY_TIMEOUT} unless given)')
     p.add_argument('--grace', type=_grace, default=DEFAULT_GRACE, metavar='SEC',
                    help='seconds between SIGTERM and SIGKILL when stopping (default 5)')
     p.add_argument('command', nargs=argparse.REMAINDER,
@@ -128,6 +140,8 @@ def _common_env(opts, environ):
             for name in _BY_FIELD[field].names:
                 env.pop(name, None)
             env[_BY_FIELD[field].names[0]] = value
+    if opts.restart_servers and not env.get('KVPS_RECOVERY_TIMEOUT'):
+        env['KVPS_RECOVERY_TIMEOUT'] = DEFAULT_RECOVERY_TIMEOUT
     env.update({
         _name('scheduler_host'): opts.host,
         _name('num_workers'): str(opts.num_workers),
@@ -171,7 +185,12 @@ def run(opts, environ=None, node_argv=NODE_ARGV, out=None, err=None):
         except ConfigError as exc:
             print(f'kvps.launch: {exc}', file=err or sys.stderr, flush=True)
             return 2
-        supervisor = Supervisor(out=out, err=err, grace=opts.grace)
+        if opts.restart_servers and not config.checkpoint_dir:
+            print('kvps.launch: --restart-servers needs KVPS_CHECKPOINT_DIR: a restarted server '
+                  'resumes from its checkpoint', file=err or sys.stderr, flush=True)
+            return 2
+        supervisor = Supervisor(out=out, err=err, grace=opts.grace,
+                                restarts={'server': opts.restart_servers})
         with forwarding_signals(supervisor):
             try:
                 return _run_job(supervisor, opts, environ, scheduler, config, node_argv)

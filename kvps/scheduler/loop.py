@@ -69,6 +69,9 @@ class Scheduler:
         if header.get('version') != P.VERSION:
             raise ConfigError(f'this node speaks kvps wire protocol {header.get("version")}, the '
                               f'scheduler speaks {P.VERSION}: install one kvps version everywhere')
+        if self.members.ranked:
+            self._on_rejoin(identity, header)
+            return
         self.members.register(identity, header['role'], header['host'], header['port'],
                               header.get('rank'), header.get('pid', 0), time.monotonic())
         if self.members.complete:
@@ -76,13 +79,39 @@ class Scheduler:
             now = time.monotonic()
             for node in self.members.nodes.values():
                 node.last_seen = now  # liveness counts from the start of the job
-                self._send(node.identity, {'op': P.WELCOME, 'id': 0,
-                                           **self.members.welcome(node)})
+                self._welcome(node)
             log.info('all %d nodes registered', len(self.members.nodes))
+
+    def _on_rejoin(self, identity, header):
+        """A server registering into a running job replaces the server of its rank, which is
+        lost or about to be found lost (a launcher restarts a server as soon as it dies)."""
+        if not self.config.recovery_timeout:
+            raise ConfigError('the job is already running; servers can rejoin only when the job '
+                              'waits for lost servers (KVPS_RECOVERY_TIMEOUT > 0)')
+        node, old = self.members.replace(identity, header['role'], header['host'],
+                                         header['port'], header.get('rank'),
+                                         header.get('pid', 0), time.monotonic())
+        if old.lost_since is None:   # if it still lives, it must not serve beside its successor
+            self._send(old.identity, {'op': P.SHUTDOWN, 'id': 0,
+                                      'reason': 'replaced by a server that rejoined with its rank'})
+        self._welcome(node, restarted=True)
+        for worker in self.members.of_role('worker'):
+            if not worker.finished:
+                self._send(worker.identity, {'op': P.SERVER_BACK, 'id': 0, 'rank': node.rank,
+                                             'host': node.host, 'port': node.port})
+        log.warning('%s rejoined the job in place of pid %d', node.describe(), old.pid)
+
+    def _welcome(self, node, restarted=False):
+        self._send(node.identity, {'op': P.WELCOME, 'id': 0, 'restarted': restarted,
+                                   'recovery_timeout': self.config.recovery_timeout,
+                                   **self.members.welcome(node)})
 
     def _on_heartbeat(self, identity, header):
         if identity in self.members.nodes:
             self._send(identity, {'op': P.HEARTBEAT_ACK, 'id': 0})
+        elif identity in self.members.replaced:   # it woke up after its successor came
+            self._send(identity, {'op': P.SHUTDOWN, 'id': 0,
+                                  'reason': 'another server has taken this rank'})
 
     def _on_barrier(self, identity, header):
         node = self._worker(identity)
@@ -122,17 +151,37 @@ class Scheduler:
                 self._end(1, f'registration timed out after {self.config.connect_timeout:.0f} s: '
                              f'{self.members.missing()} (KVPS_CONNECT_TIMEOUT)')
             return
-        silent = self.members.silent(now, self.config.heartbeat_timeout)
-        if silent:
-            lost = silent[0]
+        for lost in self.members.silent(now, self.config.heartbeat_timeout):
             reason = (f'{lost.describe()} is lost: no heartbeat for '
                       f'{now - lost.last_seen:.1f} s (KVPS_HEARTBEAT_TIMEOUT)')
-            for node in self.members.nodes.values():
-                if node is not lost:
-                    self._send(node.identity, {'op': P.PEER_LOST, 'id': 0, 'role': lost.role,
-                                               'rank': lost.rank, 'host': lost.host,
-                                               'reason': reason})
-            self._end(1, reason)
+            if lost.role == 'server' and self.config.recovery_timeout:
+                self._await_replacement(lost, reason, now)
+            else:
+                self._lose(lost, reason)
+                return
+        for lost in self.members.overdue(now, self.config.recovery_timeout):
+            self._lose(lost, f'{lost.describe()} is lost and was not replaced within '
+                             f'{self.config.recovery_timeout:g} s (KVPS_RECOVERY_TIMEOUT)')
+            return
+
+    def _await_replacement(self, lost, reason, now):
+        """Keep the job: workers hold their requests for this server until it rejoins."""
+        lost.lost_since = now
+        log.warning('%s; waiting up to %g s for a server to rejoin with rank %d',
+                    reason, self.config.recovery_timeout, lost.rank)
+        for worker in self.members.of_role('worker'):
+            if not worker.finished:
+                self._send(worker.identity, {'op': P.SERVER_LOST, 'id': 0, 'rank': lost.rank,
+                                             'reason': reason})
+
+    def _lose(self, lost, reason):
+        """A peer is gone for good: tell everyone who, and end the job."""
+        for node in self.members.nodes.values():
+            if node is not lost:
+                self._send(node.identity, {'op': P.PEER_LOST, 'id': 0, 'role': lost.role,
+                                           'rank': lost.rank, 'host': lost.host,
+                                           'reason': reason})
+        self._end(1, reason)
 
     def _end(self, code, reason):
         if code:

@@ -16,6 +16,20 @@ from .shard import Shard
 
 log = logging.getLogger('kvps.server')
 
+BURST = 64   # requests handled between two checkpoint decisions / reply flushes
+_DURABLE = (P.INIT, P.SET_OPTIMIZER, P.SET_STATES)   # acknowledged only once checkpointed
+
+
+class Recovery:
+    """A restarted server waits for every active worker's RESUME before serving anything:
+    only then does it know which rounds the job has completed."""
+
+    def __init__(self, awaiting, finished):
+        self.awaiting = set(awaiting)    # worker identities not yet resumed
+        self.finished = set(finished)    # workers that left the job
+        self.acked = {}                  # worker -> RESUME items
+        self.parked = []                 # (identity, header, buffers) held until resumed
+
 
 class Server:
     """Registers with the scheduler, then serves init/push/pull until told to stop."""
@@ -36,16 +50,36 @@ class Server:
         self.shard = Shard(welcome['num_workers'])
         # Only the job's workers may talk to a server; anyone else is refused and logged.
         self.workers = {P.worker_identity(r) for r in range(welcome['num_workers'])}
-        self.checkpointer = None
-        if config.checkpoint_dir:
-            self.checkpointer = Checkpointer(config.checkpoint_dir, self.rank,
-                                             welcome['num_servers'], config.checkpoint_every,
-                                             config.checkpoint_seconds, time.monotonic())
-            if self.checkpointer.load(self.shard):
-                log.info('%s resumed %d key parts from %s', self.name,
-                         len(self.shard.entries), self.checkpointer.path)
+        self.checkpointer = self._resume_from_checkpoint(welcome)
+        self._outbox = []            # replies, sent once the checkpoint that covers them is written
+        self._unsaved = False        # an init or optimizer change that no checkpoint holds yet
+        self.recovery = None
+        if welcome.get('restarted'):
+            finished = {P.worker_identity(r) for r in welcome.get('finished', ())}
+            self.recovery = Recovery(self.workers - finished, finished)
+            log.warning('%s rejoined the job; waiting for %d workers to resume', self.name,
+                        len(self.recovery.awaiting))
+            if not self.recovery.awaiting:   # every worker has already left
+                self._resumed(None)
         self.exit_code = None
         log.info('%s serving on %s:%d', self.name, self.link.host, port)
+
+    def _resume_from_checkpoint(self, welcome):
+        """The Checkpointer (None without KVPS_CHECKPOINT_DIR), after loading this rank's file."""
+        config = self.config
+        if not config.checkpoint_dir:
+            if welcome.get('recovery_timeout') or welcome.get('restarted'):
+                raise ConfigError('the job waits for lost servers to rejoin '
+                                  '(KVPS_RECOVERY_TIMEOUT), so every server needs '
+                                  'KVPS_CHECKPOINT_DIR to resume from')
+            return None
+        checkpointer = Checkpointer(config.checkpoint_dir, self.rank, welcome['num_servers'],
+                                    config.checkpoint_every, config.checkpoint_seconds,
+                                    time.monotonic())
+        if checkpointer.load(self.shard, rounds=bool(welcome.get('restarted'))):
+            log.info('%s resumed %d key parts from %s', self.name, len(self.shard.entries),
+                     checkpointer.path)
+        return checkpointer
 
     def run(self):
         """Serve until SHUTDOWN (exit 0) or a lost peer (exit 1); return the exit code."""
@@ -57,10 +91,11 @@ class Server:
             while self.exit_code is None:
                 for sock in poller.poll(tick):
                     if sock is self.router:
-                        self._serve(*self.router.recv_from())
+                        self._serve_burst()
                     else:
                         self._from_scheduler()
                 self._tick()
+                self._flush()
             self._checkpoint()   # a clean or aborted end keeps every applied round
         finally:
             self.router.close()
@@ -75,12 +110,25 @@ class Server:
         except PeerLostError as exc:
             log.error('%s: %s', self.name, exc)
             self.exit_code = 1
-        if self.checkpointer and self.checkpointer.due(self.shard.updates, now):
+
+    def _flush(self):
+        """Checkpoint if due, then send the replies: an acknowledged init or optimizer change
+        is always in the checkpoint (a restarted server must have it), and with
+        KVPS_CHECKPOINT_EVERY=1 so is every acknowledged update."""
+        if self.checkpointer and (self._unsaved or self.checkpointer.due(self.shard.updates,
+                                                                          time.monotonic())):
             self._checkpoint()
+        outbox, self._outbox = self._outbox, []
+        for kind, (identity, req_id), payload in outbox:
+            if not isinstance(identity, Batch):
+                self._answer(identity, req_id, kind, payload)
+            elif identity.settle(req_id, kind, payload):   # the last key of a batch
+                self._answer(identity.identity, identity.req_id, *identity.outcome())
 
     def _checkpoint(self):
         if self.checkpointer is not None:
             self.checkpointer.write(self.shard, time.monotonic())
+            self._unsaved = False
 
     def _from_scheduler(self):
         header = self.link.next_message()
@@ -88,7 +136,12 @@ class Server:
             return
         op = header['op']
         if op == P.FINISH:
-            self._reply_all(self.shard.worker_finished(P.worker_identity(header['rank'])))
+            worker = P.worker_identity(header['rank'])
+            if self.recovery is not None:
+                self.recovery.finished.add(worker)
+                self._resumed(worker)
+            else:
+                self._reply_all(self.shard.worker_finished(worker))
         elif op == P.SHUTDOWN:
             log.info('%s: shutting down: %s', self.name, header.get('reason', ''))
             self.exit_code = 0
@@ -97,6 +150,13 @@ class Server:
             self.exit_code = 1
 
     # -- worker requests --------------------------------------------------------------------
+    def _serve_burst(self):
+        """Handle the requests waiting (up to BURST), so one checkpoint covers them all."""
+        for _ in range(BURST):
+            self._serve(*self.router.recv_from())
+            if not self.router.raw.poll(0):
+                return
+
     def _serve(self, identity, frames):
         if frames is None:           # authentication refused it, and said why
             return
@@ -113,6 +173,14 @@ class Server:
                 self._send(identity, P.encode(P.error_header(req_id, exc, self.name)))
             return
         header, buffers = decoded
+        if header['op'] == P.RESUME:
+            self._on_resume(identity, header)
+        elif self.recovery is not None:   # counts are not settled until every worker resumed
+            self.recovery.parked.append((identity, header, buffers))
+        else:
+            self._handle(identity, header, buffers)
+
+    def _handle(self, identity, header, buffers):
         token = (identity, header.get('id', 0))
         handler = self._HANDLERS.get(header['op'])
         try:
@@ -124,7 +192,33 @@ class Server:
         except Exception as exc:  # a server bug: log it, answer with its traceback, serve on
             log.exception('%s: %s failed', self.name, header['op'])
             replies = [('error', token, exc)]
+        if header['op'] in _DURABLE:
+            self._unsaved = True
         self._reply_all(replies)
+
+    # -- rejoining a running job -----------------------------------------------------------
+    def _on_resume(self, identity, header):
+        if self.recovery is None or identity not in self.recovery.awaiting:
+            log.warning('%s: ignored a resume from %r: not waiting for it', self.name, identity)
+            return
+        self.recovery.acked[identity] = header['keys']
+        self._resumed(identity)
+
+    def _resumed(self, worker):
+        """``worker`` resumed or finished; once all have, settle the counts and serve what
+        arrived meanwhile, in order."""
+        recovery = self.recovery
+        recovery.awaiting.discard(worker)
+        if recovery.awaiting:
+            return
+        self.recovery = None
+        self.shard.rebase(recovery.acked, self.workers)
+        for worker in sorted(recovery.finished):
+            self._reply_all(self.shard.worker_finished(worker))
+        log.warning('%s: every worker resumed; serving %d requests held meanwhile', self.name,
+                    len(recovery.parked))
+        for identity, header, buffers in recovery.parked:
+            self._handle(identity, header, buffers)
 
     def _init(self, token, h, buffers):
         return self.shard.init(token, h['key'], h['part'], h['dtype'], h['shape'], h['sync'],
@@ -135,8 +229,9 @@ class Server:
 
     def _push(self, token, h, buffers):
         def push_one(item_token, item, buffer):
-            key, part, dtype, _ = item
-            return self.shard.push(item_token, token[0], key, part, dtype, h['sync'], buffer)
+            key, part, dtype, _, seq = item
+            return self.shard.push(item_token, token[0], key, part, dtype, h['sync'], buffer,
+                                   seq)
         return self._each_key(token, P.PUSH, h['keys'], buffers, push_one)
 
     def _pull(self, token, h, buffers):
@@ -179,11 +274,7 @@ class Server:
                  P.SET_STATES: _set_states}
 
     def _reply_all(self, replies):
-        for kind, (identity, req_id), payload in replies:
-            if not isinstance(identity, Batch):
-                self._answer(identity, req_id, kind, payload)
-            elif identity.settle(req_id, kind, payload):   # the last key of a batch
-                self._answer(identity.identity, identity.req_id, *identity.outcome())
+        self._outbox += replies
 
     def _answer(self, identity, req_id, kind, payload):
         """Send one reply: 'ack', 'states' (bytes), 'data' (the parts of a pull) or 'error'."""

@@ -45,6 +45,9 @@ class WorkerIO(threading.Thread):
         self._stopping = False
         self._servers = {}          # node name ('server N') -> Dealer
         self._by_socket = {}        # Dealer -> node name, to say where a bad reply came from
+        self._lost = set()          # servers the job waits for: requests to them are held
+        self._pushed = {}           # node name -> {(key, part): pushes sent}
+        self._poller = Poller()
 
     # -- API side (any thread) --------------------------------------------------------------
     def submit(self, node, header, buffers, request):
@@ -83,20 +86,23 @@ class WorkerIO(threading.Thread):
             self._close()
 
     def _connect_servers(self, welcome):
-        identity = P.worker_identity(welcome['rank'])
+        self._poller.register(self.waker.socket)
+        self._poller.register(self._link.socket)
         for rank, (host, port) in enumerate(welcome['servers']):
-            dealer = Dealer(self.ctx, identity, guard_from(self.config))
-            dealer.connect(host, port)
-            self._servers[server_name(rank)] = dealer
-            self._by_socket[dealer] = server_name(rank)
+            self._connect(rank, host, port)
+
+    def _connect(self, rank, host, port):
+        dealer = Dealer(self.ctx, P.worker_identity(self.welcome['rank']),
+                        guard_from(self.config))
+        dealer.connect(host, port)
+        self._servers[server_name(rank)] = dealer
+        self._by_socket[dealer] = server_name(rank)
+        self._poller.register(dealer)
 
     def _serve(self):
-        poller = Poller()
-        for sock in [self.waker.socket, self._link.socket, *self._servers.values()]:
-            poller.register(sock)
         tick = min(self.config.heartbeat_interval, 0.5)
         while not (self._stopping and not self._queue):
-            for sock in poller.poll(tick):
+            for sock in self._poller.poll(tick):
                 if sock is self.waker.socket:
                     # Drain, then clear the flag, then send the queue (below): a submit before
                     # the clear is already queued; one after it wakes us again. Clearing first
@@ -105,7 +111,7 @@ class WorkerIO(threading.Thread):
                     self._wake_pending = False
                 elif sock is self._link.socket:
                     self._from_scheduler()
-                else:
+                elif sock in self._by_socket:   # not closed by a rejoin earlier in this pass
                     self._from_server(sock)
             self._send_queued()
             if self.fatal is None:
@@ -126,7 +132,20 @@ class WorkerIO(threading.Thread):
                 self._link.send(header)
                 continue
             header['id'] = self._pending.add(request)
-            self._servers[node].send(P.encode(header, buffers))
+            if header['op'] == P.PUSH:
+                self._number_pushes(node, header['keys'])
+            request.message = (header, buffers)
+            if node not in self._lost:
+                self._servers[node].send(P.encode(header, buffers))
+
+    def _number_pushes(self, node, items):
+        """Append each key part's push count, by which a restarted server tells a resent
+        push from a new one."""
+        sent = self._pushed.setdefault(node, {})
+        for item in items:
+            seq = sent.get((item[0], item[1]), 0)
+            item.append(seq)
+            sent[(item[0], item[1])] = seq + 1
 
     def _from_server(self, sock):
         decoded = decode_or_log(sock.recv(), self.config, self._by_socket[sock])
@@ -147,11 +166,43 @@ class WorkerIO(threading.Thread):
                     request.op.fail(exc)
             else:
                 request.op.part_done()
+        elif op == P.SERVER_LOST:
+            log.warning('%s; its requests wait for it to rejoin', header['reason'])
+            self._lost.add(server_name(header['rank']))
+        elif op == P.SERVER_BACK:
+            self._rejoin(header['rank'], header['host'], header['port'])
         elif op in (P.PEER_LOST, P.SHUTDOWN, P.ERROR):
             try:
                 self._link.raise_if_fatal(header)
             except KVPSError as exc:
                 self._die(exc)
+
+    def _rejoin(self, rank, host, port):
+        """A server rejoined (restarted from its checkpoint): connect to it, tell it which of
+        our pushes it acknowledged before it was lost, and send every unanswered request
+        again (it applies each push once)."""
+        name = server_name(rank)
+        if not 0 <= rank < len(self._servers):
+            log.warning('ignored the return of unknown %s', name)
+            return
+        old = self._servers[name]
+        self._poller.unregister(old)
+        del self._by_socket[old]
+        old.close(linger_s=0)
+        self._connect(rank, host, port)
+        self._lost.discard(name)
+        waiting = self._pending.of_node(name)
+        acked = dict(self._pushed.get(name, {}))
+        for request in waiting:
+            header = request.message[0]
+            for item in header['keys'] if header['op'] == P.PUSH else ():
+                acked[(item[0], item[1])] = min(acked[(item[0], item[1])], item[4])
+        self._servers[name].send(P.encode({'op': P.RESUME, 'id': 0, 'keys': [
+            [key, part, count] for (key, part), count in acked.items()]}))
+        for request in waiting:
+            self._servers[name].send(P.encode(*request.message))
+        log.warning('%s is back at %s:%d; sent %d unanswered requests again', name, host, port,
+                    len(waiting))
 
     def _die(self, exc):
         """The job is broken for this worker: fail everything now and everything later."""

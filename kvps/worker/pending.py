@@ -42,12 +42,15 @@ class Operation:
 
 
 class Request:
-    """One message to one node, belonging to an Operation; ``on_data`` consumes a DATA reply."""
+    """One message to one node, belonging to an Operation; ``on_data`` consumes a DATA reply.
+    ``message`` (header, buffers) is kept until answered, to be sent again to a server that
+    rejoins the job after it was lost."""
 
-    __slots__ = ('op', 'node', 'on_data')
+    __slots__ = ('op', 'node', 'on_data', 'message')
 
     def __init__(self, op, node, on_data=None):
         self.op, self.node, self.on_data = op, node, on_data
+        self.message = None
 
 
 class PendingTable:
@@ -83,6 +86,10 @@ class PendingTable:
             request.op.fail(exc)
             return
         request.op.part_done()
+
+    def of_node(self, node):
+        """Unanswered requests to ``node``, oldest first."""
+        return [r for _, r in sorted(self._by_id.items()) if r.node == node]
 
     def fail_node(self, node, exc):
         """Fail every request waiting on ``node`` (it is lost)."""

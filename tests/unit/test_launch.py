@@ -68,10 +68,10 @@ def py(role, rank, code, **env):
                     dict(os.environ, PYTHONUNBUFFERED='1', **env))
 
 
-def supervise(specs, grace=1.0, shutdown_timeout=10.0):
+def supervise(specs, grace=1.0, shutdown_timeout=10.0, restarts=None):
     """Run specs in-process; returns (exit code, stdout text, stderr text, child pids)."""
     out, err = io.StringIO(), io.StringIO()
-    sup = Supervisor(out=out, err=err, grace=grace)
+    sup = Supervisor(out=out, err=err, grace=grace, restarts=restarts)
     try:
         for spec in specs:
             assert sup.start(spec) is not None
@@ -268,6 +268,27 @@ def test_all_succeed():
         py('worker', 1, 'print("done")'),
     ])
     assert (rc, err) == (0, '') and out.count('done') == 2
+    assert_gone(pids)
+
+
+def test_a_failed_server_is_restarted_until_its_budget_is_spent(tmp_path):
+    starts = tmp_path / 'starts'
+    rc, out, err, pids = supervise([
+        py('server', 0, f'open({str(starts)!r}, "a").write("x"); raise SystemExit(3)'),
+        py('worker', 0, 'import time; time.sleep(60)'),
+    ], restarts={'server': 2})
+    assert starts.read_text() == 'xxx'                  # the first start and two restarts
+    assert err.count('restarting it') == 2 and '(0 restart(s) left)' in err
+    assert rc == 3 and 'server 0' in err and 'failed first' in err
+    assert_gone(pids)
+
+
+def test_a_server_failing_after_the_workers_finished_is_not_restarted():
+    rc, _, err, pids = supervise([
+        py('server', 0, 'import time; time.sleep(0.5); raise SystemExit(4)'),
+        py('worker', 0, 'pass'),
+    ], restarts={'server': 2})
+    assert rc == 4 and 'restarting' not in err
     assert_gone(pids)
 
 

@@ -1,0 +1,168 @@
+"""A server lost during a job rejoins with its rank and resumes from its checkpoint: by the
+launcher's --restart-servers, or by hand; without a replacement the job ends naming it."""
+
+import os
+import signal
+
+import pytest
+
+from conftest import finish
+
+# KVPS_CHECKPOINT_EVERY=1: every acknowledged update is in the checkpoint, so a restart loses
+# nothing and the values below are exact. Key 'big' is split over both servers.
+RECOVERY = {'KVPS_CHECKPOINT_EVERY': '1', 'KVPS_BIGARRAY_BOUND': '100'}
+
+# Each worker pushes gradients that depend on (rank, step); rank 0 kills server 1 with SIGKILL
+# right after its push of step KILL_AT, mid-round. The expected weights come from a local
+# store fed the same per-round sums (sync) or the same pushes (async), in this process.
+TRAIN = '''
+import signal
+from kvps.optimizer import create as optimizer
+MODE, STEPS, KILL_AT = os.environ['MODE'], 12, 5
+SYNC = 'async' not in MODE
+SHAPES = {'small': (3,), 'big': (10, 30)}
+
+def grad(key, rank, step):
+    base = np.arange(np.prod(SHAPES[key]), dtype=np.float32).reshape(SHAPES[key])
+    return (base % 7 + rank + 1) * (step + 1) / 8
+
+def kill_server(kv, rank):
+    pid = next(n['pid'] for n in kv._backend.io.welcome['nodes']
+               if n['role'] == 'server' and n['rank'] == rank)
+    os.kill(pid, signal.SIGKILL)
+
+kv = kvps.create(MODE)
+spec = optimizer('sgd', learning_rate=0.1, momentum=0.9) if SYNC else optimizer('test')
+kv.init(list(SHAPES), [np.ones(s, dtype=np.float32) for s in SHAPES.values()])
+kv.set_optimizer(spec)
+for step in range(STEPS):
+    kv.push(list(SHAPES), [grad(k, kv.rank, step) for k in SHAPES])
+    if step == KILL_AT and kv.rank == 0:
+        kill_server(kv, 1)
+    if SYNC:
+        outs = [np.zeros(s, dtype=np.float32) for s in SHAPES.values()]
+        kv.pull(list(SHAPES), out=outs)
+kv.barrier()
+outs = [np.zeros(s, dtype=np.float32) for s in SHAPES.values()]
+kv.pull(list(SHAPES), out=outs)
+
+local = kvps.create('local')
+local.init(list(SHAPES), [np.ones(s, dtype=np.float32) for s in SHAPES.values()])
+local.set_optimizer(spec)
+for step in range(STEPS):
+    for rank in [None] if SYNC else range(kv.num_workers):
+        grads = [grad(k, rank, step) if rank is not None else
+                 sum(grad(k, r, step) for r in range(kv.num_workers)) for k in SHAPES]
+        local.push(list(SHAPES), grads)
+want = [np.zeros(s, dtype=np.float32) for s in SHAPES.values()]
+local.pull(list(SHAPES), out=want)
+report(exact=all(np.array_equal(o, w) for o, w in zip(outs, want)),
+       diff=max(float(np.abs(o - w).max()) for o, w in zip(outs, want)))
+'''
+
+
+@pytest.mark.parametrize('mode', ['dist_sync', 'dist_async'])
+def test_a_killed_server_is_restarted_and_no_update_is_lost_or_doubled(job, tmp_path, mode):
+    env = {**RECOVERY, 'MODE': mode, 'KVPS_CHECKPOINT_DIR': str(tmp_path / 'ckpt')}
+    result = job(TRAIN, workers=2, servers=2, env=env, launcher_args=['--restart-servers', '1'])
+    assert result.returncode == 0, result.output
+    assert 'server 1' in result.stderr and 'restarting it' in result.stderr
+    assert 'rejoined' in result.output
+    assert result.results() == {0: {'exact': True, 'diff': 0.0},
+                                1: {'exact': True, 'diff': 0.0}}, result.output
+
+
+def test_restarts_are_bounded_by_the_launcher_option(job, tmp_path):
+    script = """
+    import signal
+    killed = set()
+
+    def kill_the_server():
+        tag = os.environ['KVPS_TEST_TAG'].encode()
+        for pid in (int(d) for d in os.listdir('/proc') if d.isdigit()):
+            try:
+                env = open(f'/proc/{pid}/environ', 'rb').read().split(b'\\0')
+            except OSError:
+                continue
+            if b'KVPS_TEST_TAG=' + tag in env and b'DMLC_ROLE=server' in env and pid not in killed:
+                killed.add(pid)
+                os.kill(pid, signal.SIGKILL)
+                return
+
+    kv = kvps.create('dist_sync')
+    kv.init(0, np.zeros(2))
+    for round in range(2):
+        kill_the_server()
+        kv.push(0, np.ones(2))
+        kv.pull(0, out=np.zeros(2))
+        print('SURVIVED', round, flush=True)
+    """
+    env = {**RECOVERY, 'KVPS_CHECKPOINT_DIR': str(tmp_path / 'ckpt')}
+    result = job(script, workers=1, servers=1, env=env, launcher_args=['--restart-servers', '1'])
+    assert 'SURVIVED 0' in result.stdout and 'SURVIVED 1' not in result.stdout
+    assert result.stderr.count('restarting it') == 1
+    assert result.returncode != 0 and 'server 0' in result.stderr and 'failed first' in result.stderr
+
+
+def test_restart_needs_a_checkpoint_directory(job):
+    result = job('kv = kvps.create("dist_sync")\n', workers=1, servers=1,
+                 launcher_args=['--restart-servers', '2'])
+    assert result.returncode == 2
+    assert 'KVPS_CHECKPOINT_DIR' in result.stderr
+
+
+HAND_TRAIN = '''
+kv = kvps.create('dist_sync')
+kv.init(0, np.zeros(4, dtype=np.float32))
+print('READY', flush=True)
+for step in range(int(os.environ['STEPS'])):
+    kv.push(0, np.full(4, step + 1, dtype=np.float32))
+    out = np.zeros(4, dtype=np.float32)
+    kv.pull(0, out=out)
+    if step == 2:
+        print('WAITING', flush=True)
+        while not os.path.exists(os.environ['GO']):
+            time.sleep(0.05)
+report(value=out.tolist())
+'''
+
+
+def _wait_for(proc, word):
+    for line in proc.stdout:
+        if word in line:
+            return
+    raise AssertionError(f'{word} never printed')
+
+
+def test_a_server_restarted_by_hand_with_its_rank_rejoins(by_hand, tmp_path):
+    env = {'KVPS_RECOVERY_TIMEOUT': '60', 'KVPS_CHECKPOINT_DIR': str(tmp_path / 'ckpt'),
+           'KVPS_CHECKPOINT_EVERY': '1', 'KVPS_BIGARRAY_BOUND': '2'}
+    _, env = by_hand.scheduler(num_workers=1, num_servers=2, extra=env)
+    servers = [by_hand('server', env, rank=i) for i in range(2)]
+    go = tmp_path / 'go'
+    worker = by_hand('worker', {**env, 'STEPS': '6', 'GO': str(go)}, script=HAND_TRAIN)
+    _wait_for(worker, 'WAITING')
+    os.kill(servers[1].pid, signal.SIGKILL)     # key 0 is split over both servers
+    servers[1].wait(10)
+    replacement = by_hand('server', env, rank=1)
+    go.touch()
+    code, out = finish(worker)
+    assert code == 0, out
+    assert '"value": [6.0, 6.0, 6.0, 6.0]' in out    # the last round replaces the value
+    assert finish(replacement)[0] == 0 and finish(servers[0])[0] == 0
+
+
+def test_a_lost_server_not_replaced_in_time_ends_the_job_naming_it(by_hand, tmp_path):
+    env = {'KVPS_RECOVERY_TIMEOUT': '2', 'KVPS_CHECKPOINT_DIR': str(tmp_path / 'ckpt'),
+           'KVPS_BIGARRAY_BOUND': '2'}
+    _, env = by_hand.scheduler(num_workers=1, num_servers=2, extra=env)
+    servers = [by_hand('server', env, rank=i) for i in range(2)]
+    go = tmp_path / 'go'
+    worker = by_hand('worker', {**env, 'STEPS': '6', 'GO': str(go)}, script=HAND_TRAIN)
+    _wait_for(worker, 'WAITING')
+    os.kill(servers[1].pid, signal.SIGKILL)
+    go.touch()
+    code, out = finish(worker)
+    assert code != 0
+    assert 'server 1' in out and 'not replaced within 2 s' in out
+    assert servers[0].wait(30) != 0
