@@ -1,0 +1,179 @@
+"""Device store types on a machine without a GPU: host values as before, GPU values refused
+by the other stores, staging buffers never reused in flight, and no cupy import."""
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip('torch')
+
+import kvps  # noqa: E402
+from kvps import devices  # noqa: E402
+from kvps.errors import DTypeError  # noqa: E402
+from kvps.kvstore import KVStore  # noqa: E402
+from kvps.local import LocalBackend  # noqa: E402
+
+DEVICE_NAMES = ['device', 'dist_sync_device', 'dist_device_sync', 'dist_async_device',
+                'local_allreduce_device']
+
+
+class CupyLike:
+    """What the dispatch looks at for a cupy array, and nothing more: its type's module (cupy
+    is recognised by that, never imported), shape, dtype and device id. It only reaches the
+    refusal of non-device stores, which reads no data."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, np.dtype(dtype)
+        self.device = type('Device', (), {'id': 0})()
+
+
+CupyLike.__module__ = 'cupy._core.core'
+
+
+class RecordingBackend(LocalBackend):
+    """Holds every pushed buffer, as the worker client does until the servers acknowledge."""
+
+    def __init__(self):
+        super().__init__()
+        self.held = []
+
+    def push(self, items):
+        self.held += [flat for _, flat, _ in items]
+        super().push(items)
+
+
+@pytest.mark.parametrize('name', DEVICE_NAMES)
+def test_device_types_sum_several_host_values_exactly(name):
+    kv = KVStore(name, LocalBackend())
+    kv.init([0, 1], [np.zeros((2, 3), np.float32), torch.zeros(4, dtype=torch.float64)])
+    kv.push([0, 1], [[np.full((2, 3), v, np.float32) for v in (1, 2, 4)],
+                     [torch.full((4,), v, dtype=torch.float64) for v in (0.5, 0.25)]])
+    a, b = np.zeros((2, 3), np.float32), torch.zeros(4, dtype=torch.float64)
+    kv.pull([0, 1], out=[a, b])
+    assert (a == 7).all() and (b == 0.75).all()
+
+
+def test_device_store_pull_lands_in_every_target():
+    kv = kvps.create('device')
+    kv.init('w', np.arange(6, dtype=np.float32).reshape(2, 3))
+    targets = [np.zeros((2, 3), np.float32), torch.zeros(2, 3), torch.zeros(3, 2).t(),
+               np.zeros((3, 2), np.float32).T]
+    pointers = [t.data_ptr() for t in targets[1:3]]
+    kv.pull('w', out=targets)
+    for t in targets:
+        assert np.asarray(t).tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert [t.data_ptr() for t in targets[1:3]] == pointers
+
+
+def test_device_store_keeps_refusing_host_bfloat16_sums():
+    kv = kvps.create('device')
+    kv.init(0, torch.zeros(3, dtype=torch.bfloat16))
+    with pytest.raises(DTypeError, match='bfloat16'):
+        kv.push(0, [torch.ones(3, dtype=torch.bfloat16)] * 2)
+    kv.push(0, torch.full((3,), 1.5, dtype=torch.bfloat16))
+    out = torch.zeros(3, dtype=torch.bfloat16)
+    kv.pull(0, out=out)
+    assert (out == 1.5).all()
+
+
+@pytest.mark.parametrize('name', ['local', 'dist_sync', 'dist_async'])
+def test_non_device_stores_name_the_device_types_for_gpu_values(name):
+    kv = KVStore(name, LocalBackend())
+    with pytest.raises(DTypeError, match=r"cuda:0.*'local'.*dist_sync_device.*CPU"
+                       if name == 'local' else 'dist_async_device'):
+        kv.init(0, CupyLike((3,), np.float32))
+    kv.init(0, np.zeros(3, np.float32))
+    with pytest.raises(DTypeError, match='device store type'):
+        kv.push(0, [np.ones(3, np.float32), CupyLike((3,), np.float32)])
+    with pytest.raises(DTypeError, match='device store type'):
+        kv.pull(0, out=[np.zeros(3, np.float32), CupyLike((3,), np.float32)])
+    kv.push(0, np.ones(3, np.float32))   # the store is still usable
+    out = np.zeros(3, np.float32)
+    kv.pull(0, out=out)
+    assert (out == 1).all()
+
+
+def test_gpu_dispatch_reads_the_type_module_only():
+    assert devices.on_gpu(CupyLike((1,), np.float32)) and devices.is_value(CupyLike((1,), 'f4'))
+    assert not devices.on_gpu(np.zeros(1)) and not devices.on_gpu(torch.zeros(1))
+    assert not devices.on_gpu(torch.zeros(1, device='meta')) and not devices.is_value([1.0])
+
+
+def test_pushed_buffers_are_never_reused_before_acknowledged():
+    backend = RecordingBackend()
+    kv = KVStore('device', backend)
+    kv.init(0, np.zeros(5, np.float32))
+    given = []
+    for step in range(6):
+        values = [np.full(5, step, np.float32), torch.full((5,), 10.0 * step)]
+        given += values
+        kv.push(0, values if step % 2 else values[:1])
+    want = [11 * s if s % 2 else s for s in range(6)]
+    assert [float(b[0]) for b in backend.held] == want
+    for i, held in enumerate(backend.held):
+        assert not any(np.shares_memory(held, other) for other in backend.held[i + 1:])
+        assert not any(np.shares_memory(held, np.asarray(v)) for v in given)
+
+
+def test_host_sum_stages_into_a_fresh_buffer_each_time():
+    """The GPU staging function, run on host tensors: the caller's memory is only read, and a
+    buffer handed out stays untouched by later sums while it is referenced."""
+    held = []
+    for step in range(1, 5):
+        values = [torch.full((2, 2), float(step), dtype=torch.bfloat16),
+                  torch.full((4,), 0.5, dtype=torch.bfloat16)]
+        held.append(devices.host_sum(values))
+        assert (values[0] == step).all()       # the first value is not the accumulator
+    for step, buf in enumerate(held, start=1):
+        assert buf.dtype == np.uint16 and buf.shape == (4,)
+        assert (torch.from_numpy(buf.view(np.int16)).view(torch.bfloat16) == step + 0.5).all()
+    single = torch.arange(6.0).reshape(2, 3).t()  # non-contiguous: flattened in logical order
+    assert devices.host_sum([single]).tolist() == [0, 3, 1, 4, 2, 5]
+
+
+def test_land_writes_every_target_and_kernel_view_shares_memory():
+    targets = [torch.zeros(2, 2), np.zeros((2, 2), np.float32)]
+    host = devices.pull_buffer(targets)
+    assert not host.is_pinned() and host.shape == (4,)
+    host.copy_(torch.arange(4.0))
+    devices.land(host, targets)
+    assert targets[0].tolist() == targets[1].tolist() == [[0, 1], [2, 3]]
+    p = torch.nn.Parameter(torch.ones(3))
+    view = devices.kernel_view(p)
+    view[0] = 5
+    assert float(p.detach()[0]) == 5
+
+
+def test_host_paths_never_import_cupy():
+    """cupy may be installed; importing kvps and running host values through every store
+    kind and the Trainer must still not import it (it takes seconds and GPU memory)."""
+    code = textwrap.dedent('''
+        import sys
+        tried = []
+
+        class Watch:
+            def find_spec(self, name, path=None, target=None):
+                if name.split('.')[0] == 'cupy':
+                    tried.append(name)
+                return None
+
+        sys.meta_path.insert(0, Watch())
+        import numpy as np, torch, kvps
+        for name in ('local', 'device'):
+            kv = kvps.create(name)
+            kv.init(0, np.zeros(3, np.float32))
+            kv.push(0, [np.ones(3, np.float32), torch.ones(3)])
+            kv.pull(0, out=[np.zeros(3, np.float32), torch.zeros(3)])
+        p = torch.nn.Parameter(torch.ones(3))
+        trainer = kvps.Trainer([p], 'sgd', {'learning_rate': 0.5}, kvstore='device')
+        p.sum().backward()
+        trainer.step(1)
+        assert tried == [] and 'cupy' not in sys.modules, tried
+        print('ok')
+    ''')
+    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == 'ok', done.stderr[-2000:]
