@@ -1,6 +1,7 @@
 """Device store types on a machine without a GPU: host values as before, GPU values refused
 by the other stores, staging buffers never reused in flight, and no cupy import."""
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -177,3 +178,22 @@ def test_host_paths_never_import_cupy():
     done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == 'ok', done.stderr[-2000:]
+
+
+def test_trainer_refuses_cuda_parameters_it_could_not_move_or_update():
+    """The checks read only where each tensor lives, so a stand-in that says 'cuda:0' is
+    exactly what they see; the real GPU path is in test_device_gpu.py."""
+    from types import SimpleNamespace
+    from kvps._trainer_params import Param, check_devices
+    on_gpu = [Param(0, 'w', SimpleNamespace(device=torch.device('cuda', 0),
+                                            requires_grad=True))]
+    for name in ('dist_sync', 'dist_async', 'local'):
+        with pytest.raises(ValueError, match=r"w lives on cuda:0.*dist_sync_device"):
+            check_devices(on_gpu, KVStore(name, LocalBackend()), True)
+    check_devices(on_gpu, KVStore('dist_sync_device', LocalBackend()), True)
+    check_devices([Param(0, 'w', torch.ones(1))], KVStore('dist_sync', LocalBackend()), False)
+    if importlib.util.find_spec('cupy') is None:
+        with pytest.raises(ImportError, match=r'kvps\[cuda\]'):
+            check_devices(on_gpu, None, False)
+    with pytest.raises(ValueError, match='CPU and CUDA'):
+        kvps.Trainer([torch.nn.Parameter(torch.ones(3, device='meta'))], 'sgd')
