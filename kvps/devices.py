@@ -64,8 +64,8 @@ def host_sum(values):
 def pull_buffer(targets):
     """A fresh host buffer for the backend to pull one key into: pinned when a target is on a
     GPU, so that the copies to the devices can run asynchronously."""
-    first = as_torch(targets[0])
-    return _host_buffer(first.numel(), first.dtype, any(on_gpu(t) for t in targets))
+    views = [as_torch(t) for t in targets]
+    return _host_buffer(views[0].numel(), views[0].dtype, any(v.is_cuda for v in views))
 
 
 def land(host, targets):

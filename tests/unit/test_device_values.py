@@ -34,18 +34,6 @@ class CupyLike:
 CupyLike.__module__ = 'cupy._core.core'
 
 
-class RecordingBackend(LocalBackend):
-    """Holds every pushed buffer, as the worker client does until the servers acknowledge."""
-
-    def __init__(self):
-        super().__init__()
-        self.held = []
-
-    def push(self, items):
-        self.held += [flat for _, flat, _ in items]
-        super().push(items)
-
-
 @pytest.mark.parametrize('name', DEVICE_NAMES)
 def test_device_types_sum_several_host_values_exactly(name):
     kv = KVStore(name, LocalBackend())
@@ -103,8 +91,8 @@ def test_gpu_dispatch_reads_the_type_module_only():
     assert not devices.on_gpu(torch.zeros(1, device='meta')) and not devices.is_value([1.0])
 
 
-def test_pushed_buffers_are_never_reused_before_acknowledged():
-    backend = RecordingBackend()
+def test_pushed_buffers_are_never_reused_before_acknowledged(recording_backend):
+    backend = recording_backend
     kv = KVStore('device', backend)
     kv.init(0, np.zeros(5, np.float32))
     given = []
@@ -197,3 +185,50 @@ def test_trainer_refuses_cuda_parameters_it_could_not_move_or_update():
             check_devices(on_gpu, None, False)
     with pytest.raises(ValueError, match='CPU and CUDA'):
         kvps.Trainer([torch.nn.Parameter(torch.ones(3, device='meta'))], 'sgd')
+
+
+def send_host_tensors_down_the_gpu_path(monkeypatch):
+    """torch runs the GPU path's sums and copies on host tensors too, leaving out only pinning
+    and stream synchronisation; forcing host tensors down it checks the stores' and the
+    Trainer's plumbing of that path on every machine (test_device_gpu.py runs it for real).
+    Returns the list of keys' targets that landed through it."""
+    monkeypatch.setattr(devices, 'on_gpu', kvps.arrays.is_torch)
+    landed, land = [], devices.land
+    monkeypatch.setattr(devices, 'land', lambda host, targets: (landed.append(targets),
+                                                                land(host, targets)))
+    return landed
+
+
+def test_device_path_sums_bfloat16_and_lands_everywhere(monkeypatch, recording_backend):
+    landed = send_host_tensors_down_the_gpu_path(monkeypatch)
+    backend = recording_backend
+    kv = KVStore('dist_sync_device', backend)
+    kv.init(0, torch.zeros(2, 3, dtype=torch.bfloat16))
+    given = [torch.full((2, 3), x, dtype=torch.bfloat16) for x in (1.5, 2.25, 4.0)]
+    kv.push(0, given)
+    kv.push(0, given[:1])
+    assert [float(torch.from_numpy(h.view(np.int16)).view(torch.bfloat16)[0])
+            for h in backend.held] == [7.75, 1.5]
+    assert [float(g[0, 0]) for g in given] == [1.5, 2.25, 4.0]
+    kv.push(0, given[1:])
+    targets = [torch.zeros(2, 3, dtype=torch.bfloat16),
+               torch.zeros(3, 2, dtype=torch.bfloat16).t()]
+    kv.pull(0, out=targets)
+    assert all((t == 6.25).all() for t in targets) and len(landed) == 1
+
+
+def test_trainer_through_the_device_path_matches_the_host_path(monkeypatch):
+    def train():
+        gen = torch.Generator().manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(5, 7, generator=gen))
+        trainer = kvps.Trainer([w], 'sgd', {'learning_rate': 0.1, 'momentum': 0.9},
+                               kvstore=KVStore('dist_sync_device', LocalBackend()))
+        for _ in range(3):
+            trainer.zero_grad()
+            (w * torch.randn(5, 7, generator=gen)).sum().backward()
+            trainer.step(4)
+        return w.detach()
+    want = train()
+    landed = send_host_tensors_down_the_gpu_path(monkeypatch)
+    assert torch.equal(train(), want)
+    assert len(landed) == 4   # the initial broadcast, then three steps' weights
