@@ -5,6 +5,7 @@ import hashlib
 
 import numpy as np
 
+from .devices import DEVICE_TYPES, require_cupy
 from .errors import ConfigError, ParameterMismatchError
 
 # Reserved store keys, below the parameter indices (which start at 0).
@@ -56,22 +57,38 @@ def collect(params):
 
 
 def _split(index, item, torch):
-    """(name, tensor) for one entry; validates that it is a CPU leaf tensor kvps can share."""
+    """(name, tensor) for one entry; validates that it is a CPU or CUDA leaf tensor kvps can
+    share."""
     name, tensor = item if isinstance(item, tuple) and len(item) == 2 else (f'param{index}', item)
     if not isinstance(name, str):
         raise ValueError(f'parameter name at position {index} must be a str, got {name!r}')
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f'params[{index}] ({name}) must be a torch tensor or Parameter, got '
                          f'{type(tensor).__name__}')
-    if tensor.device.type != 'cpu':
-        raise ValueError(f'parameter {name} lives on {tensor.device}; this Trainer path '
-                         'updates CPU tensors')
+    if tensor.device.type not in ('cpu', 'cuda'):
+        raise ValueError(f'parameter {name} lives on {tensor.device}; the Trainer updates CPU '
+                         'and CUDA tensors')
     if tensor.requires_grad and not tensor.is_leaf:
         raise ValueError(f'parameter {name} is not a leaf tensor (it has a grad_fn), so '
                          'autograd never fills its .grad; pass the leaf parameters')
     if tensor.is_sparse or not tensor.is_contiguous():
         raise ValueError(f'parameter {name} must be a dense contiguous tensor')
     return name, tensor
+
+
+def check_devices(params, kv, update_on_kvstore):
+    """Refuse CUDA parameters that the setup cannot move or update, before any collective call
+    (so every worker fails alike, none waits for the others): a store must be a device store,
+    and local updates run the CUDA kernels, which need cupy."""
+    gpu = [p for p in params if p.tensor.device.type == 'cuda']
+    if not gpu:
+        return
+    if kv is not None and 'device' not in kv.type:
+        raise ValueError(f'parameter {gpu[0].name} lives on {gpu[0].tensor.device}, but a '
+                         f'{kv.type!r} store moves host arrays only; use a device store type '
+                         f'({", ".join(DEVICE_TYPES)}) or keep the parameters on the CPU')
+    if not update_on_kvstore and any(p.trainable for p in gpu):
+        require_cupy()
 
 
 def digest(params):

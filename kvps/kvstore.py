@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 
-from . import arrays, states
+from . import arrays, devices, states
 from .config import Config
 from .errors import (ConfigError, DuplicateInitError, KeyNotInitializedError, KeyTypeError,
                      KVPSError)
@@ -72,6 +72,7 @@ class KVStore:
 
     def __init__(self, name, backend):
         self._type = name
+        self._device = parse_type(name)[2]   # GPU values are taken by device stores only
         self._backend = backend
         self._meta = {}            # key -> (shape, dtype name)
         self._key_kind = None
@@ -102,7 +103,7 @@ class KVStore:
                 raise DuplicateInitError(f'key {k!r} is already initialized')
             v = values[0]
             shape, dtype = arrays.shape_of(v), arrays.dtype_name(v)
-            items.append((k, arrays.flat_copy(v), shape, dtype))
+            items.append((k, self._host_copy(k, [v]), shape, dtype))
         self._backend.init(items)
         for k, _, shape, dtype in items:
             self._meta[k] = (shape, dtype)
@@ -114,8 +115,7 @@ class KVStore:
             shape, dtype = self._known(k)
             for v in values:
                 arrays.check_like(v, shape, dtype, k, 'pushed value')
-        self._backend.push([(k, arrays.sum_values(values) if len(values) > 1
-                             else arrays.flat_copy(values[0]), self._meta[k][1])
+        self._backend.push([(k, self._host_copy(k, values), self._meta[k][1])
                             for k, values in pairs])
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
@@ -127,12 +127,19 @@ class KVStore:
             shape, dtype = self._known(k)
             for t in targets:
                 arrays.check_like(t, shape, dtype, k, 'pull target')
-        self._backend.pull([(k, arrays.as_numpy(targets[0]), self._meta[k][1])
-                            for k, targets in pairs])
-        for _, targets in pairs:   # one value per device: the first target feeds the rest
-            first = arrays.as_numpy(targets[0])
-            for t in targets[1:]:
-                arrays.as_numpy(t)[...] = first
+        # GPU targets are pulled into a pinned host buffer and copied onto each device from
+        # there; host targets are pulled into the first one, which then feeds the rest.
+        hosts = [devices.pull_buffer(targets) if self._on_gpu(k, targets) else None
+                 for k, targets in pairs]
+        self._backend.pull([(k, arrays.as_numpy(targets[0] if host is None else host),
+                             self._meta[k][1]) for (k, targets), host in zip(pairs, hosts)])
+        for (_, targets), host in zip(pairs, hosts):
+            if host is not None:
+                devices.land(host, targets)
+            else:
+                first = arrays.as_numpy(targets[0])
+                for t in targets[1:]:
+                    arrays.as_numpy(t)[...] = first
 
     def pushpull(self, key, value, out=None, priority=0):
         """Push then pull; with ``out=None`` the result is written into ``value``."""
@@ -187,6 +194,18 @@ class KVStore:
     def __exit__(self, *exc):
         self.close()
 
+    # -- values ---------------------------------------------------------------------------
+    def _on_gpu(self, key, values):
+        return devices.takes_device_path(values, self._device, self._type, key)
+
+    def _host_copy(self, key, values):
+        """What the backend is given for one key: a kvps-owned flat host copy of the values'
+        sum (the caller's memory is never handed over). GPU values are summed on their device
+        and staged through pinned memory; host values are summed by numpy."""
+        if self._on_gpu(key, values):
+            return devices.host_sum(values)
+        return arrays.sum_values(values) if len(values) > 1 else arrays.flat_copy(values[0])
+
     # -- keys -----------------------------------------------------------------------------
     def _pairs(self, key, value):
         """Normalize (key, value) into [(key, [values...])] as MXNet does."""
@@ -199,8 +218,9 @@ class KVStore:
     @staticmethod
     def _as_list(value):
         values = list(value) if isinstance(value, (list, tuple)) else [value]
-        if not values or not all(arrays.is_array(v) for v in values):
-            raise TypeError('values must be numpy arrays or torch tensors (or lists of them)')
+        if not values or not all(devices.is_value(v) for v in values):
+            raise TypeError('values must be numpy arrays, torch tensors or cupy arrays (or lists '
+                            'of them)')
         return values
 
     def _check_key(self, key):

@@ -7,8 +7,8 @@ import weakref
 from . import optimizer as opt_mod
 from ._trainer_kv import (load_local_states, load_server_states, read_optimizer, resolve,
                           save_local_states, save_server_states)
-from ._trainer_params import check_same_everywhere, collect, merge_mults
-from .arrays import as_numpy
+from ._trainer_params import check_devices, check_same_everywhere, collect, merge_mults
+from .devices import kernel_view
 from .errors import ConfigError, ParameterMismatchError, StaleGradientError
 from .server.updater import Updater
 
@@ -27,6 +27,10 @@ class Trainer:
     ``overlap`` (kvps): in distributed mode, send each gradient as soon as backward has
     accumulated it; turn off to accumulate several backward passes before ``step``.
 
+    Parameters may live on CUDA devices when the store is a device store ('dist_sync_device',
+    'dist_async_device') or there is none: gradients and weights then pass through pinned host
+    buffers, and local updates run the CUDA kernels on cupy views of the tensors (DLPack).
+
     Creating a Trainer on a store is collective: every worker must create it, with the same
     parameters; rank 0's initial weights are copied into every worker's parameters.
     """
@@ -39,6 +43,7 @@ class Trainer:
         merge_mults(self._optimizer, self._params)
         self._scale = self._optimizer.rescale_grad
         self._kv, self._update_on_kvstore = resolve(kvstore, update_on_kvstore)
+        check_devices(self._params, self._kv, self._update_on_kvstore)
         self._distributed = self._kv is not None and 'dist' in self._kv.type
         self._updater = None if self._update_on_kvstore else Updater(self._optimizer)
         self._server_has_optimizer = False
@@ -251,7 +256,8 @@ class Trainer:
         self._reduced = True
 
     def _update(self, ignore_stale_grad):
-        """Local update with the servers' kernels, in place on numpy views of the tensors."""
+        """Local update with the servers' kernels, in place on views of the tensors: numpy for
+        CPU parameters, cupy (through DLPack, no copy) for CUDA ones."""
         items = []
         for p in self._trainable:
             grad = p.tensor.grad
@@ -260,7 +266,7 @@ class Trainer:
             if grad is None or not (self._distributed or self._is_fresh(p)):
                 continue
             # Flat views: the state then has the servers' layout, so files load either way.
-            items.append((p.key, 0, as_numpy(p.tensor).reshape(-1), as_numpy(grad).reshape(-1)))
+            items.append((p.key, 0, kernel_view(p.tensor), kernel_view(grad)))
         if items:
             self._updater.update_many(items)
 

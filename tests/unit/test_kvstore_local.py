@@ -140,7 +140,7 @@ def test_clear_errors_leave_the_store_usable():
         kv.push(1.5, np.zeros(2, np.float32))
     with pytest.raises(DTypeError, match='unsupported dtype'):
         kv.init(5, np.zeros(2, np.complex64))
-    with pytest.raises(TypeError, match='numpy arrays or torch tensors'):
+    with pytest.raises(TypeError, match='numpy arrays, torch tensors or cupy arrays'):
         kv.push(0, [1.0, 2.0])
     with pytest.raises(TypeError, match='out='):
         kv.pull(0)

@@ -75,3 +75,16 @@ def test_public_api():
     for name in kvps.__all__:
         assert hasattr(kvps, name), name
     assert kvps.kvstore.create is kvps.create
+
+
+def test_devices_sits_between_arrays_and_the_stores():
+    """devices (GPU values) builds on arrays and _kernels; only the stores and the Trainer use
+    it, so no layer below them learns about GPUs."""
+    below = ('kvps.errors', 'kvps.protocol', 'kvps.arrays', 'kvps._kernels')
+    mods = [m for m in imports_of(PKG / 'devices.py') if m.startswith('kvps.')]
+    assert all(m.startswith(below) for m in mods), mods
+    lower = {'errors', 'config', 'protocol', 'arrays', 'optimizer', 'transport'}
+    for path in sources():
+        rel = path.relative_to(PKG).parts
+        if rel[0] in ROLES | {'_kernels'} or path.stem in lower:
+            assert not any(m.startswith('kvps.devices') for m in imports_of(path)), path

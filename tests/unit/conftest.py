@@ -1,0 +1,23 @@
+"""Fixtures shared by the unit tests."""
+
+import pytest
+
+from kvps.local import LocalBackend
+
+
+class RecordingBackend(LocalBackend):
+    """The in-process backend, holding every pushed buffer as the worker client does until the
+    servers acknowledge the push (it sends them without copying)."""
+
+    def __init__(self):
+        super().__init__()
+        self.held = []
+
+    def push(self, items):
+        self.held += [flat for _, flat, _ in items]
+        super().push(items)
+
+
+@pytest.fixture
+def recording_backend():
+    return RecordingBackend()
