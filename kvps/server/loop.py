@@ -50,9 +50,9 @@ class Server:
         self.shard = Shard(welcome['num_workers'])
         # Only the job's workers may talk to a server; anyone else is refused and logged.
         self.workers = {P.worker_identity(r) for r in range(welcome['num_workers'])}
-        self.checkpointer = self._resume_from_checkpoint(welcome)
         self._outbox = []            # replies, sent once the checkpoint that covers them is written
         self._unsaved = False        # an init or optimizer change that no checkpoint holds yet
+        self.checkpointer = self._resume_from_checkpoint(welcome)
         self.recovery = None
         if welcome.get('restarted'):
             finished = {P.worker_identity(r) for r in welcome.get('finished', ())}
@@ -76,9 +76,13 @@ class Server:
         checkpointer = Checkpointer(config.checkpoint_dir, self.rank, welcome['num_servers'],
                                     config.checkpoint_every, config.checkpoint_seconds,
                                     time.monotonic())
-        if checkpointer.load(self.shard, rounds=bool(welcome.get('restarted'))):
+        restarted = bool(welcome.get('restarted'))
+        if checkpointer.load(self.shard, rounds=restarted):
             log.info('%s resumed %d key parts from %s', self.name, len(self.shard.entries),
                      checkpointer.path)
+            # A new job counts rounds from 0: rewrite the file at once, so that a server
+            # replacing this one never reads the previous job's counts.
+            self._unsaved = not restarted
         return checkpointer
 
     def run(self):

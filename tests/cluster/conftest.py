@@ -121,6 +121,7 @@ def by_hand(tmp_path):
         return proc, {**env, 'DMLC_PS_ROOT_PORT': port_file.read_text()}
 
     start.scheduler = scheduler
+    start.finish = finish
     yield start
     for proc in procs:
         if proc.poll() is None:
@@ -131,7 +132,8 @@ def by_hand(tmp_path):
 
 
 def finish(proc, timeout=60):
-    """Wait for a hand-started process; return (exit code, output)."""
+    """Wait for a hand-started process; return (exit code, output). Tests reach it as
+    ``by_hand.finish``: importing ``conftest`` by name would find tests/unit's."""
     out, _ = proc.communicate(timeout=timeout)
     return proc.returncode, out
 

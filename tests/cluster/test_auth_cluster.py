@@ -5,7 +5,6 @@ import msgpack
 import pytest
 import zmq
 
-from conftest import finish
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
@@ -74,11 +73,11 @@ def test_intruders_are_refused_everywhere_and_the_job_carries_on(by_hand, tmp_pa
     # A kvps worker with the wrong secret cannot join either; it fails with a clear error.
     stranger = by_hand('worker', {**env, 'KVPS_SECRET': 'wrong', 'KVPS_CONNECT_TIMEOUT': '2'},
                        script='kvps.create("dist_sync")\n')
-    code, out = finish(stranger)
+    code, out = by_hand.finish(stranger)
     assert code != 0 and 'RequestTimeout' in out
 
     go.write_text('')
-    code, out = finish(worker)
+    code, out = by_hand.finish(worker)
     assert code == 0 and '"out": [2.0, 2.0, 2.0]' in out, out   # the intruders changed nothing
     assert sched.wait(30) == 0 and server.wait(30) == 0
     logs = sched.stdout.read() + server.stdout.read()

@@ -6,7 +6,6 @@ import time
 
 import pytest
 
-from conftest import finish
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
@@ -80,7 +79,7 @@ def test_missing_server_is_named_within_the_connect_bound(by_hand):
     _, env = by_hand.scheduler(num_workers=1, num_servers=1,
                                extra={'KVPS_CONNECT_TIMEOUT': '3'})
     worker = by_hand('worker', env, script='kvps.create("dist_sync")\n')
-    code, out = finish(worker)
+    code, out = by_hand.finish(worker)
     assert code != 0
     assert '1 of 1 servers never registered' in out
 
@@ -89,7 +88,7 @@ def test_absent_scheduler_is_a_timeout_naming_it(by_hand):
     env = {'DMLC_PS_ROOT_URI': '127.0.0.1', 'DMLC_PS_ROOT_PORT': '9',  # nothing listens
            'DMLC_NUM_WORKER': '1', 'DMLC_NUM_SERVER': '1', 'KVPS_CONNECT_TIMEOUT': '2'}
     worker = by_hand('worker', env, script='kvps.create("dist_sync")\n')
-    code, out = finish(worker)
+    code, out = by_hand.finish(worker)
     assert code != 0 and 'RequestTimeout' in out and '127.0.0.1:9' in out
 
 
@@ -123,7 +122,7 @@ def test_lost_server_is_named_on_every_worker(by_hand, stop):
     _wait_ready(worker)
     started = time.monotonic()
     os.kill(servers[1].pid, signal.SIGKILL if stop == 'kill' else signal.SIGSTOP)
-    code, out = finish(worker)
+    code, out = by_hand.finish(worker)
     assert code == 7, out
     assert 'server 1' in out and 'lost' in out
     assert time.monotonic() - started < 30            # heartbeat bound is 6 s here
@@ -136,7 +135,7 @@ def test_lost_scheduler_is_named(by_hand):
     worker = by_hand('worker', env, script=LONG_SCRIPT)
     _wait_ready(worker)
     sched.kill()
-    code, out = finish(worker)
+    code, out = by_hand.finish(worker)
     assert code == 7, out
     assert 'scheduler' in out
 
@@ -155,7 +154,7 @@ def test_hand_started_cluster_runs_and_every_process_exits(by_hand):
     servers = [by_hand('server', env, rank=i) for i in range(2)]
     workers = [by_hand('worker', env, script=HAND_SCRIPT) for _ in range(2)]
     for proc in workers:
-        code, out = finish(proc)
+        code, out = by_hand.finish(proc)
         assert code == 0 and '"out": [3.0, 3.0, 3.0]' in out, out
     for proc in servers + [sched]:
         assert proc.wait(30) == 0
@@ -190,7 +189,7 @@ def test_a_stalled_server_holds_pushes_back_instead_of_queueing_them(by_hand, tm
         assert count.read_text() == '1'     # one push in flight, the second one waits
     finally:
         os.kill(server.pid, signal.SIGCONT)
-    code, out = finish(worker)
+    code, out = by_hand.finish(worker)
     assert code == 0 and '"last": 50.0' in out, out
     assert count.read_text() == '50'
 
@@ -198,5 +197,5 @@ def test_a_stalled_server_holds_pushes_back_instead_of_queueing_them(by_hand, tm
 def test_a_server_asked_for_gpu_shards_says_it_cannot(by_hand):
     _, env = by_hand.scheduler(num_workers=1, num_servers=1)
     server = by_hand('server', {**env, 'KVPS_SERVER_DEVICE': 'cuda'})
-    code, out = finish(server)
+    code, out = by_hand.finish(server)
     assert code == 1 and 'KVPS_SERVER_DEVICE=cuda is not supported yet' in out

@@ -6,7 +6,6 @@ import signal
 
 import pytest
 
-from conftest import finish
 
 # KVPS_CHECKPOINT_EVERY=1: every acknowledged update is in the checkpoint, so a restart loses
 # nothing and the values below are exact. Key 'big' is split over both servers.
@@ -146,10 +145,10 @@ def test_a_server_restarted_by_hand_with_its_rank_rejoins(by_hand, tmp_path):
     servers[1].wait(10)
     replacement = by_hand('server', env, rank=1)
     go.touch()
-    code, out = finish(worker)
+    code, out = by_hand.finish(worker)
     assert code == 0, out
     assert '"value": [6.0, 6.0, 6.0, 6.0]' in out    # the last round replaces the value
-    assert finish(replacement)[0] == 0 and finish(servers[0])[0] == 0
+    assert by_hand.finish(replacement)[0] == 0 and by_hand.finish(servers[0])[0] == 0
 
 
 def test_a_lost_server_not_replaced_in_time_ends_the_job_naming_it(by_hand, tmp_path):
@@ -162,7 +161,7 @@ def test_a_lost_server_not_replaced_in_time_ends_the_job_naming_it(by_hand, tmp_
     _wait_for(worker, 'WAITING')
     os.kill(servers[1].pid, signal.SIGKILL)
     go.touch()
-    code, out = finish(worker)
+    code, out = by_hand.finish(worker)
     assert code != 0
     assert 'server 1' in out and 'not replaced within 2 s' in out
     assert servers[0].wait(30) != 0
