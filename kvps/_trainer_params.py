@@ -3,14 +3,8 @@
 import dataclasses
 import hashlib
 
-import numpy as np
-
 from .devices import DEVICE_TYPES, require_cupy
 from .errors import ConfigError, ParameterMismatchError
-
-# Reserved store keys, below the parameter indices (which start at 0).
-FINGERPRINT_KEY = -1   # rank 0's digest of the parameter table
-VERDICT_KEY = -2       # sync stores: how many workers disagree with rank 0
 
 
 @dataclasses.dataclass
@@ -94,40 +88,22 @@ def check_devices(params, kv, update_on_kvstore):
 def digest(params):
     """32 bytes that differ whenever names, shapes, dtypes, trainability or order differ."""
     text = '\n'.join(f'{p.key} {p.describe()}' for p in params)
-    return np.frombuffer(hashlib.sha256(text.encode()).digest(), dtype=np.uint8).copy()
+    return hashlib.sha256(text.encode()).digest()
 
 
-def check_same_everywhere(kv, params, sync):
-    """Collective: raise ParameterMismatchError unless this worker's table equals rank 0's.
-
-    Rank 0's digest is stored under FINGERPRINT_KEY; each worker compares its own with it. On
-    sync stores every worker then pushes 1 if it disagrees; the round's sum under VERDICT_KEY
-    tells every worker (rank 0 included) that the job cannot train, so none waits for a peer
-    that left. Async stores have no rounds to sum in: there the worker that differs raises
-    and the launcher stops the rest.
-    """
-    mine = digest(params)
-    theirs = np.zeros_like(mine)
-    kv.init(FINGERPRINT_KEY, mine)
-    kv.pull(FINGERPRINT_KEY, out=theirs)
-    differs = not np.array_equal(mine, theirs)
-    bad = int(differs)
-    if sync and kv.num_workers > 1:
-        verdict = np.zeros(1, dtype=np.float32)
-        kv.init(VERDICT_KEY, verdict)
-        kv.push(VERDICT_KEY, np.array([float(differs)], dtype=np.float32))
-        kv.pull(VERDICT_KEY, out=verdict)
-        bad = int(round(abs(float(verdict[0]))))
-        # A store already running an optimizer turns the sum into an update of 0: any
-        # non-zero result still means some worker differs.
-        bad = max(bad, int(verdict[0] != 0))
-    if differs:
+def check_same_everywhere(kv, params):
+    """Collective: raise ParameterMismatchError on every worker unless every worker's table
+    equals rank 0's (the store's agree collective compares their digests at a barrier, in
+    sync and async stores alike, so no worker waits for a peer that left)."""
+    differs = kv.agree(digest(params))
+    if kv.rank in differs:
         raise ParameterMismatchError(_mismatch_message(kv.rank, params))
-    if bad:
+    if differs:
         raise ParameterMismatchError(
-            f'{bad} worker(s) of this job hold parameters that differ from rank 0\'s (names, '
-            'shapes, dtypes, requires_grad or order); every worker must build the same model '
-            'and pass its parameters to the Trainer in the same order')
+            f'{len(differs)} worker(s) of this job (ranks {", ".join(map(str, differs))}) hold '
+            'parameters that differ from rank 0\'s (names, shapes, dtypes, requires_grad or '
+            'order); every worker must build the same model and pass its parameters to the '
+            'Trainer in the same order')
 
 
 def _mismatch_message(rank, params):

@@ -155,6 +155,15 @@ class KVStore:
         """Wait until every worker arrives and all of this worker's pushes are applied."""
         self._backend.barrier()
 
+    def agree(self, value):
+        """A barrier at which every worker offers ``value`` (bytes, at most 64: a digest of
+        what must be the same everywhere); returns the ranks whose value differs from rank
+        0's, [] when all agree. Collective; a kvps extension of the MXNet API."""
+        value = bytes(value)
+        if len(value) > 64:
+            raise ValueError(f'agree takes at most 64 bytes (a digest), got {len(value)}')
+        return self._backend.barrier(value)
+
     def set_optimizer(self, optimizer):
         """Run ``optimizer`` on the servers for every later push (collective). Setting the
         same kind of optimizer again changes its hyper-parameters and keeps its state."""

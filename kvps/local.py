@@ -51,8 +51,8 @@ class LocalBackend:
     def parts(self, key, size):
         return [(0, 0, 0, size)]
 
-    def barrier(self):
-        pass
+    def barrier(self, digest=None):
+        return []     # one worker always agrees with itself
 
     def wait_pushes(self):
         pass

@@ -20,8 +20,11 @@ REGISTER = 'register'        # node -> scheduler: {role, host, port, rank, pid, 
 WELCOME = 'welcome'
 HEARTBEAT = 'heartbeat'      # node -> scheduler, answered by HEARTBEAT_ACK
 HEARTBEAT_ACK = 'heartbeat_ack'
-BARRIER = 'barrier'          # worker -> scheduler: {seq}; answered by BARRIER_DONE when all arrive
+# worker -> scheduler: {seq, digest (optional bytes)}; answered by BARRIER_DONE when all
+# arrive, with {differs: [ranks whose digest is not rank 0's]} (the agree collective)
+BARRIER = 'barrier'
 BARRIER_DONE = 'barrier_done'
+MAX_DIGEST_BYTES = 64
 FINISH = 'finish'            # worker -> scheduler: done; answered by ACK
 SHUTDOWN = 'shutdown'        # scheduler -> node: exit now ({reason})
 PEER_LOST = 'peer_lost'      # scheduler -> node: {role, rank, host, reason}
@@ -149,6 +152,9 @@ def validate_header(header):
             raise ProtocolError(f'{op}: {name} must be an int >= 0')
     if op in _MULTI:
         _check_items(op, header['keys'])
+    digest = header.get('digest')
+    if digest is not None and not (isinstance(digest, bytes) and len(digest) <= MAX_DIGEST_BYTES):
+        raise ProtocolError(f'{op}: digest must be at most {MAX_DIGEST_BYTES} bytes')
 
 
 def _natural(value):

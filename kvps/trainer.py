@@ -158,8 +158,7 @@ class Trainer:
     # -- internals: setup ------------------------------------------------------------------
     def _init_store(self):
         """Prove the workers agree on the parameters, then broadcast rank 0's weights."""
-        sync = 'async' not in self._kv.type
-        check_same_everywhere(self._kv, self._params, sync)
+        check_same_everywhere(self._kv, self._params)
         keys = [p.key for p in self._params]
         tensors = [p.tensor for p in self._params]
         self._kv.init(keys, tensors)

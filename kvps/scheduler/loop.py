@@ -115,8 +115,10 @@ class Scheduler:
 
     def _on_barrier(self, identity, header):
         node = self._worker(identity)
-        for released in self.members.arrive(node.identity, header['seq']):
-            self._send(released, {'op': P.BARRIER_DONE, 'id': header['seq']})
+        released = self.members.arrive(node.identity, header['seq'], header.get('digest'))
+        differs = self.members.disagreeing() if released else []
+        for worker in released:
+            self._send(worker, {'op': P.BARRIER_DONE, 'id': header['seq'], 'differs': differs})
         self._fail_blocked_barriers()
 
     def _on_finish(self, identity, header):

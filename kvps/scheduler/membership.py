@@ -35,7 +35,8 @@ class Membership:
         self.nodes = {}            # identity -> Node
         self.replaced = set()      # identities of servers that others have replaced
         self.ranked = False
-        self._barrier = {}         # seq -> set of worker identities arrived
+        self._barrier = {}         # seq -> {worker identity arrived: its digest or None}
+        self._last_digests = {}    # the digests of the last completed barrier
         self.barriers_done = 0
 
     # -- registration ------------------------------------------------------------------
@@ -115,19 +116,26 @@ class Membership:
                 'finished': [n.rank for n in self.of_role('worker') if n.finished]}
 
     # -- barriers and finishing -------------------------------------------------------------
-    def arrive(self, identity, seq):
-        """Record a worker at barrier ``seq``; return the identities to release (or []).
-        Workers meet at one barrier at a time, so only the next one may be waited at."""
+    def arrive(self, identity, seq, digest=None):
+        """Record a worker at barrier ``seq``, with what it asks everyone to agree on; return
+        the identities to release (or []). Workers meet at one barrier at a time, so only the
+        next one may be waited at."""
         if seq != self.barriers_done + 1:
             raise ConfigError(f'barrier {seq} is out of step: the job is at barrier '
                               f'{self.barriers_done + 1}')
-        arrived = self._barrier.setdefault(seq, set())
-        arrived.add(identity)
+        arrived = self._barrier.setdefault(seq, {})
+        arrived[identity] = digest
         if len(arrived) < self.want['worker']:
             return []
         del self._barrier[seq]
         self.barriers_done = seq
+        self._last_digests = arrived
         return sorted(arrived)
+
+    def disagreeing(self):
+        """Ranks whose digest at the last completed barrier differs from rank 0's."""
+        by_rank = {self.nodes[i].rank: d for i, d in self._last_digests.items()}
+        return sorted(rank for rank, d in by_rank.items() if d != by_rank.get(0))
 
     def blocked_barriers(self):
         """Identities waiting at a barrier that a finished worker can never reach."""

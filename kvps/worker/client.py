@@ -154,14 +154,20 @@ class DistClient:
         return [(key, part, array, dtype) for key, array, dtype in items
                 for part in self.placement.parts(key)]
 
-    def barrier(self):
-        """Return when every worker is here and this worker's pushes are all applied."""
+    def barrier(self, digest=None):
+        """Return when every worker is here and this worker's pushes are all applied: the
+        ranks whose ``digest`` (bytes) differs from rank 0's, [] when all agree."""
         self.wait_pushes()
         self._barrier_seq += 1
+        header = {'op': P.BARRIER, 'id': self._barrier_seq, 'seq': self._barrier_seq}
+        if digest is not None:
+            header['digest'] = bytes(digest)
+        differs = []
         op = Operation('barrier', 1)
-        self.io.submit(SCHEDULER, {'op': P.BARRIER, 'id': self._barrier_seq,
-                                   'seq': self._barrier_seq}, (), Request(op, SCHEDULER))
+        self.io.submit(SCHEDULER, header, (), Request(
+            op, SCHEDULER, lambda reply, _: differs.extend(reply.get('differs', ()))))
         op.wait(self.config.timeout)
+        return differs
 
     def wait_pushes(self):
         """Block until every push so far is acknowledged; raise the first error met."""

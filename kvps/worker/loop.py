@@ -165,6 +165,8 @@ class WorkerIO(threading.Thread):
                 except KVPSError as exc:
                     request.op.fail(exc)
             else:
+                if request.on_data is not None:
+                    request.on_data(header, [])
                 request.op.part_done()
         elif op == P.SERVER_LOST:
             log.warning('%s; its requests wait for it to rejoin', header['reason'])

@@ -144,10 +144,11 @@ def test_dist_async_digits_example_reaches_accuracy(job):
 
 
 @pytest.mark.timeout(120)
-def test_workers_with_different_parameters_get_a_clear_error(job):
+@pytest.mark.parametrize('mode', ['dist_sync', 'dist_async'])
+def test_workers_with_different_parameters_get_a_clear_error(job, mode):
     """Rank 1's shape and rank 2's name differ from rank 0's: every worker gets the error."""
     result = job(script('''
-        kv = kvps.create('dist_sync')
+        kv = kvps.create(MODE)
         shape = (4, 3) if kv.rank == 1 else (4, 2)
         name = 'v' if kv.rank == 2 else 'w'
         try:
@@ -155,7 +156,7 @@ def test_workers_with_different_parameters_get_a_clear_error(job):
             report(error=None)
         except kvps.KVPSError as exc:
             report(error=type(exc).__name__, message=str(exc))
-    '''), workers=3, servers=1, timeout=90)
+    ''', MODE=mode), workers=3, servers=1, timeout=90)
     assert result.returncode == 0, result.output
     found = result.results()
     assert sorted(found) == [0, 1, 2], result.output
@@ -163,4 +164,4 @@ def test_workers_with_different_parameters_get_a_clear_error(job):
         assert values['error'] == 'ParameterMismatchError', found
     assert "differ from rank 0's" in found[1]['message'] and 'w: (4, 3)' in found[1]['message']
     assert "differ from rank 0's" in found[2]['message'] and 'v: (4, 2)' in found[2]['message']
-    assert '2 worker(s)' in found[0]['message']
+    assert '2 worker(s) of this job (ranks 1, 2)' in found[0]['message']

@@ -193,3 +193,10 @@ def test_optimizer_state_errors(tmp_path):
     (tmp_path / 'junk').write_bytes(b'\xc1\xc1')
     with pytest.raises(ConfigError, match='not a kvps optimizer-state file'):
         kv.load_optimizer_states(tmp_path / 'junk')
+
+
+def test_agree_on_one_worker_is_always_unanimous_and_takes_only_a_digest():
+    kv = kvps.create('local')
+    assert kv.agree(b'\x01' * 32) == []
+    with pytest.raises(ValueError, match='at most 64 bytes'):
+        kv.agree(b'x' * 65)

@@ -45,6 +45,10 @@ def test_round_trip_keeps_header_and_shares_the_buffer():
                      'keys': [[1, 0, 'float32', 2, -1]]})], 'seq must be an int >= 0'),
     ([msgpack.packb({'op': 'resume', 'id': 0, 'keys': [[1, 0, 'x']]})], 'acked must be an int'),
     ([msgpack.packb({'op': 'server_back', 'id': 0, 'rank': 1, 'host': 'h'})], "'port' missing"),
+    ([msgpack.packb({'op': 'barrier', 'id': 1, 'seq': 1, 'digest': 'text'})],
+     'digest must be at most 64 bytes'),
+    ([msgpack.packb({'op': 'barrier', 'id': 1, 'seq': 1, 'digest': b'x' * 65})],
+     'digest must be at most 64 bytes'),
     ([b'\x00' * (P.MAX_HEADER_BYTES + 1)], 'exceeds'),
 ])
 def test_malformed_messages_are_rejected_with_a_reason(frames, reason):
