@@ -175,8 +175,8 @@ class Optimizer:
             raise ConfigError(f'optimizer spec must be a dict, got {type(spec).__name__}')
         extra = set(spec) - {'name', 'params', 'lr_scheduler', 'lr_mult', 'wd_mult'}
         if extra:
-            raise ConfigError(f'optimizer spec: unknown fields {sorted(extra)}; valid: name, '
-                              'params, lr_scheduler, lr_mult, wd_mult')
+            raise ConfigError(f'optimizer spec: unknown fields {sorted(extra, key=repr)}; '
+                              'valid: name, params, lr_scheduler, lr_mult, wd_mult')
         params = spec.get('params') or {}
         if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
             raise ConfigError('optimizer spec: params must be a dict with str keys')

@@ -241,11 +241,16 @@ _dtypes = st.one_of(st.sampled_from(sorted(P.DTYPES)), st.sampled_from(
     ['float128', 'complex64', 'object', 'bool', '', 'FLOAT32', 'float32 ', '<f4']),
     st.text(max_size=8))
 _item = st.tuples(st.one_of(_keys, ANY), st.one_of(st.integers(-1, 2), ANY),
-                  st.one_of(_dtypes, ANY), st.one_of(st.integers(-1, 300), ANY)).map(list)
+                  st.one_of(_dtypes, ANY), st.one_of(st.integers(-1, 300), ANY),
+                  st.one_of(st.integers(-1, 5), ANY)).map(list)
 _GOOD = {
-    # multi-key ops ('keys': [[key, part] or [key, part, dtype, n], ...]); items maybe broken
+    # multi-key ops ('keys': [[key, part], [key, part, acked], [key, part, dtype, n] or
+    # [key, part, dtype, n, seq], ...]); items maybe broken
     'keys': st.one_of(st.lists(_item.map(lambda i: i[:2]), max_size=3),
+                      st.lists(_item.map(lambda i: i[:3]), max_size=3),
+                      st.lists(_item.map(lambda i: i[:4]), max_size=3),
                       st.lists(_item, max_size=3), st.lists(ANY, max_size=3)),
+    'digest': st.one_of(st.binary(max_size=80), ANY),
     'key': _keys, 'part': st.integers(-3, 3), 'n': st.integers(-3, 300), 'dtype': _dtypes,
     'shape': st.lists(st.one_of(st.integers(-2, 300), ANY), max_size=4),
     'sync': st.booleans(), 'role': st.sampled_from(['worker', 'server', 'scheduler', '']),
@@ -258,7 +263,8 @@ _GOOD = {
     'type': st.text(max_size=12), 'message': st.text(max_size=40), 'reason': st.text(max_size=20),
 }
 _ALL_OPS = sorted(P.OPS)
-_EXTRA_NAMES = ['n', 'part', 'key', 'dtype', 'shape', 'sync', 'rank', 'seq', 'spec', 'pid', 'x']
+_EXTRA_NAMES = ['n', 'part', 'key', 'dtype', 'shape', 'sync', 'rank', 'seq', 'spec', 'pid', 'x',
+                'digest']
 _ODD_OPS = st.one_of(st.sampled_from(_ALL_OPS), st.text(max_size=12),
                      st.sampled_from(['PUSH', 'push ', 'exec', '__class__', '']),
                      _scalars.filter(lambda v: not isinstance(v, str)))
@@ -339,7 +345,7 @@ def well_formed(draw):
     if width:
         for name in ('key', 'part', 'dtype', 'n'):
             del header[name]
-        header['keys'] = [[key, part, dtype, n][:width]]
+        header['keys'] = [[key, part, dtype, n, draw(_SMALL)][:width]]
     buffers = [draw(_FILL)[:1].ljust(n * np.dtype(P.DTYPES[dtype]).itemsize, b'\x02')] \
         if writes else []
     return [msgpack.packb(header, use_bin_type=True), *buffers]
@@ -413,6 +419,8 @@ def classify(frames, target):
             return 'skip', 'valid SET_OPTIMIZER'
         if op == P.SET_STATES and isinstance(_unpacked(buffers[0]), dict):
             return 'skip', 'SET_STATES of a map'
+        if op == P.RESUME:
+            return 'ignore', None   # only a restarted server reads it, and it never answers
         return 'reply', None
     if op == P.HEARTBEAT:
         return 'ignore', None       # from an unregistered identity: not even an ack
@@ -556,9 +564,9 @@ def fuzz(fuzzer, ops, count, between=lambda: None):
 
 # -- tests --------------------------------------------------------------------------------------
 SERVER_OPS = [P.INIT, P.CHECK, P.PUSH, P.PULL, P.SET_OPTIMIZER, P.GET_STATES, P.SET_STATES,
-              P.ACK, P.DATA, P.ERROR, P.STATES, P.SHUTDOWN, P.FINISH, P.REGISTER]
+              P.RESUME, P.ACK, P.DATA, P.ERROR, P.STATES, P.SHUTDOWN, P.FINISH, P.REGISTER]
 SCHEDULER_OPS = [P.REGISTER, P.BARRIER, P.FINISH, P.HEARTBEAT, P.SHUTDOWN, P.PEER_LOST,
-                 P.WELCOME, P.ACK, P.ERROR, P.PUSH]
+                 P.SERVER_LOST, P.SERVER_BACK, P.WELCOME, P.ACK, P.ERROR, P.PUSH]
 
 
 @pytest.mark.timeout(150)

@@ -95,6 +95,7 @@ def test_spec_with_str_keys_survives_default_msgpack_and_pairs_are_accepted():
 @pytest.mark.parametrize('spec,match', [
     ([1, 2], 'must be a dict'),
     ({'name': 'sgd', 'extra': 1}, 'unknown fields'),
+    ({'name': 'sgd', 7: 1, 'x': 2}, 'unknown fields'),    # mixed key types: no TypeError
     ({'name': 'sgd', 'params': {'lr_scheduler': None}}, 'top level'),
     ({'name': 'sgd', 'params': {1: 2}}, 'str keys'),
     ({'name': 'sgd', 'lr_mult': {1.5: 1.0}}, 'int or str'),
