@@ -92,7 +92,7 @@ VARS = (
     Var('heartbeat_timeout', ('KVPS_HEARTBEAT_TIMEOUT',), _positive_float, 30.0,
         'Seconds of silence after which a node is declared lost (PeerLostError).'),
     Var('server_device', ('KVPS_SERVER_DEVICE',), _device, 'cpu',
-        'Where servers keep shards. Only cpu today: cuda is refused with a clear error.'),
+        'Where servers keep shards: cpu, or cuda (cupy arrays on the GPU; needs cupy).'),
     Var('log_level', ('KVPS_LOG_LEVEL',), _text, 'WARNING',
         'Python logging level of kvps nodes (DEBUG, INFO, WARNING, ...).'),
     Var('port_file', ('KVPS_PORT_FILE',), _text, None,

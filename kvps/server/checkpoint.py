@@ -11,11 +11,9 @@ checkpoints.
 import os
 
 import msgpack
-import numpy as np
 
 from ..atomic import write_atomically
 from ..errors import ConfigError
-from ..protocol import DTYPES
 from .shard import Entry
 
 FORMAT = 'kvps.server_checkpoint/2'   # /2 added each entry's version and push counts
@@ -27,8 +25,9 @@ def path_for(directory, rank, num_servers):
 
 def snapshot(shard):
     """The shard's weights and optimizer state as bytes."""
-    entries = [[e.key, e.part, e.dtype, list(e.shape), e.sync, e.weight.tobytes(), e.version,
-                _applied_pushes(e)] for e in shard.entries.values()]
+    entries = [[e.key, e.part, e.dtype, list(e.shape), e.sync,
+                shard.arrays.to_host(e.weight).tobytes(), e.version, _applied_pushes(e)]
+               for e in shard.entries.values()]
     updater = shard.updater.get_states(dump_optimizer=True) if shard.updater else None
     return msgpack.packb({'format': FORMAT, 'entries': entries, 'updater': updater},
                          use_bin_type=True)
@@ -49,8 +48,8 @@ def restore(shard, blob, rounds=False):
         if state.get('format') != FORMAT:
             raise ValueError(f'format {state.get("format")!r}')
         for key, part, dtype, shape, sync, data, version, pushed in state['entries']:
-            weight = np.frombuffer(data, dtype=DTYPES[dtype]).copy()
-            entry = Entry(key, part, dtype, tuple(shape), sync, weight, restored=True)
+            entry = Entry(key, part, dtype, tuple(shape), sync, shard.arrays.owned(data, dtype),
+                          restored=True)
             if rounds:
                 entry.version, entry.pushed = version, dict(pushed)
             shard.entries[(key, part)] = entry

@@ -12,6 +12,7 @@ from ..link import SchedulerLink, decode_or_log
 from ..transport import Poller, Router, bind_host, guard_from, new_context
 from .batch import Batch
 from .checkpoint import Checkpointer
+from .placement import for_device
 from .shard import Shard
 
 log = logging.getLogger('kvps.server')
@@ -36,10 +37,7 @@ class Server:
 
     def __init__(self, config):
         self.config = config.require_cluster()
-        if config.server_device != 'cpu':
-            raise ConfigError('KVPS_SERVER_DEVICE=cuda is not supported yet: servers keep their '
-                              'shards in host memory (the CUDA update kernels exist, the GPU '
-                              'shard store does not)')
+        arrays = for_device(config.server_device)   # before joining: a bad device fails alone
         self.ctx = new_context()
         self.link = SchedulerLink(self.ctx, config, 'server')
         self.router = Router(self.ctx, guard_from(config))
@@ -47,7 +45,7 @@ class Server:
         welcome = self.link.register(port)
         self.rank = welcome['rank']
         self.name = f'server {self.rank}'
-        self.shard = Shard(welcome['num_workers'])
+        self.shard = Shard(welcome['num_workers'], arrays=arrays)
         # Only the job's workers may talk to a server; anyone else is refused and logged.
         self.workers = {P.worker_identity(r) for r in range(welcome['num_workers'])}
         self._outbox = []            # replies, sent once the checkpoint that covers them is written

@@ -14,11 +14,9 @@ from a worker is answered once the round of that worker's latest push has comple
 
 import dataclasses
 
-import numpy as np
-
 from ..errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInitializedError,
                       KVPSError, ShapeError)
-from ..protocol import DTYPES
+from .placement import HostArrays
 
 
 class Lease:
@@ -47,8 +45,8 @@ class Entry:
     dtype: str
     shape: tuple
     sync: bool
-    weight: np.ndarray
-    merge: np.ndarray = None
+    weight: object                        # an array of the shard's placement (numpy or cupy)
+    merge: object = None
     version: int = 0                      # rounds completed (sync) / pushes applied (async)
     pushed: dict = dataclasses.field(default_factory=dict)   # worker -> pushes received
     merged: set = dataclasses.field(default_factory=set)     # workers in the open round
@@ -82,9 +80,9 @@ class Entry:
         self.weight_leases = []
         return self.weight
 
-    def writable_merge(self):
+    def writable_merge(self, xp):
         if self.merge is None or _in_use(self.merge_leases):
-            self.merge = np.empty_like(self.weight)
+            self.merge = xp.empty_like(self.weight)
         self.merge_leases = []
         return self.merge
 
@@ -92,9 +90,10 @@ class Entry:
 class Shard:
     """The keys one server holds and the rules for changing them."""
 
-    def __init__(self, num_workers, updater=None):
+    def __init__(self, num_workers, updater=None, arrays=None):
         self.num_workers = num_workers
         self.updater = updater
+        self.arrays = arrays or HostArrays()   # where weights live: host or a CUDA device
         self.entries = {}          # (key, part) -> Entry
         self.finished = {}         # worker -> pushes it made per key, frozen at finish
         self.updates = 0           # updates applied over all keys (drives checkpoints)
@@ -106,7 +105,7 @@ class Shard:
             return self._claim_restored(token, existing, dtype, shape, sync, len(data))
         if existing is not None:
             raise DuplicateInitError(f'key {key!r} is already initialized')
-        weight = np.array(np.frombuffer(data, dtype=DTYPES[dtype]), copy=True)
+        weight = self.arrays.owned(data, dtype)
         self.entries[(key, part)] = Entry(key, part, dtype, tuple(shape), sync, weight)
         return [('ack', token, None)]
 
@@ -177,11 +176,11 @@ class Shard:
                                 f' worker {worker} finished after {made} pushes of it')
 
     def _merge(self, entry, worker, data, token):
-        grad = np.frombuffer(data, dtype=entry.weight.dtype)
+        grad, xp = self.arrays.received(data, entry.dtype), self.arrays.xp
         if entry.merged:
-            np.add(entry.merge, grad, out=entry.merge)
+            xp.add(entry.merge, grad, out=entry.merge)
         else:
-            np.copyto(entry.writable_merge(), grad)
+            xp.copyto(entry.writable_merge(xp), grad)
         entry.merged.add(worker)
         entry.held.append(token)
 
@@ -202,15 +201,16 @@ class Shard:
     def _apply(self, entry, data=None):
         """Run the update with one push's ``data`` (async) or, without it, the round's sum in the
         merge buffer (sync); with no optimizer the value is replaced."""
+        xp = self.arrays.xp
         if self.updater is None:
             if data is not None:
-                np.copyto(entry.writable_weight(), np.frombuffer(data, dtype=entry.weight.dtype))
+                xp.copyto(entry.writable_weight(), self.arrays.received(data, entry.dtype))
             else:  # the merge buffer becomes the weight; the old weight is the next scratch
                 entry.weight, entry.merge = entry.merge, entry.weight
                 entry.weight_leases, entry.merge_leases = [], entry.weight_leases
         else:
             if data is not None:
-                np.copyto(entry.writable_merge(), np.frombuffer(data, dtype=entry.weight.dtype))
+                xp.copyto(entry.writable_merge(xp), self.arrays.received(data, entry.dtype))
             self.updater.update(entry.key, entry.writable_weight(), entry.merge, part=entry.part)
         entry.version += 1
         self.updates += 1
@@ -222,12 +222,21 @@ class Shard:
         if needed > entry.version:
             entry.deferred.append((needed, token))
             return []
-        return [('data', token, (entry, *entry.lend()))]
+        return [('data', token, (entry, *self._lend(entry)))]
 
     def _answer_deferred(self, entry):
         ready = [t for need, t in entry.deferred if need <= entry.version]
         entry.deferred = [(need, t) for need, t in entry.deferred if need > entry.version]
-        return [('data', t, (entry, *entry.lend())) for t in ready]
+        return [('data', t, (entry, *self._lend(entry))) for t in ready]
+
+    def _lend(self, entry):
+        """``(host array, lease)`` for a pull reply: the weight itself on the host, a fresh
+        host copy (nothing to lease) from a device."""
+        if self.arrays.lends:
+            return entry.lend()
+        lease = Lease()
+        lease.released = True
+        return self.arrays.to_host(entry.weight), lease
 
     # -- workers leaving ------------------------------------------------------------------
     def worker_finished(self, worker):

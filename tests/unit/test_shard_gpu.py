@@ -1,0 +1,37 @@
+"""GPU shards (KVPS_SERVER_DEVICE=cuda) against host shards: same rounds, same values."""
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+cupy = pytest.importorskip('cupy')
+try:
+    HAS_GPU = cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:  # no driver
+    HAS_GPU = False
+if not HAS_GPU:
+    pytest.skip('no CUDA device', allow_module_level=True)
+
+from kvps.server.placement import CudaArrays, HostArrays  # noqa: E402
+from test_shard_placement import train  # noqa: E402
+
+
+@pytest.mark.parametrize('sync', [True, False])
+@pytest.mark.parametrize('optimizer', [None, 'sgd', 'adam'])
+def test_gpu_shard_matches_the_host_shard(sync, optimizer):
+    host, host_blob = train(HostArrays(), sync, optimizer)
+    gpu, gpu_blob = train(CudaArrays(), sync, optimizer)
+    for want, got in zip(host, gpu):
+        assert isinstance(got, np.ndarray) and got.dtype == want.dtype
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
+                                   rtol=1e-6 if want.dtype != np.float16 else 1e-3)
+    if optimizer is None:
+        assert host_blob == gpu_blob    # sums and copies only: exact
+
+
+def test_gpu_shard_keeps_its_weights_on_the_device():
+    from kvps.server.shard import Shard
+    shard = Shard(1, arrays=CudaArrays())
+    shard.init('i', 'k', 0, 'float32', [3], True,
+               memoryview(np.array([1, 2, 3], np.float32)).cast('B'))
+    assert isinstance(shard.entries[('k', 0)].weight, cupy.ndarray)
