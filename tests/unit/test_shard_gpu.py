@@ -19,7 +19,7 @@ from test_shard_placement import assert_like_host  # noqa: E402
 @pytest.mark.parametrize('sync', [True, False])
 @pytest.mark.parametrize('optimizer', [None, 'sgd', 'adam'])
 def test_gpu_shard_matches_the_host_shard(sync, optimizer):
-    assert_like_host(CudaArrays(), sync, optimizer, rtol=1e-3)   # float16 key: 1e-3
+    assert_like_host(CudaArrays(), sync, optimizer, rtol=1e-6)
 
 
 def test_gpu_shard_keeps_its_weights_on_the_device():
