@@ -405,6 +405,8 @@ def classify(frames, target):
         return 'reject', None
     op = header['op']
     if target == 'server':
+        if op == P.RESUME:
+            return 'ignore', None   # only a restarted server waits for one; it never answers
         if op in (P.PUSH, P.INIT) and any(k in REAL_KEYS for k in _keys_of(header)):
             return 'skip', 'member write to a real key'
         if op == P.INIT and header.get('sync'):
