@@ -9,6 +9,7 @@ offsets, lengths) is checked before use and rejected with ProtocolError.
 """
 
 import collections
+import glob
 import mmap
 import os
 import re
@@ -205,3 +206,14 @@ class Mapping:
             raise ProtocolError(f'shared-memory range {offset!r}+{nbytes!r} is outside the '
                                 f'segment ({self.size} bytes)')
         return self._view[offset:offset + nbytes]
+
+
+def remove_leftovers(pid, directory=SHM_DIR):
+    """Unlink the segments of process ``pid``, which is gone: a worker killed in the moment
+    between creating its segment and its servers mapping it leaves the name behind."""
+    for path in glob.glob(os.path.join(directory, f'kvps-{int(pid)}-*')):
+        if _NAME.fullmatch(os.path.basename(path)):
+            try:
+                os.unlink(path)
+            except OSError:   # gone already, or not ours to remove
+                pass

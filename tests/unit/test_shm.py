@@ -7,8 +7,12 @@ import os
 import numpy as np
 import pytest
 
+from kvps import protocol as P
+from kvps.config import Config
 from kvps.errors import KVPSError, ProtocolError
-from kvps.shm import ALIGN, HEADER_BYTES, Mapping, Ring, Segment
+from kvps.server.regions import Regions
+from kvps.shm import ALIGN, HEADER_BYTES, Mapping, Ring, Segment, remove_leftovers
+from kvps.worker.staging import Staging
 
 KB = 1024
 
@@ -70,6 +74,15 @@ def test_a_block_returns_only_when_every_view_of_it_is_gone(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_the_launcher_removes_what_a_killed_worker_left(tmp_path):
+    mine = Segment.create(1 << 16, directory=tmp_path)
+    (tmp_path / 'kvps-1-0123456789abcdef').write_bytes(b'')
+    (tmp_path / f'kvps-{os.getpid()}-other').write_bytes(b'')     # not a name kvps makes
+    remove_leftovers(os.getpid(), directory=tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ['kvps-1-0123456789abcdef', f'kvps-{os.getpid()}-other']
+    assert not os.path.exists(mine.path)
+
+
 def test_segment_creation_fails_cleanly_without_room(tmp_path):
     with pytest.raises(KVPSError, match='bytes free'):
         Segment.create(1 << 40, directory=tmp_path)
@@ -110,3 +123,48 @@ def test_hostile_offsets_are_refused(tmp_path, offset, nbytes):
         mapping.view(offset, nbytes)
     assert len(mapping.view((1 << 20) - 8, 8)) == 8
     segment.unlink()
+
+
+def test_server_regions_keep_each_worker_to_its_own_segment(tmp_path):
+    segment = Segment.create(1 << 20, directory=tmp_path)
+    regions = Regions(directory=tmp_path)
+    header = {'name': segment.name, 'nonce': segment.nonce, 'size': segment.size}
+    regions.attach(b'worker-0', header)
+    offset, block = segment.take(16)
+    block.view(np.float32)[:] = [1, 2, 3, 4]
+    items = [['k', 0, 'float32', 4, offset, 0], ['s', 0, 'int8', 2, None, 0],
+             ['h', 0, 'float32', 4, 1 << 20, 0]]
+    shm, frame, hostile = regions.payloads(b'worker-0', items, [b'ab'])
+    assert P.as_array(shm, 'float32').tolist() == [1, 2, 3, 4] and frame == b'ab'
+    assert isinstance(hostile, ProtocolError)
+    other = regions.payloads(b'worker-1', items[:1], [])[0]
+    assert isinstance(other, ProtocolError) and 'not attached' in str(other)
+    with pytest.raises(KVPSError, match='KVPS_SHM=0'):
+        Regions(enabled=False).attach(b'worker-0', header)
+    segment.unlink()
+
+
+def test_staging_turns_shared_memory_items_into_frames_for_a_server_without_it(tmp_path):
+    staging = Staging(Segment.create(1 << 22, directory=tmp_path))
+    staging.attach_header('server 0')
+    staging.attach_header('server 1')
+    staging.answered('server 0')
+    assert os.listdir(tmp_path)                        # server 1 has not answered yet
+    staging.answered('server 1', KVPSError('other host'))
+    assert os.listdir(tmp_path) == [] and staging.attached == {'server 0'}
+    flat = staging.stage(1 << 20).view(np.float32)
+    flat[:] = np.arange(flat.size)
+    at = staging.offset_in('server 0', flat[4:8])
+    assert at is not None and staging.offset_in('server 1', flat) is None
+    assert staging.stage(100) is None                 # small payloads use the socket
+    push = {'op': P.PUSH, 'keys': [['k', 0, 'float32', 4, at, 0], ['s', 0, 'int8', 1, None, 0]]}
+    assert staging.readable('server 0', push, [b'x']) == (push, [b'x'])
+    staging.detach('server 0')                        # lost; a replacement has no mapping
+    header, buffers = staging.readable('server 0', push, [b'x'])
+    assert [item[4] for item in header['keys']] == [None, None]
+    assert P.as_array(buffers[0], 'float32').tolist() == [4, 5, 6, 7] and buffers[1] == b'x'
+    assert staging.block_for('server 0', 1 << 20) is None
+
+
+def test_staging_is_off_when_configured_off():
+    assert Staging.create(Config(shm=False)) is None
