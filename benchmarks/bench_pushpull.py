@@ -216,6 +216,7 @@ PROFILE_RULES = (
     ('flat_copy', 'arrays.py', 'copy: push value'), ('view', 'shard.py', 'copy: pull snapshot'),
     ('_merge', 'shard.py', 'copy/add: merge'), ('_apply', 'shard.py', 'copy/add: merge'),
     ('on_data', 'client.py', 'copy: pull into out'),
+    ('_send_data', 'server/loop.py', 'copy: pull into shared memory'),
     ('', 'zmq/', 'zmq calls (send/recv, zero-copy GC)'),
     ('', 'transport.py', 'zmq calls (send/recv, zero-copy GC)'),
     ('', 'protocol.py', 'protocol (msgpack, validation)'),

@@ -13,6 +13,8 @@ import sys
 import threading
 import time
 
+from .shm import remove_leftovers
+
 PR_SET_PDEATHSIG = 1
 TAIL_LINES = 20
 _READ_CHUNK = 1 << 16
@@ -315,6 +317,7 @@ class Supervisor:
         deadline = time.monotonic() + 2.0  # a setsid'd grandchild may hold a pipe open
         for child in self.children:
             child.reader.join(timeout=max(0.0, deadline - time.monotonic()))
+            remove_leftovers(child.pid)   # a worker killed while its segment had a name
         self._report()
         return code
 

@@ -53,14 +53,21 @@ def as_numpy(value):
     raise TypeError(f'expected a numpy array or torch tensor, got {type(value).__name__}')
 
 
-def flat_copy(value):
-    """A fresh contiguous 1-D copy: what push sends, so the caller's array is never touched."""
-    return np.array(as_numpy(value), copy=True, order='C').reshape(-1)
+def flat_copy(value, into=None):
+    """A fresh contiguous 1-D copy: what push sends, so the caller's array is never touched.
+    ``into``: a uint8 array of exactly the value's bytes to copy into (shared memory)."""
+    arr = as_numpy(value)
+    if into is None:
+        return np.array(arr, copy=True, order='C').reshape(-1)
+    flat = into.view(arr.dtype)
+    np.copyto(flat.reshape(arr.shape), arr)
+    return flat
 
 
-def sum_values(values):
-    """Sum a list of same-shaped values (one per device) into a new flat numpy array."""
-    total = flat_copy(values[0])
+def sum_values(values, into=None):
+    """Sum a list of same-shaped values (one per device) into a new flat numpy array (or
+    ``into``, as flat_copy)."""
+    total = flat_copy(values[0], into)
     for other in values[1:]:
         arr = as_numpy(other).reshape(-1)
         if arr.dtype == np.uint16 and dtype_name(values[0]) == 'bfloat16':

@@ -116,6 +116,12 @@ VARS = (
         'Back-pressure: a push waits while this worker has more unacknowledged push bytes.'),
     Var('max_message_bytes', ('KVPS_MAX_MESSAGE_BYTES',), _positive_int, 1 << 31,
         'Largest message a node accepts; larger ones are rejected and logged.'),
+    Var('shm', ('KVPS_SHM',), _flag, True,
+        'Move array payloads of 256 KiB and more between a worker and the servers on its host '
+        'through shared memory (/dev/shm) instead of the socket (0: always the socket).'),
+    Var('shm_bytes', ('KVPS_SHM_BYTES',), _positive_int, 1 << 28,
+        'Size of each worker\'s shared-memory segment (reserved at start); a payload that '
+        'finds no room in it goes through the socket.'),
 )
 
 _BY_FIELD = {v.field: v for v in VARS}
@@ -150,6 +156,8 @@ class Config:
     auth_payload: bool = False
     max_inflight_bytes: int = 1 << 29
     max_message_bytes: int = 1 << 31
+    shm: bool = True
+    shm_bytes: int = 1 << 28
 
     def __repr__(self):  # never print the secret in logs or tracebacks
         fields = ', '.join(f'{f.name}={"***" if f.name == "secret" and self.secret else getattr(self, f.name)!r}'

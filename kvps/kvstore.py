@@ -115,7 +115,7 @@ class KVStore:
             shape, dtype = self._known(k)
             for v in values:
                 arrays.check_like(v, shape, dtype, k, 'pushed value')
-        self._backend.push([(k, self._host_copy(k, values), self._meta[k][1])
+        self._backend.push([(k, self._host_copy(k, values, stage=True), self._meta[k][1])
                             for k, values in pairs])
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
@@ -207,13 +207,18 @@ class KVStore:
     def _on_gpu(self, key, values):
         return devices.takes_device_path(values, self._device, self._type, key)
 
-    def _host_copy(self, key, values):
+    def _host_copy(self, key, values, stage=False):
         """What the backend is given for one key: a kvps-owned flat host copy of the values'
         sum (the caller's memory is never handed over). GPU values are summed on their device
-        and staged through pinned memory; host values are summed by numpy."""
+        and staged through pinned memory; host values are summed by numpy, with ``stage``
+        straight into the memory the backend sends from (a worker's shared memory: the one
+        copy a push makes)."""
         if self._on_gpu(key, values):
             return devices.host_sum(values)
-        return arrays.sum_values(values) if len(values) > 1 else arrays.flat_copy(values[0])
+        into = self._backend.stage(arrays.as_numpy(values[0]).nbytes) if stage else None
+        if len(values) > 1:
+            return arrays.sum_values(values, into)
+        return arrays.flat_copy(values[0], into)
 
     # -- keys -----------------------------------------------------------------------------
     def _pairs(self, key, value):

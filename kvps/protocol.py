@@ -13,7 +13,7 @@ import numpy as np
 from .errors import ProtocolError
 
 # Node <-> scheduler.
-VERSION = 2                  # bumped on any change of the wire format; checked at REGISTER
+VERSION = 3                  # bumped on any change of the wire format; checked at REGISTER
 REGISTER = 'register'        # node -> scheduler: {role, host, port, rank, pid, version}
 # scheduler -> node: {rank, num_workers, num_servers, servers, nodes, recovery_timeout}; to a
 # server that replaces a lost one also {restarted: True, finished: [worker ranks]}
@@ -34,30 +34,38 @@ SERVER_BACK = 'server_back'  # scheduler -> worker: {rank, host, port} of the re
 # Worker <-> server.
 INIT = 'init'                # {key, part, dtype, n, shape, sync} + 1 buffer
 CHECK = 'check'              # {key, dtype, shape}: verify a non-root worker's view of a key
-# {sync, keys: [[key, part, dtype, n, seq], ...]} + 1 buffer per key; seq counts this worker's
-# pushes of the key from 0, so a push resent to a restarted server is applied only once
+# {sync, keys: [[key, part, dtype, n, at, seq], ...]} + 1 buffer per key whose `at` is None;
+# `at` (an int) says the payload lies in the worker's shared-memory segment at that offset
+# (see ATTACH). seq counts this worker's pushes of the key from 0, so a push resent to a
+# restarted server is applied only once
 PUSH = 'push'
-PULL = 'pull'                # {keys: [[key, part], ...]}
+# {keys: [[key, part, at], ...]}: `at` (an int, or None for a data frame) asks for the value to
+# be written into the worker's segment at that offset
+PULL = 'pull'
 SET_OPTIMIZER = 'set_optimizer'  # {spec}
 GET_STATES = 'get_states'    # {dump}: answered by STATES
 SET_STATES = 'set_states'    # + 1 buffer: the updater state dict, msgpack
 # First message to a restarted server, unanswered: {keys: [[key, part, acked], ...]}, how many
 # of its pushes of each key part this worker has seen acknowledged
 RESUME = 'resume'
+# {name, nonce, size}: map this worker's shared-memory segment (kvps.shm); ACK or ERROR
+ATTACH = 'attach'
 
 # Replies.
 ACK = 'ack'
-DATA = 'data'                # {keys: [[key, part, dtype, n], ...]} + 1 buffer per key
+DATA = 'data'                # {keys: [[key, part, dtype, n, at], ...]} + 1 buffer per key
+                             # whose `at` is None (else the value is in the segment at `at`)
 ERROR = 'error'              # {type, message, traceback, node}
 STATES = 'states'            # + 1 buffer: the server's updater state dict, msgpack
 
 # How many raw buffers follow the header for each op; ops not listed carry none, and
-# multi-key ops (PUSH, DATA) carry one per key.
+# multi-key ops (PUSH, DATA) carry one per key that is not in shared memory.
 _BUFFERS = {INIT: 1, SET_STATES: 1, STATES: 1}
-_MULTI = {PUSH: 5, PULL: 2, DATA: 4, RESUME: 3}   # op -> length of each 'keys' item
+_MULTI = {PUSH: 6, PULL: 3, DATA: 5, RESUME: 3}   # op -> length of each 'keys' item
 _SIZED = (PUSH, DATA)        # their items start [key, part, dtype, n]: one buffer each
-_COUNTS = {PUSH: ('part', None, 'n', 'seq'), PULL: ('part',), DATA: ('part', None, 'n'),
-           RESUME: ('part', 'acked')}   # the int fields after the key (None: the dtype)
+_COUNTS = {PUSH: ('part', None, 'n', 'at', 'seq'), PULL: ('part', 'at'),
+           DATA: ('part', None, 'n', 'at'), RESUME: ('part', 'acked')}   # fields after the key
+AT = {PUSH: 4, PULL: 2, DATA: 4}   # index of `at` in an item: shared-memory offset or None
 MAX_KEYS_PER_MESSAGE = 1 << 16
 # Header fields each op must carry (beyond op and id), with their accepted types.
 _KEY = (int, str)
@@ -76,10 +84,12 @@ _FIELDS = {
     SERVER_LOST: {'rank': int, 'reason': str},
     SERVER_BACK: {'rank': int, 'host': str, 'port': int},
     RESUME: {'keys': list},
+    ATTACH: {'name': str, 'nonce': bytes, 'size': int},
 }
 OPS = frozenset([REGISTER, WELCOME, HEARTBEAT, HEARTBEAT_ACK, BARRIER, BARRIER_DONE, FINISH,
                  SHUTDOWN, PEER_LOST, SERVER_LOST, SERVER_BACK, INIT, CHECK, PUSH, PULL,
-                 SET_OPTIMIZER, GET_STATES, SET_STATES, RESUME, ACK, DATA, ERROR, STATES])
+                 SET_OPTIMIZER, GET_STATES, SET_STATES, RESUME, ATTACH, ACK, DATA, ERROR,
+                 STATES])
 
 # dtype names on the wire -> numpy storage dtype. bfloat16 travels as its raw 16-bit pattern.
 DTYPES = {
@@ -146,7 +156,7 @@ def validate_header(header):
         check_key(header['key'])
     if 'dtype' in header:
         _check_dtype(op, header['dtype'])
-    for name in ('n', 'part', 'rank', 'port'):
+    for name in ('n', 'part', 'rank', 'port', 'size'):
         value = header.get(name)
         if name in header and not _natural(value) and not (name == 'rank' and value is None):
             raise ProtocolError(f'{op}: {name} must be an int >= 0')
@@ -167,8 +177,9 @@ def _check_dtype(op, dtype):
 
 
 def _check_items(op, items):
-    """Each item of a multi-key message: [key, part], [key, part, count],
-    [key, part, dtype, n] or [key, part, dtype, n, seq]; counts are ints >= 0."""
+    """Each item of a multi-key message: [key, part, at], [key, part, count],
+    [key, part, dtype, n, at] or [key, part, dtype, n, at, seq]; counts are ints >= 0, and so
+    is `at` unless it is None."""
     width = _MULTI[op]
     least = 0 if op == RESUME else 1   # a worker may hold no key of a restarted server
     if not least <= len(items) <= MAX_KEYS_PER_MESSAGE:
@@ -180,7 +191,7 @@ def _check_items(op, items):
         if op in _SIZED:
             _check_dtype(op, item[2])
         for name, value in zip(_COUNTS[op], item[1:]):
-            if name and not _natural(value):
+            if name and not _natural(value) and not (name == 'at' and value is None):
                 raise ProtocolError(f'{op}: {name} must be an int >= 0')
 
 
@@ -194,7 +205,8 @@ def check_key(key):
 
 def _check_buffers(header, buffers, max_message_bytes):
     op = header['op']
-    sized = [item[:4] for item in header['keys']] if op in _SIZED else []
+    sized = [] if op not in _SIZED else [
+        item[:4] for item in header['keys'] if item[AT[op]] is None]   # the rest: in shm
     if 'dtype' in header and op in _BUFFERS:
         sized = [[header.get('key'), 0, header['dtype'], header['n']]]
     want = len(sized) if sized else _BUFFERS.get(op, 0)
@@ -204,10 +216,15 @@ def _check_buffers(header, buffers, max_message_bytes):
     if max_message_bytes is not None and total > max_message_bytes:
         raise ProtocolError(f'{op}: {total} bytes exceeds the limit of {max_message_bytes}')
     for (key, _, dtype, n), buffer in zip(sized, buffers):
-        expected = n * np.dtype(DTYPES[dtype]).itemsize
+        expected = nbytes(dtype, n)
         if buffer.nbytes != expected:
             raise ProtocolError(f'{op}: data frame of key {key!r} has {buffer.nbytes} bytes, '
                                 f'but {n} {dtype} elements need {expected}')
+
+
+def nbytes(dtype_name, n):
+    """Bytes of ``n`` elements of a wire dtype."""
+    return n * np.dtype(DTYPES[dtype_name]).itemsize
 
 
 def as_array(buffer, dtype_name):

@@ -7,13 +7,14 @@ class Batch:
     """Keys of one PUSH or PULL message settle one by one (a sync round may finish later for
     some keys than for others); the worker gets one answer once every key has settled."""
 
-    __slots__ = ('identity', 'req_id', 'op', 'results', 'remaining', 'error')
+    __slots__ = ('identity', 'req_id', 'op', 'results', 'remaining', 'error', 'places')
 
     def __init__(self, identity, req_id, op, size):
         self.identity, self.req_id, self.op = identity, req_id, op
         self.results = [None] * size
         self.remaining = size
         self.error = None
+        self.places = [None] * size   # PULL: (offset, view) where the worker's shm takes a key
 
     def settle(self, index, kind, payload):
         """Record key ``index``'s answer; return True when the whole batch is settled."""
@@ -27,9 +28,11 @@ class Batch:
 
     def outcome(self):
         """``(kind, payload)`` of the one reply for a settled batch: its first error, else an
-        ack (PUSH) or every key's ``(entry, array, lease)`` in the order asked (PULL)."""
+        ack (PUSH) or every key's ``(entry, array, lease, place)`` in the order asked
+        (PULL; place: None, or where in the worker's shared memory to write it)."""
         if self.error is not None:
             return 'error', self.error
         if self.op == PUSH:
             return 'ack', None
-        return 'data', [payload for _, payload in self.results]
+        return 'data', [(*payload, place) for (_, payload), place in zip(self.results,
+                                                                         self.places)]

@@ -5,6 +5,7 @@ import time
 import traceback
 
 import msgpack
+import numpy as np
 
 from .. import protocol as P
 from ..errors import ConfigError, KVPSError, PeerLostError, ProtocolError
@@ -13,6 +14,7 @@ from ..transport import Poller, Router, bind_host, guard_from, new_context
 from .batch import Batch
 from .checkpoint import Checkpointer
 from .placement import for_device
+from .regions import Regions
 from .shard import Shard
 
 log = logging.getLogger('kvps.server')
@@ -48,6 +50,7 @@ class Server:
         self.shard = Shard(welcome['num_workers'], arrays=arrays)
         # Only the job's workers may talk to a server; anyone else is refused and logged.
         self.workers = {P.worker_identity(r) for r in range(welcome['num_workers'])}
+        self.regions = Regions(config.shm)
         self._outbox = []            # replies, sent once the checkpoint that covers them is written
         self._unsaved = False        # an init or optimizer change that no checkpoint holds yet
         self.checkpointer = self._resume_from_checkpoint(welcome)
@@ -177,6 +180,8 @@ class Server:
         header, buffers = decoded
         if header['op'] == P.RESUME:
             self._on_resume(identity, header)
+        elif header['op'] == P.ATTACH:    # no counts involved: served even while recovering
+            self._handle(identity, header, buffers)
         elif self.recovery is not None:   # counts are not settled until every worker resumed
             self.recovery.parked.append((identity, header, buffers))
         else:
@@ -231,14 +236,22 @@ class Server:
 
     def _push(self, token, h, buffers):
         def push_one(item_token, item, buffer):
-            key, part, dtype, _, seq = item
+            key, part, dtype, _, _, seq = item
+            if isinstance(buffer, ProtocolError):   # its shared-memory range is bad
+                raise buffer
             return self.shard.push(item_token, token[0], key, part, dtype, h['sync'], buffer,
                                    seq)
-        return self._each_key(token, P.PUSH, h['keys'], buffers, push_one)
+        payloads = self.regions.payloads(token[0], h['keys'], buffers)
+        return self._each_key(token, P.PUSH, h['keys'], payloads, push_one)
 
     def _pull(self, token, h, buffers):
         def pull_one(item_token, item, _):
-            return self.shard.pull(item_token, token[0], item[0], item[1])
+            key, part, at = item
+            entry = self.shard.entries.get((key, part))
+            if at is not None and entry is not None:   # (no entry: shard.pull says so)
+                batch, index = item_token
+                batch.places[index] = at, self.regions.view(token[0], at, entry.weight.nbytes)
+            return self.shard.pull(item_token, token[0], key, part)
         return self._each_key(token, P.PULL, h['keys'], [None] * len(h['keys']), pull_one)
 
     def _each_key(self, token, op, items, buffers, handle):
@@ -252,6 +265,10 @@ class Server:
             except KVPSError as exc:
                 replies.append(('error', (batch, index), exc))
         return replies
+
+    def _attach(self, token, h, buffers):
+        self.regions.attach(token[0], h)
+        return [('ack', token, None)]
 
     def _set_optimizer(self, token, h, buffers):
         self.shard.set_optimizer(h['spec'])
@@ -273,7 +290,7 @@ class Server:
 
     _HANDLERS = {P.INIT: _init, P.CHECK: _check, P.PUSH: _push, P.PULL: _pull,
                  P.SET_OPTIMIZER: _set_optimizer, P.GET_STATES: _get_states,
-                 P.SET_STATES: _set_states}
+                 P.SET_STATES: _set_states, P.ATTACH: _attach}
 
     def _reply_all(self, replies):
         self._outbox += replies
@@ -295,11 +312,22 @@ class Server:
         self._send(identity, frames)
 
     def _send_data(self, identity, req_id, parts):
-        """Send weights without copying them; the leases tell the shard when zmq is done."""
-        header = {'op': P.DATA, 'id': req_id,
-                  'keys': [[e.key, e.part, e.dtype, e.n] for e, _, _ in parts]}
-        tracker = self._send(identity, P.encode(header, [a for _, a, _ in parts]), track=True)
-        for _, _, lease in parts:
+        """Write weights into the worker's shared memory where it asked, and send the rest
+        without copying them; the leases tell the shard when zmq is done."""
+        header = {'op': P.DATA, 'id': req_id, 'keys': []}
+        frames, lent = [], []
+        for entry, array, lease, place in parts:
+            at = None
+            if place is None:
+                frames.append(array)
+                lent.append(lease)
+            else:
+                at, view = place
+                np.copyto(np.frombuffer(view, dtype=array.dtype), array)
+                lease.released = True
+            header['keys'].append([entry.key, entry.part, entry.dtype, entry.n, at])
+        tracker = self._send(identity, P.encode(header, frames), track=bool(frames))
+        for lease in lent:
             lease.tracker = tracker
             lease.released = tracker is None
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from .. import protocol as P
 from ..arrays import writable_flat
+from ..errors import ProtocolError
 from .loop import SCHEDULER, WorkerIO, server_name
 from .pending import Operation, Request
 from .sharding import Placement
@@ -93,21 +94,32 @@ class DistClient:
         return [(p.server, p.part, p.start, p.stop) for p in self.placement.parts(key)]
 
     # -- data -----------------------------------------------------------------------------
+    def stage(self, nbytes):
+        """Where a push's copy of a value of ``nbytes`` should be made: a block of this
+        worker's shared memory (servers read it in place), or None (make it anywhere)."""
+        staging = self.io.staging
+        return None if staging is None else staging.stage(nbytes)
+
     def push(self, items):
-        """Send each ``(key, flat, dtype)`` (``flat``: a kvps-owned contiguous copy) to the key's
-        servers, small parts fused into one message per server; do not wait."""
+        """Send each ``(key, flat, dtype)`` (``flat``: a kvps-owned contiguous copy, maybe in a
+        block from ``stage``) to the key's servers, small parts fused into one message per
+        server; do not wait."""
         self._raise_pending_errors()
         nbytes = sum(flat.nbytes for _, flat, _ in items)
         self._make_room(nbytes)
         batches = fuse(self._parts_of(items))
         op = Operation(_describe('push', items), len(batches), on_error=self._errors.append)
+        staging = self.io.staging
         for server, batch in batches:
-            header = {'op': P.PUSH, 'sync': self.sync,
-                      'keys': [[key, part.part, dtype, part.stop - part.start]
-                               for key, part, _, dtype in batch]}
-            self._submit(server, header, [flat[part.start:part.stop]
-                                          for _, part, flat, _ in batch],
-                         Request(op, server_name(server)))
+            node = server_name(server)
+            keys, frames, keep = [], [], []
+            for key, part, flat, dtype in batch:
+                data = flat[part.start:part.stop]
+                at = None if staging is None else staging.offset_in(node, data)
+                keys.append([key, part.part, dtype, part.stop - part.start, at])
+                (frames if at is None else keep).append(data)
+            self._submit(server, {'op': P.PUSH, 'sync': self.sync, 'keys': keys}, frames,
+                         Request(op, node, keep=keep))
         with self._lock:
             self._inflight.append((op, nbytes))
             self._inflight_bytes += nbytes
@@ -141,10 +153,17 @@ class DistClient:
                 finish.append((out, target))
         batches = fuse(self._parts_of(targets))
         op = Operation(_describe('pull', items), len(batches))
+        staging = self.io.staging
         for server, batch in batches:
-            header = {'op': P.PULL, 'keys': [[key, part.part] for key, part, _, _ in batch]}
+            node = server_name(server)
+            blocks = [None if staging is None else staging.block_for(
+                node, (part.stop - part.start) * target.itemsize)
+                for _, part, target, _ in batch]
+            header = {'op': P.PULL, 'keys': [
+                [key, part.part, None if block is None else block[0]]
+                for (key, part, _, _), block in zip(batch, blocks)]}
             self._submit(server, header, (),
-                         Request(op, server_name(server), _copier(batch)))
+                         Request(op, node, _copier(batch, blocks), keep=blocks))
         op.wait(self.config.timeout)
         for out, target in finish:
             np.copyto(out, target.reshape(out.shape))
@@ -250,11 +269,21 @@ def fuse(parts):
     return batches
 
 
-def _copier(batch):
-    """The reply handler that writes every pulled part into the caller's arrays."""
+def _copier(batch, blocks):
+    """The reply handler that writes every pulled part into the caller's arrays, from its data
+    frame or from the shared-memory block (offset, array) the server wrote it into."""
     def on_data(header, buffers):
-        for (_, part, target, dtype), buffer in zip(batch, buffers):
-            np.copyto(target[part.start:part.stop], P.as_array(buffer, dtype))
+        frames = iter(buffers)
+        for (_, part, target, dtype), block, item in zip(batch, blocks, header['keys']):
+            at = item[P.AT[P.DATA]]
+            if at is None:
+                source = next(frames)
+            elif block is not None and at == block[0]:
+                source = block[1]
+            else:
+                raise ProtocolError(f'a pull answered at shared-memory offset {at}, which this '
+                                    'worker did not give')
+            np.copyto(target[part.start:part.stop], P.as_array(source, dtype))
     return on_data
 
 

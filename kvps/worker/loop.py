@@ -15,7 +15,8 @@ from .. import protocol as P
 from ..errors import KVPSError, PeerLostError
 from ..link import SchedulerLink, decode_or_log
 from ..transport import Dealer, Poller, Waker, guard_from, new_context
-from .pending import PendingTable
+from .pending import Operation, PendingTable, Request
+from .staging import Staging
 
 log = logging.getLogger('kvps.worker')
 
@@ -48,6 +49,7 @@ class WorkerIO(threading.Thread):
         self._lost = set()          # servers the job waits for: requests to them are held
         self._pushed = {}           # node name -> {(key, part): pushes sent}
         self._poller = Poller()
+        self.staging = None         # this worker's shared-memory segment, if it has one
 
     # -- API side (any thread) --------------------------------------------------------------
     def submit(self, node, header, buffers, request):
@@ -71,6 +73,10 @@ class WorkerIO(threading.Thread):
             self._link = SchedulerLink(self.ctx, self.config, 'worker')
             self.welcome = self._link.register()
             self._connect_servers(self.welcome)
+            self.staging = Staging.create(self.config)
+            for node in self._servers if self.staging else ():
+                self._queue.append((node, self.staging.attach_header(node), (),
+                                    Request(_Attaching(self.staging, node), node)))
         except Exception as exc:  # reported to the API thread waiting on `ready`
             self.fatal = exc
             self.ready.set()
@@ -134,9 +140,15 @@ class WorkerIO(threading.Thread):
             header['id'] = self._pending.add(request)
             if header['op'] == P.PUSH:
                 self._number_pushes(node, header['keys'])
-            request.message = (header, buffers)
+            request.message = self._readable(node, header, buffers)
             if node not in self._lost:
-                self._servers[node].send(P.encode(header, buffers))
+                self._servers[node].send(P.encode(*request.message))
+
+    def _readable(self, node, header, buffers):
+        """The message with its shared-memory items made frames if ``node`` lost the segment."""
+        if self.staging is None:
+            return header, buffers
+        return self.staging.readable(node, header, buffers)
 
     def _number_pushes(self, node, items):
         """Append each key part's push count, by which a restarted server tells a resent
@@ -171,6 +183,8 @@ class WorkerIO(threading.Thread):
         elif op == P.SERVER_LOST:
             log.warning('%s; its requests wait for it to rejoin', header['reason'])
             self._lost.add(server_name(header['rank']))
+            if self.staging is not None:
+                self.staging.detach(server_name(header['rank']))
         elif op == P.SERVER_BACK:
             self._rejoin(header['rank'], header['host'], header['port'])
         elif op in (P.PEER_LOST, P.SHUTDOWN, P.ERROR):
@@ -193,15 +207,18 @@ class WorkerIO(threading.Thread):
         old.close(linger_s=0)
         self._connect(rank, host, port)
         self._lost.discard(name)
+        if self.staging is not None:   # the new process has not mapped our segment
+            self.staging.detach(name)
         waiting = self._pending.of_node(name)
         acked = dict(self._pushed.get(name, {}))
         for request in waiting:
             header = request.message[0]
             for item in header['keys'] if header['op'] == P.PUSH else ():
-                acked[(item[0], item[1])] = min(acked[(item[0], item[1])], item[4])
+                acked[(item[0], item[1])] = min(acked[(item[0], item[1])], item[5])
         self._servers[name].send(P.encode({'op': P.RESUME, 'id': 0, 'keys': [
             [key, part, count] for (key, part), count in acked.items()]}))
         for request in waiting:
+            request.message = self._readable(name, *request.message)
             self._servers[name].send(P.encode(*request.message))
         log.warning('%s is back at %s:%d; sent %d unanswered requests again', name, host, port,
                     len(waiting))
@@ -217,9 +234,27 @@ class WorkerIO(threading.Thread):
         self._scheduler_requests.clear()
 
     def _close(self):
+        if self.staging is not None:
+            self.staging.segment.unlink()
         for dealer in self._servers.values():
             dealer.close(linger_s=0.5)
         if getattr(self, '_link', None) is not None:
             self._link.close()
         self.waker.close()
         self.ctx.term()
+
+
+class _Attaching(Operation):
+    """The answer to an ATTACH: tells the staging whether the server mapped the segment."""
+
+    def __init__(self, staging, node):
+        super().__init__(f'attach to {node}', 1)
+        self._staging, self._node = staging, node
+
+    def part_done(self):
+        super().part_done()
+        self._staging.answered(self._node)
+
+    def fail(self, exc):
+        super().fail(exc)
+        self._staging.answered(self._node, exc)

@@ -44,12 +44,14 @@ class Operation:
 class Request:
     """One message to one node, belonging to an Operation; ``on_data`` consumes a DATA reply.
     ``message`` (header, buffers) is kept until answered, to be sent again to a server that
-    rejoins the job after it was lost."""
+    rejoins the job after it was lost. ``keep``: the shared-memory blocks its header points
+    into; they return to the segment when the request is answered and dropped (or lost), so
+    never while a server may still read or write them."""
 
-    __slots__ = ('op', 'node', 'on_data', 'message')
+    __slots__ = ('op', 'node', 'on_data', 'message', 'keep')
 
-    def __init__(self, op, node, on_data=None):
-        self.op, self.node, self.on_data = op, node, on_data
+    def __init__(self, op, node, on_data=None, keep=()):
+        self.op, self.node, self.on_data, self.keep = op, node, on_data, keep
         self.message = None
 
 

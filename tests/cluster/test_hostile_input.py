@@ -240,16 +240,25 @@ _keys = st.one_of(_fuzz_keys, st.sampled_from(sorted(REAL_KEYS)))
 _dtypes = st.one_of(st.sampled_from(sorted(P.DTYPES)), st.sampled_from(
     ['float128', 'complex64', 'object', 'bool', '', 'FLOAT32', 'float32 ', '<f4']),
     st.text(max_size=8))
+# Shared-memory offsets: mostly none (a data frame), else anywhere, in range or not; this
+# test's members never attached a segment, so every offset must be refused per key.
+_AT = st.one_of(st.none(), st.none(), st.integers(-1, 1 << 33), ANY)
 _item = st.tuples(st.one_of(_keys, ANY), st.one_of(st.integers(-1, 2), ANY),
-                  st.one_of(_dtypes, ANY), st.one_of(st.integers(-1, 300), ANY),
+                  st.one_of(_dtypes, ANY), st.one_of(st.integers(-1, 300), ANY), _AT,
                   st.one_of(st.integers(-1, 5), ANY)).map(list)
 _GOOD = {
-    # multi-key ops ('keys': [[key, part], [key, part, acked], [key, part, dtype, n] or
-    # [key, part, dtype, n, seq], ...]); items maybe broken
-    'keys': st.one_of(st.lists(_item.map(lambda i: i[:2]), max_size=3),
-                      st.lists(_item.map(lambda i: i[:3]), max_size=3),
-                      st.lists(_item.map(lambda i: i[:4]), max_size=3),
-                      st.lists(_item, max_size=3), st.lists(ANY, max_size=3)),
+    # multi-key ops ('keys': [[key, part, at], [key, part, dtype, n, at(, seq)], ...]); items
+    # maybe broken
+    'keys': st.one_of(st.lists(_item.map(lambda i: i[:2] + i[4:5]), max_size=3),
+                      st.lists(_item.map(lambda i: i[:3]), max_size=3),   # RESUME-shaped
+                      st.lists(_item, max_size=3), st.lists(_item.map(lambda i: i[:5]),
+                                                            max_size=3),
+                      st.lists(ANY, max_size=3)),
+    # ATTACH: names that are not kvps segments, or are but do not exist; any nonce and size
+    'name': st.one_of(st.sampled_from(['kvps-1-0123456789abcdef', '../../etc/passwd',
+                                       'kvps-..', '', 'kvps-1-0123456789abcdef/x']),
+                      st.text(max_size=24)),
+    'nonce': st.binary(max_size=20), 'size': st.integers(-1, 1 << 41),
     'digest': st.one_of(st.binary(max_size=80), ANY),
     'key': _keys, 'part': st.integers(-3, 3), 'n': st.integers(-3, 300), 'dtype': _dtypes,
     'shape': st.lists(st.one_of(st.integers(-2, 300), ANY), max_size=4),
@@ -331,6 +340,7 @@ _ANY_POOL_KEYS = st.one_of(_POOL_KEYS, st.sampled_from(sorted(REAL_KEYS)))
 _WF_OPS = st.sampled_from([P.INIT, P.PUSH, P.PULL, P.INIT, P.PUSH, P.CHECK, P.GET_STATES])
 _WF_DTYPES = st.sampled_from(sorted(P.DTYPES))
 _WF_N = st.integers(0, 64)
+_WF_AT = st.one_of(st.none(), st.none(), st.none(), st.integers(0, 1 << 30))
 
 
 @st.composite
@@ -341,13 +351,14 @@ def well_formed(draw):
     key, part = draw(_POOL_KEYS if writes else _ANY_POOL_KEYS), draw(_SMALL) % 2
     header = {'op': op, 'id': draw(_IDS), 'key': key, 'part': part, 'dtype': dtype, 'n': n,
               'shape': [n], 'sync': op == P.PUSH and draw(_COIN), 'dump': draw(_COIN)}
-    width = getattr(P, '_MULTI', {}).get(op)   # the multi-key wire format, where there is one
-    if width:
+    at = draw(_WF_AT)
+    if op in (P.PUSH, P.PULL):                 # the multi-key wire format
         for name in ('key', 'part', 'dtype', 'n'):
             del header[name]
-        header['keys'] = [[key, part, dtype, n, draw(_SMALL)][:width]]
+        header['keys'] = [[key, part, dtype, n, at, draw(_SMALL)] if op == P.PUSH
+                          else [key, part, at]]
     buffers = [draw(_FILL)[:1].ljust(n * np.dtype(P.DTYPES[dtype]).itemsize, b'\x02')] \
-        if writes else []
+        if writes and not (op == P.PUSH and at is not None) else []
     return [msgpack.packb(header, use_bin_type=True), *buffers]
 
 
@@ -411,6 +422,8 @@ def classify(frames, target):
         return 'reject', None
     op = header['op']
     if target == 'server':
+        if op == P.RESUME:
+            return 'ignore', None   # only a restarted server waits for one; it never answers
         if op in (P.PUSH, P.INIT) and any(k in REAL_KEYS for k in _keys_of(header)):
             return 'skip', 'member write to a real key'
         if op == P.INIT and header.get('sync'):
@@ -564,7 +577,8 @@ def fuzz(fuzzer, ops, count, between=lambda: None):
 
 # -- tests --------------------------------------------------------------------------------------
 SERVER_OPS = [P.INIT, P.CHECK, P.PUSH, P.PULL, P.SET_OPTIMIZER, P.GET_STATES, P.SET_STATES,
-              P.RESUME, P.ACK, P.DATA, P.ERROR, P.STATES, P.SHUTDOWN, P.FINISH, P.REGISTER]
+              P.RESUME, P.ACK, P.DATA, P.ERROR, P.STATES, P.SHUTDOWN, P.FINISH, P.REGISTER,
+              P.ATTACH]
 SCHEDULER_OPS = [P.REGISTER, P.BARRIER, P.FINISH, P.HEARTBEAT, P.SHUTDOWN, P.PEER_LOST,
                  P.SERVER_LOST, P.SERVER_BACK, P.WELCOME, P.ACK, P.ERROR, P.PUSH]
 
@@ -648,15 +662,20 @@ def answers(signed, proc, probe, timeout=10.0):
     return False
 
 
+def lone_server(by_hand, ctx):
+    """A job of one server (INFO log) whose worker 0 is the test: (server, fake, signed)."""
+    sched, env = by_hand.scheduler(1, 1, extra=CLUSTER_ENV)
+    server = Output(by_hand('server', {**env, 'KVPS_LOG_LEVEL': 'INFO'}, rank=0))
+    fake = FakeWorker(ctx, f'tcp://127.0.0.1:{env["DMLC_PS_ROOT_PORT"]}', SECRET, rank=0)
+    host, port = server.wait_for(r'serving on (\S+):(\d+)', 60, fake.tick).groups()
+    return server, fake, Signed(ctx, f'tcp://{host}:{port}', b'worker-0', SECRET)
+
+
 @pytest.mark.timeout(60)
 def test_type_confused_headers_do_not_kill_the_server(by_hand):
     ctx = zmq.Context()
     try:
-        sched, env = by_hand.scheduler(1, 1, extra=CLUSTER_ENV)
-        server = Output(by_hand('server', {**env, 'KVPS_LOG_LEVEL': 'INFO'}, rank=0))
-        fake = FakeWorker(ctx, f'tcp://127.0.0.1:{env["DMLC_PS_ROOT_PORT"]}', SECRET, rank=0)
-        host, port = server.wait_for(r'serving on (\S+):(\d+)', 60, fake.tick).groups()
-        signed = Signed(ctx, f'tcp://{host}:{port}', b'worker-0', SECRET)
+        server, fake, signed = lone_server(by_hand, ctx)
         for i, header in enumerate(CRASHERS):
             signed.send(P.encode(header))
             fake.tick()
@@ -682,4 +701,57 @@ def test_type_confused_headers_do_not_kill_the_scheduler(by_hand):
             probe = {'op': P.BARRIER, 'id': 1000 + i, 'seq': 1}   # refused: not a worker
             assert answers(signed, sched, probe), f'{header} killed it:\n{sched_out.text}'
     finally:
+        ctx.destroy(linger=0)
+
+
+def _reply(signed, header, timeout=10.0):
+    """Send ``header`` and return the server's answer to its id."""
+    signed.send(P.encode(header))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if signed.sock.poll(100):
+            answer = signed.recv()
+            if answer.get('id') == header['id']:
+                return answer
+    raise AssertionError(f'no answer to {header}')
+
+
+@pytest.mark.timeout(60)
+def test_hostile_shared_memory_requests_are_refused_per_key(by_hand, tmp_path):
+    """A member naming segments that are not there or not theirs, or offsets outside its own
+    segment, gets an error for that key; the server serves on."""
+    from kvps.shm import Segment
+    ctx = zmq.Context()
+    segment = Segment.create(1 << 20)
+    try:
+        server, fake, signed = lone_server(by_hand, ctx)
+        real = {'name': segment.name, 'nonce': segment.nonce, 'size': segment.size}
+        init = {'op': P.INIT, 'id': 1, 'key': 'k', 'part': 0, 'dtype': 'float32', 'n': 4,
+                'shape': [4], 'sync': False}
+        signed.send(P.encode(init, [np.ones(4, np.float32)]))
+        push = {'op': P.PUSH, 'id': 2, 'sync': False, 'keys': [['k', 0, 'float32', 4, 8192, 0]]}
+        assert 'not attached' in _reply(signed, push)['message']
+        for i, bad in enumerate([{'name': 'kvps-1-0123456789abcdef'},
+                                 {'name': '../../etc/passwd'},
+                                 {'nonce': b'\0' * 16},
+                                 {'size': segment.size + 4096}]):
+            answer = _reply(signed, {'op': P.ATTACH, 'id': 10 + i, **real, **bad})
+            assert answer['op'] == P.ERROR and answer['type'] == 'ProtocolError', answer
+        assert _reply(signed, {'op': P.ATTACH, 'id': 20, **real})['op'] == P.ACK
+        for i, at in enumerate([0, 100, segment.size - 8, 1 << 40]):
+            push['id'], push['keys'][0][4], push['keys'][0][5] = 30 + i, at, i
+            assert 'outside the segment' in _reply(signed, push)['message']
+            pull = {'op': P.PULL, 'id': 40 + i, 'keys': [['k', 0, at]]}
+            assert 'outside the segment' in _reply(signed, pull)['message']
+        offset, block = segment.take(16)
+        block.view(np.float32)[:] = 5
+        push['id'], push['keys'][0][4], push['keys'][0][5] = 50, offset, 9
+        assert _reply(signed, push)['op'] == P.ACK
+        pull = {'op': P.PULL, 'id': 51, 'keys': [['k', 0, offset + 16]]}
+        answer = _reply(signed, pull)
+        assert answer['op'] == P.DATA and answer['keys'][0][4] == offset + 16
+        assert segment.view(offset + 16, 16).cast('f').tolist() == [5.0] * 4
+        assert server.proc.poll() is None and 'Traceback' not in server.text
+    finally:
+        segment.unlink()
         ctx.destroy(linger=0)

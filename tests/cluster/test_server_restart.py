@@ -8,7 +8,9 @@ import pytest
 
 
 # KVPS_CHECKPOINT_EVERY=1: every acknowledged update is in the checkpoint, so a restart loses
-# nothing and the values below are exact. Key 'big' is split over both servers.
+# nothing and the values below are exact. Keys 'big' and 'huge' are split over both servers;
+# huge's parts travel through shared memory, and the requests a lost server left unanswered
+# are resent to its replacement (which has not mapped the segment) as data frames.
 RECOVERY = {'KVPS_CHECKPOINT_EVERY': '1', 'KVPS_BIGARRAY_BOUND': '100'}
 
 # Each worker pushes gradients that depend on (rank, step); rank 0 kills server 1 with SIGKILL
@@ -19,7 +21,7 @@ import signal
 from kvps.optimizer import create as optimizer
 MODE, STEPS, KILL_AT = os.environ['MODE'], 12, 5
 SYNC = 'async' not in MODE
-SHAPES = {'small': (3,), 'big': (10, 30)}
+SHAPES = {'small': (3,), 'big': (10, 30), 'huge': (300, 1000)}   # huge: in shared memory
 
 def grad(key, rank, step):
     base = np.arange(np.prod(SHAPES[key]), dtype=np.float32).reshape(SHAPES[key])

@@ -83,8 +83,20 @@ def test_devices_sits_between_arrays_and_the_stores():
     below = ('kvps.errors', 'kvps.protocol', 'kvps.arrays', 'kvps._kernels')
     mods = [m for m in imports_of(PKG / 'devices.py') if m.startswith('kvps.')]
     assert all(m.startswith(below) for m in mods), mods
-    lower = {'errors', 'config', 'protocol', 'arrays', 'optimizer', 'transport'}
+    lower = {'errors', 'config', 'protocol', 'arrays', 'optimizer', 'transport', 'shm'}
     for path in sources():
         rel = path.relative_to(PKG).parts
         if rel[0] in ROLES | {'_kernels'} or path.stem in lower:
             assert not any(m.startswith('kvps.devices') for m in imports_of(path)), path
+
+
+def test_shm_sits_beside_protocol_below_the_roles():
+    """shm (segments, the ring, offset checks) knows nothing of sockets, roles or config: the
+    worker's staging and the server's regions build on it, and the launcher removes what a
+    killed worker left."""
+    mods = [m for m in imports_of(PKG / 'shm.py') if m.startswith('kvps.')]
+    assert all(m.startswith('kvps.errors') for m in mods), mods
+    for path in sources():
+        rel = path.relative_to(PKG).parts
+        if rel[0] not in ROLES and path.stem not in ('shm', '_launch_supervise'):
+            assert not any(m.startswith('kvps.shm') for m in imports_of(path)), path

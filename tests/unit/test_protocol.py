@@ -9,17 +9,18 @@ from kvps.errors import ProtocolError
 
 
 def push_frames(n=3, dtype='float32', **over):
-    header = {'op': P.PUSH, 'id': 7, 'keys': [['w', 0, dtype, n, 0]], 'sync': True, **over}
+    header = {'op': P.PUSH, 'id': 7, 'keys': [['w', 0, dtype, n, None, 0]], 'sync': True, **over}
     return P.encode(header, [np.arange(n, dtype=P.DTYPES.get(dtype, np.float32))])
 
 
 def test_round_trip_keeps_header_and_shares_the_buffer():
     array = np.arange(4, dtype=np.float64)
-    frames = P.encode({'op': P.DATA, 'id': 1, 'keys': [[3, 1, 'float64', 4], ['b', 0, 'int8', 2]]},
+    frames = P.encode({'op': P.DATA, 'id': 1, 'keys': [[3, 1, 'float64', 4, None],
+                                                       ['b', 0, 'int8', 2, None]]},
                       [array, np.zeros(2, np.int8)])
     assert frames[1] is array                      # no copy on the way out
     header, buffers = P.decode(frames)
-    assert header['keys'][0] == [3, 1, 'float64', 4]
+    assert header['keys'][0] == [3, 1, 'float64', 4, None]
     assert P.as_array(buffers[0], 'float64').tolist() == [0, 1, 2, 3]
     assert P.as_array(buffers[1], 'int8').tolist() == [0, 0]
 
@@ -32,17 +33,32 @@ def test_round_trip_keeps_header_and_shares_the_buffer():
     ([msgpack.packb({'op': 'pull', 'id': 'x', 'keys': [[1, 0]]})], 'id must be an int'),
     ([msgpack.packb({'op': 'pull', 'id': 1})], "'keys' missing"),
     ([msgpack.packb({'op': 'pull', 'id': 1, 'keys': []})], '1 to 65536 keys'),
-    ([msgpack.packb({'op': 'pull', 'id': 1, 'keys': [[1.5, 0]]})], 'key must be int or str'),
-    ([msgpack.packb({'op': 'pull', 'id': 1, 'keys': [1]})], 'list of 2 fields'),
-    ([msgpack.packb({'op': 'pull', 'id': 1, 'keys': [['k' * 2000, 0]]})], 'longer than'),
-    ([msgpack.packb({'op': 'pull', 'id': 1, 'keys': [[1, -1]]})], 'part must be an int >= 0'),
-    ([msgpack.packb({'op': 'pull', 'id': 1, 'keys': [[1, 0]]}), b'extra'], 'expected 0'),
-    ([msgpack.packb({'op': 'push', 'id': 1, 'sync': True, 'keys': [[1, 0, 'float32', -2, 0]]})],
+    ([msgpack.packb({'op': 'pull', 'id': 1, 'keys': [[1.5, 0, None]]})], 'key must be int or str'),
+    ([msgpack.packb({'op': 'pull', 'id': 1, 'keys': [1]})], 'list of 3 fields'),
+    ([msgpack.packb({'op': 'pull', 'id': 1, 'keys': [['k' * 2000, 0, None]]})], 'longer than'),
+    ([msgpack.packb({'op': 'pull', 'id': 1, 'keys': [[1, -1, None]]})], 'part must be an int >= 0'),
+    ([msgpack.packb({'op': 'pull', 'id': 1, 'keys': [[1, 0, None]]}), b'extra'], 'expected 0'),
+    ([msgpack.packb({'op': 'push', 'id': 1, 'sync': True, 'keys': [[1, 0, 'float32', -2, None, 0]]})],
      'n must be an int >= 0'),
-    ([msgpack.packb({'op': 'push', 'id': 1, 'sync': True, 'keys': [[1, 0, 'float32', 2]]})],
-     'list of 5 fields'),
+    ([msgpack.packb({'op': 'push', 'id': 1, 'sync': True, 'keys': [[1, 0, 'float32', 2, 0]]})],
+     'list of 6 fields'),
     ([msgpack.packb({'op': 'push', 'id': 1, 'sync': True,
-                     'keys': [[1, 0, 'float32', 2, -1]]})], 'seq must be an int >= 0'),
+                     'keys': [[1, 0, 'float32', 2, None, -1]]})], 'seq must be an int >= 0'),
+    ([msgpack.packb({'op': 'push', 'id': 1, 'sync': True,
+                     'keys': [[1, 0, 'float32', 2, -4096, 0]]})], 'at must be an int >= 0'),
+    ([msgpack.packb({'op': 'push', 'id': 1, 'sync': True,
+                     'keys': [[1, 0, 'float32', 2, '4096', 0]]})], 'at must be an int >= 0'),
+    ([msgpack.packb({'op': 'pull', 'id': 1, 'keys': [[1, 0, 1.5]]})], 'at must be an int >= 0'),
+    ([msgpack.packb({'op': 'data', 'id': 1, 'keys': [[1, 0, 'int8', 2, True]]})],
+     'at must be an int >= 0'),
+    ([msgpack.packb({'op': 'push', 'id': 1, 'sync': True,
+                     'keys': [[1, 0, 'float32', 2, 4096, 0]]}), b'\0' * 8], 'expected 0 data'),
+    ([msgpack.packb({'op': 'attach', 'id': 1, 'name': 'kvps-1-ab', 'size': 1 << 20})],
+     "'nonce' missing"),
+    ([msgpack.packb({'op': 'attach', 'id': 1, 'name': 'kvps-1-ab', 'nonce': 'text',
+                     'size': 1 << 20}, use_bin_type=True)], "'nonce' missing"),
+    ([msgpack.packb({'op': 'attach', 'id': 1, 'name': 'kvps-1-ab', 'nonce': b'x' * 16,
+                     'size': -1}, use_bin_type=True)], 'size must be an int >= 0'),
     ([msgpack.packb({'op': 'resume', 'id': 0, 'keys': [[1, 0, 'x']]})], 'acked must be an int'),
     ([msgpack.packb({'op': 'server_back', 'id': 0, 'rank': 1, 'host': 'h'})], "'port' missing"),
     ([msgpack.packb({'op': 'barrier', 'id': 1, 'seq': 1, 'digest': 'text'})],
@@ -73,10 +89,25 @@ def test_payload_must_match_declared_dtype_and_count():
     with pytest.raises(ProtocolError, match="'sync' missing"):
         P.decode(push_frames(sync=1))
     two = P.encode({'op': P.PUSH, 'id': 1, 'sync': True,
-                    'keys': [[1, 0, 'float32', 2, 0], [2, 0, 'float64', 1, 0]]},
+                    'keys': [[1, 0, 'float32', 2, None, 0], [2, 0, 'float64', 1, None, 0]]},
                    [np.zeros(2, np.float32), np.zeros(3, np.float32)])
     with pytest.raises(ProtocolError, match='key 2 has 12 bytes, but 1 float64'):
         P.decode(two)
+
+
+def test_only_items_outside_shared_memory_carry_a_frame():
+    """``at`` (an offset in the worker's segment) replaces the item's data frame; the frame
+    count must match exactly the items without one, in order."""
+    mixed = {'op': P.PUSH, 'id': 1, 'sync': True,
+             'keys': [[1, 0, 'float32', 2, 8192, 0], [2, 0, 'float64', 1, None, 0]]}
+    header, buffers = P.decode(P.encode(mixed, [np.zeros(1, np.float64)]))
+    assert header['keys'][0][P.AT[P.PUSH]] == 8192 and len(buffers) == 1
+    with pytest.raises(ProtocolError, match='expected 1 data frame'):
+        P.decode(P.encode(mixed, [np.zeros(2, np.float32), np.zeros(1, np.float64)]))
+    data = {'op': P.DATA, 'id': 1, 'keys': [[1, 0, 'float32', 1 << 20, 4096]]}
+    assert P.decode(P.encode(data)) == (data, [])
+    attach = {'op': P.ATTACH, 'id': 1, 'name': 'kvps-1-00', 'nonce': b'n' * 16, 'size': 1 << 20}
+    assert P.decode(P.encode(attach))[0] == attach
 
 
 def test_message_size_limit():
@@ -93,9 +124,12 @@ def test_error_header_carries_type_message_and_node():
 @pytest.mark.parametrize('header', [
     {'op': []}, {'op': 'heartbeat', 'dtype': []}, {'op': 'heartbeat', 'part': None},
     {'op': 'heartbeat', 'n': '3'}, {'op': 'register', 'role': 'worker', 'host': 'h', 'port': 1.5},
-    {'op': 'push', 'id': 1, 'sync': True, 'keys': [[1, 0, [], 3, 0]]},
-    {'op': 'push', 'id': 1, 'sync': True, 'keys': [[1, True, 'float32', 3, 0]]},
-    {'op': 'pull', 'id': 1, 'keys': [[{}, 0]]},
+    {'op': 'push', 'id': 1, 'sync': True, 'keys': [[1, 0, [], 3, None, 0]]},
+    {'op': 'push', 'id': 1, 'sync': True, 'keys': [[1, True, 'float32', 3, None, 0]]},
+    {'op': 'push', 'id': 1, 'sync': True, 'keys': [[1, 0, 'float32', 3, [], 0]]},
+    {'op': 'pull', 'id': 1, 'keys': [[{}, 0, None]]},
+    {'op': 'pull', 'id': 1, 'keys': [[1, 0, {}]]},
+    {'op': 'attach', 'id': 1, 'name': ['kvps'], 'nonce': b'n' * 16, 'size': 1},
 ])
 def test_type_confused_headers_are_protocol_errors_not_crashes(header):
     with pytest.raises(ProtocolError):

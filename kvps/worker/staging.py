@@ -1,0 +1,97 @@
+"""The worker's shared-memory segment: which servers mapped it, blocks for pushes and pulls, and
+shared-memory items turned back into data frames for a server that cannot see the segment.
+
+One segment per worker, attached by every server on its host: a key split across servers is
+copied once, into one block, and each server reads its part of it in place. The I/O thread
+changes which servers are attached; API threads only read that, and take blocks (never
+waiting: a payload that finds no room goes through the socket).
+"""
+
+import logging
+
+from .. import protocol as P
+from ..errors import KVPSError
+from ..shm import MIN_BYTES, Segment
+
+log = logging.getLogger('kvps.worker')
+
+
+class Staging:
+    """A worker's segment and the servers that have mapped it."""
+
+    def __init__(self, segment):
+        self.segment = segment
+        self.attached = frozenset()   # node names; replaced whole, so readers need no lock
+        self._asked = set()           # node names whose ATTACH is unanswered
+
+    @classmethod
+    def create(cls, config):
+        """A Staging with a fresh segment, or None (KVPS_SHM=0, or no room: logged)."""
+        if not config.shm:
+            return None
+        try:
+            return cls(Segment.create(config.shm_bytes))
+        except KVPSError as exc:
+            log.warning('no shared memory for array payloads (%s); they go through the socket',
+                        exc)
+            return None
+
+    def attach_header(self, node):
+        """The ATTACH message that asks ``node`` to map the segment."""
+        self._asked.add(node)
+        segment = self.segment
+        return {'op': P.ATTACH, 'name': segment.name, 'nonce': segment.nonce,
+                'size': segment.size}
+
+    def answered(self, node, error=None):
+        """``node`` mapped the segment (or could not: ``error``). Once every server answered,
+        the name goes: the mappings stay, and a killed worker leaves nothing in /dev/shm."""
+        self._asked.discard(node)
+        if error is None:
+            self.attached = self.attached | {node}
+        else:
+            log.info('%s cannot map this worker\'s shared memory (%s); its payloads go through '
+                     'the socket', node, error)
+        if not self._asked:
+            self.segment.unlink()
+
+    def detach(self, node):
+        """``node`` is lost: its replacement has not mapped the segment."""
+        self.attached = self.attached - {node}
+
+    def stage(self, nbytes):
+        """A block for a push's copy of a value, or None (small, or no server has mapped it,
+        or no room)."""
+        if nbytes < MIN_BYTES or not self.attached:
+            return None
+        taken = self.segment.take(nbytes)
+        return None if taken is None else taken[1]
+
+    def offset_in(self, node, array):
+        """Where ``array`` (part of a staged block) lies for ``node``, or None: send it as a
+        frame."""
+        return self.segment.offset_of(array) if node in self.attached else None
+
+    def block_for(self, node, nbytes):
+        """``(offset, block)`` for ``node`` to write a pulled part into, or None."""
+        if nbytes < MIN_BYTES or node not in self.attached:
+            return None
+        return self.segment.take(nbytes)
+
+    def readable(self, node, header, buffers):
+        """``(header, buffers)`` that ``node`` can read: if it has not mapped the segment (a
+        replacement server, or a request made before it was lost), every shared-memory item
+        becomes a frame (a push's bytes are viewed in place) or asks for one (a pull)."""
+        op = header['op']
+        if node in self.attached or op not in P.AT:
+            return header, buffers
+        index = P.AT[op]
+        frames, out = iter(buffers), []
+        for item in header['keys']:
+            at = item[index]
+            if op == P.PUSH:
+                out.append(next(frames) if at is None
+                           else self.segment.view(at, P.nbytes(item[2], item[3])))
+            item[index] = None
+        return header, out
+

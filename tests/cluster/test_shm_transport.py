@@ -1,0 +1,93 @@
+"""Array payloads between a worker and the servers on its host go through shared memory: exact
+values in dist_sync and dist_async, with it off, with a segment too small for every payload
+(the rest takes the socket), and nothing left in /dev/shm."""
+
+import glob
+
+import pytest
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
+
+# Keys above KVPS_BIGARRAY_BOUND (here 100k elements) are split over both servers; 'small' stays
+# under the 256 KiB shared-memory threshold. Every push and pull is counted by where its bytes
+# went, by wrapping the staging's two decisions.
+SCRIPT = '''
+from kvps.optimizer import create as optimizer
+MODE, STEPS = os.environ['MODE'], 4
+SYNC = 'async' not in MODE
+SHAPES = {'big': (300, 1000), 'wide': (120000,), 'small': (50,), 'f64': (70000,)}
+DTYPES = {'big': np.float32, 'wide': np.float32, 'small': np.float32, 'f64': np.float64}
+
+def grad(key, rank, step):
+    return np.full(SHAPES[key], (rank + 1) * (step + 1), DTYPES[key])
+
+kv = kvps.create(MODE)
+io = kv._backend.io
+counts = {'shm_push': 0, 'sock_push': 0, 'shm_pull': 0, 'sock_pull': 0}
+if io.staging is not None:
+    staging = io.staging
+    offset_in, block_for = staging.offset_in, staging.block_for
+    def counted_offset(node, array):
+        at = offset_in(node, array)
+        if array.nbytes >= 1 << 18:
+            counts['shm_push' if at is not None else 'sock_push'] += 1
+        return at
+    def counted_block(node, nbytes):
+        block = block_for(node, nbytes)
+        if nbytes >= 1 << 18:
+            counts['shm_pull' if block is not None else 'sock_pull'] += 1
+        return block
+    staging.offset_in, staging.block_for = counted_offset, counted_block
+keys = list(SHAPES)
+kv.init(keys, [np.full(SHAPES[k], 1, DTYPES[k]) for k in keys])
+kv.set_optimizer(optimizer('test'))      # w += grad: exact, and order-free in dist_async
+linked = io.staging is not None and os.path.exists(io.staging.segment.path)
+seen = []
+for step in range(STEPS):
+    kv.push(keys, [grad(k, kv.rank, step) for k in keys])
+    outs = [np.zeros(SHAPES[k], DTYPES[k]) for k in keys]
+    kv.pull(keys, out=outs)
+    if SYNC:
+        want = 1 + sum((r + 1) * (s + 1) for r in range(kv.num_workers) for s in range(step + 1))
+        seen.append(all((o == want).all() for o in outs))
+kv.barrier()
+outs = [np.zeros(SHAPES[k], DTYPES[k]) for k in keys]
+kv.pull(keys, out=outs)
+want = 1 + sum((r + 1) * (s + 1) for r in range(kv.num_workers) for s in range(STEPS))
+report(rank=kv.rank, pid=os.getpid(), rounds=seen, final=all((o == want).all() for o in outs),
+       attached=sorted(io.staging.attached) if io.staging else None, linked=linked, **counts)
+'''
+
+
+def run(job, mode, env=None):
+    result = job(SCRIPT, workers=2, servers=2,
+                 env={'MODE': mode, 'KVPS_BIGARRAY_BOUND': '100000', **(env or {})})
+    assert result.returncode == 0, result.output
+    results = result.results()
+    assert sorted(results) == [0, 1], result.output
+    for res in results.values():
+        assert res['final'] and all(res['rounds']), res
+        assert not glob.glob(f'/dev/shm/kvps-{res["pid"]}-*'), 'segment left in /dev/shm'
+    return results
+
+
+@pytest.mark.parametrize('mode', ['dist_sync', 'dist_async'])
+def test_big_payloads_go_through_shared_memory_with_exact_values(job, mode):
+    for res in run(job, mode).values():
+        assert res['attached'] == ['server 0', 'server 1']
+        assert not res['linked']          # unlinked once mapped: a kill -9 leaves nothing
+        # parts of 256 KiB and more: big's two and f64's one, per step (+ the last pull)
+        assert (res['shm_push'], res['sock_push']) == (4 * 3, 0), res
+        assert (res['shm_pull'], res['sock_pull']) == (4 * 3 + 3, 0), res
+
+
+def test_shared_memory_off_sends_everything_through_the_socket(job):
+    for res in run(job, 'dist_sync', {'KVPS_SHM': '0'}).values():
+        assert res['attached'] is None and res['shm_push'] == res['shm_pull'] == 0
+
+
+def test_a_segment_too_small_for_a_step_sends_the_rest_through_the_socket(job):
+    # 1.5 MiB: the 1.2 MB key fits, the rest of a step (about 2.4 MB more) does not.
+    for res in run(job, 'dist_sync', {'KVPS_SHM_BYTES': str(3 << 19)}).values():
+        assert res['shm_push'] and res['sock_push'], res
+        assert res['shm_pull'] and res['sock_pull'], res

@@ -1,0 +1,170 @@
+"""Shared-memory segments: the ring allocator, block lifetimes, and every check a server makes on
+what a worker names (segment, nonce, offsets), without sockets."""
+
+import gc
+import os
+
+import numpy as np
+import pytest
+
+from kvps import protocol as P
+from kvps.config import Config
+from kvps.errors import KVPSError, ProtocolError
+from kvps.server.regions import Regions
+from kvps.shm import ALIGN, HEADER_BYTES, Mapping, Ring, Segment, remove_leftovers
+from kvps.worker.staging import Staging
+
+KB = 1024
+
+
+def test_ring_reuses_space_only_once_every_earlier_block_is_free():
+    ring = Ring(0, 4 * KB)
+    a, b, c = ring.alloc(KB), ring.alloc(KB), ring.alloc(KB)
+    assert (a, b, c) == (0, KB, 2 * KB)
+    assert ring.alloc(2 * KB) is None              # full: never waits, never overlaps
+    ring.free(b)                                   # out of order: a is still live
+    assert ring.alloc(2 * KB) is None and len(ring) == 3
+    ring.free(a)                                   # now a and b are reclaimed together
+    assert len(ring) == 1
+    d = ring.alloc(KB)                             # the tail end first
+    assert d == 3 * KB
+    e = ring.alloc(KB)                             # then wrap around to the start
+    assert e == 0
+    assert ring.alloc(KB) is None                  # [KB, 2KB) is free, but then head == tail
+    ring.free(c)
+    f = ring.alloc(KB)
+    assert f == KB
+    for offset in (d, e, f):
+        ring.free(offset)
+    assert len(ring) == 0 and ring.alloc(4 * KB) == 0
+
+
+def test_ring_aligns_blocks_and_refuses_what_never_fits():
+    ring = Ring(HEADER_BYTES, HEADER_BYTES + 10 * ALIGN)
+    assert ring.alloc(1) == HEADER_BYTES
+    assert ring.alloc(ALIGN + 1) == HEADER_BYTES + ALIGN
+    assert ring.alloc(100 * ALIGN) is None
+    assert ring.alloc(0) == HEADER_BYTES + 3 * ALIGN   # an empty block still gets its own line
+
+
+def test_ring_wraps_past_an_unusable_gap_at_the_end():
+    ring = Ring(0, 10 * KB)
+    blocks = [ring.alloc(3 * KB) for _ in range(3)]   # 9 KB used, a 1 KB gap at the end
+    ring.free(blocks[0])
+    assert ring.alloc(2 * KB) == 0                     # does not fit the gap: wraps
+    ring.free(blocks[1])
+    ring.free(blocks[2])
+    assert ring.alloc(6 * KB) == 2 * KB                # the gap is reclaimed with its block
+
+
+def test_a_block_returns_only_when_every_view_of_it_is_gone(tmp_path):
+    segment = Segment.create(1 << 20, directory=tmp_path)
+    offset, block = segment.take(4000)
+    assert offset >= HEADER_BYTES and offset % ALIGN == 0
+    part = block.view(np.float32)[10:20]
+    assert segment.offset_of(part) == offset + 40
+    assert segment.offset_of(np.zeros(10)) is None
+    del block
+    gc.collect()
+    assert len(segment.ring) == 1                      # `part` still reads it
+    del part
+    assert len(segment.ring) == 0
+    segment.unlink()
+    segment.unlink()                                   # idempotent
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_launcher_removes_what_a_killed_worker_left(tmp_path):
+    mine = Segment.create(1 << 16, directory=tmp_path)
+    (tmp_path / 'kvps-1-0123456789abcdef').write_bytes(b'')
+    (tmp_path / f'kvps-{os.getpid()}-other').write_bytes(b'')     # not a name kvps makes
+    remove_leftovers(os.getpid(), directory=tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ['kvps-1-0123456789abcdef', f'kvps-{os.getpid()}-other']
+    assert not os.path.exists(mine.path)
+
+
+def test_segment_creation_fails_cleanly_without_room(tmp_path):
+    with pytest.raises(KVPSError, match='bytes free'):
+        Segment.create(1 << 40, directory=tmp_path)
+    with pytest.raises(KVPSError, match='cannot create'):
+        Segment.create(1 << 20, directory=tmp_path / 'missing')
+    with pytest.raises(KVPSError, match='out of range'):
+        Segment.create(10, directory=tmp_path)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_server_maps_only_the_segment_announced(tmp_path):
+    segment = Segment.create(1 << 20, directory=tmp_path)
+    name, nonce, size = segment.name, segment.nonce, segment.size
+    mapping = Mapping.open(name, nonce, size, directory=tmp_path)
+    offset, block = segment.take(8)
+    block[:] = 7
+    assert bytes(mapping.view(offset, 8)) == b'\x07' * 8
+    bad = [(('../' + name), nonce, size, 'not a kvps segment name'),
+           ('kvps-1-0123456789abcdef', nonce, size, 'cannot open'),
+           (name, b'x' * 16, size, 'nonce differs'),
+           (name, nonce[:8], size, '16 bytes'),
+           (name, nonce, size * 2, 'not a segment of'),
+           (name, nonce, 10, 'out of range'),
+           (['x'], nonce, size, 'not a kvps segment name')]
+    for args in bad:
+        with pytest.raises(ProtocolError, match=args[3]):
+            Mapping.open(*args[:3], directory=tmp_path)
+    segment.unlink()
+
+
+@pytest.mark.parametrize('offset, nbytes', [
+    (0, 8), (HEADER_BYTES - 8, 16), (1 << 20, 1), ((1 << 20) - 4, 8), (-8, 8), (HEADER_BYTES, -1),
+    (HEADER_BYTES, 1 << 40), (1 << 63, 8), ('4096', 8), (None, 8)])
+def test_hostile_offsets_are_refused(tmp_path, offset, nbytes):
+    segment = Segment.create(1 << 20, directory=tmp_path)
+    mapping = Mapping.open(segment.name, segment.nonce, segment.size, directory=tmp_path)
+    with pytest.raises(ProtocolError, match='outside the segment'):
+        mapping.view(offset, nbytes)
+    assert len(mapping.view((1 << 20) - 8, 8)) == 8
+    segment.unlink()
+
+
+def test_server_regions_keep_each_worker_to_its_own_segment(tmp_path):
+    segment = Segment.create(1 << 20, directory=tmp_path)
+    regions = Regions(directory=tmp_path)
+    header = {'name': segment.name, 'nonce': segment.nonce, 'size': segment.size}
+    regions.attach(b'worker-0', header)
+    offset, block = segment.take(16)
+    block.view(np.float32)[:] = [1, 2, 3, 4]
+    items = [['k', 0, 'float32', 4, offset, 0], ['s', 0, 'int8', 2, None, 0],
+             ['h', 0, 'float32', 4, 1 << 20, 0]]
+    shm, frame, hostile = regions.payloads(b'worker-0', items, [b'ab'])
+    assert P.as_array(shm, 'float32').tolist() == [1, 2, 3, 4] and frame == b'ab'
+    assert isinstance(hostile, ProtocolError)
+    other = regions.payloads(b'worker-1', items[:1], [])[0]
+    assert isinstance(other, ProtocolError) and 'not attached' in str(other)
+    with pytest.raises(KVPSError, match='KVPS_SHM=0'):
+        Regions(enabled=False).attach(b'worker-0', header)
+    segment.unlink()
+
+
+def test_staging_turns_shared_memory_items_into_frames_for_a_server_without_it(tmp_path):
+    staging = Staging(Segment.create(1 << 22, directory=tmp_path))
+    staging.attach_header('server 0')
+    staging.attach_header('server 1')
+    staging.answered('server 0')
+    assert os.listdir(tmp_path)                        # server 1 has not answered yet
+    staging.answered('server 1', KVPSError('other host'))
+    assert os.listdir(tmp_path) == [] and staging.attached == {'server 0'}
+    flat = staging.stage(1 << 20).view(np.float32)
+    flat[:] = np.arange(flat.size)
+    at = staging.offset_in('server 0', flat[4:8])
+    assert at is not None and staging.offset_in('server 1', flat) is None
+    assert staging.stage(100) is None                 # small payloads use the socket
+    push = {'op': P.PUSH, 'keys': [['k', 0, 'float32', 4, at, 0], ['s', 0, 'int8', 1, None, 0]]}
+    assert staging.readable('server 0', push, [b'x']) == (push, [b'x'])
+    staging.detach('server 0')                        # lost; a replacement has no mapping
+    header, buffers = staging.readable('server 0', push, [b'x'])
+    assert [item[4] for item in header['keys']] == [None, None]
+    assert P.as_array(buffers[0], 'float32').tolist() == [4, 5, 6, 7] and buffers[1] == b'x'
+    assert staging.block_for('server 0', 1 << 20) is None
+
+
+def test_staging_is_off_when_configured_off():
+    assert Staging.create(Config(shm=False)) is None
