@@ -180,9 +180,8 @@ class Server:
         header, buffers = decoded
         if header['op'] == P.RESUME:
             self._on_resume(identity, header)
-        elif header['op'] == P.ATTACH:    # no counts involved: served even while recovering
-            self._handle(identity, header, buffers)
-        elif self.recovery is not None:   # counts are not settled until every worker resumed
+        elif self.recovery is not None and header['op'] != P.ATTACH:
+            # Counts are not settled until every worker resumed (ATTACH involves none).
             self.recovery.parked.append((identity, header, buffers))
         else:
             self._handle(identity, header, buffers)
