@@ -52,8 +52,8 @@ def _role(text):
 
 def _device(text):
     low = text.strip().lower()
-    if low not in ('cpu', 'cuda'):
-        raise ValueError('expected cpu or cuda')
+    if low not in ('auto', 'cpu', 'cuda'):
+        raise ValueError('expected auto, cpu or cuda')
     return low
 
 
@@ -91,8 +91,9 @@ VARS = (
         'Seconds between heartbeats from each node to the scheduler.'),
     Var('heartbeat_timeout', ('KVPS_HEARTBEAT_TIMEOUT',), _positive_float, 30.0,
         'Seconds of silence after which a node is declared lost (PeerLostError).'),
-    Var('server_device', ('KVPS_SERVER_DEVICE',), _device, 'cpu',
-        'Where servers keep shards: cpu, or cuda (cupy arrays on the GPU; needs cupy).'),
+    Var('server_device', ('KVPS_SERVER_DEVICE',), _device, 'auto',
+        'Where servers keep shards: auto (keys of device-side stores on the GPU when the '
+        'server has one, others in host memory), cpu, or cuda (all on the GPU; needs cupy).'),
     Var('log_level', ('KVPS_LOG_LEVEL',), _text, 'WARNING',
         'Python logging level of kvps nodes (DEBUG, INFO, WARNING, ...).'),
     Var('port_file', ('KVPS_PORT_FILE',), _text, None,
@@ -144,7 +145,7 @@ class Config:
     connect_timeout: float = 120.0
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 30.0
-    server_device: str = 'cpu'
+    server_device: str = 'auto'
     log_level: str = 'WARNING'
     port_file: str = None
     checkpoint_dir: str = None

@@ -104,7 +104,7 @@ class KVStore:
             v = values[0]
             shape, dtype = arrays.shape_of(v), arrays.dtype_name(v)
             items.append((k, self._host_copy(k, [v]), shape, dtype))
-        self._backend.init(items)
+        self._backend.init(items, device=self._device)
         for k, _, shape, dtype in items:
             self._meta[k] = (shape, dtype)
 

@@ -19,7 +19,9 @@ class LocalBackend:
         self.shard = Shard(num_workers=1)
         self.closed = False
 
-    def init(self, items):
+    def init(self, items, device=False):
+        """In this process, keys stay in host memory; device values are summed on their GPU
+        before they get here."""
         for key, flat, shape, dtype in items:
             self.shard.init(None, key, 0, dtype, shape, True, memoryview(flat).cast('B'))
 

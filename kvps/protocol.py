@@ -32,7 +32,7 @@ SERVER_LOST = 'server_lost'  # scheduler -> worker: {rank, reason}; the job wait
 SERVER_BACK = 'server_back'  # scheduler -> worker: {rank, host, port} of the replacement
 
 # Worker <-> server.
-INIT = 'init'                # {key, part, dtype, n, shape, sync} + 1 buffer
+INIT = 'init'                # {key, part, dtype, n, shape, sync, [device]} + 1 buffer
 CHECK = 'check'              # {key, dtype, shape}: verify a non-root worker's view of a key
 # {sync, keys: [[key, part, dtype, n, at, seq], ...]} + 1 buffer per key whose `at` is None;
 # `at` (an int) says the payload lies in the worker's shared-memory segment at that offset
@@ -152,6 +152,8 @@ def validate_header(header):
         value = header.get(name)
         if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
             raise ProtocolError(f'{op}: field {name!r} missing or of wrong type')
+    if not isinstance(header.get('device', False), bool):
+        raise ProtocolError(f'{op}: device must be true or false')
     if 'key' in header:
         check_key(header['key'])
     if 'dtype' in header:

@@ -14,9 +14,8 @@ import msgpack
 
 from ..atomic import write_atomically
 from ..errors import ConfigError
-from .shard import Entry
-
-FORMAT = 'kvps.server_checkpoint/2'   # /2 added each entry's version and push counts
+FORMAT = 'kvps.server_checkpoint/3'   # /2 added version and push counts, /3 the device wish
+READABLE = ('kvps.server_checkpoint/2', FORMAT)
 
 
 def path_for(directory, rank, num_servers):
@@ -26,7 +25,7 @@ def path_for(directory, rank, num_servers):
 def snapshot(shard):
     """The shard's weights and optimizer state as bytes."""
     entries = [[e.key, e.part, e.dtype, list(e.shape), e.sync,
-                shard.arrays.to_host(e.weight).tobytes(), e.version, _applied_pushes(e)]
+                e.arrays.to_host(e.weight).tobytes(), e.version, _applied_pushes(e), e.device]
                for e in shard.entries.values()]
     updater = shard.updater.get_states(dump_optimizer=True) if shard.updater else None
     return msgpack.packb({'format': FORMAT, 'entries': entries, 'updater': updater},
@@ -45,11 +44,11 @@ def restore(shard, blob, rounds=False):
     counts; a new job starts counting again."""
     try:
         state = msgpack.unpackb(blob, raw=False, strict_map_key=False)
-        if state.get('format') != FORMAT:
+        if state.get('format') not in READABLE:
             raise ValueError(f'format {state.get("format")!r}')
-        for key, part, dtype, shape, sync, data, version, pushed in state['entries']:
-            entry = Entry(key, part, dtype, tuple(shape), sync, shard.arrays.owned(data, dtype),
-                          restored=True)
+        for key, part, dtype, shape, sync, data, version, pushed, *rest in state['entries']:
+            device = bool(rest and rest[0])   # a /2 file predates the device wish
+            entry = shard.new_entry(key, part, dtype, shape, sync, data, device, restored=True)
             if rounds:
                 entry.version, entry.pushed = version, dict(pushed)
             shard.entries[(key, part)] = entry

@@ -39,7 +39,7 @@ class Server:
 
     def __init__(self, config):
         self.config = config.require_cluster()
-        arrays = for_device(config.server_device)   # before joining: a bad device fails alone
+        placements = for_device(config.server_device)   # before joining: a bad device fails alone
         self.ctx = new_context()
         self.link = SchedulerLink(self.ctx, config, 'server')
         self.router = Router(self.ctx, guard_from(config))
@@ -47,7 +47,7 @@ class Server:
         welcome = self.link.register(port)
         self.rank = welcome['rank']
         self.name = f'server {self.rank}'
-        self.shard = Shard(welcome['num_workers'], arrays=arrays)
+        self.shard = Shard(welcome['num_workers'], placements=placements)
         # Only the job's workers may talk to a server; anyone else is refused and logged.
         self.workers = {P.worker_identity(r) for r in range(welcome['num_workers'])}
         self.regions = Regions(config.shm)
@@ -228,7 +228,7 @@ class Server:
 
     def _init(self, token, h, buffers):
         return self.shard.init(token, h['key'], h['part'], h['dtype'], h['shape'], h['sync'],
-                               buffers[0])
+                               buffers[0], h.get('device', False))
 
     def _check(self, token, h, buffers):
         return self.shard.check(token, h['key'], h['dtype'], h['shape'])

@@ -1,15 +1,19 @@
-"""Where a shard keeps its arrays: host memory (numpy) or a CUDA device (cupy, KVPS_SERVER_DEVICE).
+"""Where a shard keeps each key's arrays: host memory (numpy) or a CUDA device (cupy).
 
 The Shard never calls numpy or cupy directly for its weights, merge buffers and received
-gradients; it asks its placement. Host arrays read wire buffers in place and lend the weight
+gradients; it asks the key's placement. Host arrays read wire buffers in place and lend the weight
 itself to a pull reply (copy-on-write leases); device arrays copy a received buffer to the
 device once and copy the weight back to a fresh host array for each pull.
 """
+
+import logging
 
 import numpy as np
 
 from ..errors import ConfigError
 from ..protocol import DTYPES
+
+log = logging.getLogger('kvps.server')
 
 
 class HostArrays:
@@ -42,10 +46,10 @@ class CudaArrays(HostArrays):
             import cupy
             count = cupy.cuda.runtime.getDeviceCount()
         except Exception as exc:  # ImportError, or CUDA's own errors without a driver
-            raise ConfigError(f'KVPS_SERVER_DEVICE=cuda needs cupy and a CUDA GPU on this '
-                              f'server (pip install "kvps[cuda]"): {exc!r}') from None
+            raise ConfigError(f'needs cupy and a CUDA GPU on this server '
+                              f'(pip install "kvps[cuda]"): {exc!r}') from None
         if count < 1:
-            raise ConfigError('KVPS_SERVER_DEVICE=cuda, but this server sees no CUDA GPU')
+            raise ConfigError('this server sees no CUDA GPU')
         self.xp = cupy
 
     def received(self, data, dtype):
@@ -57,6 +61,42 @@ class CudaArrays(HostArrays):
         return self.xp.asnumpy(array)
 
 
-def for_device(device):
-    """The placement for a KVPS_SERVER_DEVICE value."""
-    return CudaArrays() if device == 'cuda' else HostArrays()
+class Placements:
+    """Where a new key goes: ``default`` for keys of host-side stores; for keys a device-side
+    store (dist_sync_device, dist_async_device) initialises, ``device``, or what ``probe``
+    finds the first time one is asked for (None from it: the default)."""
+
+    def __init__(self, default, device=None, probe=None):
+        self.default = default
+        self._device, self._probe = device, probe
+
+    def for_key(self, wants_device):
+        if not wants_device:
+            return self.default
+        if self._device is None:
+            self._device = (self._probe() if self._probe else None) or self.default
+        return self._device
+
+
+def gpu_if_present():
+    """CUDA placement if this server can use a GPU, else None (logged once, not an error:
+    a device-side store's values are the same wherever a server keeps them)."""
+    try:
+        return CudaArrays()
+    except ConfigError as exc:
+        log.info('a device-side store asked for the GPU; keys stay in host memory: a GPU '
+                 'placement %s', exc)
+        return None
+
+
+def for_device(setting):
+    """The placements for a KVPS_SERVER_DEVICE value: 'cpu' and 'cuda' put every key there
+    (cuda fails at start without a GPU); 'auto' puts device-side stores' keys on a GPU when
+    this server has one, probing (importing cupy) only when such a key arrives."""
+    if setting == 'auto':
+        return Placements(HostArrays(), probe=gpu_if_present)
+    try:
+        arrays = CudaArrays() if setting == 'cuda' else HostArrays()
+    except ConfigError as exc:
+        raise ConfigError(f'KVPS_SERVER_DEVICE=cuda: {exc}') from None
+    return Placements(arrays, arrays)

@@ -16,7 +16,7 @@ import dataclasses
 
 from ..errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInitializedError,
                       KVPSError, ShapeError)
-from .placement import HostArrays
+from .placement import HostArrays, Placements
 
 
 class Lease:
@@ -45,7 +45,7 @@ class Entry:
     dtype: str
     shape: tuple
     sync: bool
-    weight: object                        # an array of the shard's placement (numpy or cupy)
+    weight: object                        # an array of ``arrays``' kind (numpy or cupy)
     merge: object = None
     version: int = 0                      # rounds completed (sync) / pushes applied (async)
     pushed: dict = dataclasses.field(default_factory=dict)   # worker -> pushes received
@@ -56,6 +56,8 @@ class Entry:
     weight_leases: list = dataclasses.field(default_factory=list)
     merge_leases: list = dataclasses.field(default_factory=list)
     restored: bool = False                # from a checkpoint, not yet claimed by an init
+    arrays: object = dataclasses.field(default_factory=HostArrays)   # where the arrays live
+    device: bool = False                  # a device-side store asked for the GPU
 
     @property
     def n(self):
@@ -90,31 +92,42 @@ class Entry:
 class Shard:
     """The keys one server holds and the rules for changing them."""
 
-    def __init__(self, num_workers, updater=None, arrays=None):
+    def __init__(self, num_workers, updater=None, placements=None):
         self.num_workers = num_workers
         self.updater = updater
-        self.arrays = arrays or HostArrays()   # where weights live: host or a CUDA device
+        self.placements = placements or Placements(HostArrays())   # host or a CUDA device
         self.entries = {}          # (key, part) -> Entry
         self.finished = {}         # worker -> pushes it made per key, frozen at finish
         self.updates = 0           # updates applied over all keys (drives checkpoints)
 
     # -- init -----------------------------------------------------------------------------
-    def init(self, token, key, part, dtype, shape, sync, data):
+    def init(self, token, key, part, dtype, shape, sync, data, device=False):
+        """``device``: a device-side store asks for the key on this server's GPU."""
         existing = self.entries.get((key, part))
         if existing is not None and existing.restored:
-            return self._claim_restored(token, existing, dtype, shape, sync, len(data))
+            return self._claim_restored(token, existing, dtype, shape, sync, len(data), device)
         if existing is not None:
             raise DuplicateInitError(f'key {key!r} is already initialized')
-        weight = self.arrays.owned(data, dtype)
-        self.entries[(key, part)] = Entry(key, part, dtype, tuple(shape), sync, weight)
+        self.entries[(key, part)] = self.new_entry(key, part, dtype, shape, sync, data, device)
         return [('ack', token, None)]
 
-    def _claim_restored(self, token, entry, dtype, shape, sync, nbytes):
-        """A resumed job inits a key the checkpoint holds: the checkpoint's value wins."""
+    def new_entry(self, key, part, dtype, shape, sync, data, device, **more):
+        """An Entry holding a copy of ``data`` where its placement says."""
+        arrays = self.placements.for_key(device)
+        return Entry(key, part, dtype, tuple(shape), sync, arrays.owned(data, dtype),
+                     arrays=arrays, device=device, **more)
+
+    def _claim_restored(self, token, entry, dtype, shape, sync, nbytes, device):
+        """A resumed job inits a key the checkpoint holds: the checkpoint's value wins (moved
+        to where this init asks for it)."""
         if not entry.holds(dtype, shape) or nbytes != entry.weight.nbytes:
             raise ShapeError(f'key {entry.key!r}: init with {tuple(shape)} {dtype}, but the '
                              f'checkpoint holds {entry.shape} {entry.dtype}')
-        entry.restored, entry.sync = False, sync
+        arrays = self.placements.for_key(device)
+        if arrays is not entry.arrays:
+            host = entry.arrays.to_host(entry.weight)
+            entry.weight, entry.merge, entry.arrays = arrays.owned(host, dtype), None, arrays
+        entry.restored, entry.sync, entry.device = False, sync, device
         return [('ack', token, None)]
 
     def check(self, token, key, dtype, shape):
@@ -176,7 +189,7 @@ class Shard:
                                 f' worker {worker} finished after {made} pushes of it')
 
     def _merge(self, entry, worker, data, token):
-        grad, xp = self.arrays.received(data, entry.dtype), self.arrays.xp
+        grad, xp = entry.arrays.received(data, entry.dtype), entry.arrays.xp
         if entry.merged:
             xp.add(entry.merge, grad, out=entry.merge)
         else:
@@ -201,16 +214,16 @@ class Shard:
     def _apply(self, entry, data=None):
         """Run the update with one push's ``data`` (async) or, without it, the round's sum in the
         merge buffer (sync); with no optimizer the value is replaced."""
-        xp = self.arrays.xp
+        xp = entry.arrays.xp
         if self.updater is None:
             if data is not None:
-                xp.copyto(entry.writable_weight(), self.arrays.received(data, entry.dtype))
+                xp.copyto(entry.writable_weight(), entry.arrays.received(data, entry.dtype))
             else:  # the merge buffer becomes the weight; the old weight is the next scratch
                 entry.weight, entry.merge = entry.merge, entry.weight
                 entry.weight_leases, entry.merge_leases = [], entry.weight_leases
         else:
             if data is not None:
-                xp.copyto(entry.writable_merge(xp), self.arrays.received(data, entry.dtype))
+                xp.copyto(entry.writable_merge(xp), entry.arrays.received(data, entry.dtype))
             self.updater.update(entry.key, entry.writable_weight(), entry.merge, part=entry.part)
         entry.version += 1
         self.updates += 1
@@ -232,11 +245,11 @@ class Shard:
     def _lend(self, entry):
         """``(host array, lease)`` for a pull reply: the weight itself on the host, a fresh
         host copy (nothing to lease) from a device."""
-        if self.arrays.lends:
+        if entry.arrays.lends:
             return entry.lend()
         lease = Lease()
         lease.released = True
-        return self.arrays.to_host(entry.weight), lease
+        return entry.arrays.to_host(entry.weight), lease
 
     # -- workers leaving ------------------------------------------------------------------
     def worker_finished(self, worker):

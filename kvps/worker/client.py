@@ -45,12 +45,14 @@ class DistClient:
         self.closed = False
 
     # -- collective setup -----------------------------------------------------------------
-    def init(self, items):
-        """``items``: [(key, flat array, shape, dtype name)]. Rank 0's values win."""
+    def init(self, items, device=False):
+        """``items``: [(key, flat array, shape, dtype name)]. Rank 0's values win. ``device``:
+        a device-side store asks servers to keep these keys on their GPUs if they have one."""
         for key, flat, _, _ in items:
             self.placement.place(key, flat.size, flat.itemsize)
         if self.rank == 0:
-            ops = [self._send_init(key, flat, shape, dtype) for key, flat, shape, dtype in items]
+            ops = [self._send_init(key, flat, shape, dtype, device)
+                   for key, flat, shape, dtype in items]
             self._wait_all(ops)
         self.barrier()
         if self.rank != 0:
@@ -215,12 +217,13 @@ class DistClient:
             self.io.stop(5.0)
 
     # -- helpers --------------------------------------------------------------------------
-    def _send_init(self, key, flat, shape, dtype):
+    def _send_init(self, key, flat, shape, dtype, device):
         parts = self.placement.parts(key)
         op = Operation(f'init of key {key!r}', len(parts))
         for part in parts:
             header = {'op': P.INIT, 'key': key, 'part': part.part, 'dtype': dtype,
-                      'n': part.stop - part.start, 'sync': self.sync, 'shape': list(shape)}
+                      'n': part.stop - part.start, 'sync': self.sync, 'shape': list(shape),
+                      'device': device}
             self._submit(part.server, header, (flat[part.start:part.stop],),
                          Request(op, server_name(part.server)))
         return op

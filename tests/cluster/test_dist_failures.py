@@ -201,4 +201,4 @@ def test_a_server_asked_for_gpu_shards_without_a_gpu_says_so(by_hand):
     _, env = by_hand.scheduler(num_workers=1, num_servers=1)
     server = by_hand('server', {**env, 'KVPS_SERVER_DEVICE': 'cuda'})
     code, out = by_hand.finish(server)
-    assert code == 1 and 'KVPS_SERVER_DEVICE=cuda needs cupy and a CUDA GPU' in out
+    assert code == 1 and 'KVPS_SERVER_DEVICE=cuda: needs cupy and a CUDA GPU' in out

@@ -45,6 +45,26 @@ def test_device_types_sum_several_host_values_exactly(name):
     assert (a == 7).all() and (b == 0.75).all()
 
 
+class InitRecorder(LocalBackend):
+    """Records what each init asked of the servers' placement."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = []
+
+    def init(self, items, device=False):
+        self.asked += [(key, device) for key, *_ in items]
+        super().init(items, device)
+
+
+@pytest.mark.parametrize('name, device', [('dist_sync_device', True), ('dist_async_device',
+                                          True), ('dist_sync', False), ('dist_async', False)])
+def test_device_side_stores_ask_servers_for_the_gpu(name, device):
+    backend = InitRecorder()
+    KVStore(name, backend).init([1, 2], [np.zeros(3), np.ones(2)])
+    assert backend.asked == [(1, device), (2, device)]
+
+
 def test_device_store_pull_lands_in_every_target():
     kv = kvps.create('device')
     kv.init('w', np.arange(6, dtype=np.float32).reshape(2, 3))

@@ -140,3 +140,12 @@ def test_request_id_of_an_unreadable_request():
     assert P.request_id([msgpack.packb({'op': 'push', 'id': 42, 'keys': 'nonsense'})]) == 42
     assert P.request_id([msgpack.packb({'op': 'push', 'id': True})]) is None
     assert P.request_id([b'\xc1']) is None
+
+
+def test_init_may_ask_for_the_gpu_with_a_boolean_only():
+    header = {'op': P.INIT, 'id': 1, 'key': 3, 'part': 0, 'dtype': 'float32', 'n': 2,
+              'shape': [2], 'sync': True}
+    P.validate_header({**header, 'device': True})
+    P.validate_header(header)                     # absent: host memory
+    with pytest.raises(ProtocolError, match='device must be true or false'):
+        P.validate_header({**header, 'device': 'cuda'})

@@ -23,8 +23,21 @@ def test_gpu_shard_matches_the_host_shard(sync, optimizer):
 
 
 def test_gpu_shard_keeps_its_weights_on_the_device():
+    from kvps.server.placement import Placements
     from kvps.server.shard import Shard
-    shard = Shard(1, arrays=CudaArrays())
+    gpu = CudaArrays()
+    shard = Shard(1, placements=Placements(gpu, gpu))
     shard.init('i', 'k', 0, 'float32', [3], True,
                memoryview(np.array([1, 2, 3], np.float32)).cast('B'))
     assert isinstance(shard.entries[('k', 0)].weight, cupy.ndarray)
+
+
+def test_auto_puts_device_side_keys_on_this_gpu():
+    from kvps.server.placement import for_device
+    from kvps.server.shard import Shard
+    shard = Shard(1, placements=for_device('auto'))
+    one = memoryview(np.array([1, 2, 3], np.float32)).cast('B')
+    shard.init('i', 'dev', 0, 'float32', [3], True, one, device=True)
+    shard.init('i', 'host', 0, 'float32', [3], True, one)
+    assert isinstance(shard.entries[('dev', 0)].weight, cupy.ndarray)
+    assert isinstance(shard.entries[('host', 0)].weight, np.ndarray)

@@ -1,12 +1,16 @@
 """A shard whose arrays live apart from the wire buffers (on a GPU) follows the same rules: the
-same rounds give the same values, pulls get host copies, checkpoints round-trip."""
+same rounds give the same values, pulls get host copies, checkpoints round-trip; keys of
+device-side stores go to the GPU placement when the server has one, the rest stay on the host."""
 
+import msgpack
 import numpy as np
 import pytest
 
 from kvps.optimizer import create
 from kvps.server.checkpoint import restore, snapshot
-from kvps.server.placement import HostArrays, for_device
+from kvps.errors import ConfigError
+from kvps.server import placement
+from kvps.server.placement import HostArrays, Placements, for_device
 from kvps.server.shard import Shard
 
 W0, W1 = b'worker-0', b'worker-1'
@@ -34,7 +38,7 @@ def wire(values, dtype=np.float32):
 def train(arrays, sync, optimizer):
     """Two workers, two keys (one float16 with a float32 master), five rounds; the pulled values
     after each round and a checkpoint taken at the end."""
-    shard = Shard(2, arrays=arrays)
+    shard = Shard(2, placements=Placements(arrays, arrays))
     shard.init('i', 'a', 0, 'float32', [6], sync, wire(np.linspace(-1, 1, 6)))
     shard.init('i', 'b', 0, 'float16', [4], sync, wire([0.5, -0.25, 1, 2], np.float16))
     if optimizer:
@@ -75,7 +79,7 @@ def test_a_copying_placement_gives_the_host_values_bit_for_bit(sync, optimizer):
 
 
 def test_a_pull_from_a_device_placement_is_a_host_copy_nothing_is_lent():
-    shard = Shard(1, arrays=CopyingArrays())
+    shard = Shard(1, placements=everywhere(CopyingArrays()))
     shard.init('i', 'k', 0, 'float32', [3], True, wire([1, 2, 3]))
     (_, _, (entry, value, lease)), = shard.pull('q', W0, 'k', 0)
     assert lease.done and value is not entry.weight
@@ -85,10 +89,100 @@ def test_a_pull_from_a_device_placement_is_a_host_copy_nothing_is_lent():
 
 def test_checkpoints_restore_into_the_shards_placement():
     _, blob = train(HostArrays(), True, 'sgd')
-    shard = Shard(2, arrays=CopyingArrays())
+    shard = Shard(2, placements=everywhere(CopyingArrays()))
     restore(shard, blob, rounds=True)
     assert snapshot(shard) == blob
 
 
-def test_the_cpu_device_is_the_host_placement():
-    assert isinstance(for_device('cpu'), HostArrays) and for_device('cpu').lends
+def everywhere(arrays):
+    return Placements(arrays, arrays)
+
+
+def test_the_cpu_device_puts_every_key_in_host_memory():
+    cpu = for_device('cpu')
+    for wants_device in (False, True):
+        assert isinstance(cpu.for_key(wants_device), HostArrays) and cpu.for_key(wants_device).lends
+
+
+class Probe:
+    """Stands in for looking for a GPU: counts the looks, finds ``found``."""
+
+    def __init__(self, found):
+        self.found, self.calls = found, 0
+
+    def __call__(self):
+        self.calls += 1
+        return self.found
+
+
+def test_keys_of_device_side_stores_go_to_the_gpu_and_the_rest_stay_on_the_host():
+    gpu, probe = CopyingArrays(), Probe(None)
+    probe.found = gpu
+    shard = Shard(2, placements=Placements(HostArrays(), probe=probe))
+    shard.init('i', 'host', 0, 'float32', [3], True, wire([1, 2, 3]))
+    assert probe.calls == 0                          # nothing looks for a GPU until asked
+    shard.init('i', 'dev', 0, 'float32', [3], True, wire([4, 5, 6]), device=True)
+    shard.init('i', 'dev2', 0, 'float32', [3], True, wire([7, 8, 9]), device=True)
+    assert probe.calls == 1
+    assert type(shard.entries[('host', 0)].arrays) is HostArrays
+    assert shard.entries[('dev', 0)].arrays is gpu and shard.entries[('dev2', 0)].arrays is gpu
+    for worker in (W0, W1):
+        shard.push('p', worker, 'dev', 0, 'float32', True, wire([1, 1, 1]))
+    (_, _, (_, value, _)), = shard.pull('q', W0, 'dev', 0)
+    assert value.tolist() == [2, 2, 2]
+
+
+def test_a_server_without_a_gpu_keeps_device_side_keys_in_host_memory():
+    probe = Probe(None)
+    shard = Shard(1, placements=Placements(HostArrays(), probe=probe))
+    for key in ('a', 'b'):
+        shard.init('i', key, 0, 'float32', [2], True, wire([1, 2]), device=True)
+    assert probe.calls == 1                          # looked once, not per key
+    assert all(type(e.arrays) is HostArrays for e in shard.entries.values())
+
+
+def test_auto_looks_for_a_gpu_only_when_a_device_side_key_arrives(monkeypatch):
+    made = []
+
+    def no_gpu():
+        made.append(1)
+        raise ConfigError('this server sees no CUDA GPU')
+    monkeypatch.setattr(placement, 'CudaArrays', no_gpu)
+    auto = for_device('auto')
+    assert not made and type(auto.for_key(False)) is HostArrays
+    assert type(auto.for_key(True)) is HostArrays and made == [1]
+    with pytest.raises(ConfigError, match='KVPS_SERVER_DEVICE=cuda: this server sees no CUDA'):
+        for_device('cuda')
+
+
+def test_checkpoints_remember_which_keys_wanted_the_gpu():
+    gpu = CopyingArrays()
+    shard = Shard(1, placements=Placements(HostArrays(), gpu))
+    shard.init('i', 'dev', 0, 'float32', [2], True, wire([1, 2]), device=True)
+    shard.init('i', 'host', 0, 'float32', [2], True, wire([3, 4]))
+    blob = snapshot(shard)
+    again = Shard(1, placements=Placements(HostArrays(), gpu))
+    restore(again, blob)
+    assert again.entries[('dev', 0)].arrays is gpu
+    assert type(again.entries[('host', 0)].arrays) is HostArrays
+    assert snapshot(again) == blob
+
+
+def test_a_restored_key_moves_where_its_new_init_asks():
+    gpu = CopyingArrays()
+    shard = Shard(1)
+    shard.init('i', 'k', 0, 'float32', [2], True, wire([1, 2]))
+    resumed = Shard(1, placements=Placements(HostArrays(), gpu))
+    restore(resumed, snapshot(shard))
+    resumed.init('i', 'k', 0, 'float32', [2], True, wire([0, 0]), device=True)
+    entry = resumed.entries[('k', 0)]
+    assert entry.arrays is gpu and entry.device and entry.weight.tolist() == [1, 2]
+
+
+def test_a_checkpoint_of_the_previous_format_still_loads():
+    state = {'format': 'kvps.server_checkpoint/2', 'updater': None,
+             'entries': [['k', 0, 'float32', [2], True, bytes(wire([5, 6])), 3, {}]]}
+    shard = Shard(1)
+    restore(shard, msgpack.packb(state, use_bin_type=True))
+    entry = shard.entries[('k', 0)]
+    assert entry.weight.tolist() == [5, 6] and not entry.device and entry.restored
