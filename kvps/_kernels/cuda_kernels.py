@@ -5,56 +5,28 @@ in registers and stores once, so it runs at memory bandwidth. The arithmetic mir
 reference operation by operation (same order, same host-computed constants, no FMA
 contraction: --fmad=false), so results agree bit for bit where the operations are IEEE
 (+ - * / sqrt); LAMB's norms are reductions in a different order and agree to rounding.
-cupy is imported lazily: importing kvps never needs it.
+Kernels are cupy RawKernels over source from cuda_source; `multi_update` runs many small keys
+in one launch. cupy is imported lazily: importing kvps never needs it.
 """
 
 import functools
+import threading
 
 import numpy as np
 
-from kvps._kernels import common
+from kvps._kernels import common, cuda_source as src
+from kvps.errors import ShapeError
 
 _OPTIONS = ('--fmad=false',)
-
-# bfloat16 lives in uint16 storage; float16 goes through cupy's float16 (operator float, and
-# a constructor from float that rounds to nearest even); everything is computed in KC.
-_PREAMBLE = r'''
-__device__ __forceinline__ float kv_bf16_to_f32(unsigned short u) {
-    return __uint_as_float(((unsigned int)u) << 16);
-}
-__device__ __forceinline__ unsigned short kv_f32_to_bf16(float f) {
-    unsigned int x = __float_as_uint(f);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((x >> 16) | 0x40u);
-    x += 0x7fffu + ((x >> 16) & 1u);
-    return (unsigned short)(x >> 16);
-}
-template <typename C, typename T> __device__ __forceinline__ C kv_ld(T x) { return (C)(float)x; }
-template <typename C> __device__ __forceinline__ C kv_ld(double x) { return (C)x; }
-template <typename C> __device__ __forceinline__ C kv_ld(unsigned short x) {
-    return (C)kv_bf16_to_f32(x);
-}
-template <typename D, typename C> __device__ __forceinline__ void kv_st(D& d, C v) {
-    d = D((float)v);
-}
-template <typename C> __device__ __forceinline__ void kv_st(double& d, C v) { d = (double)v; }
-template <typename C> __device__ __forceinline__ void kv_st(unsigned short& d, C v) {
-    d = kv_f32_to_bf16((float)v);
-}
-template <typename C> __device__ __forceinline__ C kv_clip(C x, C c) {
-    return c < 0 ? x : (x > c ? c : (x < -c ? -c : x));   /* NaN passes, as np.clip */
-}
-template <typename C> __device__ __forceinline__ C kv_sign(C x) {
-    return (C)((x > 0) - (x < 0));
-}
-template <typename T> __device__ __forceinline__ double kv_sq(T x) {
-    double v = kv_ld<double>(x);
-    return v * v;
-}
-'''
+MULTI_MAX = 1 << 16      # keys of up to this many elements share multi-tensor launches
+MAX_KEYS_PER_LAUNCH = 65535   # gridDim.y
+_UNFUSED = ('lamb_update',)   # reductions between two passes: launched key by key
 
 PREP = 'g = kv_clip<KC>(g * s_rescale, s_clip);'
 PREP_WD = PREP + ' g = g + s_wd * w;'
 MOMENTS = 'mean = s_beta1 * mean + s_omb1 * g; var = s_beta2 * var + s_omb2 * (g * g);'
+
+_collecting = threading.local()   # .plans: a list while multi_update gathers, else unset
 
 
 def _cupy():
@@ -63,72 +35,84 @@ def _cupy():
 
 
 @functools.lru_cache(maxsize=None)
-def _elementwise(tag, ins, outs, code):
-    cp = _cupy()
-    return cp.ElementwiseKernel(', '.join(ins), ', '.join(outs), code, name=f'kvps_{tag}',
-                                preamble=_PREAMBLE, options=_OPTIONS, no_return=True)
+def _compiled(code, name):
+    return _cupy().RawKernel(code, name, options=_OPTIONS)
 
 
-@functools.lru_cache(maxsize=None)
-def _sumsq_kernel():
-    cp = _cupy()
-    return cp.ReductionKernel('T x', 'float64 y', 'kv_sq(x)', 'a + b', 'y = a', '0',
-                              'kvps_sumsq', preamble=_PREAMBLE, options=_OPTIONS)
+def _contiguous(array, written):
+    """The kernels index flat memory: inputs are made contiguous, outputs must be."""
+    if array.flags.c_contiguous:
+        return array
+    if written:
+        raise ShapeError('optimizer state and weights must be C-contiguous arrays')
+    return _cupy().ascontiguousarray(array)
 
 
-def _array_params(weight, grad, states, weight32, write_weight):
-    """Parameter declarations, arguments, and the load/store code for the arrays."""
+def _plan(tag, core, weight, grad, states, weight32, scalars, write_weight=True,
+          extra_in=(), extra_out=(), raws=(), wide=()):
+    """The Plan of one update: the master weight (``p_w``), the low-precision weight it
+    rounds into, the grad, the states [(local name, array or None)], extra element-wise
+    arrays [(name, array)], ``raws`` indexed freely, and the scalars (compute dtype, or
+    double for names in ``wide``)."""
+    common.check_arrays(weight, grad, {n: a for n, a in states}, weight32)
     master = weight32 if weight32 is not None else weight
-    ins, outs, args_in, args_out = [], [], [], []
-    loads, stores = ['KC w = kv_ld<KC>(p_w);'], []
-    (outs if write_weight else ins).append(f'{master.dtype} p_w')
-    (args_out if write_weight else args_in).append(master)
+    arrays, loads, stores = [('w', master, write_weight)], ['KC w = kv_ld<KC>(p_w);'], []
     if write_weight:
         stores.append('kv_st(p_w, w);')
         if weight32 is not None:  # the low-precision weight gets the rounded master
-            outs.append(f'{weight.dtype} p_weight')
-            args_out.append(weight)
+            arrays.append(('weight', weight, True))
             stores.append('kv_st(p_weight, w);')
     if grad is not None:
-        ins.append(f'{grad.dtype} p_g')
-        args_in.append(grad)
+        arrays.append(('g', grad, False))
         loads.append('KC g = kv_ld<KC>(p_g);')
     for name, arr in states:
         if arr is not None:
-            outs.append(f'{arr.dtype} p_{name}')
-            args_out.append(arr)
+            arrays.append((name, arr, True))
             loads.append(f'KC {name} = kv_ld<KC>(p_{name});')
             stores.append(f'kv_st(p_{name}, {name});')
-    return ins, outs, args_in, args_out, loads, stores
+    arrays += [(name, arr, False) for name, arr in extra_in]
+    arrays += [(name, arr, True) for name, arr in extra_out]
+    arrays = [(name, _contiguous(arr, written), written) for name, arr, written in arrays]
+    body = '\n'.join(loads + [core] + stores)
+    return src.Plan(tag, common.compute_dtype_name(master), int(master.size), arrays, body,
+                    [(name, value, name in wide) for name, value in scalars.items()],
+                    list(raws))
 
 
-def _launch(tag, core, weight, grad, states, weight32, scalars, write_weight=True,
-            extra_in=(), extra_out=(), wide=()):
-    """Generate (once per variant and dtypes) and run the elementwise kernel for `core`.
+def _launch(*args, **kwargs):
+    """Plan one update and run it now, or hand it to multi_update when that is gathering."""
+    plan = _plan(*args, **kwargs)
+    plans = getattr(_collecting, 'plans', None)
+    if plans is not None:
+        plans.append(plan)
+    else:
+        _run(plan)
 
-    states: [(local name, array or None)]; scalars: name -> value, passed as the compute
-    dtype (names in `wide` as float64); extra_in/out: [(param decl, array)] used by core.
-    """
-    common.check_arrays(weight, grad, {n: a for n, a in states}, weight32)
-    master = weight32 if weight32 is not None else weight
-    cname = common.compute_dtype_name(master)
-    ins, outs, args_in, args_out, loads, stores = _array_params(weight, grad, states,
-                                                                weight32, write_weight)
-    for decl, arr in extra_in:
-        ins.append(decl)
-        args_in.append(arr)
-    for decl, arr in extra_out:
-        outs.append(decl)
-        args_out.append(arr)
-    for name, value in scalars.items():
-        dt = 'float64' if name in wide else cname
-        ins.append(f'{dt} s_{name}')
-        args_in.append(np.dtype(dt).type(value))
-    ctype = 'double' if cname == 'float64' else 'float'
-    code = '\n'.join([f'typedef {ctype} KC;'] + loads + [core] + stores)
-    kernel = _elementwise(tag, tuple(ins), tuple(outs), code)
-    with master.device:
-        kernel(*args_in, *args_out)
+
+def _run(plan):
+    if plan.n == 0:
+        return
+    scalars = [np.dtype('float64' if wide else plan.compute).type(value)
+               for _, value, wide in plan.scalars]
+    args = [np.int64(plan.n), *(a for _, a, _ in plan.arrays), *(r for _, r in plan.raws),
+            *scalars]
+    with plan.arrays[0][1].device:
+        kernel = _compiled(src.source(plan), plan.kernel_name())
+        kernel((src.blocks_for(plan.n),), (src.THREADS,), tuple(args))
+
+
+def _run_multi(plans):
+    """One launch over the keys of ``plans`` (same signature, same device): a table row per
+    key of its element count and array pointers, and a row of its scalars."""
+    cp, first = _cupy(), plans[0]
+    table = np.array([[p.n] + [a.data.ptr for _, a, _ in p.arrays] for p in plans], np.int64)
+    scal = np.array([[float(v) for _, v, _ in p.scalars] for p in plans], np.float64)
+    with first.arrays[0][1].device:
+        kernel = _compiled(src.source(first, multi=True), first.kernel_name(multi=True))
+        # cupy's memory pool reuses these buffers only on this stream, after the kernel
+        rows, scalars = cp.asarray(table), cp.asarray(scal)
+        blocks = src.blocks_for(max(p.n for p in plans))
+        kernel((blocks, len(plans)), (src.THREADS,), (rows, scalars))
 
 
 def _base(lr, wd, rescale_grad, clip_gradient, **more):
@@ -227,20 +211,35 @@ def lamb_update(weight, grad, mean, var, lr, wd, rescale_grad, clip_gradient, be
     cp = _cupy()
     master = weight32 if weight32 is not None else weight
     c1, c2 = common.lamb_coeffs(beta1, beta2, t, bias_correction)
-    d = cp.empty(master.shape, dtype=common.compute_dtype_name(master))
+    with master.device:
+        d = cp.empty(master.shape, dtype=common.compute_dtype_name(master))
     core1 = PREP + MOMENTS + (' p_d = (mean / s_c1) / (sqrt(var / s_c2) + s_epsilon)'
                               ' + s_wd * w;')
     sc = _base(lr, wd, rescale_grad, clip_gradient, c1=c1, c2=c2,
                **_moment_scalars(beta1, beta2, epsilon))
     _launch('lamb_phase1', core1, weight, grad, [('mean', mean), ('var', var)], weight32, sc,
-            write_weight=False, extra_out=[(f'{d.dtype} p_d', d)])
-    with master.device:
-        sums = cp.stack([_sumsq_kernel()(master), _sumsq_kernel()(d)])
+            write_weight=False, extra_out=[('d', d)])
+    sums = _sums_of_squares(master, d)
     bounds = dict(lr=lr, lower=common.off_if_not_positive(lower_bound),
                   upper=common.off_if_not_positive(upper_bound))
     _launch('lamb_phase2', _LAMB_RATIO, weight, None, [], weight32, bounds,
-            extra_in=[('raw float64 p_r', sums), (f'{d.dtype} p_d', d)],
-            wide=('lr', 'lower', 'upper'))
+            extra_in=[('d', d)], raws=[('r', sums)], wide=('lr', 'lower', 'upper'))
+
+
+def _sums_of_squares(*arrays):
+    """A float64 device array of each array's sum of squares, accumulated in double in a
+    fixed order (the same result every run): per-block partials, then one block per row."""
+    cp, width = _cupy(), src.THREADS
+    with arrays[0].device:
+        partial = cp.empty(len(arrays) * width, cp.float64)
+        for row, arr in enumerate(arrays):
+            dtype = str(arr.dtype)
+            kernel = _compiled(src.sumsq_source(dtype), src.sumsq_name(dtype))
+            kernel((width,), (width,), (arr, np.int64(arr.size), partial[row * width:]))
+        sums = cp.empty(len(arrays), cp.float64)
+        rows = _compiled(src.sumsq_source('float64'), 'kvps_sum_rows')
+        rows((len(arrays),), (width,), (partial, sums))
+    return sums
 
 
 def ftrl_update(weight, grad, z, n, lr, wd, rescale_grad, clip_gradient, lamda1=0.01, beta=1.0,
@@ -305,9 +304,44 @@ def from_host(array, like):
 
 
 def multi_update(calls):
-    """Many small keys. Documented fallback: one launch per key, queued back to back on the
-    stream without synchronising, so the cost is launch overhead (~5 us per key), not a
-    device round trip. A packed pointer-table launch is future work.
-    calls: [(fn_name, args, kwargs)]."""
+    """Many keys in few launches (multi-tensor apply). calls: [(fn_name, args, kwargs)].
+
+    Each call is planned as usual; keys of up to MULTI_MAX elements whose plans share a
+    kernel (same rule, dtypes and device) run in one launch, bigger keys and LAMB key by
+    key. Every launch goes to the same stream, and a key met again is flushed first, so
+    no key's updates reorder."""
+    pending, seen = {}, set()   # (kernel signature, device) -> plans; weights pending
+
+    def flush():
+        for group in pending.values():
+            for start in range(0, len(group), MAX_KEYS_PER_LAUNCH):
+                chunk = group[start:start + MAX_KEYS_PER_LAUNCH]
+                _run(chunk[0]) if len(chunk) == 1 else _run_multi(chunk)
+        pending.clear()
+        seen.clear()
+
     for name, args, kwargs in calls:
-        globals()[name](*args, **kwargs)
+        fn, weight = globals()[name], args[0].data.ptr
+        if weight in seen:
+            flush()
+        if name in _UNFUSED:
+            fn(*args, **kwargs)
+            continue
+        seen.add(weight)
+        for plan in _planned(fn, args, kwargs):
+            if plan.n > MULTI_MAX:
+                _run(plan)
+            else:
+                key = (plan.signature(), plan.arrays[0][1].device.id)
+                pending.setdefault(key, []).append(plan)
+    flush()
+
+
+def _planned(fn, args, kwargs):
+    """The plans ``fn`` would launch, gathered instead of launched."""
+    _collecting.plans = []
+    try:
+        fn(*args, **kwargs)
+        return _collecting.plans
+    finally:
+        _collecting.plans = None

@@ -18,32 +18,7 @@ from kvps._kernels import kernels_for, multi_apply, numpy_kernels as K  # noqa: 
 from kvps.optimizer import create  # noqa: E402
 from kvps.server.updater import Updater  # noqa: E402
 
-BASE = dict(lr=0.05, wd=0.01, rescale_grad=0.5, clip_gradient=0.8)
-CASES = [
-    ('sgd', ['mom'], dict(momentum=0.0), False),
-    ('sgd', ['mom'], dict(momentum=0.9), True),
-    ('sgd', ['mom'], dict(momentum=0.9, nesterov=True), True),
-    ('nag', ['mom'], dict(momentum=0.8), True),
-    ('adam', ['mean', 'var'], dict(beta1=0.9, beta2=0.99, epsilon=1e-8), True),
-    ('adamw', ['mean', 'var'], dict(beta1=0.85, beta2=0.995, epsilon=1e-7), True),
-    ('adagrad', ['history'], dict(epsilon=1e-6), True),
-    ('rmsprop', ['var', 'mean', 'mom'], dict(rho=0.9, epsilon=1e-8), True),
-    ('rmsprop', ['var', 'mean', 'mom'], dict(rho=0.95, momentum=0.8, epsilon=1e-6,
-                                             centered=True, clip_weights=0.9), True),
-    ('lamb', ['mean', 'var'], dict(beta1=0.9, beta2=0.999, epsilon=1e-6), True),
-    ('lamb', ['mean', 'var'], dict(bias_correction=False, lower_bound=0.5, upper_bound=3.0),
-     True),
-    ('ftrl', ['z', 'n'], dict(lamda1=0.01, beta=1.0), True),
-    ('signum', ['mom'], dict(momentum=0.9, wd_lh=0.01), True),
-    ('signum', ['mom'], dict(momentum=0.0, wd_lh=0.02), False),
-    ('test', [], {}, False),
-]
-NEEDS_T = {'adam', 'adamw', 'lamb'}
-# (weight storage, grad storage, fp32 master): 'bfloat16' is uint16 storage
-DTYPES = [('float32', 'float32', False), ('float64', 'float64', False),
-          ('float64', 'float32', False), ('float16', 'float16', False),
-          ('float16', 'float16', True), ('bfloat16', 'float32', True),
-          ('bfloat16', 'bfloat16', False)]
+from test_cuda_source import BASE, CASES, DTYPES, NEEDS_T, live_states, state_dtype  # noqa: E402,E501
 
 
 def _store(x, dtype):
@@ -51,10 +26,8 @@ def _store(x, dtype):
 
 
 def _states(name, states, hyper, like, dtype):
-    live = states if hyper.get('momentum', 1.0) != 0.0 or name not in ('sgd', 'signum') else []
-    live = ['var'] if name == 'rmsprop' and not hyper.get('centered') else live
     return {s: np.zeros(like.shape, np.uint16 if dtype == 'bfloat16' else dtype)
-            for s in live}
+            for s in live_states(name, states, hyper)}
 
 
 def _run(mod, name, states, hyper, w, st, master, g_steps):
@@ -77,7 +50,7 @@ def test_cuda_kernel_matches_numpy(name, states, hyper, _, wdt, gdt, mp):
     x = rng.standard_normal(70001)  # several numpy blocks, odd size for the GPU grid
     w = _store(x, wdt)
     master = (K.bf16_to_f32(w) if wdt == 'bfloat16' else w.astype(np.float32)) if mp else None
-    sdt = 'float32' if mp or (name == 'lamb' and wdt in ('float16', 'bfloat16')) else wdt
+    sdt = state_dtype(name, wdt, mp)
     st = _states(name, states, hyper, w, sdt)
     g_steps = [_store(rng.standard_normal(x.size) * 1.5, gdt) for _ in range(5)]
     got = _run(C, name, states, hyper, w, st, master, g_steps)
@@ -100,6 +73,45 @@ def test_kernels_for_and_multi_apply_on_device():
     multi_apply([('test_update', (w, cp.ones_like(w)), dict(lr=0.1, wd=0.0, rescale_grad=2.0,
                                                            clip_gradient=None)) for w in ws])
     assert all(bool((w == 2).all()) for w in ws)
+
+
+@pytest.mark.parametrize('name,states,hyper,_', CASES,
+                         ids=[f'{c[0]}-{i}' for i, c in enumerate(CASES)])
+def test_multi_tensor_apply_matches_key_by_key(name, states, hyper, _):
+    """Many keys of mixed sizes and dtypes in multi-tensor launches give, bit for bit, what
+    one launch per key gives (LAMB and keys over MULTI_MAX go key by key anyway)."""
+    rng = np.random.default_rng(5)
+    keys = []
+    for n, (wdt, gdt, mp) in zip([1, 7, 300, 5000, C.MULTI_MAX, C.MULTI_MAX + 3, 2, 99],
+                                 DTYPES + DTYPES[:1]):
+        w = _store(rng.standard_normal(n), wdt)
+        master = (K.bf16_to_f32(w) if wdt == 'bfloat16' else w.astype(np.float32)) if mp \
+            else None
+        keys.append((w, _states(name, states, hyper, w, state_dtype(name, wdt, mp)), master,
+                     _store(rng.standard_normal(n), gdt)))
+
+    def calls(copies):
+        out = []
+        for w, st, master, g in copies:
+            extra = {'t': 2} if name in NEEDS_T else {}
+            out.append((name + '_update', (w, g, *[st.get(s) for s in states]),
+                        dict(BASE, **hyper, **extra, weight32=master)))
+        return out
+
+    def on_device():
+        return [(cp.asarray(w), {k: cp.asarray(v) for k, v in st.items()},
+                 None if m is None else cp.asarray(m), cp.asarray(g)) for w, st, m, g in keys]
+    fused, alone = on_device(), on_device()
+    for _ in range(3):
+        C.multi_update(calls(fused))
+        for fn, args, kwargs in calls(alone):
+            getattr(C, fn)(*args, **kwargs)
+    for (w1, st1, m1, _), (w2, st2, m2, _) in zip(fused, alone):
+        np.testing.assert_array_equal(cp.asnumpy(w1), cp.asnumpy(w2))
+        for k in st1:
+            np.testing.assert_array_equal(cp.asnumpy(st1[k]), cp.asnumpy(st2[k]))
+        if m1 is not None:
+            np.testing.assert_array_equal(cp.asnumpy(m1), cp.asnumpy(m2))
 
 
 def test_widen_matches_numpy():
