@@ -19,15 +19,20 @@ MAX_BLOCKS = 8192       # grid-stride loops cover the rest
 CTYPES = {'float32': 'float', 'float64': 'double', 'float16': 'kv_f16', 'uint16': 'kv_bf16'}
 _SHORT = {'float32': 'f32', 'float64': 'f64', 'float16': 'f16', 'uint16': 'bf16'}
 
-PREAMBLE = r'''
-struct kv_f16 { unsigned short x; };
-struct kv_bf16 { unsigned short x; };
+# The float16 conversions, the only PTX here (the CPU emulation in the tests swaps them).
+HALF_CONVERSIONS = r'''
 __device__ __forceinline__ float kv_f16_to_f32(unsigned short h) {
     float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
 }
 __device__ __forceinline__ unsigned short kv_f32_to_f16(float f) {
     unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
 }
+'''
+
+PREAMBLE = r'''
+struct kv_f16 { unsigned short x; };
+struct kv_bf16 { unsigned short x; };
+''' + HALF_CONVERSIONS + r'''
 __device__ __forceinline__ float kv_bf16_to_f32(unsigned short u) {
     return __uint_as_float(((unsigned int)u) << 16);
 }
@@ -117,6 +122,11 @@ def _pointer_decl(name, arr, written):
 
 def source(plan, multi=False):
     """The complete CUDA C source of ``plan``'s kernel, named ``plan.kernel_name(multi)``."""
+    return PREAMBLE + definition(plan, multi)
+
+
+def definition(plan, multi=False):
+    """The kernel alone: its compute type and its function, after PREAMBLE."""
     kc = _ctype_of_compute(plan.compute)
     head = [f'typedef {kc} KC;']
     if not multi:
@@ -140,7 +150,7 @@ def source(plan, multi=False):
             if re.search(rf'\bs_{name}\b', plan.body):   # (unread ones would warn)
                 ctype = 'double' if wide else 'KC'
                 prologue.append(f'const {ctype} s_{name} = ({ctype})sc[{index}];')
-    return '\n'.join([PREAMBLE, *head,
+    return '\n'.join([*head,
                       f'extern "C" __global__ void {plan.kernel_name(multi)}(',
                       '        ' + ',\n        '.join(params) + ') {',
                       *('    ' + line for line in prologue),
