@@ -4,7 +4,9 @@ GB/s counts the bytes an update must move at the least: weight and each state re
 written, the gradient read (float32: 4 bytes x elements x (3 + 2 x states)), over the median
 time of one update. copy_gbps is a copy of one array of the same element count on the same
 device (read + write bytes over time), the ceiling a streaming kernel can approach.
-One JSON line per (optimizer, device, size).
+One JSON line per (optimizer, device, size). Then, per device, many small keys (as a model's
+biases and norms) updated key by key against `multi_update` (one multi-tensor launch per rule
+on a GPU; a loop on the CPU, so about 1x there).
 
     python benchmarks/bench_kernels.py            # 1M and 16M float32 elements
     python benchmarks/bench_kernels.py --quick    # 1M only, few repetitions
@@ -97,6 +99,27 @@ def bench(dev, label, n, reps):
             'ratio_to_copy': round(gbps / copy_gbps, 3), 'ms': round(seconds * 1e3, 3)}
 
 
+def bench_many(dev, label, keys, n, reps):
+    """``keys`` keys of ``n`` elements: key by key against one multi_update call."""
+    kernel, nstates, hyper = CONFIGS[label]
+    xp, fn = dev.xp, getattr(dev.mod, kernel)
+    rng = np.random.default_rng(1)
+    sets = [(xp.asarray(rng.standard_normal(n).astype(np.float32)),
+             xp.asarray(rng.standard_normal(n).astype(np.float32)),
+             [xp.ones(n, np.float32) for _ in range(nstates)]) for _ in range(keys)]
+    calls = [(kernel, (w, g, *states), dict(BASE, **hyper)) for w, g, states in sets]
+
+    def one_by_one():
+        for _, args, kwargs in calls:
+            fn(*args, **kwargs)
+    alone = _median(dev, one_by_one, lambda: None, reps)
+    together = _median(dev, lambda: dev.mod.multi_update(calls), lambda: None, reps)
+    return {'bench': 'kernels_many_keys', 'optimizer': label, 'device': dev.name,
+            'dtype': 'float32', 'keys': keys, 'elements_per_key': n,
+            'ms_key_by_key': round(alone * 1e3, 3), 'ms_multi_tensor': round(together * 1e3, 3),
+            'speedup': round(alone / together, 2)}
+
+
 def devices(which):
     out = [Host()] if which in ('all', 'cpu') else []
     if which in ('all', 'cuda'):
@@ -116,6 +139,9 @@ def main():
     ap.add_argument('--optimizers', nargs='+', default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument('--device', choices=['all', 'cpu', 'cuda'], default='all')
     ap.add_argument('--reps', type=int, default=None)
+    ap.add_argument('--many-keys', type=int, default=512, help='small keys for the multi-'
+                    'tensor comparison (0: skip it)')
+    ap.add_argument('--key-elements', type=int, default=4096)
     args = ap.parse_args()
     sizes = args.sizes or ([1 << 20] if args.quick else [1 << 20, 1 << 24])
     for dev in devices(args.device):
@@ -123,6 +149,9 @@ def main():
             reps = args.reps or (3 if args.quick else (10 if n <= 1 << 22 else 5))
             for label in args.optimizers:
                 print(json.dumps(bench(dev, label, n, reps)), flush=True)
+        for label in args.optimizers if args.many_keys else ():
+            print(json.dumps(bench_many(dev, label, args.many_keys, args.key_elements,
+                                        args.reps or 5)), flush=True)
 
 
 if __name__ == '__main__':

@@ -30,8 +30,11 @@ class LocalBackend:
         return None
 
     def push(self, items):
-        for key, flat, dtype in items:
-            self.shard.push(None, _ME, key, 0, dtype, True, memoryview(flat).cast('B'))
+        def push_each():   # updates together, as a server does for one message
+            for key, flat, dtype in items:
+                self.shard.push(None, _ME, key, 0, dtype, True, memoryview(flat).cast('B'))
+            return []
+        self.shard.together(push_each)
 
     def pull(self, items):
         for key, out, _ in items:

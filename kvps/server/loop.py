@@ -241,7 +241,8 @@ class Server:
             return self.shard.push(item_token, token[0], key, part, dtype, h['sync'], buffer,
                                    seq)
         payloads = self.regions.payloads(token[0], h['keys'], buffers)
-        return self._each_key(token, P.PUSH, h['keys'], payloads, push_one)
+        return self.shard.together(
+            lambda: self._each_key(token, P.PUSH, h['keys'], payloads, push_one))
 
     def _pull(self, token, h, buffers):
         def pull_one(item_token, item, _):

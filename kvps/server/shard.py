@@ -99,6 +99,8 @@ class Shard:
         self.entries = {}          # (key, part) -> Entry
         self.finished = {}         # worker -> pushes it made per key, frozen at finish
         self.updates = 0           # updates applied over all keys (drives checkpoints)
+        self._due = None           # while gathering: (key, part) -> Entry whose update waits
+        self._released = []        # while gathering: replies the applied updates freed
 
     # -- init -----------------------------------------------------------------------------
     def init(self, token, key, part, dtype, shape, sync, data, device=False):
@@ -149,9 +151,14 @@ class Shard:
         if seq is not None and seq < count:
             return self._acknowledge_again(entry, seq, token)
         if not entry.sync:
-            self._apply(entry, data)
             entry.pushed[worker] = count + 1 if seq is None else seq + 1
-            return [('ack', token, None)]
+            if not self._gather(entry):
+                self._apply(entry, data)
+                return [('ack', token, None)]
+            xp = entry.arrays.xp
+            xp.copyto(entry.writable_merge(xp), entry.arrays.received(data, entry.dtype))
+            entry.held.append(token)
+            return []
         round_index = count
         self._check_round_possible(entry, round_index)
         entry.pushed[worker] = round_index + 1
@@ -200,16 +207,63 @@ class Shard:
     def _close_rounds(self, entry):
         """Apply every round that is now complete; answer what waited on it."""
         replies = []
-        while len(entry.merged) == self.num_workers:
+        while len(entry.merged) == self.num_workers and not self._gather(entry):
             self._apply(entry)
-            replies += [('ack', t, None) for t in entry.held]
-            entry.held, entry.merged = [], set()
-            replies += self._answer_deferred(entry)
-            ready = [q for q in entry.queued if q[1] == entry.version]
-            entry.queued = [q for q in entry.queued if q[1] != entry.version]
-            for worker, _, data, token in ready:
-                self._merge(entry, worker, data, token)
+            replies += self._finish_round(entry)
         return replies
+
+    def _finish_round(self, entry):
+        """The round's update is applied: ack its pushers, answer the pulls that waited for
+        it, and merge the pushes queued for the next round."""
+        replies = [('ack', t, None) for t in entry.held]
+        entry.held, entry.merged = [], set()
+        replies += self._answer_deferred(entry)
+        ready = [q for q in entry.queued if q[1] == entry.version]
+        entry.queued = [q for q in entry.queued if q[1] != entry.version]
+        for worker, _, data, token in ready:
+            self._merge(entry, worker, data, token)
+        return replies
+
+    # -- updates of many keys together (multi-tensor apply) -------------------------------
+    def together(self, handle):
+        """Run ``handle()`` (pushes of many keys, e.g. one message) with the optimizer updates
+        it makes due gathered, then apply them in one multi-tensor pass: on a GPU many small
+        keys cost a few kernel launches, not one each. Returns handle's replies and those
+        that waited on the updates."""
+        self._due, self._released = {}, []
+        try:
+            replies = handle()
+        finally:   # even when handle fails part way, what it merged is applied, not lost
+            try:
+                while self._due:   # a finished round may merge, and complete, the next one
+                    self._apply_due()
+                released = self._released
+            finally:
+                self._due, self._released = None, []
+        return replies + released
+
+    def _gather(self, entry):
+        """Leave ``entry``'s update to the end of ``together`` if updates are gathered; a key
+        met again first has the updates gathered so far applied (its order is kept)."""
+        if self._due is None or self.updater is None:
+            return False
+        if (entry.key, entry.part) in self._due:
+            self._apply_due()
+        self._due[(entry.key, entry.part)] = entry
+        return True
+
+    def _apply_due(self):
+        due = list(self._due.values())
+        self._due.clear()
+        self.updater.update_many([(e.key, e.part, e.writable_weight(), e.merge) for e in due])
+        for entry in due:
+            entry.version += 1
+            self.updates += 1
+            if entry.sync:
+                self._released += self._finish_round(entry) + self._close_rounds(entry)
+            else:
+                self._released += [('ack', t, None) for t in entry.held]
+                entry.held = []
 
     def _apply(self, entry, data=None):
         """Run the update with one push's ``data`` (async) or, without it, the round's sum in the

@@ -246,3 +246,96 @@ def test_rebase_of_async_keys_counts_each_worker_on_its_own():
     assert acks(shard.push('old1', W1, 'k', 0, 'float32', False, buf(1, 1), seq=3)) == ['old1']
     assert acks(shard.push('new', W1, 'k', 0, 'float32', False, buf(7, 7), seq=4)) == ['new']
     assert data_of(shard.pull('q', W0, 'k', 0)) == {'q': [7.0, 7.0]}
+
+
+# -- updates gathered over one message (multi-tensor apply) -------------------------------------
+class CountingUpdater:
+    """An SGD Updater that records how many keys each update_many call got."""
+
+    def __init__(self):
+        from kvps.optimizer import create
+        from kvps.server.updater import Updater
+        self.real = Updater(create('sgd', learning_rate=0.5).to_spec())
+        self.calls = []
+
+    def update(self, key, weight, grad, part=0):
+        self.update_many([(key, part, weight, grad)])
+
+    def update_many(self, items):
+        self.calls.append(sorted(key for key, *_ in items))
+        self.real.update_many(items)
+
+
+def many_keys(sync, num_workers=2, keys=('a', 'b', 'c')):
+    updater = CountingUpdater()
+    shard = Shard(num_workers, updater)
+    for key in keys:
+        shard.init('i', key, 0, 'float32', [2], sync, buf(1, 1))
+    return shard, updater
+
+
+def push_all(shard, worker, sync, values, keys=('a', 'b', 'c'), tag='p'):
+    def handle():
+        replies = []
+        for key, value in zip(keys, values):
+            replies += shard.push(f'{tag}-{key}', worker, key, 0, 'float32', sync,
+                                  buf(value, value))
+        return replies
+    return shard.together(handle)
+
+
+def test_rounds_one_message_completes_are_updated_in_one_pass_then_answered():
+    shard, updater = many_keys(sync=True)
+    assert push_all(shard, W0, True, [1, 2, 3], tag='w0') == []
+    pulls = [shard.pull(f'q-{key}', W0, key, 0) for key in 'abc']
+    assert pulls == [[], [], []]                       # waiting for the round
+    replies = push_all(shard, W1, True, [1, 2, 3], tag='w1')
+    assert updater.calls == [['a', 'b', 'c']]           # one multi-key update
+    assert acks(replies) == sorted(f'{w}-{k}' for w in ('w0', 'w1') for k in 'abc')
+    # w -= 0.5 * (sum of the two pushes)
+    assert {k: data_of(shard.pull('q', W0, k, 0))['q'] for k in 'abc'} == {
+        'a': [0.0, 0.0], 'b': [-1.0, -1.0], 'c': [-2.0, -2.0]}
+
+
+def test_pulls_waiting_on_a_gathered_round_get_the_updated_weight():
+    shard, _ = many_keys(sync=True, keys=('a',))
+    push_all(shard, W0, True, [1], keys=('a',))
+    assert shard.pull('q', W0, 'a', 0) == []
+    replies = push_all(shard, W1, True, [1], keys=('a',))
+    assert data_of(replies) == {'q': [0.0, 0.0]}
+
+
+def test_a_queued_next_round_completed_by_a_gathered_update_is_applied_too():
+    shard, updater = many_keys(sync=True, keys=('a',))
+    push_all(shard, W0, True, [1], keys=('a',), tag='r1')
+    push_all(shard, W0, True, [3], keys=('a',), tag='r2')    # round 2, queued
+    replies = push_all(shard, W1, True, [1, 1], keys=('a', 'a'), tag='x')   # rounds 1 and 2
+    assert acks(replies) == ['r1-a', 'r2-a', 'x-a', 'x-a'] and len(updater.calls) == 2
+    assert data_of(shard.pull('q', W0, 'a', 0)) == {'q': [-2.0, -2.0]}   # 1 - 0.5*2 - 0.5*4
+
+
+def test_the_same_async_key_twice_in_one_message_is_updated_twice_in_order():
+    shard, updater = many_keys(sync=False, num_workers=1)
+    replies = push_all(shard, W0, False, [1, 2, 4], keys=('a', 'b', 'a'))
+    assert acks(replies) == ['p-a', 'p-a', 'p-b']
+    assert updater.calls == [['a', 'b'], ['a']]
+    assert data_of(shard.pull('q', W0, 'a', 0)) == {'q': [-1.5, -1.5]}   # 1 - 0.5 - 2
+
+
+def test_a_failing_push_does_not_lose_the_updates_gathered_before_it():
+    shard, updater = many_keys(sync=False, num_workers=1)
+
+    def handle():
+        shard.push('ok', W0, 'a', 0, 'float32', False, buf(2, 2))
+        shard.push('bad', W0, 'a', 0, 'float64', False, buf(2, 2, dtype=np.float64))
+    with pytest.raises(DTypeError):
+        shard.together(handle)
+    assert updater.calls == [['a']]
+    assert data_of(shard.pull('q', W0, 'a', 0)) == {'q': [0.0, 0.0]}
+
+
+def test_without_an_optimizer_nothing_is_gathered():
+    shard = Shard(1)
+    shard.init('i', 'a', 0, 'float32', [2], True, buf(1, 1))
+    replies = shard.together(lambda: shard.push('p', W0, 'a', 0, 'float32', True, buf(5, 6)))
+    assert acks(replies) == ['p'] and data_of(shard.pull('q', W0, 'a', 0)) == {'q': [5.0, 6.0]}
