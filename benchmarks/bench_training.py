@@ -1,0 +1,114 @@
+"""Training steps of a torch MLP through kvps and through torch DDP (gloo), side by side.
+
+What a user compares before adopting kvps: the time of one synchronous data-parallel step
+(forward, backward, gradient exchange, SGD with momentum) with W workers on this host.
+Systems: `kvps` (Trainer, SGD on the servers), `kvps-local` (Trainer with
+update_on_kvstore=False: gradients summed through the servers, SGD on each worker) and
+`ddp` (DistributedDataParallel over gloo, the all-reduce torch users run). Models: `wide`
+(784-1024-1024-1024-10, 8 tensors, 11.6 MB) and `deep` (40 layers of 256, 82 tensors,
+11 MB). One JSON line per (model, system) and a ratio line per model (kvps ms / DDP ms:
+below 1, kvps is faster). Every process runs torch with one thread.
+
+    python benchmarks/bench_training.py                  # W=2 S=1, both models, ~2 min
+    python benchmarks/bench_training.py --workers 4 --servers 2 --models wide
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402  (benchmarks/ is not a package)
+
+SYSTEMS = ('kvps', 'kvps-local', 'ddp')
+WORKER = str(Path(__file__).resolve().parent / 'training_worker.py')
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--workers', type=int, default=2)
+    p.add_argument('--servers', type=int, default=1)
+    p.add_argument('--models', default='wide,deep')
+    p.add_argument('--systems', default=','.join(SYSTEMS))
+    p.add_argument('--steps', type=int, default=20)
+    p.add_argument('--batch', type=int, default=64)
+    p.add_argument('--launches', type=int, default=1, help='runs per (model, system)')
+    p.add_argument('--timeout', type=float, default=300.0)
+    p.add_argument('--out', default=None, help='directory for results.jsonl')
+    return p.parse_args()
+
+
+def run_ddp_job(workers, argv, out_dir, timeout):
+    """W DDP processes meeting through a FileStore in ``out_dir``; returns (rc, log)."""
+    rendezvous = Path(out_dir) / 'rendezvous'
+    rendezvous.unlink(missing_ok=True)
+    log_path = Path(out_dir) / 'ddp.log'
+    procs = []
+    with open(log_path, 'w') as log:
+        for rank in range(workers):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(workers),
+                       KVPS_BENCH_RENDEZVOUS=str(rendezvous), GLOO_SOCKET_IFNAME='lo',
+                       OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
+            procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        rc = 0
+        for proc in procs:
+            try:
+                rc = rc or proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                rc = 124
+        for proc in procs:
+            if proc.poll() is None:
+                _common._stop_group(proc)
+    return rc, log_path.read_text(errors='replace')
+
+
+def run_one(args, model, system, out_dir):
+    """ms per step on rank 0 (None if the run failed) for one (model, system)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    argv = [_common.PY, WORKER, '--system', system, '--model', model, '--steps', str(args.steps),
+            '--batch', str(args.batch), '--out', str(out_dir)]
+    if system == 'ddp':
+        rc, log = run_ddp_job(args.workers, argv, out_dir, args.timeout)
+    else:
+        rc, log, _, _ = _common.run_kvps_job(args.workers, args.servers, argv, out_dir,
+                                             args.timeout, tag=f'training-{system}')
+    records = _common.read_worker_records(out_dir, args.workers)
+    if rc != 0 or len(records) != args.workers:
+        _common.note(f'{model}/{system} failed (rc {rc}):\n{log[-2000:]}')
+        return None, records
+    return records[0]['ms_step_median'], records
+
+
+def main():
+    args = parse_args()
+    out = Path(args.out or _common.default_out_dir('training'))
+    lines = _common.JsonLines(out, 'training')
+    for model in args.models.split(','):
+        ms = {}
+        for system in args.systems.split(','):
+            runs = []
+            for launch in range(args.launches):
+                value, records = run_one(args, model, system,
+                                         out / f'{model}-{system}-{launch}')
+                runs.append(value)
+            done = [r for r in runs if r is not None]
+            ms[system] = _common.median(done)
+            first = records[0] if records else {}
+            lines.emit({'model': model, 'system': system, 'workers': args.workers,
+                        'servers': args.servers if system != 'ddp' else None,
+                        'params': first.get('params'), 'tensors': first.get('tensors'),
+                        'batch': args.batch, 'ms_step': ms[system], 'ms_step_runs': runs})
+        if ms.get('ddp'):
+            lines.emit({'model': model, 'kind': 'ratio', 'vs': 'ddp',
+                        **{f'{s}_over_ddp': round(ms[s] / ms['ddp'], 2)
+                           for s in ms if s != 'ddp' and ms[s]}})
+    _common.note(f'results in {lines.path}')
+
+
+if __name__ == '__main__':
+    main()

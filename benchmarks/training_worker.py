@@ -1,0 +1,105 @@
+#!/usr/bin/env python
+"""Worker of bench_training: times training steps of a torch MLP, through kvps or torch DDP.
+
+Systems (--system):
+  kvps        kvps.Trainer on dist_sync, SGD with momentum on the servers (update_on_kvstore)
+  kvps-local  kvps.Trainer on dist_sync, gradients summed through the servers, SGD on the worker
+  ddp         torch.nn.parallel.DistributedDataParallel over gloo, torch.optim.SGD locally
+kvps workers are started by `python -m kvps.launch`; DDP workers by bench_training.py with
+RANK, WORLD_SIZE and KVPS_BENCH_RENDEZVOUS (a file for gloo's FileStore: no fixed port).
+
+One step = forward, backward, and the optimizer step on every worker (synchronous data
+parallel training, the same arithmetic in the three systems). Writes <out>/worker<rank>.json
+with the per-step times after warm-up.
+"""
+import argparse
+import json
+import os
+import statistics
+import time
+
+MODELS = {   # name -> layer widths: 'wide' has few big tensors, 'deep' many small ones
+    'wide': [784, 1024, 1024, 1024, 10],
+    'deep': [784] + [256] * 40 + [10],
+}
+
+
+def parse_args():
+    p = argparse.ArgumentParser()
+    p.add_argument('--system', choices=['kvps', 'kvps-local', 'ddp'], required=True)
+    p.add_argument('--model', choices=sorted(MODELS), default='wide')
+    p.add_argument('--batch', type=int, default=64, help='samples per worker and step')
+    p.add_argument('--steps', type=int, default=20)
+    p.add_argument('--warmup', type=int, default=3)
+    p.add_argument('--out', required=True)
+    return p.parse_args()
+
+
+def build(name, torch):
+    widths = MODELS[name]
+    layers = []
+    for fan_in, fan_out in zip(widths, widths[1:]):
+        layers += [torch.nn.Linear(fan_in, fan_out), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def ddp_step_fn(args, model, torch):
+    import torch.distributed as dist
+    dist.init_process_group('gloo', init_method='file://' + os.environ['KVPS_BENCH_RENDEZVOUS'],
+                            rank=int(os.environ['RANK']),
+                            world_size=int(os.environ['WORLD_SIZE']))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+
+    def step(x, y):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return step, dist.get_rank(), dist.barrier
+
+
+def kvps_step_fn(args, model, torch):
+    import kvps
+    kv = kvps.create('dist_sync')
+    trainer = kvps.Trainer(model.named_parameters(), 'sgd',
+                           {'learning_rate': 0.01, 'momentum': 0.9}, kvstore=kv,
+                           update_on_kvstore=args.system == 'kvps')
+
+    def step(x, y):
+        trainer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y, reduction='sum').backward()
+        trainer.step(args.batch * kv.num_workers)
+    return step, kv.rank, kv.barrier
+
+
+def main():
+    args = parse_args()
+    import torch
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build(args.model, torch)
+    make = ddp_step_fn if args.system == 'ddp' else kvps_step_fn
+    step, rank, barrier = make(args, model, torch)
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, MODELS[args.model][0], generator=gen)
+    y = torch.randint(0, 10, (args.batch,), generator=gen)
+    for _ in range(args.warmup):
+        step(x, y)
+    barrier()
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step(x, y)
+        times.append(time.perf_counter() - start)
+    barrier()
+    params = sum(p.numel() for p in model.parameters())
+    record = {'rank': rank, 'system': args.system, 'model': args.model, 'params': params,
+              'tensors': len(list(model.parameters())), 'batch': args.batch,
+              'ms_step_median': round(statistics.median(times) * 1e3, 3),
+              'ms_steps': [round(t * 1e3, 3) for t in times]}
+    with open(os.path.join(args.out, f'worker{rank}.json'), 'w') as f:
+        json.dump(record, f)
+
+
+if __name__ == '__main__':
+    main()
