@@ -14,6 +14,8 @@ from .server.updater import Updater
 
 __all__ = ['Trainer', 'ParameterMismatchError', 'StaleGradientError']
 
+BUCKET_BYTES = 4 << 20   # gradients per push while backward runs (DDP's default is 25 MB)
+
 
 class Trainer:
     """Applies an optimizer to torch parameters, as ``mxnet.gluon.Trainer`` does.
@@ -24,8 +26,9 @@ class Trainer:
     KVStore; one process holds one device, so only 'dist*' names create a store.
     ``update_on_kvstore``: None lets Gluon's rules choose (servers update in async and by
     default in sync; False sums gradients through the servers and updates on every worker).
-    ``overlap`` (kvps): in distributed mode, send each gradient as soon as backward has
-    accumulated it; turn off to accumulate several backward passes before ``step``.
+    ``overlap`` (kvps): in distributed mode, send gradients while backward runs, in buckets
+    of about ``bucket_bytes`` (the last one when backward ends), as DDP does; turn off to
+    accumulate several backward passes before ``step``.
 
     Parameters may live on CUDA devices when the store is a device store ('dist_sync_device',
     'dist_async_device') or there is none: gradients and weights then pass through pinned host
@@ -36,7 +39,8 @@ class Trainer:
     """
 
     def __init__(self, params, optimizer, optimizer_params=None, kvstore='device',
-                 compression_params=None, update_on_kvstore=None, *, overlap=True):
+                 compression_params=None, update_on_kvstore=None, *, overlap=True,
+                 bucket_bytes=BUCKET_BYTES):
         self._params = collect(params)
         self._trainable = [p for p in self._params if p.trainable]
         self._optimizer = _make_optimizer(optimizer, optimizer_params)
@@ -54,6 +58,7 @@ class Trainer:
             self._init_store()
         self._note_grads()
         self._overlap = bool(overlap) and self._distributed
+        self._bucket = _Bucket(self._kv, bucket_bytes) if self._kv is not None else None
         # Servers without an optimizer just sum, so gradients may flow from the first backward;
         # with update_on_kvstore they must wait until step() has sent the optimizer (it needs
         # rescale_grad, i.e. the batch size).
@@ -226,13 +231,14 @@ class Trainer:
                     'step() after every backward(), or create the Trainer with overlap=False '
                     'to accumulate gradients over several backward passes')
             self._push(p, p.tensor.grad)
+            self._bucket.flush_when_backward_ends()
         self._fresh.add(p.key)
 
     def _push(self, p, grad):
         # Every trainable parameter is pushed every step (zeros when it has no gradient):
         # a sync round completes only when every worker has pushed into it.
         value = grad if grad is not None else p.tensor.new_zeros(p.tensor.shape)
-        self._kv.push(p.key, value, priority=-p.key)
+        self._bucket.add(p.key, value)
         self._pushed.add(p.key)
 
     def _allreduce_grads(self):
@@ -242,6 +248,7 @@ class Trainer:
         for p in self._trainable:
             if p.key not in self._pushed:
                 self._push(p, p.tensor.grad)
+        self._bucket.flush()
         for p in self._trainable:
             if not self._update_on_kvstore and p.tensor.grad is None:
                 p.tensor.grad = p.tensor.new_zeros(p.tensor.shape)
@@ -282,6 +289,43 @@ class Trainer:
 
     def _note_grads(self):
         self._seen_grads = {p.key: p.tensor.grad for p in self._trainable}
+
+
+class _Bucket:
+    """Gradients waiting to leave in one push (one message per server for their small parts),
+    sent once they hold ``cap`` bytes, when backward ends, or at ``step``: many small
+    tensors cost a few messages instead of one each, and a gradient still leaves before
+    backward returns, so code run between backward and step never changes what was sent."""
+
+    def __init__(self, kv, cap):
+        if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
+            raise ValueError(f'bucket_bytes must be an int >= 0, got {cap!r}')
+        self._kv, self._cap = kv, cap
+        self._keys, self._values, self._bytes = [], [], 0
+        self._callback_queued = False
+
+    def add(self, key, value):
+        self._keys.append(key)
+        self._values.append(value)
+        self._bytes += value.numel() * value.element_size()
+        if self._bytes >= self._cap:
+            self.flush()
+
+    def flush(self):
+        self._callback_queued = False
+        if self._keys:
+            keys, values = self._keys, self._values
+            self._keys, self._values, self._bytes = [], [], 0
+            self._kv.push(keys, values)
+
+    def flush_when_backward_ends(self):
+        """Called from a gradient hook: send what is left once this backward pass is over
+        (autograd's end-of-pass callback, the one DDP uses)."""
+        if self._callback_queued or not self._keys:
+            return
+        import torch
+        torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+        self._callback_queued = True
 
 
 def _hook(ref, p):

@@ -195,6 +195,54 @@ def test_overlap_pushes_during_backward_and_refuses_a_second_backward():
     assert torch.all(y == -2)
 
 
+class PushLog(KVStore):
+    """A dist_sync store on the in-process backend that records each push call's keys."""
+
+    def __init__(self):
+        super().__init__('dist_sync', LocalBackend())
+        self.pushes = []
+
+    def push(self, key, value, priority=0):
+        self.pushes.append(list(key) if isinstance(key, list) else [key])
+        super().push(key, value, priority)
+
+
+def test_gradients_leave_in_buckets_and_the_last_one_before_backward_returns():
+    params = [param(0, (256,)) for _ in range(5)]             # 1 KiB each
+    store = PushLog()
+    t = Trainer(params, 'sgd', {'learning_rate': 1.0}, kvstore=store,
+                update_on_kvstore=False, bucket_bytes=2048)
+    backward(*params)
+    # autograd reaches the parameters in reverse: full buckets of two as they fill, and the
+    # last, half-full one when backward ends
+    assert [sorted(keys) for keys in store.pushes] == [[3, 4], [1, 2], [0]]
+    assert t._pushed == set(range(5))
+    t.step(1)
+    assert len(store.pushes) == 3 and all(torch.all(p == -1) for p in params)
+
+
+def test_a_bucket_size_of_zero_sends_each_gradient_alone_and_bad_sizes_are_refused():
+    params = [param(0) for _ in range(3)]
+    store = PushLog()
+    t = Trainer(params, 'sgd', kvstore=store, update_on_kvstore=False, bucket_bytes=0)
+    backward(*params)
+    assert sorted(store.pushes) == [[0], [1], [2]]
+    t.step(1)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match='bucket_bytes'):
+            Trainer([param(0)], 'sgd', kvstore=fake_store('dist_sync'), bucket_bytes=bad)
+
+
+def test_what_backward_did_not_send_leaves_in_one_push_at_step():
+    params = [param(0) for _ in range(3)]
+    store = PushLog()
+    t = Trainer(params, 'sgd', {'learning_rate': 1.0}, kvstore=store, overlap=False)
+    backward(*params)
+    assert store.pushes == []
+    t.step(1)
+    assert store.pushes == [[0, 1, 2]] and all(torch.all(p == -1) for p in params)
+
+
 # -- learning rate -------------------------------------------------------------------------
 
 @pytest.mark.parametrize('kvstore, uok', [(None, None), ('local', True), ('local', False)])
