@@ -27,7 +27,9 @@ def _gxx_has_float16():
                            input=b'_Float16 h = (_Float16)1.5f;\n', timeout=60)
     return probe.returncode == 0
 
+
 pytestmark = pytest.mark.skipif(not _gxx_has_float16(), reason='needs g++ with _Float16')
+
 SHIM = r'''
 #include <cmath>
 #include <cstring>
@@ -51,6 +53,7 @@ static inline unsigned short kv_f32_to_f16(float f) {
     _Float16 v = (_Float16)f; unsigned short h; std::memcpy(&h, &v, 2); return h;
 }
 '''
+
 
 @pytest.fixture(scope='module')
 def library(tmp_path_factory):
@@ -78,6 +81,7 @@ def library(tmp_path_factory):
                     str(where / 'kernels.cpp')], check=True, capture_output=True, timeout=300)
     return ctypes.CDLL(str(where / 'kernels.so'))
 
+
 class HostDevice(np.ndarray):
     """numpy memory dressed as a cupy array for the kernels' Python side."""
 
@@ -89,23 +93,29 @@ class HostDevice(np.ndarray):
     def data(self):
         return types.SimpleNamespace(ptr=self.ctypes.data)
 
+
 def on_host(array):
     return np.ascontiguousarray(array).view(HostDevice)
+
 
 def _pointer(array):
     return ctypes.c_void_p(array.ctypes.data)
 
+
 def _scalar(value, wide, compute):
     return ctypes.c_double(value) if wide or compute == 'float64' else ctypes.c_float(value)
+
 
 def _f64(array):
     return K.bf16_to_f32(array).astype(np.float64) if array.dtype == np.uint16 \
         else array.astype(np.float64)
 
+
 @pytest.fixture
 def emulated(library, monkeypatch):
     """cuda_kernels running on the CPU through ``library``; returns the launch log."""
     log = []
+
     def run(plan):
         if plan.n == 0:
             return
@@ -127,6 +137,7 @@ def emulated(library, monkeypatch):
             y.value = row
             getattr(library, plans[0].kernel_name(multi=True))(_pointer(table), _pointer(scal))
         y.value = 0
+
     monkeypatch.setattr(C, '_cupy', lambda: types.SimpleNamespace(
         empty=lambda shape, dtype: on_host(np.empty(shape, dtype))))
     monkeypatch.setattr(C, '_sums_of_squares', lambda *arrays: on_host(
@@ -135,8 +146,10 @@ def emulated(library, monkeypatch):
     monkeypatch.setattr(C, '_run_multi', run_multi)
     return log
 
+
 def _store(x, dtype):
     return K.f32_to_bf16(x.astype(np.float32)) if dtype == 'bfloat16' else x.astype(dtype)
+
 
 def _key(rng, n, name, states, hyper, wdt, gdt, mp):
     """(weight, {state: array}, master or None, [grads]) for one key."""
@@ -147,16 +160,19 @@ def _key(rng, n, name, states, hyper, wdt, gdt, mp):
           for s in live_states(name, states, hyper)}
     return w, st, master, [_store(rng.standard_normal(n) * 1.5, gdt) for _ in range(3)]
 
+
 def _calls(name, states, hyper, keys, step, t):
     extra = {'t': t} if name in NEEDS_T else {}
     return [(name + '_update', (w, grads[step], *[st.get(s) for s in states]),
              dict(BASE, **hyper, **extra, weight32=master)) for w, st, master, grads in keys]
+
 
 def _copy(keys, as_device):
     wrap = on_host if as_device else np.copy
     return [(wrap(w), {k: wrap(v) for k, v in st.items()},
              None if m is None else wrap(m), [wrap(g) for g in grads])
             for w, st, m, grads in keys]
+
 
 def _assert_same(name, got_keys, want_keys):
     for got, want in zip(got_keys, want_keys):
@@ -172,6 +188,7 @@ def _assert_same(name, got_keys, want_keys):
             else:
                 np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
+
 @pytest.mark.parametrize('wdt,gdt,mp', DTYPES, ids=['-'.join(map(str, d)) for d in DTYPES])
 @pytest.mark.parametrize('name,states,hyper,_', CASES,
                          ids=[f'{c[0]}-{i}' for i, c in enumerate(CASES)])
@@ -185,6 +202,7 @@ def test_each_kernel_gives_the_numpy_result_bit_for_bit(emulated, name, states, 
         for fn, args, kwargs in _calls(name, states, hyper, host, step, step + 1):
             getattr(K, fn)(*args, **kwargs)
     _assert_same(name, device, host)
+
 
 @pytest.mark.parametrize('name,states,hyper,_', CASES,
                          ids=[f'{c[0]}-{i}' for i, c in enumerate(CASES)])
