@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 
-from . import arrays, devices, states
+from . import arrays, compression, devices, states
 from .config import Config
 from .errors import (ConfigError, DuplicateInitError, KeyNotInitializedError, KeyTypeError,
                      KVPSError)
@@ -76,6 +76,7 @@ class KVStore:
         self._backend = backend
         self._meta = {}            # key -> (shape, dtype name)
         self._key_kind = None
+        self._codec = None         # gradient compression of pushes (set_gradient_compression)
 
     # -- identity -------------------------------------------------------------------------
     @property
@@ -115,8 +116,21 @@ class KVStore:
             shape, dtype = self._known(k)
             for v in values:
                 arrays.check_like(v, shape, dtype, k, 'pushed value')
+        if self._codec is not None:
+            for k, _ in pairs:
+                compression.check_compressible(k, self._meta[k][1])
+            self._backend.push([(k, self._encoded(k, values), self._codec.name)
+                                for k, values in pairs])
+            return
         self._backend.push([(k, self._host_copy(k, values, stage=True), self._meta[k][1])
                             for k, values in pairs])
+
+    def set_gradient_compression(self, compression_params):
+        """Compress pushed gradients, as MXNet does: ``{'type': '2bit', 'threshold': 0.5}``
+        sends each element as +threshold, -threshold or 0 and keeps the difference on this
+        worker for later pushes (``None`` or type 'none': off). Pulls stay exact. Every worker
+        should set the same; see kvps.compression."""
+        self._codec = compression.parse(compression_params)
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
         """Write the current values into ``out`` (in place), after this worker's pushes."""
@@ -204,6 +218,18 @@ class KVStore:
         self.close()
 
     # -- values ---------------------------------------------------------------------------
+    def _encoded(self, key, values):
+        """One compressed payload per part of the key (as the backend splits it), each in
+        the memory the backend sends from when it has some."""
+        grad = self._host_copy(key, values)
+        payloads = []
+        for _, part, start, stop in self._parts(key):
+            size = compression.nbytes(self._codec.name, stop - start)
+            out = self._backend.stage(size)
+            out = np.empty(size, np.uint8) if out is None else out
+            payloads.append(self._codec.encode(key, part, grad[start:stop], out))
+        return payloads
+
     def _on_gpu(self, key, values):
         return devices.takes_device_path(values, self._device, self._type, key)
 

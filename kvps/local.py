@@ -3,6 +3,7 @@
 import numpy as np
 
 from .arrays import writable_flat
+from .protocol import TWO_BIT
 from .server.shard import Shard
 
 _ME = b'local'
@@ -32,7 +33,8 @@ class LocalBackend:
     def push(self, items):
         def push_each():   # updates together, as a server does for one message
             for key, flat, dtype in items:
-                self.shard.push(None, _ME, key, 0, dtype, True, memoryview(flat).cast('B'))
+                data = flat[0] if dtype == TWO_BIT else flat   # compressed: one part
+                self.shard.push(None, _ME, key, 0, dtype, True, memoryview(data).cast('B'))
             return []
         self.shard.together(push_each)
 

@@ -13,7 +13,7 @@ import numpy as np
 from .errors import ProtocolError
 
 # Node <-> scheduler.
-VERSION = 3                  # bumped on any change of the wire format; checked at REGISTER
+VERSION = 4                  # bumped on any change of the wire format; checked at REGISTER
 REGISTER = 'register'        # node -> scheduler: {role, host, port, rank, pid, version}
 # scheduler -> node: {rank, num_workers, num_servers, servers, nodes, recovery_timeout}; to a
 # server that replaces a lost one also {restarted: True, finished: [worker ranks]}
@@ -97,6 +97,9 @@ DTYPES = {
     'bfloat16': np.uint16,
     'int8': np.int8, 'uint8': np.uint8, 'int32': np.int32, 'int64': np.int64,
 }
+# Compressed gradients (kvps.compression), a PUSH item dtype only: a float32 threshold, then
+# four 2-bit codes per byte.
+TWO_BIT = '2bit'
 MAX_HEADER_BYTES = 1 << 20   # headers are small maps; a bigger one is hostile or broken
 MAX_KEY_CHARS = 1024
 
@@ -190,7 +193,7 @@ def _check_items(op, items):
         if not isinstance(item, list) or len(item) != width:
             raise ProtocolError(f'{op}: each item must be a list of {width} fields')
         check_key(item[0])
-        if op in _SIZED:
+        if op in _SIZED and not (op == PUSH and item[2] == TWO_BIT):
             _check_dtype(op, item[2])
         for name, value in zip(_COUNTS[op], item[1:]):
             if name and not _natural(value) and not (name == 'at' and value is None):
@@ -226,6 +229,8 @@ def _check_buffers(header, buffers, max_message_bytes):
 
 def nbytes(dtype_name, n):
     """Bytes of ``n`` elements of a wire dtype."""
+    if dtype_name == TWO_BIT:
+        return 4 + (n + 3) // 4
     return n * np.dtype(DTYPES[dtype_name]).itemsize
 
 

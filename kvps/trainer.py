@@ -173,9 +173,10 @@ class Trainer:
         if not compression_params:
             return
         setter = getattr(self._kv, 'set_gradient_compression', None)
-        if setter is None:
-            warnings.warn('kvps does not compress gradients yet; compression_params are '
-                          'ignored and gradients travel at full precision', stacklevel=3)
+        if setter is None:   # a store object of the user's own making
+            warnings.warn(f'the store {type(self._kv).__name__} has no '
+                          'set_gradient_compression; compression_params are ignored and '
+                          'gradients travel at full precision', stacklevel=3)
         else:
             setter(compression_params)
 

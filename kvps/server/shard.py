@@ -14,8 +14,10 @@ from a worker is answered once the round of that worker's latest push has comple
 
 import dataclasses
 
+from .. import compression
 from ..errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInitializedError,
                       KVPSError, ShapeError)
+from ..protocol import TWO_BIT
 from .placement import HostArrays, Placements
 
 
@@ -146,6 +148,10 @@ class Shard:
         A push whose ``seq`` is already counted was resent to a restarted server: it is
         acknowledged, not applied again."""
         entry = self._entry(key, part)
+        if dtype == TWO_BIT:   # a compressed gradient: decoded, then as any other push
+            compression.check_compressible(key, entry.dtype)
+            data = memoryview(compression.decode(data, entry.n, entry.dtype)).cast('B')
+            dtype = entry.dtype
         self._check_push(entry, dtype, sync, data)
         count = entry.pushed.get(worker, 0)
         if seq is not None and seq < count:

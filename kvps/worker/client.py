@@ -107,7 +107,8 @@ class DistClient:
         block from ``stage``) to the key's servers, small parts fused into one message per
         server; do not wait."""
         self._raise_pending_errors()
-        nbytes = sum(flat.nbytes for _, flat, _ in items)
+        nbytes = sum(sum(p.nbytes for p in flat) if dtype == P.TWO_BIT else flat.nbytes
+                     for _, flat, dtype in items)
         self._make_room(nbytes)
         batches = fuse(self._parts_of(items))
         op = Operation(_describe('push', items), len(batches), on_error=self._errors.append)
@@ -116,7 +117,7 @@ class DistClient:
             node = server_name(server)
             keys, frames, keep = [], [], []
             for key, part, flat, dtype in batch:
-                data = flat[part.start:part.stop]
+                data = payload(part, flat, dtype)
                 at = None if staging is None else staging.offset_in(node, data)
                 keys.append([key, part.part, dtype, part.stop - part.start, at])
                 (frames if at is None else keep).append(data)
@@ -259,7 +260,7 @@ def fuse(parts):
     it while the next one is still on the wire."""
     open_batches, batches = {}, []
     for item in parts:
-        server, nbytes = item[1].server, (item[1].stop - item[1].start) * item[2].itemsize
+        server, nbytes = item[1].server, payload(*item[1:]).nbytes
         if nbytes > FUSE_BYTES:
             batches.append((server, [item]))
             continue
@@ -270,6 +271,12 @@ def fuse(parts):
         batch[0] += nbytes
         batch[1].append(item)
     return batches
+
+
+def payload(part, array, dtype):
+    """What one part of an item carries: its slice of the flat array, or, for a compressed
+    push, its own encoded payload (``array`` is then the list of them, one per part)."""
+    return array[part.part] if dtype == P.TWO_BIT else array[part.start:part.stop]
 
 
 def _copier(batch, blocks):

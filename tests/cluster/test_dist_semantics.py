@@ -127,3 +127,50 @@ def test_dist_sync_runs_the_optimizer_once_per_round_on_the_sum(job):
     assert result.returncode == 0, result.output
     for res in result.results().values():
         assert res['w'] == [1.0 - 4 * 0.5 * 6.0] * 6
+
+
+COMPRESSED_SCRIPT = '''
+import hashlib
+kv = kvps.create(os.environ['STORE'])
+r = kv.rank
+sizes = [3000, 5, 1200000]       # key 0 split over both servers; key 2's parts in shared memory
+kv.init([0, 1, 2], [np.zeros(3000, np.float32), np.zeros(5), np.zeros(1200000, np.float32)])
+kv.set_optimizer(kvps.optimizer.create('test', rescale_grad=1.0))   # w += the pushed sum
+kv.set_gradient_compression({'type': '2bit', 'threshold': 0.5})
+rng = np.random.default_rng(r)
+for step in range(3):
+    kv.push([0, 1, 2], [rng.standard_normal(n).astype(np.float64 if n == 5 else np.float32)
+                        for n in sizes])
+kv.barrier()                       # async: every worker's pushes are applied after it
+outs = [np.zeros(3000, np.float32), np.zeros(5), np.zeros(1200000, np.float32)]
+kv.pull([0, 1, 2], out=outs)
+report(rank=r, digests=[hashlib.sha256(o.tobytes()).hexdigest() for o in outs],
+       head=[o[:5].tolist() for o in outs])
+'''
+
+
+@pytest.mark.parametrize('store', ['dist_sync', 'dist_async'])
+def test_compressed_pushes_deliver_what_the_2bit_rule_sends(job, store):
+    """Servers apply exactly what each worker's codec sends (test_compression pins the codec
+    to the rule), with key 0's parts on two servers and key 2's through shared memory."""
+    import hashlib
+
+    import numpy as np
+    from kvps import compression
+    result = job(COMPRESSED_SCRIPT, 2, 2, env={'STORE': store, 'KVPS_BIGARRAY_BOUND': '1000'})
+    assert result.returncode == 0, result.output
+    sizes = [3000, 5, 1200000]
+    want = [np.zeros(n, np.float64 if n == 5 else np.float32) for n in sizes]
+    for rank in range(2):
+        rng, codec = np.random.default_rng(rank), compression.parse({'type': '2bit'})
+        for _ in range(3):
+            for key, n in enumerate(sizes):
+                grad = rng.standard_normal(n).astype(want[key].dtype)
+                payload = codec.encode(key, 0, grad, np.empty(
+                    compression.nbytes('2bit', n), np.uint8))
+                want[key] += compression.decode(payload, n, str(want[key].dtype))
+    digests = [hashlib.sha256(w.tobytes()).hexdigest() for w in want]
+    results = result.results()
+    assert sorted(results) == [0, 1]
+    for res in results.values():
+        assert res['head'] == [w[:5].tolist() for w in want] and res['digests'] == digests

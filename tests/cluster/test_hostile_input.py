@@ -237,8 +237,9 @@ _fuzz_keys = st.one_of(
     st.integers(P.MAX_KEY_CHARS - 2, P.MAX_KEY_CHARS + 50).map(lambda n: 'k' * n),
     st.sampled_from([(1 << 63) - 1, -(1 << 63), (1 << 64) - 1]))
 _keys = st.one_of(_fuzz_keys, st.sampled_from(sorted(REAL_KEYS)))
-_dtypes = st.one_of(st.sampled_from(sorted(P.DTYPES)), st.sampled_from(
-    ['float128', 'complex64', 'object', 'bool', '', 'FLOAT32', 'float32 ', '<f4']),
+WIRE_DTYPES = sorted(P.DTYPES) + [P.TWO_BIT]   # 2bit: compressed pushes (random thresholds)
+_dtypes = st.one_of(st.sampled_from(WIRE_DTYPES), st.sampled_from(
+    ['float128', 'complex64', 'object', 'bool', '', 'FLOAT32', 'float32 ', '<f4', '2BIT']),
     st.text(max_size=8))
 # Shared-memory offsets: mostly none (a data frame), else anywhere, in range or not; this
 # test's members never attached a segment, so every offset must be refused per key.
@@ -315,8 +316,8 @@ def data_frames(draw, header):
     count = want if draw(_SMALL) else draw(_SMALL) % 4
     n, dtype = header.get('n'), header.get('dtype')
     exact = None
-    if isinstance(n, int) and isinstance(dtype, str) and dtype in P.DTYPES and 0 <= n <= 4096:
-        exact = n * np.dtype(P.DTYPES[dtype]).itemsize
+    if isinstance(n, int) and isinstance(dtype, str) and dtype in WIRE_DTYPES and 0 <= n <= 4096:
+        exact = P.nbytes(dtype, n)
     frames = []
     for _ in range(count):
         if exact is not None and draw(_SMALL) > 2:
@@ -338,7 +339,7 @@ def _packed(header):
 _POOL_KEYS = st.sampled_from(['f0', 'f1', 'f2', 100, 101, -5])
 _ANY_POOL_KEYS = st.one_of(_POOL_KEYS, st.sampled_from(sorted(REAL_KEYS)))
 _WF_OPS = st.sampled_from([P.INIT, P.PUSH, P.PULL, P.INIT, P.PUSH, P.CHECK, P.GET_STATES])
-_WF_DTYPES = st.sampled_from(sorted(P.DTYPES))
+_WF_DTYPES = st.sampled_from(WIRE_DTYPES)
 _WF_N = st.integers(0, 64)
 _WF_AT = st.one_of(st.none(), st.none(), st.none(), st.integers(0, 1 << 30))
 
@@ -357,7 +358,7 @@ def well_formed(draw):
             del header[name]
         header['keys'] = [[key, part, dtype, n, at, draw(_SMALL)] if op == P.PUSH
                           else [key, part, at]]
-    buffers = [draw(_FILL)[:1].ljust(n * np.dtype(P.DTYPES[dtype]).itemsize, b'\x02')] \
+    buffers = [draw(_FILL)[:1].ljust(P.nbytes(dtype, n), b'\x02')] \
         if writes and not (op == P.PUSH and at is not None) else []
     return [msgpack.packb(header, use_bin_type=True), *buffers]
 
@@ -628,7 +629,9 @@ def test_fuzzed_server_and_scheduler_keep_serving_exact_values(by_hand, tmp_path
     assert server.text.count('not a worker of this job') in (0, server_out.expected['auth'])
     assert server.text.count('rejected a message from') == (
         server_in.expected['reject'] + server_in.expected['reject-reply'])
-    assert server_in.expected['reject'] > 300 and server_in.expected['reply'] > 300
+    # The fuzz reaches both sides: plenty refused at decoding, plenty past it to a handler.
+    floor = SERVER_MESSAGES // 6
+    assert server_in.expected['reject'] > floor and server_in.expected['reply'] > floor
     assert scheduler.text.count('refused a message from') == \
         sched_out.expected['auth'] + sched_in.expected['auth']
     assert scheduler.text.count('rejected a message from') == sched_in.expected['reject']

@@ -1,5 +1,7 @@
 """kvps.trainer.Trainer in one process: Gluon's decision rules, scaling, lr, states, parameters."""
 
+import types
+
 import numpy as np
 import pytest
 
@@ -419,7 +421,24 @@ def test_digest_sees_names_shapes_dtypes_order_and_frozen():
     assert base == _trainer_params.digest(table(('a', a), ('b', b)))
 
 
-def test_compression_params_warn_when_unsupported():
-    with pytest.warns(UserWarning, match='compress'):
-        Trainer([param(0)], 'sgd', kvstore=kvps.create('local'),
+def test_compression_params_reach_the_store():
+    x = param(0, (4,))
+    t = Trainer([x], 'sgd', {'learning_rate': 1.0}, kvstore=fake_store('dist_sync'),
                 compression_params={'type': '2bit', 'threshold': 0.5})
+    x.grad = torch.tensor([0.7, 0.2, -0.6, 1.5])
+    t.step(1)                       # the servers get +-0.5 or 0 per element, then SGD
+    assert x.tolist() == [-0.5, 0.0, 0.5, -0.5]
+    with pytest.raises(ValueError, match='not supported'):
+        Trainer([param(0)], 'sgd', kvstore=fake_store('dist_sync'),
+                compression_params={'type': 'topk'})
+
+
+def test_compression_params_warn_when_a_custom_store_cannot_compress():
+    class Bare:
+        type = 'dist_sync'
+
+        def init(self, *a):
+            pass
+        push = pull = init
+    with pytest.warns(UserWarning, match='set_gradient_compression'):
+        Trainer._set_compression(types.SimpleNamespace(_kv=Bare()), {'type': '2bit'})

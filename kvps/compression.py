@@ -1,0 +1,105 @@
+"""Gradient compression (MXNet's 2-bit scheme): quantize with error feedback on the worker, decode on the server.
+
+``set_gradient_compression({'type': '2bit', 'threshold': t})``: before a push, each part of a
+gradient is added to its residual (what earlier pushes did not send); elements at or above
+``t`` travel as +t, at or below -t as -t, the rest as 0, and what was not sent stays in the
+residual for the next push. Nothing is lost, only delayed. Pulls are not compressed.
+
+Wire payload of one part of n elements (protocol dtype '2bit'): the threshold as a
+little-endian float32, then the codes, four per byte (element i in bits 2*(i%4) of byte
+i//4): 0 for 0, 2 for -t, 3 for +t. The server checks the threshold and decodes into the
+key's dtype before merging, so the sync and async rules are unchanged.
+"""
+
+import math
+
+import numpy as np
+
+from .errors import DTypeError, ProtocolError
+from .protocol import TWO_BIT, nbytes  # noqa: F401  (nbytes: the payload size, for callers)
+
+TYPES = (TWO_BIT,)
+_ZERO, _MINUS, _PLUS = 0, 2, 3
+DECODABLE = ('float16', 'float32', 'float64')   # bfloat16 has no numpy arithmetic here
+
+
+class TwoBit:
+    """One store's 2-bit codec: the threshold and a float32 residual per (key, part)."""
+
+    name = TWO_BIT
+
+    def __init__(self, threshold):
+        self.threshold = threshold
+        self._residuals = {}
+
+    def encode(self, key, part, grad, out):
+        """Quantize flat ``grad`` (+ the residual of (key, part)) into ``out``, a uint8 array
+        of ``nbytes('2bit', grad.size)``; the residual keeps what was not sent."""
+        residual = self._residuals.get((key, part))
+        if residual is None or residual.size != grad.size:
+            residual = self._residuals[(key, part)] = np.zeros(grad.size, np.float32)
+        np.add(residual, grad, out=residual, casting='unsafe')
+        t = np.float32(self.threshold)
+        plus, minus = residual >= t, residual <= -t
+        sign = plus.view(np.int8) - minus.view(np.int8)
+        np.subtract(residual, np.multiply(sign, t, dtype=np.float32), out=residual)
+        # codes (0, 2 = -t, 3 = +t) in bytes, then four bytes folded into one: element 4j+k
+        # sits at bit 8k of little-endian word j and moves to bits 2k of byte j
+        codes = np.zeros(-(-grad.size // 4) * 4, np.uint8)
+        np.bitwise_or(plus, minus, out=codes[:grad.size].view(bool))
+        codes <<= 1
+        codes[:grad.size] |= plus.view(np.uint8)
+        words = codes.view('<u4')
+        out[:4] = np.frombuffer(np.array(t, '<f4').tobytes(), np.uint8)
+        out[4:] = ((words & 3) | ((words >> 6) & 0xC) | ((words >> 12) & 0x30) |
+                   ((words >> 18) & 0xC0))
+        return out
+
+
+def parse(params):
+    """The codec for ``set_gradient_compression`` params (None turns compression off)."""
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise TypeError(f'compression params must be a dict such as {{"type": "2bit", '
+                        f'"threshold": 0.5}}, got {type(params).__name__}')
+    unknown = set(params) - {'type', 'threshold'}
+    if unknown:
+        raise ValueError(f'unknown gradient compression parameters {sorted(unknown)}; '
+                         'expected type and threshold')
+    kind = str(params.get('type', '')).lower()
+    if kind in ('', 'none'):
+        return None
+    if kind not in TYPES:
+        raise ValueError(f'gradient compression type {params.get("type")!r} is not '
+                         f'supported; kvps has {", ".join(TYPES)}')
+    threshold = params.get('threshold', 0.5)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or \
+            not math.isfinite(threshold) or threshold <= 0:
+        raise ValueError(f'2bit compression needs a finite threshold > 0, got {threshold!r}')
+    return TwoBit(float(threshold))
+
+
+def check_compressible(key, dtype):
+    if dtype not in DECODABLE:
+        raise DTypeError(f'key {key!r}: 2bit gradient compression handles float16, float32 '
+                         f'and float64 gradients, not {dtype}')
+
+
+def decode(payload, n, dtype):
+    """The gradient a '2bit' ``payload`` of ``n`` elements carries, as a new ``dtype`` array;
+    ProtocolError for a payload of the wrong size or with a bad threshold."""
+    raw = np.frombuffer(payload, np.uint8)
+    if raw.size != nbytes(TWO_BIT, n):
+        raise ProtocolError(f'2bit payload of {raw.size} bytes for {n} elements; expected '
+                            f'{nbytes(TWO_BIT, n)}')
+    t = float(raw[:4].view('<f4')[0])
+    if not math.isfinite(t) or t <= 0:
+        raise ProtocolError(f'2bit payload with threshold {t!r}; it must be finite and > 0')
+    table = np.zeros((256, 4), dtype)
+    byte = np.arange(256)
+    for slot in range(4):
+        code = (byte >> (2 * slot)) & 3
+        table[code == _PLUS, slot] = t
+        table[code == _MINUS, slot] = -t
+    return table[raw[4:]].reshape(-1)[:n]

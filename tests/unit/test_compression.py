@@ -1,0 +1,146 @@
+"""2-bit gradient compression: MXNet's quantization with error feedback, the wire payload, the
+server's decoding and its checks, and set_gradient_compression on a store."""
+
+import numpy as np
+import pytest
+
+import kvps
+from kvps import compression
+from kvps import protocol as P
+from kvps.errors import DTypeError, ProtocolError
+
+
+def reference(grads, t):
+    """A plain transcription of the rule: per element, residual += g; send +t if the residual
+    is >= t (and take t off it), -t if <= -t (and add t back), else 0."""
+    residual = np.zeros(len(grads[0]), np.float32)
+    sent = []
+    for g in grads:
+        out = np.zeros_like(residual)
+        for i, value in enumerate(np.asarray(g, np.float32)):
+            residual[i] += value
+            if residual[i] >= np.float32(t):
+                out[i], residual[i] = t, residual[i] - np.float32(t)
+            elif residual[i] <= -np.float32(t):
+                out[i], residual[i] = -t, residual[i] + np.float32(t)
+        sent.append(out)
+    return sent, residual
+
+
+def send(codec, grads, key='k', dtype=np.float32):
+    """What the server receives for each push of ``grads`` through ``codec``."""
+    got = []
+    for g in grads:
+        g = np.asarray(g, dtype)
+        out = np.empty(P.nbytes(P.TWO_BIT, g.size), np.uint8)
+        payload = codec.encode(key, 0, g, out)
+        got.append(compression.decode(memoryview(payload), g.size, str(g.dtype)))
+    return got
+
+
+@pytest.mark.parametrize('n', [1, 3, 4, 5, 17, 1000])
+def test_quantization_follows_the_rule_and_loses_nothing(n):
+    rng = np.random.default_rng(n)
+    grads = [rng.standard_normal(n).astype(np.float32) for _ in range(6)]
+    codec = compression.parse({'type': '2bit', 'threshold': 0.5})
+    got = send(codec, grads)
+    want, residual = reference(grads, 0.5)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    # delayed, never dropped: what was sent plus what is held back is what was pushed
+    np.testing.assert_allclose(sum(got) + residual, sum(grads), rtol=1e-5, atol=1e-5)
+
+
+def test_each_key_part_keeps_its_own_residual():
+    codec = compression.parse({'type': '2BIT', 'threshold': 1.0})
+    for key in ('a', 'b'):
+        assert send(codec, [[0.6]], key=key)[0].tolist() == [0.0]
+    assert send(codec, [[0.6]], key='a')[0].tolist() == [1.0]      # 1.2 held by 'a' only
+    assert send(codec, [[0.3]], key='b')[0].tolist() == [0.0]
+
+
+@pytest.mark.parametrize('dtype', ['float16', 'float32', 'float64'])
+def test_decoding_gives_the_keys_dtype_with_exactly_plus_minus_threshold(dtype):
+    codec = compression.parse({'type': '2bit', 'threshold': 0.25})
+    got, = send(codec, [[1.0, -1.0, 0.1, 0.25, -0.25]], dtype=dtype)
+    assert got.dtype == np.dtype(dtype) and got.tolist() == [0.25, -0.25, 0.0, 0.25, -0.25]
+
+
+def test_the_payload_is_a_float32_threshold_then_four_codes_a_byte():
+    codec = compression.parse({'type': '2bit', 'threshold': 2.0})
+    out = np.empty(P.nbytes(P.TWO_BIT, 5), np.uint8)
+    payload = codec.encode('k', 0, np.array([3, -3, 0, 3, -3], np.float32), out)
+    assert P.nbytes(P.TWO_BIT, 5) == 4 + 2
+    assert payload[:4].view('<f4')[0] == 2.0
+    assert payload[4:].tolist() == [0b11_00_10_11, 0b10]
+
+
+@pytest.mark.parametrize('params, error', [
+    ({'type': '1bit'}, 'not supported'), ({'type': '2bit', 'threshold': 0}, 'threshold'),
+    ({'type': '2bit', 'threshold': -1}, 'threshold'),
+    ({'type': '2bit', 'threshold': float('nan')}, 'threshold'),
+    ({'type': '2bit', 'threshold': True}, 'threshold'),
+    ({'type': '2bit', 'thresh': 1}, 'unknown'), ('2bit', 'dict'),
+])
+def test_bad_parameters_are_refused(params, error):
+    with pytest.raises((ValueError, TypeError), match=error):
+        compression.parse(params)
+
+
+def test_none_and_type_none_turn_compression_off():
+    assert compression.parse(None) is None and compression.parse({'type': 'none'}) is None
+
+
+@pytest.mark.parametrize('payload, message', [
+    (np.array(0.5, '<f4').tobytes() + bytes(3), 'expected 6'),
+    (np.array(np.nan, '<f4').tobytes() + bytes(2), 'threshold'),
+    (np.array(-1.0, '<f4').tobytes() + bytes(2), 'threshold'),
+    (np.array(np.inf, '<f4').tobytes() + bytes(2), 'threshold'),
+])
+def test_the_server_refuses_malformed_payloads(payload, message):
+    with pytest.raises(ProtocolError, match=message):
+        compression.decode(payload, 5, 'float32')
+
+
+def test_the_unused_code_decodes_to_zero():
+    payload = np.array(1.0, '<f4').tobytes() + bytes([0b01_01_01_01])
+    assert compression.decode(payload, 4, 'float32').tolist() == [0.0] * 4
+
+
+def test_a_store_pushes_compressed_values_and_pulls_exact_ones():
+    kv = kvps.create('local')
+    kv.init([0, 1], [np.zeros(4, np.float32), np.zeros(3)])
+    kv.set_optimizer(kvps.optimizer.create('test', rescale_grad=1.0))   # w += g
+    kv.set_gradient_compression({'type': '2bit', 'threshold': 0.5})
+    for _ in range(3):
+        kv.push([0, 1], [[np.full(4, 0.2, np.float32)] * 2, np.array([1.0, -0.3, 0.0])])
+    a, b = np.zeros(4, np.float32), np.zeros(3)
+    kv.pull([0, 1], out=[a, b])
+    # 0.4 a push (two values summed first): 0, 0.5 (0.3 held), 0.5 (0.2 held); 1.0 a push:
+    # 0.5 each time (the rest held back); -0.3 a push: nothing until -0.9
+    assert a.tolist() == [1.0] * 4 and b.tolist() == [1.5, -0.5, 0.0]
+    kv.set_gradient_compression(None)
+    kv.push(1, np.array([0.25, 0.25, 0.25]))
+    kv.pull(1, out=b)
+    assert b.tolist() == [1.75, -0.25, 0.25]
+
+
+def test_bfloat16_keys_cannot_be_compressed():
+    torch = pytest.importorskip('torch')
+    kv = kvps.create('local')
+    kv.init(0, torch.zeros(4, dtype=torch.bfloat16))
+    kv.set_gradient_compression({'type': '2bit'})
+    with pytest.raises(DTypeError, match='2bit'):
+        kv.push(0, torch.ones(4, dtype=torch.bfloat16))
+
+
+def test_2bit_is_a_push_dtype_only():
+    push = {'op': P.PUSH, 'id': 1, 'sync': True, 'keys': [[0, 0, '2bit', 5, None, 0]]}
+    P.validate_header(push)
+    with pytest.raises(ProtocolError, match='dtype'):
+        P.validate_header({'op': P.INIT, 'id': 1, 'key': 0, 'part': 0, 'dtype': '2bit',
+                           'n': 5, 'shape': [5], 'sync': True})
+    frames = P.encode(push, [bytes(P.nbytes('2bit', 5))])
+    P.decode(frames)
+    with pytest.raises(ProtocolError, match='need 6'):
+        P.decode(P.encode(push, [bytes(20)]))
