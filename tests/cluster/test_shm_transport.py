@@ -9,10 +9,11 @@ import pytest
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 # Keys above KVPS_BIGARRAY_BOUND (here 100k elements) are split over both servers; 'small' stays
-# under the 256 KiB shared-memory threshold. Every push and pull is counted by where its bytes
-# went, by wrapping the staging's two decisions.
+# under the shared-memory threshold (kvps.shm.MIN_BYTES, 64 KiB). Every push and pull of at
+# least that size is counted by where its bytes went, by wrapping the staging's decisions.
 SCRIPT = '''
 from kvps.optimizer import create as optimizer
+from kvps.shm import MIN_BYTES
 MODE, STEPS = os.environ['MODE'], 4
 SYNC = 'async' not in MODE
 SHAPES = {'big': (300, 1000), 'wide': (120000,), 'small': (50,), 'f64': (70000,)}
@@ -29,12 +30,12 @@ if io.staging is not None:
     offset_in, block_for = staging.offset_in, staging.block_for
     def counted_offset(node, array):
         at = offset_in(node, array)
-        if array.nbytes >= 1 << 18:
+        if array.nbytes >= MIN_BYTES:
             counts['shm_push' if at is not None else 'sock_push'] += 1
         return at
     def counted_block(node, nbytes):
         block = block_for(node, nbytes)
-        if nbytes >= 1 << 18:
+        if nbytes >= MIN_BYTES:
             counts['shm_pull' if block is not None else 'sock_pull'] += 1
         return block
     staging.offset_in, staging.block_for = counted_offset, counted_block
@@ -76,9 +77,10 @@ def test_big_payloads_go_through_shared_memory_with_exact_values(job, mode):
     for res in run(job, mode).values():
         assert res['attached'] == ['server 0', 'server 1']
         assert not res['linked']          # unlinked once mapped: a kill -9 leaves nothing
-        # parts of 256 KiB and more: big's two and f64's one, per step (+ the last pull)
-        assert (res['shm_push'], res['sock_push']) == (4 * 3, 0), res
-        assert (res['shm_pull'], res['sock_pull']) == (4 * 3 + 3, 0), res
+        # parts of 64 KiB and more: big's two (600 KB), wide's two (240 KB) and f64's one
+        # (560 KB), per step (+ the last pull); small's 200 bytes take the socket
+        assert (res['shm_push'], res['sock_push']) == (4 * 5, 0), res
+        assert (res['shm_pull'], res['sock_pull']) == (4 * 5 + 5, 0), res
 
 
 def test_shared_memory_off_sends_everything_through_the_socket(job):
