@@ -46,8 +46,8 @@ class Regions:
             if at is None:
                 out.append(next(frames))
                 continue
-            try:
-                out.append(self.view(identity, at, P.nbytes(item[2], item[3])))
+            try:   # read-only: an update must not clobber the worker's copy (it may resend it)
+                out.append(self.view(identity, at, P.nbytes(item[2], item[3])).toreadonly())
             except ProtocolError as exc:
                 out.append(exc)
         return out

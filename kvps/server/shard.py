@@ -48,7 +48,8 @@ class Entry:
     shape: tuple
     sync: bool
     weight: object                        # an array of ``arrays``' kind (numpy or cupy)
-    merge: object = None
+    merge: object = None                  # the buffer sums are made in
+    summed: object = None                 # the gradient to apply: a received array or merge
     version: int = 0                      # rounds completed (sync) / pushes applied (async)
     pushed: dict = dataclasses.field(default_factory=dict)   # worker -> pushes received
     merged: set = dataclasses.field(default_factory=set)     # workers in the open round
@@ -89,6 +90,12 @@ class Entry:
             self.merge = xp.empty_like(self.weight)
         self.merge_leases = []
         return self.merge
+
+    def take_summed(self):
+        """The round's gradient (a received buffer or the merge buffer), handed to the
+        update; the next round starts afresh."""
+        summed, self.summed = self.summed, None
+        return summed
 
 
 class Shard:
@@ -161,8 +168,7 @@ class Shard:
             if not self._gather(entry):
                 self._apply(entry, data)
                 return [('ack', token, None)]
-            xp = entry.arrays.xp
-            xp.copyto(entry.writable_merge(xp), entry.arrays.received(data, entry.dtype))
+            entry.summed = entry.arrays.received(data, entry.dtype)   # applied by together
             entry.held.append(token)
             return []
         round_index = count
@@ -202,11 +208,16 @@ class Shard:
                                 f' worker {worker} finished after {made} pushes of it')
 
     def _merge(self, entry, worker, data, token):
+        """Add one worker's push to the open round. The first is kept as received (the
+        buffer stays valid until its ack) and added to the second straight into the merge
+        buffer: the round's sum costs no copy."""
         grad, xp = entry.arrays.received(data, entry.dtype), entry.arrays.xp
-        if entry.merged:
+        if entry.summed is None:
+            entry.summed = grad
+        elif entry.summed is entry.merge:
             xp.add(entry.merge, grad, out=entry.merge)
         else:
-            xp.copyto(entry.writable_merge(xp), grad)
+            entry.summed = xp.add(entry.summed, grad, out=entry.writable_merge(xp))
         entry.merged.add(worker)
         entry.held.append(token)
 
@@ -261,7 +272,8 @@ class Shard:
     def _apply_due(self):
         due = list(self._due.values())
         self._due.clear()
-        self.updater.update_many([(e.key, e.part, e.writable_weight(), e.merge) for e in due])
+        self.updater.update_many([(e.key, e.part, e.writable_weight(), e.take_summed())
+                                  for e in due])
         for entry in due:
             entry.version += 1
             self.updates += 1
@@ -272,19 +284,16 @@ class Shard:
                 entry.held = []
 
     def _apply(self, entry, data=None):
-        """Run the update with one push's ``data`` (async) or, without it, the round's sum in the
-        merge buffer (sync); with no optimizer the value is replaced."""
-        xp = entry.arrays.xp
-        if self.updater is None:
-            if data is not None:
-                xp.copyto(entry.writable_weight(), entry.arrays.received(data, entry.dtype))
-            else:  # the merge buffer becomes the weight; the old weight is the next scratch
-                entry.weight, entry.merge = entry.merge, entry.weight
-                entry.weight_leases, entry.merge_leases = [], entry.weight_leases
+        """Run the update with one push's ``data`` (async) or, without it, the round's sum
+        (sync); with no optimizer the value is replaced."""
+        grad = entry.take_summed() if data is None else entry.arrays.received(data, entry.dtype)
+        if self.updater is not None:
+            self.updater.update(entry.key, entry.writable_weight(), grad, part=entry.part)
+        elif grad is entry.merge:  # the merge buffer becomes the weight, the old one scratch
+            entry.weight, entry.merge = entry.merge, entry.weight
+            entry.weight_leases, entry.merge_leases = [], entry.weight_leases
         else:
-            if data is not None:
-                xp.copyto(entry.writable_merge(xp), entry.arrays.received(data, entry.dtype))
-            self.updater.update(entry.key, entry.writable_weight(), entry.merge, part=entry.part)
+            entry.arrays.xp.copyto(entry.writable_weight(), grad)
         entry.version += 1
         self.updates += 1
 
@@ -328,7 +337,7 @@ class Shard:
         doomed = []
         if entry.version >= made and entry.merged:
             doomed += entry.held
-            entry.held, entry.merged = [], set()
+            entry.held, entry.merged, entry.summed = [], set(), None
         doomed += [q[3] for q in entry.queued if q[1] >= made]
         entry.queued = [q for q in entry.queued if q[1] < made]
         doomed += [t for need, t in entry.deferred if need > made]

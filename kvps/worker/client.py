@@ -110,9 +110,10 @@ class DistClient:
         nbytes = sum(sum(p.nbytes for p in flat) if dtype == P.TWO_BIT else flat.nbytes
                      for _, flat, dtype in items)
         self._make_room(nbytes)
-        batches = fuse(self._parts_of(items))
-        op = Operation(_describe('push', items), len(batches), on_error=self._errors.append)
         staging = self.io.staging
+        batches = fuse(self._parts_of(items), lambda node, data: staging is not None and
+                       staging.offset_in(node, data) is not None)
+        op = Operation(_describe('push', items), len(batches), on_error=self._errors.append)
         for server, batch in batches:
             node = server_name(server)
             keys, frames, keep = [], [], []
@@ -154,9 +155,10 @@ class DistClient:
             targets.append((key, target, dtype))
             if flat is None:
                 finish.append((out, target))
-        batches = fuse(self._parts_of(targets))
-        op = Operation(_describe('pull', items), len(batches))
         staging = self.io.staging
+        batches = fuse(self._parts_of(targets), lambda node, data: staging is not None and
+                       staging.would_place(node, data.nbytes))
+        op = Operation(_describe('pull', items), len(batches))
         for server, batch in batches:
             node = server_name(server)
             blocks = [None if staging is None else staging.block_for(
@@ -251,16 +253,18 @@ class DistClient:
             raise self.io.fatal
 
 
-FUSE_BYTES = 1 << 20   # parts up to this size share a message with others for the same server
+FUSE_BYTES = 1 << 20   # socket bytes up to which parts share a message for the same server
 
 
-def fuse(parts):
+def fuse(parts, in_shm=lambda node, data: False):
     """Group ``(key, part, array, dtype)`` by server into messages: small parts together (one
     message per server instead of one per key), a big part alone, so the server starts on
-    it while the next one is still on the wire."""
+    it while the next one is still on the wire. Parts whose bytes go through shared memory
+    (``in_shm(node, data)``) are never on the wire: they all share one message."""
     open_batches, batches = {}, []
     for item in parts:
-        server, nbytes = item[1].server, payload(*item[1:]).nbytes
+        server, data = item[1].server, payload(*item[1:])
+        nbytes = 0 if in_shm(server_name(server), data) else data.nbytes
         if nbytes > FUSE_BYTES:
             batches.append((server, [item]))
             continue

@@ -72,11 +72,14 @@ class Staging:
         frame."""
         return self.segment.offset_of(array) if node in self.attached else None
 
+    def would_place(self, node, nbytes):
+        """Whether a pulled part of ``nbytes`` from ``node`` asks for a block (it may still
+        find no room)."""
+        return nbytes >= MIN_BYTES and node in self.attached
+
     def block_for(self, node, nbytes):
         """``(offset, block)`` for ``node`` to write a pulled part into, or None."""
-        if nbytes < MIN_BYTES or node not in self.attached:
-            return None
-        return self.segment.take(nbytes)
+        return self.segment.take(nbytes) if self.would_place(node, nbytes) else None
 
     def readable(self, node, header, buffers):
         """``(header, buffers)`` that ``node`` can read: if it has not mapped the segment (a

@@ -10,7 +10,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 # Keys above KVPS_BIGARRAY_BOUND (here 100k elements) are split over both servers; 'small' stays
 # under the shared-memory threshold (kvps.shm.MIN_BYTES, 64 KiB). Every push and pull of at
-# least that size is counted by where its bytes went, by wrapping the staging's decisions.
+# least that size is counted by where its bytes went, by wrapping what the worker sends (pushes)
+# and the staging's blocks (pulls).
 SCRIPT = '''
 from kvps.optimizer import create as optimizer
 from kvps.shm import MIN_BYTES
@@ -27,18 +28,18 @@ io = kv._backend.io
 counts = {'shm_push': 0, 'sock_push': 0, 'shm_pull': 0, 'sock_pull': 0}
 if io.staging is not None:
     staging = io.staging
-    offset_in, block_for = staging.offset_in, staging.block_for
-    def counted_offset(node, array):
-        at = offset_in(node, array)
-        if array.nbytes >= MIN_BYTES:
-            counts['shm_push' if at is not None else 'sock_push'] += 1
-        return at
+    submit, block_for = io.submit, staging.block_for
+    def counted_submit(node, header, buffers, request):
+        for key, _, dtype, n, at in header['keys'] if header['op'] == 'push' else ():
+            if n * np.dtype(DTYPES[key]).itemsize >= MIN_BYTES:
+                counts['shm_push' if at is not None else 'sock_push'] += 1
+        submit(node, header, buffers, request)
     def counted_block(node, nbytes):
         block = block_for(node, nbytes)
         if nbytes >= MIN_BYTES:
             counts['shm_pull' if block is not None else 'sock_pull'] += 1
         return block
-    staging.offset_in, staging.block_for = counted_offset, counted_block
+    io.submit, staging.block_for = counted_submit, counted_block
 keys = list(SHAPES)
 kv.init(keys, [np.full(SHAPES[k], 1, DTYPES[k]) for k in keys])
 kv.set_optimizer(optimizer('test'))      # w += grad: exact, and order-free in dist_async

@@ -5,7 +5,9 @@ import pytest
 
 from kvps.errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInitializedError,
                          KVPSError, ShapeError)
+from kvps.optimizer import create
 from kvps.server.shard import Shard
+from kvps.server.updater import Updater
 
 W0, W1, W2 = b'worker-0', b'worker-1', b'worker-2'
 
@@ -120,6 +122,26 @@ def test_pushed_buffer_is_never_written():
     shard.push('a', W0, 'k', 0, 'float32', True, memoryview(g0).cast('B'))
     shard.push('b', W1, 'k', 0, 'float32', True, memoryview(g1).cast('B'))
     assert g0.tolist() == [1, 2] and g1.tolist() == [3, 4]
+
+
+@pytest.mark.parametrize('workers', [1, 2, 3])
+@pytest.mark.parametrize('optimizer', [False, True])
+def test_read_only_pushes_sum_and_update_exactly_round_after_round(workers, optimizer):
+    # Pushes arrive read-only (a worker's shared memory): the first of a round is kept as
+    # received, later ones summed into the merge buffer, whatever the number of workers.
+    updater = Updater(create('sgd', learning_rate=1.0).to_spec()) if optimizer else None
+    shard = make(num_workers=workers, values=(0.0, 0.0), updater=updater)
+    expect = np.zeros(2, np.float32)
+    for round_index in range(3):
+        grads = [np.array([w + 1, round_index], np.float32) for w in range(workers)]
+        for w, g in enumerate(grads):
+            g.flags.writeable = False
+            shard.push((round_index, w), f'worker-{w}'.encode(), 'k', 0, 'float32', True,
+                       memoryview(g).cast('B'))
+        total = sum(grads)
+        expect = expect - total if optimizer else total
+        assert data_of(shard.pull('q', W0, 'k', 0)) == {'q': expect.tolist()}
+        assert [g.tolist() for g in grads] == [[w + 1, round_index] for w in range(workers)]
 
 
 @pytest.mark.parametrize('dtype', [np.float16, np.float64])

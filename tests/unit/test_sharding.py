@@ -35,3 +35,16 @@ def test_placement_is_deterministic_and_remembered():
     p = Placement(2, 50)
     first = p.place('x', 10, 4)
     assert p.place('x', 10, 4) == first == p.parts('x')
+
+
+def test_small_parts_share_a_message_per_server_and_shared_memory_parts_all_share_one():
+    import numpy as np
+    from kvps.worker.client import FUSE_BYTES, fuse
+    from kvps.worker.sharding import Part
+    big = np.zeros(FUSE_BYTES // 2, np.uint8)          # two of these fill a socket message
+    parts = [(k, Part(k % 2, 0, 0, big.size), big, 'uint8') for k in range(8)]
+    on_socket = fuse(parts)
+    assert [(server, len(batch)) for server, batch in on_socket] == [(0, 2), (1, 2)] * 2
+    in_shm = fuse(parts, lambda node, data: node == 'server 0')
+    assert [(server, [i[0] for i in batch]) for server, batch in in_shm] == [
+        (0, [0, 2, 4, 6]), (1, [1, 3]), (1, [5, 7])]

@@ -136,6 +136,7 @@ def test_server_regions_keep_each_worker_to_its_own_segment(tmp_path):
              ['h', 0, 'float32', 4, 1 << 20, 0]]
     shm, frame, hostile = regions.payloads(b'worker-0', items, [b'ab'])
     assert P.as_array(shm, 'float32').tolist() == [1, 2, 3, 4] and frame == b'ab'
+    assert shm.readonly   # an update must not clobber the worker's copy: it may resend it
     assert isinstance(hostile, ProtocolError)
     other = regions.payloads(b'worker-1', items[:1], [])[0]
     assert isinstance(other, ProtocolError) and 'not attached' in str(other)
