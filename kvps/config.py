@@ -121,8 +121,9 @@ VARS = (
         'Move array payloads of 64 KiB and more between a worker and the servers on its host '
         'through shared memory (/dev/shm) instead of the socket (0: always the socket).'),
     Var('shm_bytes', ('KVPS_SHM_BYTES',), _positive_int, 1 << 28,
-        'Size of each worker\'s shared-memory segment (reserved at start); a payload that '
-        'finds no room in it goes through the socket.'),
+        'Size of each worker\'s shared-memory segment (reserved at start) and of each '
+        'server\'s arena for the weights its local workers pull (reserved when the first '
+        'attaches); what finds no room goes the way it would without.'),
 )
 
 _BY_FIELD = {v.field: v for v in VARS}

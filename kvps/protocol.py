@@ -13,7 +13,7 @@ import numpy as np
 from .errors import ProtocolError
 
 # Node <-> scheduler.
-VERSION = 4                  # bumped on any change of the wire format; checked at REGISTER
+VERSION = 5                  # bumped on any change of the wire format; checked at REGISTER
 REGISTER = 'register'        # node -> scheduler: {role, host, port, rank, pid, version}
 # scheduler -> node: {rank, num_workers, num_servers, servers, nodes, recovery_timeout}; to a
 # server that replaces a lost one also {restarted: True, finished: [worker ranks]}
@@ -37,10 +37,11 @@ CHECK = 'check'              # {key, dtype, shape}: verify a non-root worker's v
 # {sync, keys: [[key, part, dtype, n, at, seq], ...]} + 1 buffer per key whose `at` is None;
 # `at` (an int) says the payload lies in the worker's shared-memory segment at that offset
 # (see ATTACH). seq counts this worker's pushes of the key from 0, so a push resent to a
-# restarted server is applied only once
+# restarted server is applied only once. Optional `seen` (PUSH and PULL): see DATA's `lease`
 PUSH = 'push'
 # {keys: [[key, part, at], ...]}: `at` (an int, or None for a data frame) asks for the value to
-# be written into the worker's segment at that offset
+# be written into the worker's segment at that offset. `seen` (an int, only from a worker that
+# mapped this server's arena) also allows answers from the arena
 PULL = 'pull'
 SET_OPTIMIZER = 'set_optimizer'  # {spec}
 GET_STATES = 'get_states'    # {dump}: answered by STATES
@@ -48,24 +49,29 @@ SET_STATES = 'set_states'    # + 1 buffer: the updater state dict, msgpack
 # First message to a restarted server, unanswered: {keys: [[key, part, acked], ...]}, how many
 # of its pushes of each key part this worker has seen acknowledged
 RESUME = 'resume'
-# {name, nonce, size}: map this worker's shared-memory segment (kvps.shm); ACK or ERROR
+# {name, nonce, size}: map this worker's shared-memory segment (kvps.shm); ERROR, or ACK with
+# {arena: {name, nonce, size}} when the server keeps big weights in an arena of its own
 ATTACH = 'attach'
 
 # Replies.
 ACK = 'ack'
-DATA = 'data'                # {keys: [[key, part, dtype, n, at], ...]} + 1 buffer per key
-                             # whose `at` is None (else the value is in the segment at `at`)
+# {keys: [[key, part, dtype, n, at, lent], ...]} + 1 buffer per key whose `at` and `lent` are
+# None; else the value is in the worker's segment at `at`, or in the server's arena at `lent`.
+# With lent values the header carries `lease` (the count of such replies to this worker): the
+# server leaves those bytes unchanged until the worker's `seen` reaches it
+DATA = 'data'
 ERROR = 'error'              # {type, message, traceback, node}
 STATES = 'states'            # + 1 buffer: the server's updater state dict, msgpack
 
 # How many raw buffers follow the header for each op; ops not listed carry none, and
 # multi-key ops (PUSH, DATA) carry one per key that is not in shared memory.
 _BUFFERS = {INIT: 1, SET_STATES: 1, STATES: 1}
-_MULTI = {PUSH: 6, PULL: 3, DATA: 5, RESUME: 3}   # op -> length of each 'keys' item
+_MULTI = {PUSH: 6, PULL: 3, DATA: 6, RESUME: 3}   # op -> length of each 'keys' item
 _SIZED = (PUSH, DATA)        # their items start [key, part, dtype, n]: one buffer each
 _COUNTS = {PUSH: ('part', None, 'n', 'at', 'seq'), PULL: ('part', 'at'),
-           DATA: ('part', None, 'n', 'at'), RESUME: ('part', 'acked')}   # fields after the key
+           DATA: ('part', None, 'n', 'at', 'at'), RESUME: ('part', 'acked')}   # fields after the key
 AT = {PUSH: 4, PULL: 2, DATA: 4}   # index of `at` in an item: shared-memory offset or None
+LENT = 5                           # index of `lent` in a DATA item: arena offset or None
 MAX_KEYS_PER_MESSAGE = 1 << 16
 # Header fields each op must carry (beyond op and id), with their accepted types.
 _KEY = (int, str)
@@ -161,7 +167,7 @@ def validate_header(header):
         check_key(header['key'])
     if 'dtype' in header:
         _check_dtype(op, header['dtype'])
-    for name in ('n', 'part', 'rank', 'port', 'size'):
+    for name in ('n', 'part', 'rank', 'port', 'size', 'seen', 'lease'):
         value = header.get(name)
         if name in header and not _natural(value) and not (name == 'rank' and value is None):
             raise ProtocolError(f'{op}: {name} must be an int >= 0')
@@ -183,8 +189,8 @@ def _check_dtype(op, dtype):
 
 def _check_items(op, items):
     """Each item of a multi-key message: [key, part, at], [key, part, count],
-    [key, part, dtype, n, at] or [key, part, dtype, n, at, seq]; counts are ints >= 0, and so
-    is `at` unless it is None."""
+    [key, part, dtype, n, at, lent] or [key, part, dtype, n, at, seq]; counts are ints >= 0,
+    and so are `at` and `lent` unless they are None."""
     width = _MULTI[op]
     least = 0 if op == RESUME else 1   # a worker may hold no key of a restarted server
     if not least <= len(items) <= MAX_KEYS_PER_MESSAGE:
@@ -211,7 +217,8 @@ def check_key(key):
 def _check_buffers(header, buffers, max_message_bytes):
     op = header['op']
     sized = [] if op not in _SIZED else [
-        item[:4] for item in header['keys'] if item[AT[op]] is None]   # the rest: in shm
+        item[:4] for item in header['keys']
+        if item[AT[op]] is None and (op != DATA or item[LENT] is None)]   # the rest: in shm
     if 'dtype' in header and op in _BUFFERS:
         sized = [[header.get('key'), 0, header['dtype'], header['n']]]
     want = len(sized) if sized else _BUFFERS.get(op, 0)

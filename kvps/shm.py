@@ -3,12 +3,15 @@
 The worker creates one segment in /dev/shm (mode 0600, pages reserved up front, a random
 nonce at its start) and allocates blocks in it from a Ring; each server maps it by name once
 the nonce proves it sees the same file, and from then on reads pushes from it and writes
-pulls into it at offsets that headers carry. Headers still travel over ZeroMQ, so ordering,
-authentication and errors are unchanged. Everything a peer names here (segment name, size,
-offsets, lengths) is checked before use and rejected with ProtocolError.
+pulls into it at offsets that headers carry. A server likewise keeps the weights of big keys
+in an arena of its own (blocks from a Heap), which workers map read-only and copy pulls out
+of. Headers still travel over ZeroMQ, so ordering, authentication and errors are unchanged.
+Everything a peer names here (segment name, size, offsets, lengths) is checked before use and
+rejected with ProtocolError.
 """
 
 import collections
+import ctypes
 import glob
 import mmap
 import os
@@ -90,20 +93,60 @@ class Ring:
             return len(self._blocks)
 
 
-class Segment:
-    """The worker's side: creates the file, maps it, hands out blocks as numpy arrays that
-    give their space back when the last reference to them goes."""
+class Heap:
+    """Offsets of long-lived blocks (a server's weights): each freed block is kept for the
+    next block of its size, so keys of fixed sizes reuse their space for ever. Same contract
+    as Ring: ``alloc`` never waits (None: no room); ``free`` only queues."""
 
-    def __init__(self, name, nonce, memory):
+    def __init__(self, start, stop):
+        self._top, self.stop = start, stop
+        self._sizes = {}                                 # offset -> size, while allocated
+        self._spare = collections.defaultdict(list)      # size -> freed offsets
+        self._freed = collections.deque()
+        self._lock = threading.Lock()
+
+    def alloc(self, nbytes):
+        size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        with self._lock:
+            while self._freed:
+                offset = self._freed.popleft()
+                self._spare[self._sizes.pop(offset)].append(offset)
+            if self._spare[size]:
+                offset = self._spare[size].pop()
+            elif self._top + size <= self.stop:
+                offset, self._top = self._top, self._top + size
+            else:
+                return None
+            self._sizes[offset] = size
+            return offset
+
+    def free(self, offset):
+        self._freed.append(offset)
+
+    def __len__(self):
+        """Blocks allocated and not yet freed."""
+        return len(self._sizes) - len(self._freed)
+
+
+class Segment:
+    """One side's own file: creates it, maps it, hands out blocks as numpy arrays that give
+    their space back when the last reference to them goes (a worker's segment: from a Ring;
+    a server's arena: from a Heap)."""
+
+    def __init__(self, name, nonce, memory, allocator=Ring):
         self.name, self.nonce, self._memory = name, nonce, memory
         self.size = len(memory)
         self._view = memoryview(memory)
         self._address = np.frombuffer(memory, dtype=np.uint8).ctypes.data
-        self.ring = Ring(HEADER_BYTES, self.size)
+        self.blocks = allocator(HEADER_BYTES, self.size)
         self._linked = True
 
+    def describe(self):
+        """What a peer needs to map it: ``{name, nonce, size}`` (an ATTACH, or its answer)."""
+        return {'name': self.name, 'nonce': self.nonce, 'size': self.size}
+
     @classmethod
-    def create(cls, size, directory=SHM_DIR):
+    def create(cls, size, directory=SHM_DIR, allocator=Ring):
         """A fresh segment of ``size`` bytes; KVPSError (nothing left behind) when /dev/shm is
         missing or too full: the pages are reserved now, so a full /dev/shm can never SIGBUS
         a writer later."""
@@ -129,31 +172,34 @@ class Segment:
             os.close(fd)
         nonce = secrets.token_bytes(NONCE_BYTES)
         memory[:NONCE_BYTES] = nonce
-        segment = cls(name, nonce, memory)
+        segment = cls(name, nonce, memory, allocator)
         segment.path = path
         return segment
 
     def take(self, nbytes):
         """``(offset, uint8 array of nbytes)`` in the segment, or None when it is full. The
         block is reused only after the array and every view of it are gone."""
-        offset = self.ring.alloc(nbytes)
+        offset = self.blocks.alloc(nbytes)
         if offset is None:
             return None
         # An array made from a buffer is the .base of every view numpy derives from it, so the
         # finalizer runs only once the block and all its slices and views are gone.
         block = np.frombuffer(self._view[offset:offset + nbytes], dtype=np.uint8)
-        weakref.finalize(block, self.ring.free, offset)
+        weakref.finalize(block, self.blocks.free, offset)
         return offset, block
 
     def offset_of(self, array):
         """The offset of ``array`` if its bytes lie in this segment (a block from take)."""
-        address = array.__array_interface__['data'][0]
-        offset = address - self._address
+        offset = _address(array) - self._address
         return offset if HEADER_BYTES <= offset and offset + array.nbytes <= self.size else None
 
     def view(self, offset, nbytes):
         """The worker's own bytes at ``offset`` (offsets it chose: no check needed)."""
         return self._view[offset:offset + nbytes]
+
+    @property
+    def name_gone(self):
+        return not self._linked
 
     def unlink(self):
         """Remove the name: mappings stay valid, nobody new can open it. Idempotent."""
@@ -165,16 +211,26 @@ class Segment:
                 pass
 
 
+def _address(array):
+    """Where ``array``'s bytes start; asked per key part on every push and pull, so by the
+    fastest way numpy allows (a third of ``__array_interface__``'s cost)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+    except (TypeError, ValueError):   # read-only, or empty
+        return array.ctypes.data
+
+
 class Mapping:
-    """The server's side: a worker's segment, opened by name only if its nonce matches."""
+    """A peer's segment, opened by name only if its nonce matches: a server maps its workers'
+    segments, a worker its servers' arenas (read-only)."""
 
     def __init__(self, memory):
         self.size = len(memory)
         self._view = memoryview(memory)
 
     @classmethod
-    def open(cls, name, nonce, size, directory=SHM_DIR):
-        """Map the segment a worker announced; ProtocolError when the name is not one kvps
+    def open(cls, name, nonce, size, directory=SHM_DIR, writable=True):
+        """Map the segment a peer announced; ProtocolError when the name is not one kvps
         makes, the file is missing, not a plain file of ``size`` bytes, or its nonce differs
         (another host, another /dev/shm, another user)."""
         if not isinstance(name, str) or not _NAME.fullmatch(name):
@@ -184,14 +240,16 @@ class Mapping:
         if not HEADER_BYTES + ALIGN <= size <= MAX_SEGMENT_BYTES:
             raise ProtocolError(f'attach: size {size} out of range')
         try:
-            fd = os.open(os.path.join(directory, name), os.O_RDWR | os.O_NOFOLLOW)
+            fd = os.open(os.path.join(directory, name),
+                         (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
         except OSError as exc:
             raise ProtocolError(f'attach: cannot open {name}: {exc.strerror}') from None
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_size != size:
                 raise ProtocolError(f'attach: {name} is not a segment of {size} bytes')
-            memory = mmap.mmap(fd, size)
+            memory = mmap.mmap(fd, size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable
+                                                               else 0))
         except OSError as exc:
             raise ProtocolError(f'attach: cannot map {name}: {exc}') from None
         finally:

@@ -7,10 +7,11 @@ class Batch:
     """Keys of one PUSH or PULL message settle one by one (a sync round may finish later for
     some keys than for others); the worker gets one answer once every key has settled."""
 
-    __slots__ = ('identity', 'req_id', 'op', 'results', 'remaining', 'error', 'places')
+    __slots__ = ('identity', 'req_id', 'op', 'results', 'remaining', 'error', 'places',
+                 'reader')
 
-    def __init__(self, identity, req_id, op, size):
-        self.identity, self.req_id, self.op = identity, req_id, op
+    def __init__(self, identity, req_id, op, size, reader=None):
+        self.identity, self.req_id, self.op, self.reader = identity, req_id, op, reader
         self.results = [None] * size
         self.remaining = size
         self.error = None
@@ -28,11 +29,12 @@ class Batch:
 
     def outcome(self):
         """``(kind, payload)`` of the one reply for a settled batch: its first error, else an
-        ack (PUSH) or every key's ``(entry, array, lease, place)`` in the order asked
-        (PULL; place: None, or where in the worker's shared memory to write it)."""
+        ack (PUSH) or ``(reader, parts)`` (PULL): the worker's arena Reader or None, and every
+        key's ``(entry, array, lease, place)`` in the order asked (place: None, or where in
+        the worker's shared memory to write it)."""
         if self.error is not None:
             return 'error', self.error
         if self.op == PUSH:
             return 'ack', None
-        return 'data', [(*payload, place) for (_, payload), place in zip(self.results,
-                                                                         self.places)]
+        return 'data', (self.reader, [(*payload, place) for (_, payload), place
+                                      in zip(self.results, self.places)])

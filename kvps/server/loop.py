@@ -50,7 +50,8 @@ class Server:
         self.shard = Shard(welcome['num_workers'], placements=placements)
         # Only the job's workers may talk to a server; anyone else is refused and logged.
         self.workers = {P.worker_identity(r) for r in range(welcome['num_workers'])}
-        self.regions = Regions(config.shm)
+        self.regions = Regions(config.shm, arena_bytes=config.shm_bytes, neighbours=sum(
+            1 for n in welcome.get('nodes', ()) if n['role'] == 'worker' and n['host'] == self.link.host))
         self._outbox = []            # replies, sent once the checkpoint that covers them is written
         self._unsaved = False        # an init or optimizer change that no checkpoint holds yet
         self.checkpointer = self._resume_from_checkpoint(welcome)
@@ -103,6 +104,7 @@ class Server:
                 self._flush()
             self._checkpoint()   # a clean or aborted end keeps every applied round
         finally:
+            self.regions.close()
             self.router.close()
             self.link.close()
             self.ctx.term()
@@ -110,6 +112,7 @@ class Server:
 
     def _tick(self):
         now = time.monotonic()
+        self.regions.tick(now)
         try:
             self.link.tick(now)
         except PeerLostError as exc:
@@ -146,6 +149,7 @@ class Server:
                 self.recovery.finished.add(worker)
                 self._resumed(worker)
             else:
+                self.regions.forget(worker)
                 self._reply_all(self.shard.worker_finished(worker))
         elif op == P.SHUTDOWN:
             log.info('%s: shutting down: %s', self.name, header.get('reason', ''))
@@ -241,6 +245,7 @@ class Server:
             return self.shard.push(item_token, token[0], key, part, dtype, h['sync'], buffer,
                                    seq)
         payloads = self.regions.payloads(token[0], h['keys'], buffers)
+        self.regions.saw(token[0], h)   # before the updates: what the worker copied is free
         return self.shard.together(
             lambda: self._each_key(token, P.PUSH, h['keys'], payloads, push_one))
 
@@ -252,12 +257,14 @@ class Server:
                 batch, index = item_token
                 batch.places[index] = at, self.regions.view(token[0], at, entry.weight.nbytes)
             return self.shard.pull(item_token, token[0], key, part)
-        return self._each_key(token, P.PULL, h['keys'], [None] * len(h['keys']), pull_one)
+        return self._each_key(token, P.PULL, h['keys'], [None] * len(h['keys']), pull_one,
+                              self.regions.saw(token[0], h))
 
-    def _each_key(self, token, op, items, buffers, handle):
+    def _each_key(self, token, op, items, buffers, handle, reader=None):
         """Run ``handle`` per key of a multi-key message; one key's error does not stop the
-        others, and the answers are gathered in a Batch."""
-        batch = Batch(token[0], token[1], op, len(items))
+        others, and the answers are gathered in a Batch (``reader``: the worker reads the
+        arena, so the answer may lend weights in it)."""
+        batch = Batch(token[0], token[1], op, len(items), reader)
         replies = []
         for index, (item, buffer) in enumerate(zip(items, buffers)):
             try:
@@ -267,8 +274,9 @@ class Server:
         return replies
 
     def _attach(self, token, h, buffers):
-        self.regions.attach(token[0], h)
-        return [('ack', token, None)]
+        arena = self.regions.attach(token[0], h, time.monotonic())
+        self.shard.placements.use_arena(self.regions.arena)
+        return [('ack', token, None if arena is None else {'arena': arena})]
 
     def _set_optimizer(self, token, h, buffers):
         self.shard.set_optimizer(h['spec'])
@@ -308,26 +316,36 @@ class Server:
         elif kind == 'states':
             frames = P.encode({'op': P.STATES, 'id': req_id}, [payload])
         else:
-            frames = P.encode({'op': P.ACK, 'id': req_id})
+            frames = P.encode({'op': P.ACK, 'id': req_id, **(payload or {})})
         self._send(identity, frames)
 
-    def _send_data(self, identity, req_id, parts):
-        """Write weights into the worker's shared memory where it asked, and send the rest
-        without copying them; the leases tell the shard when zmq is done."""
+    def _send_data(self, identity, req_id, payload):
+        """Lend weights in the arena to a worker that reads it, write others into the
+        worker's shared memory where it asked, and send the rest without copying them; the
+        leases tell the shard when the worker (arena) or zmq (frames) is done with them."""
+        reader, parts = payload
         header = {'op': P.DATA, 'id': req_id, 'keys': []}
-        frames, lent = [], []
+        frames, sent, in_arena = [], [], []
         for entry, array, lease, place in parts:
-            at = None
-            if place is None:
+            at = lent = None
+            if reader is not None:
+                lent = self.regions.lendable(array)
+            if lent is not None:
+                in_arena.append((array, lease))
+            elif place is None:
                 frames.append(array)
-                lent.append(lease)
+                sent.append(lease)
             else:
                 at, view = place
                 np.copyto(np.frombuffer(view, dtype=array.dtype), array)
                 lease.released = True
-            header['keys'].append([entry.key, entry.part, entry.dtype, entry.n, at])
+            header['keys'].append([entry.key, entry.part, entry.dtype, entry.n, at, lent])
+        if in_arena:
+            header['lease'] = self.regions.lend(reader, [array for array, _ in in_arena])
+            for _, lease in in_arena:
+                lease.reader, lease.number = reader, header['lease']
         tracker = self._send(identity, P.encode(header, frames), track=bool(frames))
-        for lease in lent:
+        for lease in sent:
             lease.tracker = tracker
             lease.released = tracker is None
 

@@ -2,8 +2,10 @@
 
 The Shard never calls numpy or cupy directly for its weights, merge buffers and received
 gradients; it asks the key's placement. Host arrays read wire buffers in place and lend the weight
-itself to a pull reply (copy-on-write leases); device arrays copy a received buffer to the
-device once and copy the weight back to a fresh host array for each pull.
+itself to a pull reply (copy-on-write leases); big ones live in the server's shared-memory
+arena once it has one, where workers on this host copy pulls straight out of them. Device
+arrays copy a received buffer to the device once and copy the weight back to a fresh host
+array for each pull.
 """
 
 import logging
@@ -12,16 +14,21 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..protocol import DTYPES
+from ..shm import MIN_BYTES
 
 log = logging.getLogger('kvps.server')
 
 
 class HostArrays:
-    """numpy arrays in this process's memory."""
+    """numpy arrays in this process's memory; from ``arena`` (a kvps.shm.Segment, set when
+    a worker on this host attaches) for arrays of MIN_BYTES and more, while it has room."""
 
     name = 'cpu'
     lends = True        # a pull reply may send the stored weight itself, without a copy
     xp = np
+
+    def __init__(self):
+        self.arena = None
 
     def received(self, data, dtype):
         """A read-only array over a received buffer (no copy)."""
@@ -29,7 +36,19 @@ class HostArrays:
 
     def owned(self, data, dtype):
         """A new array holding a copy of a received buffer."""
-        return np.frombuffer(data, dtype=DTYPES[dtype]).copy()
+        return self.copy(np.frombuffer(data, dtype=DTYPES[dtype]))
+
+    def empty_like(self, array):
+        if self.arena is not None and array.nbytes >= MIN_BYTES:
+            taken = self.arena.take(array.nbytes)
+            if taken is not None:
+                return taken[1].view(array.dtype).reshape(array.shape)
+        return np.empty_like(array)
+
+    def copy(self, array):
+        out = self.empty_like(array)
+        np.copyto(out, array)
+        return out
 
     def to_host(self, array):
         return array
@@ -42,6 +61,7 @@ class CudaArrays(HostArrays):
     lends = False       # a pull reply needs the weight in host memory: a fresh copy each time
 
     def __init__(self):
+        super().__init__()
         try:
             import cupy
             count = cupy.cuda.runtime.getDeviceCount()
@@ -60,6 +80,12 @@ class CudaArrays(HostArrays):
     def to_host(self, array):
         return self.xp.asnumpy(array)
 
+    def empty_like(self, array):
+        return self.xp.empty_like(array)
+
+    def copy(self, array):
+        return array.copy()
+
 
 class Placements:
     """Where a new key goes: ``default`` for keys of host-side stores; for keys a device-side
@@ -69,6 +95,12 @@ class Placements:
     def __init__(self, default, device=None, probe=None):
         self.default = default
         self._device, self._probe = device, probe
+
+    def use_arena(self, arena):
+        """Host arrays of MIN_BYTES and more come from ``arena`` from now on."""
+        for arrays in (self.default, self._device):
+            if arrays is not None:
+                arrays.arena = arena
 
     def for_key(self, wants_device):
         if not wants_device:

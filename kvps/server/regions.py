@@ -1,31 +1,85 @@
-"""The shared-memory segments workers on this host lent the server, and the payloads in them.
+"""The shared memory a server shares with the workers on its host: the segments they lent it,
+the payloads in them, and the server's own arena of weights that they read pulls from.
 
 A worker's ATTACH names its segment; the server maps it only for that worker's identity, and
 every offset a later header gives is checked against that mapping (ProtocolError otherwise).
 Push payloads are read in place and pull replies written in place; the bytes never touch
-the socket.
+the socket. The first ATTACH also creates the arena, whose description goes back in the
+answer: a worker that maps it gets big weights lent in place (DATA's ``lent``), and each
+buffer so lent is kept alive, unchanged, until the worker's ``seen`` shows it has copied it.
 """
 
+import collections
+import logging
+import math
+
 from .. import protocol as P
-from ..errors import ConfigError, ProtocolError
-from ..shm import SHM_DIR, Mapping
+from ..errors import ConfigError, KVPSError, ProtocolError
+from ..shm import SHM_DIR, Heap, Mapping, Segment
+
+log = logging.getLogger('kvps.server')
+
+# The arena's name goes from /dev/shm once every worker on this host has mapped it (its first
+# `seen` says so), or at the latest this long after it was made (the mappings stay): every
+# worker attaches as the job starts, and a killed server then leaves nothing behind.
+ARENA_NAME_SECONDS = 30.0
+
+
+class Reader:
+    """One worker reading the arena: the replies lent to it and how many it has copied."""
+
+    __slots__ = ('lent', 'seen', 'held', 'mapped')
+
+    def __init__(self):
+        self.lent = self.seen = 0
+        self.mapped = False               # a `seen` came: it has mapped the arena
+        self.held = collections.deque()   # (reply number, arrays): alive until seen
+
+    def saw(self, seen):
+        self.seen = max(self.seen, seen)
+        while self.held and self.held[0][0] <= self.seen:
+            self.held.popleft()
 
 
 class Regions:
-    """Worker identity -> its mapped segment."""
+    """Worker identity -> its mapped segment; the arena; who reads it."""
 
-    def __init__(self, enabled=True, directory=SHM_DIR):
-        self.enabled, self.directory = enabled, directory
+    def __init__(self, enabled=True, directory=SHM_DIR, arena_bytes=1 << 28, neighbours=None):
+        """``neighbours``: how many of the job's workers share this host (None: unknown)."""
+        self.enabled, self.directory, self.arena_bytes = enabled, directory, arena_bytes
+        self.neighbours = neighbours
         self._by_worker = {}
+        self.arena = None
+        self._unlink_at = None
+        self._readers = {}
 
-    def attach(self, identity, header):
+    def attach(self, identity, header, now=0.0):
         """Map the segment of ATTACH ``header`` for ``identity`` (replacing an older one: views
-        already taken from it keep it mapped until they are gone)."""
+        already taken from it keep it mapped until they are gone). Returns the arena's
+        description for the answer, or None when there is none."""
         self._by_worker.pop(identity, None)   # a failed attach leaves the socket only
         if not self.enabled:
             raise ConfigError('shared memory is off on this server (KVPS_SHM=0)')
         self._by_worker[identity] = Mapping.open(header['name'], header['nonce'],
                                                  header['size'], self.directory)
+        if self.arena is None and self._unlink_at is None:
+            self._unlink_at = now + ARENA_NAME_SECONDS   # one try: no room is logged once
+            try:
+                self.arena = Segment.create(self.arena_bytes, self.directory, Heap)
+            except KVPSError as exc:
+                log.warning('no shared-memory arena for weights (%s); pulls are copied into '
+                            'each worker\'s segment', exc)
+        self.forget(identity)
+        self._readers[identity] = Reader()
+        return None if self.arena is None or self.arena.name_gone else self.arena.describe()
+
+    def tick(self, now):
+        if self.arena is not None and self._unlink_at is not None and now >= self._unlink_at:
+            self.arena.unlink()
+
+    def close(self):
+        if self.arena is not None:
+            self.arena.unlink()
 
     def view(self, identity, at, nbytes):
         """``nbytes`` of ``identity``'s segment at ``at``; ProtocolError when that worker has
@@ -51,3 +105,36 @@ class Regions:
             except ProtocolError as exc:
                 out.append(exc)
         return out
+
+    # -- the arena -----------------------------------------------------------------------------
+    def saw(self, identity, header):
+        """Note the header's ``seen`` (present when the worker reads the arena); return the
+        worker's Reader then, else None."""
+        seen = header.get('seen')
+        reader = self._readers.get(identity)
+        if seen is None or reader is None or self.arena is None:
+            return None
+        reader.saw(seen)
+        if not reader.mapped:
+            reader.mapped = True
+            if sum(r.mapped for r in self._readers.values()) == self.neighbours:
+                self.arena.unlink()   # every worker on this host has it mapped
+        return reader
+
+    def lendable(self, array):
+        """``array``'s offset in the arena, or None when it lives elsewhere."""
+        return None if self.arena is None else self.arena.offset_of(array)
+
+    @staticmethod
+    def lend(reader, arrays):
+        """Keep ``arrays`` (lent by one reply) alive until ``reader`` has seen that reply;
+        returns its number."""
+        reader.lent += 1
+        reader.held.append((reader.lent, arrays))
+        return reader.lent
+
+    def forget(self, identity):
+        """The worker left (or attached anew): nothing it was lent needs keeping."""
+        reader = self._readers.pop(identity, None)
+        if reader is not None:
+            reader.saw(math.inf)

@@ -23,15 +23,18 @@ from .placement import HostArrays, Placements
 
 class Lease:
     """A buffer lent to an outgoing reply. Until the transport is done with it (the loop sets
-    ``tracker``), or the local store has copied it (``released``), it must not be written."""
+    ``tracker``), the local store has copied it (``released``), or the worker reading it in
+    the arena has seen reply ``number`` (the loop sets ``reader``), it must not be written."""
 
-    __slots__ = ('tracker', 'released')
+    __slots__ = ('tracker', 'released', 'reader', 'number')
 
     def __init__(self):
-        self.tracker, self.released = None, False
+        self.tracker, self.released, self.reader, self.number = None, False, None, 0
 
     @property
     def done(self):
+        if self.reader is not None:
+            return self.reader.seen >= self.number
         return self.released or (self.tracker is not None and self.tracker.done)
 
 
@@ -81,13 +84,13 @@ class Entry:
 
     def writable_weight(self):
         if _in_use(self.weight_leases):
-            self.weight = self.weight.copy()
+            self.weight = self.arrays.copy(self.weight)
         self.weight_leases = []
         return self.weight
 
-    def writable_merge(self, xp):
+    def writable_merge(self):
         if self.merge is None or _in_use(self.merge_leases):
-            self.merge = xp.empty_like(self.weight)
+            self.merge = self.arrays.empty_like(self.weight)
         self.merge_leases = []
         return self.merge
 
@@ -217,7 +220,7 @@ class Shard:
         elif entry.summed is entry.merge:
             xp.add(entry.merge, grad, out=entry.merge)
         else:
-            entry.summed = xp.add(entry.summed, grad, out=entry.writable_merge(xp))
+            entry.summed = xp.add(entry.summed, grad, out=entry.writable_merge())
         entry.merged.add(worker)
         entry.held.append(token)
 

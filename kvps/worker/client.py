@@ -111,15 +111,18 @@ class DistClient:
                      for _, flat, dtype in items)
         self._make_room(nbytes)
         staging = self.io.staging
-        batches = fuse(self._parts_of(items), lambda node, data: staging is not None and
-                       staging.offset_in(node, data) is not None)
+        parts = [(key, part, payload(part, flat, dtype), dtype) for key, part, flat, dtype
+                 in self._parts_of(items)]
+        ats = {id(data): staging.offset_in(server_name(part.server), data)
+               for _, part, data, _ in parts} if staging is not None else {}
+        batches = fuse(parts, lambda item: 0 if ats.get(id(item[2])) is not None
+                       else item[2].nbytes)
         op = Operation(_describe('push', items), len(batches), on_error=self._errors.append)
         for server, batch in batches:
             node = server_name(server)
             keys, frames, keep = [], [], []
-            for key, part, flat, dtype in batch:
-                data = payload(part, flat, dtype)
-                at = None if staging is None else staging.offset_in(node, data)
+            for key, part, data, dtype in batch:
+                at = ats.get(id(data))
                 keys.append([key, part.part, dtype, part.stop - part.start, at])
                 (frames if at is None else keep).append(data)
             self._submit(server, {'op': P.PUSH, 'sync': self.sync, 'keys': keys}, frames,
@@ -156,19 +159,20 @@ class DistClient:
             if flat is None:
                 finish.append((out, target))
         staging = self.io.staging
-        batches = fuse(self._parts_of(targets), lambda node, data: staging is not None and
-                       staging.would_place(node, data.nbytes))
+        batches = fuse(self._parts_of(targets), lambda item: _nbytes(item) if staging is None
+                       or not staging.would_place(server_name(item[1].server), _nbytes(item))
+                       else 0)
         op = Operation(_describe('pull', items), len(batches))
         for server, batch in batches:
             node = server_name(server)
             blocks = [None if staging is None else staging.block_for(
-                node, (part.stop - part.start) * target.itemsize)
-                for _, part, target, _ in batch]
+                node, (part.stop - part.start) * target.itemsize, (key, part.part))
+                for key, part, target, _ in batch]
             header = {'op': P.PULL, 'keys': [
                 [key, part.part, None if block is None else block[0]]
                 for (key, part, _, _), block in zip(batch, blocks)]}
             self._submit(server, header, (),
-                         Request(op, node, _copier(batch, blocks), keep=blocks))
+                         Request(op, node, _copier(batch, blocks, staging, node), keep=blocks))
         op.wait(self.config.timeout)
         for out, target in finish:
             np.copyto(out, target.reshape(out.shape))
@@ -256,15 +260,19 @@ class DistClient:
 FUSE_BYTES = 1 << 20   # socket bytes up to which parts share a message for the same server
 
 
-def fuse(parts, in_shm=lambda node, data: False):
+def _nbytes(item):
+    """Bytes of one ``(key, part, array, dtype)`` part of a pull."""
+    return (item[1].stop - item[1].start) * item[2].itemsize
+
+
+def fuse(parts, wire_bytes=_nbytes):
     """Group ``(key, part, array, dtype)`` by server into messages: small parts together (one
     message per server instead of one per key), a big part alone, so the server starts on
-    it while the next one is still on the wire. Parts whose bytes go through shared memory
-    (``in_shm(node, data)``) are never on the wire: they all share one message."""
+    it while the next one is still on the wire. ``wire_bytes(item)``: what a part puts on the
+    wire (0 through shared memory: such parts all share one message)."""
     open_batches, batches = {}, []
     for item in parts:
-        server, data = item[1].server, payload(*item[1:])
-        nbytes = 0 if in_shm(server_name(server), data) else data.nbytes
+        server, nbytes = item[1].server, wire_bytes(item)
         if nbytes > FUSE_BYTES:
             batches.append((server, [item]))
             continue
@@ -283,20 +291,29 @@ def payload(part, array, dtype):
     return array[part.part] if dtype == P.TWO_BIT else array[part.start:part.stop]
 
 
-def _copier(batch, blocks):
+def _copier(batch, blocks, staging, node):
     """The reply handler that writes every pulled part into the caller's arrays, from its data
-    frame or from the shared-memory block (offset, array) the server wrote it into."""
+    frame, from the shared-memory block (offset, array) the server wrote it into, or from the
+    server's arena where it lent it (remembered: that key part then asks for no block)."""
     def on_data(header, buffers):
         frames = iter(buffers)
-        for (_, part, target, dtype), block, item in zip(batch, blocks, header['keys']):
-            at = item[P.AT[P.DATA]]
-            if at is None:
+        for (key, part, target, dtype), block, item in zip(batch, blocks, header['keys']):
+            at, lent = item[P.AT[P.DATA]], item[P.LENT]
+            nbytes = target.itemsize * (part.stop - part.start)
+            if lent is not None and staging is not None:
+                source = staging.lent(node, lent, nbytes)
+            elif lent is not None:
+                raise ProtocolError('a pull answered from an arena this worker never mapped')
+            elif at is None:
                 source = next(frames)
             elif block is not None and at == block[0]:
                 source = block[1]
             else:
                 raise ProtocolError(f'a pull answered at shared-memory offset {at}, which this '
                                     'worker did not give')
+            if staging is not None and node in staging.lent_keys:
+                keys = staging.lent_keys[node]
+                (keys.add if lent is not None else keys.discard)((key, part.part))
             np.copyto(target[part.start:part.stop], P.as_array(source, dtype))
     return on_data
 

@@ -75,8 +75,8 @@ class WorkerIO(threading.Thread):
             self._connect_servers(self.welcome)
             self.staging = Staging.create(self.config)
             for node in self._servers if self.staging else ():
-                self._queue.append((node, self.staging.attach_header(node), (),
-                                    Request(_Attaching(self.staging, node), node)))
+                self._queue.append((node, self.staging.attach_header(node), (), Request(
+                    _Attaching(self.staging, node), node, self._arena_mapper(node))))
         except Exception as exc:  # reported to the API thread waiting on `ready`
             self.fatal = exc
             self.ready.set()
@@ -140,6 +140,11 @@ class WorkerIO(threading.Thread):
             header['id'] = self._pending.add(request)
             if header['op'] == P.PUSH:
                 self._number_pushes(node, header['keys'])
+            if header['op'] in (P.PUSH, P.PULL) and self.staging is not None \
+                    and self.staging.reads_arena_of(node):
+                # What was lent to us is copied (replies are handled before this send): the
+                # server may reuse it; and it may lend more.
+                header['seen'] = self.staging.seen[node]
             request.message = self._readable(node, header, buffers)
             if node not in self._lost:
                 self._servers[node].send(P.encode(*request.message))
@@ -160,9 +165,16 @@ class WorkerIO(threading.Thread):
             sent[(item[0], item[1])] = seq + 1
 
     def _from_server(self, sock):
-        decoded = decode_or_log(sock.recv(), self.config, self._by_socket[sock])
+        node = self._by_socket[sock]
+        decoded = decode_or_log(sock.recv(), self.config, node)
         if decoded is not None:
             self._pending.resolve(*decoded)
+            if 'lease' in decoded[0] and self.staging is not None:
+                self.staging.copied(node, decoded[0]['lease'])
+
+    def _arena_mapper(self, node):
+        """The ATTACH answer's handler: maps ``node``'s arena if it offers one."""
+        return lambda header, _: self.staging.map_arena(node, header)
 
     def _from_scheduler(self):
         header = self._link.next_message()

@@ -1,17 +1,19 @@
 """The worker's shared-memory segment: which servers mapped it, blocks for pushes and pulls, and
-shared-memory items turned back into data frames for a server that cannot see the segment.
+shared-memory items turned back into data frames for a server that cannot see the segment;
+and the servers' arenas this worker maps to copy pulls out of.
 
 One segment per worker, attached by every server on its host: a key split across servers is
 copied once, into one block, and each server reads its part of it in place. The I/O thread
-changes which servers are attached; API threads only read that, and take blocks (never
-waiting: a payload that finds no room goes through the socket).
+changes which servers are attached and reads their arenas; API threads only read that, and
+take blocks (never waiting: a payload that finds no room goes through the socket).
 """
 
 import logging
+import os
 
 from .. import protocol as P
-from ..errors import KVPSError
-from ..shm import MIN_BYTES, Segment
+from ..errors import KVPSError, ProtocolError
+from ..shm import MIN_BYTES, Mapping, Segment
 
 log = logging.getLogger('kvps.worker')
 
@@ -23,6 +25,9 @@ class Staging:
         self.segment = segment
         self.attached = frozenset()   # node names; replaced whole, so readers need no lock
         self._asked = set()           # node names whose ATTACH is unanswered
+        self.arenas = {}              # node name -> Mapping of its arena (read-only)
+        self.seen = {}                # node name -> lent replies from it copied out so far
+        self.lent_keys = {}           # node name -> key parts its last answer lent in the arena
 
     @classmethod
     def create(cls, config):
@@ -56,8 +61,43 @@ class Staging:
             self.segment.unlink()
 
     def detach(self, node):
-        """``node`` is lost: its replacement has not mapped the segment."""
+        """``node`` is lost: its replacement has not mapped the segment (nor we its arena)."""
         self.attached = self.attached - {node}
+        for table in (self.arenas, self.seen, self.lent_keys):
+            table.pop(node, None)
+
+    def map_arena(self, node, header):
+        """Map the arena an ATTACH answer describes (if any): ``node`` may then lend pulled
+        values in it. One that cannot be mapped only costs a copy on the server."""
+        arena = header.get('arena')
+        if arena is None:
+            return
+        try:
+            if not isinstance(arena, dict):
+                raise ProtocolError('the arena description is not a map')
+            self.arenas[node] = Mapping.open(arena.get('name'), arena.get('nonce'),
+                                             arena.get('size'), os.path.dirname(self.segment.path),
+                                             writable=False)
+        except ProtocolError as exc:
+            log.info('cannot map the arena of %s (%s); its pulls are copied into ours', node,
+                     exc)
+            return
+        self.seen[node], self.lent_keys[node] = 0, set()
+
+    def reads_arena_of(self, node):
+        return node in self.arenas
+
+    def lent(self, node, at, nbytes):
+        """The bytes a DATA reply lent at ``at`` in ``node``'s arena (range checked)."""
+        arena = self.arenas.get(node)
+        if arena is None:
+            raise ProtocolError(f'{node} lent a value in an arena this worker has not mapped')
+        return arena.view(at, nbytes)
+
+    def copied(self, node, lease):
+        """Every value of ``node``'s reply ``lease`` has been copied out of its arena."""
+        if node in self.seen:
+            self.seen[node] = max(self.seen[node], lease)
 
     def stage(self, nbytes):
         """A block for a push's copy of a value, or None (small, or no server has mapped it,
@@ -77,9 +117,12 @@ class Staging:
         find no room)."""
         return nbytes >= MIN_BYTES and node in self.attached
 
-    def block_for(self, node, nbytes):
-        """``(offset, block)`` for ``node`` to write a pulled part into, or None."""
-        return self.segment.take(nbytes) if self.would_place(node, nbytes) else None
+    def block_for(self, node, nbytes, key_part):
+        """``(offset, block)`` for ``node`` to write a pulled part into, or None: also when
+        ``node`` lent that key part in its arena last time (it will again, most likely)."""
+        if not self.would_place(node, nbytes) or key_part in self.lent_keys.get(node, ()):
+            return None
+        return self.segment.take(nbytes)
 
     def readable(self, node, header, buffers):
         """``(header, buffers)`` that ``node`` can read: if it has not mapped the segment (a

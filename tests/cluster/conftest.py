@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from kvps.shm import remove_leftovers
+
 # Short bounds so that failure tests end quickly; generous enough for a loaded 2-core box.
 FAST = {'KVPS_HEARTBEAT_INTERVAL': '0.5', 'KVPS_HEARTBEAT_TIMEOUT': '6',
         'KVPS_CONNECT_TIMEOUT': '30', 'KVPS_TIMEOUT': '60', 'OMP_NUM_THREADS': '1'}
@@ -128,6 +130,7 @@ def by_hand(tmp_path):
             proc.kill()
         proc.wait(10)
         proc.stdout.close()
+        remove_leftovers(proc.pid)   # what a launcher does: a killed node's shared memory
     assert_no_leftovers(tag, wait_s=5)
 
 

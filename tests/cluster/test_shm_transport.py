@@ -1,6 +1,7 @@
-"""Array payloads between a worker and the servers on its host go through shared memory: exact
-values in dist_sync and dist_async, with it off, with a segment too small for every payload
-(the rest takes the socket), and nothing left in /dev/shm."""
+"""Array payloads between a worker and the servers on its host go through shared memory (pushes
+through the worker's segment, pulls out of the servers' arenas): exact values in dist_sync and
+dist_async, with it off, with segments too small for every payload (the rest takes the
+socket), and nothing left in /dev/shm."""
 
 import glob
 
@@ -11,7 +12,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 # Keys above KVPS_BIGARRAY_BOUND (here 100k elements) are split over both servers; 'small' stays
 # under the shared-memory threshold (kvps.shm.MIN_BYTES, 64 KiB). Every push and pull of at
 # least that size is counted by where its bytes went, by wrapping what the worker sends (pushes)
-# and the staging's blocks (pulls).
+# and the answers it gets (pulls).
 SCRIPT = '''
 from kvps.optimizer import create as optimizer
 from kvps.shm import MIN_BYTES
@@ -25,21 +26,22 @@ def grad(key, rank, step):
 
 kv = kvps.create(MODE)
 io = kv._backend.io
-counts = {'shm_push': 0, 'sock_push': 0, 'shm_pull': 0, 'sock_pull': 0}
-if io.staging is not None:
-    staging = io.staging
-    submit, block_for = io.submit, staging.block_for
-    def counted_submit(node, header, buffers, request):
-        for key, _, dtype, n, at in header['keys'] if header['op'] == 'push' else ():
-            if n * np.dtype(DTYPES[key]).itemsize >= MIN_BYTES:
-                counts['shm_push' if at is not None else 'sock_push'] += 1
-        submit(node, header, buffers, request)
-    def counted_block(node, nbytes):
-        block = block_for(node, nbytes)
-        if nbytes >= MIN_BYTES:
-            counts['shm_pull' if block is not None else 'sock_pull'] += 1
-        return block
-    io.submit, staging.block_for = counted_submit, counted_block
+counts = {'shm_push': 0, 'sock_push': 0, 'arena_pull': 0, 'shm_pull': 0, 'sock_pull': 0}
+def big(key, n):
+    return n * np.dtype(DTYPES[key]).itemsize >= MIN_BYTES
+submit, resolve = io.submit, io._pending.resolve
+def counted_submit(node, header, buffers, request):
+    for key, _, dtype, n, at in header['keys'] if header['op'] == 'push' else ():
+        if big(key, n):
+            counts['shm_push' if at is not None else 'sock_push'] += 1
+    submit(node, header, buffers, request)
+def counted_resolve(header, buffers):
+    for key, _, dtype, n, at, lent in header['keys'] if header['op'] == 'data' else ():
+        if big(key, n):
+            where = 'arena' if lent is not None else 'shm' if at is not None else 'sock'
+            counts[where + '_pull'] += 1
+    resolve(header, buffers)
+io.submit, io._pending.resolve = counted_submit, counted_resolve
 keys = list(SHAPES)
 kv.init(keys, [np.full(SHAPES[k], 1, DTYPES[k]) for k in keys])
 kv.set_optimizer(optimizer('test'))      # w += grad: exact, and order-free in dist_async
@@ -62,6 +64,7 @@ report(rank=kv.rank, pid=os.getpid(), rounds=seen, final=all((o == want).all() f
 
 
 def run(job, mode, env=None):
+    before = set(glob.glob('/dev/shm/kvps-*'))
     result = job(SCRIPT, workers=2, servers=2,
                  env={'MODE': mode, 'KVPS_BIGARRAY_BOUND': '100000', **(env or {})})
     assert result.returncode == 0, result.output
@@ -70,6 +73,7 @@ def run(job, mode, env=None):
     for res in results.values():
         assert res['final'] and all(res['rounds']), res
         assert not glob.glob(f'/dev/shm/kvps-{res["pid"]}-*'), 'segment left in /dev/shm'
+    assert set(glob.glob('/dev/shm/kvps-*')) <= before, 'a server left its arena in /dev/shm'
     return results
 
 
@@ -81,16 +85,17 @@ def test_big_payloads_go_through_shared_memory_with_exact_values(job, mode):
         # parts of 64 KiB and more: big's two (600 KB), wide's two (240 KB) and f64's one
         # (560 KB), per step (+ the last pull); small's 200 bytes take the socket
         assert (res['shm_push'], res['sock_push']) == (4 * 5, 0), res
-        assert (res['shm_pull'], res['sock_pull']) == (4 * 5 + 5, 0), res
+        # every pull is copied straight out of the servers' arenas
+        assert (res['arena_pull'], res['shm_pull'], res['sock_pull']) == (4 * 5 + 5, 0, 0), res
 
 
 def test_shared_memory_off_sends_everything_through_the_socket(job):
     for res in run(job, 'dist_sync', {'KVPS_SHM': '0'}).values():
-        assert res['attached'] is None and res['shm_push'] == res['shm_pull'] == 0
+        assert res['attached'] is None and res['sock_pull'] == 4 * 5 + 5, res
 
 
 def test_a_segment_too_small_for_a_step_sends_the_rest_through_the_socket(job):
     # 1.5 MiB: the 1.2 MB key fits, the rest of a step (about 2.4 MB more) does not.
     for res in run(job, 'dist_sync', {'KVPS_SHM_BYTES': str(3 << 19)}).values():
         assert res['shm_push'] and res['sock_push'], res
-        assert res['shm_pull'] and res['sock_pull'], res
+        assert res['arena_pull'] + res['shm_pull'] + res['sock_pull'] == 4 * 5 + 5, res

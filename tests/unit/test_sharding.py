@@ -45,6 +45,6 @@ def test_small_parts_share_a_message_per_server_and_shared_memory_parts_all_shar
     parts = [(k, Part(k % 2, 0, 0, big.size), big, 'uint8') for k in range(8)]
     on_socket = fuse(parts)
     assert [(server, len(batch)) for server, batch in on_socket] == [(0, 2), (1, 2)] * 2
-    in_shm = fuse(parts, lambda node, data: node == 'server 0')
+    in_shm = fuse(parts, lambda item: 0 if item[1].server == 0 else item[2].nbytes)
     assert [(server, [i[0] for i in batch]) for server, batch in in_shm] == [
         (0, [0, 2, 4, 6]), (1, [1, 3]), (1, [5, 7])]

@@ -1,5 +1,6 @@
-"""Shared-memory segments: the ring allocator, block lifetimes, and every check a server makes on
-what a worker names (segment, nonce, offsets), without sockets."""
+"""Shared-memory segments: the ring and heap allocators, block lifetimes, every check a server
+makes on what a worker names (segment, nonce, offsets), and a server's arena lent to a worker,
+without sockets."""
 
 import gc
 import os
@@ -11,7 +12,10 @@ from kvps import protocol as P
 from kvps.config import Config
 from kvps.errors import KVPSError, ProtocolError
 from kvps.server.regions import Regions
-from kvps.shm import ALIGN, HEADER_BYTES, Mapping, Ring, Segment, remove_leftovers
+from kvps.server.placement import HostArrays, Placements
+from kvps.server.shard import Shard
+from kvps.shm import (ALIGN, HEADER_BYTES, MIN_BYTES, Heap, Mapping, Ring, Segment,
+                      remove_leftovers)
 from kvps.worker.staging import Staging
 
 KB = 1024
@@ -66,9 +70,9 @@ def test_a_block_returns_only_when_every_view_of_it_is_gone(tmp_path):
     assert segment.offset_of(np.zeros(10)) is None
     del block
     gc.collect()
-    assert len(segment.ring) == 1                      # `part` still reads it
+    assert len(segment.blocks) == 1                    # `part` still reads it
     del part
-    assert len(segment.ring) == 0
+    assert len(segment.blocks) == 0
     segment.unlink()
     segment.unlink()                                   # idempotent
     assert os.listdir(tmp_path) == []
@@ -164,8 +168,57 @@ def test_staging_turns_shared_memory_items_into_frames_for_a_server_without_it(t
     header, buffers = staging.readable('server 0', push, [b'x'])
     assert [item[4] for item in header['keys']] == [None, None]
     assert P.as_array(buffers[0], 'float32').tolist() == [4, 5, 6, 7] and buffers[1] == b'x'
-    assert staging.block_for('server 0', 1 << 20) is None
+    assert staging.block_for('server 0', 1 << 20, ('k', 0)) is None
 
 
 def test_staging_is_off_when_configured_off():
     assert Staging.create(Config(shm=False)) is None
+
+
+def test_heap_gives_each_freed_block_to_the_next_of_its_size():
+    heap = Heap(0, 4 * KB)
+    a, b = heap.alloc(KB), heap.alloc(2 * KB)
+    assert (a, b) == (0, KB) and heap.alloc(2 * KB) is None and len(heap) == 2
+    heap.free(a)
+    assert heap.alloc(2 * KB) is None              # a's space is for blocks of its size
+    assert heap.alloc(KB - 5) == a                 # (sizes round up to cache lines)
+    assert heap.alloc(KB) == 3 * KB and heap.alloc(1) is None
+
+
+def test_an_arena_weight_is_lent_in_place_and_never_changed_before_the_worker_copied_it(
+        tmp_path):
+    worker_segment = Segment.create(1 << 20, directory=tmp_path)
+    regions = Regions(directory=tmp_path, arena_bytes=1 << 22, neighbours=1)
+    arena = regions.attach(b'worker-0', worker_segment.describe())
+    assert len(os.listdir(tmp_path)) == 2              # the worker's segment and the arena
+    staging = Staging(worker_segment)
+    staging.map_arena('server 0', {'arena': arena})
+    assert staging.reads_arena_of('server 0')
+    placements = Placements(HostArrays())
+    placements.use_arena(regions.arena)
+    shard = Shard(1, placements=placements)
+    n = MIN_BYTES // 4
+    shard.init('i', 'k', 0, 'float32', [n], True, np.ones(n, np.float32).tobytes())
+    shard.push('p', b'worker-0', 'k', 0, 'float32', True, np.full(n, 2, np.float32).tobytes())
+    (_, _, (entry, array, lease)), = shard.pull('q', b'worker-0', 'k', 0)
+    at = regions.lendable(array)
+    reader = regions.saw(b'worker-0', {'seen': 0})
+    assert os.listdir(tmp_path) == [worker_segment.name]   # its one neighbour mapped it
+    lease.reader, lease.number = reader, regions.lend(reader, [array])
+    del array
+    assert (np.frombuffer(staging.lent('server 0', at, n * 4), np.float32) == 2).all()
+    # The next round's update comes before the worker copied: it goes to a new arena block,
+    # and the lent one stays as it was until the worker's `seen` reaches its reply.
+    shard.push('p2', b'worker-0', 'k', 0, 'float32', True, np.full(n, 3, np.float32).tobytes())
+    assert regions.lendable(entry.weight) not in (None, at)
+    assert (np.frombuffer(staging.lent('server 0', at, n * 4), np.float32) == 2).all()
+    regions.saw(b'worker-0', {'seen': lease.number})
+    gc.collect()
+    assert lease.done and len(regions.arena.blocks) == 1   # the lent block is free again
+    with pytest.raises(ProtocolError):
+        staging.lent('server 0', regions.arena.size, 4)    # outside the arena
+    with pytest.raises(ProtocolError):
+        staging.lent('server 1', at, 4)                     # an arena never mapped
+    regions.close()
+    worker_segment.unlink()
+    assert os.listdir(tmp_path) == []
