@@ -72,6 +72,7 @@ _COUNTS = {PUSH: ('part', None, 'n', 'at', 'seq'), PULL: ('part', 'at'),
            DATA: ('part', None, 'n', 'at', 'at'), RESUME: ('part', 'acked')}   # fields after the key
 AT = {PUSH: 4, PULL: 2, DATA: 4}   # index of `at` in an item: shared-memory offset or None
 LENT = 5                           # index of `lent` in a DATA item: arena offset or None
+SEQ = 5                            # index of `seq` in a PUSH item (appended when sent)
 MAX_KEYS_PER_MESSAGE = 1 << 16
 # Header fields each op must carry (beyond op and id), with their accepted types.
 _KEY = (int, str)

@@ -299,11 +299,12 @@ def _copier(batch, blocks, staging, node):
         frames = iter(buffers)
         for (key, part, target, dtype), block, item in zip(batch, blocks, header['keys']):
             at, lent = item[P.AT[P.DATA]], item[P.LENT]
-            nbytes = target.itemsize * (part.stop - part.start)
-            if lent is not None and staging is not None:
-                source = staging.lent(node, lent, nbytes)
-            elif lent is not None:
-                raise ProtocolError('a pull answered from an arena this worker never mapped')
+            if staging is not None:
+                staging.note_lent(node, (key, part.part), lent is not None)
+            if lent is not None:
+                if staging is None:
+                    raise ProtocolError('a pull answered from an arena this worker never mapped')
+                source = staging.lent(node, lent, target.itemsize * (part.stop - part.start))
             elif at is None:
                 source = next(frames)
             elif block is not None and at == block[0]:
@@ -311,9 +312,6 @@ def _copier(batch, blocks, staging, node):
             else:
                 raise ProtocolError(f'a pull answered at shared-memory offset {at}, which this '
                                     'worker did not give')
-            if staging is not None and node in staging.lent_keys:
-                keys = staging.lent_keys[node]
-                (keys.add if lent is not None else keys.discard)((key, part.part))
             np.copyto(target[part.start:part.stop], P.as_array(source, dtype))
     return on_data
 

@@ -226,7 +226,7 @@ class WorkerIO(threading.Thread):
         for request in waiting:
             header = request.message[0]
             for item in header['keys'] if header['op'] == P.PUSH else ():
-                acked[(item[0], item[1])] = min(acked[(item[0], item[1])], item[5])
+                acked[(item[0], item[1])] = min(acked[(item[0], item[1])], item[P.SEQ])
         self._servers[name].send(P.encode({'op': P.RESUME, 'id': 0, 'keys': [
             [key, part, count] for (key, part), count in acked.items()]}))
         for request in waiting:

@@ -94,6 +94,13 @@ class Staging:
             raise ProtocolError(f'{node} lent a value in an arena this worker has not mapped')
         return arena.view(at, nbytes)
 
+    def note_lent(self, node, key_part, lent):
+        """Whether ``node`` answered ``key_part``'s pull from its arena (its next pull of it
+        then asks for no block)."""
+        keys = self.lent_keys.get(node)
+        if keys is not None:
+            (keys.add if lent else keys.discard)(key_part)
+
     def copied(self, node, lease):
         """Every value of ``node``'s reply ``lease`` has been copied out of its arena."""
         if node in self.seen:
