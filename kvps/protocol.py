@@ -69,7 +69,7 @@ _BUFFERS = {INIT: 1, SET_STATES: 1, STATES: 1}
 _MULTI = {PUSH: 6, PULL: 3, DATA: 6, RESUME: 3}   # op -> length of each 'keys' item
 _SIZED = (PUSH, DATA)        # their items start [key, part, dtype, n]: one buffer each
 _COUNTS = {PUSH: ('part', None, 'n', 'at', 'seq'), PULL: ('part', 'at'),
-           DATA: ('part', None, 'n', 'at', 'at'), RESUME: ('part', 'acked')}   # fields after the key
+           DATA: ('part', None, 'n', 'at', 'lent'), RESUME: ('part', 'acked')}   # after the key
 AT = {PUSH: 4, PULL: 2, DATA: 4}   # index of `at` in an item: shared-memory offset or None
 LENT = 5                           # index of `lent` in a DATA item: arena offset or None
 SEQ = 5                            # index of `seq` in a PUSH item (appended when sent)
@@ -203,7 +203,7 @@ def _check_items(op, items):
         if op in _SIZED and not (op == PUSH and item[2] == TWO_BIT):
             _check_dtype(op, item[2])
         for name, value in zip(_COUNTS[op], item[1:]):
-            if name and not _natural(value) and not (name == 'at' and value is None):
+            if name and not _natural(value) and not (name in ('at', 'lent') and value is None):
                 raise ProtocolError(f'{op}: {name} must be an int >= 0')
 
 

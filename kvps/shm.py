@@ -37,6 +37,11 @@ MAX_SEGMENT_BYTES = 1 << 40
 _NAME = re.compile(r'kvps-[0-9]{1,10}-[0-9a-f]{16}')
 
 
+def _aligned(nbytes):
+    """The space a block of ``nbytes`` takes: whole cache lines, at least one."""
+    return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+
+
 class Ring:
     """Offsets of blocks handed out in order around a circular region; blocks may be freed in
     any order, and space is reused once every block allocated before it is free. ``alloc``
@@ -52,7 +57,7 @@ class Ring:
         self._lock = threading.Lock()
 
     def alloc(self, nbytes):
-        size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        size = _aligned(nbytes)
         entry = [size, False]
         with self._lock:
             self._reclaim()
@@ -106,7 +111,7 @@ class Heap:
         self._lock = threading.Lock()
 
     def alloc(self, nbytes):
-        size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        size = _aligned(nbytes)
         with self._lock:
             while self._freed:
                 offset = self._freed.popleft()

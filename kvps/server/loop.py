@@ -34,6 +34,11 @@ class Recovery:
         self.parked = []                 # (identity, header, buffers) held until resumed
 
 
+def _workers_on(host, welcome):
+    """How many of the job's workers registered from ``host`` (this server's)."""
+    return sum(1 for n in welcome.get('nodes', ()) if n['role'] == 'worker' and n['host'] == host)
+
+
 class Server:
     """Registers with the scheduler, then serves init/push/pull until told to stop."""
 
@@ -50,8 +55,8 @@ class Server:
         self.shard = Shard(welcome['num_workers'], placements=placements)
         # Only the job's workers may talk to a server; anyone else is refused and logged.
         self.workers = {P.worker_identity(r) for r in range(welcome['num_workers'])}
-        self.regions = Regions(config.shm, arena_bytes=config.shm_bytes, neighbours=sum(
-            1 for n in welcome.get('nodes', ()) if n['role'] == 'worker' and n['host'] == self.link.host))
+        self.regions = Regions(config.shm, arena_bytes=config.shm_bytes,
+                               neighbours=_workers_on(self.link.host, welcome))
         self._outbox = []            # replies, sent once the checkpoint that covers them is written
         self._unsaved = False        # an init or optimizer change that no checkpoint holds yet
         self.checkpointer = self._resume_from_checkpoint(welcome)

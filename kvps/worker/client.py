@@ -111,18 +111,17 @@ class DistClient:
                      for _, flat, dtype in items)
         self._make_room(nbytes)
         staging = self.io.staging
-        parts = [(key, part, payload(part, flat, dtype), dtype) for key, part, flat, dtype
-                 in self._parts_of(items)]
-        ats = {id(data): staging.offset_in(server_name(part.server), data)
-               for _, part, data, _ in parts} if staging is not None else {}
-        batches = fuse(parts, lambda item: 0 if ats.get(id(item[2])) is not None
-                       else item[2].nbytes)
+        parts = []   # (key, part, its payload, dtype, its offset in shared memory or None)
+        for key, part, flat, dtype in self._parts_of(items):
+            data = payload(part, flat, dtype)
+            at = None if staging is None else staging.offset_in(server_name(part.server), data)
+            parts.append((key, part, data, dtype, at))
+        batches = fuse(parts, lambda item: 0 if item[4] is not None else item[2].nbytes)
         op = Operation(_describe('push', items), len(batches), on_error=self._errors.append)
         for server, batch in batches:
             node = server_name(server)
             keys, frames, keep = [], [], []
-            for key, part, data, dtype in batch:
-                at = ats.get(id(data))
+            for key, part, data, dtype, at in batch:
                 keys.append([key, part.part, dtype, part.stop - part.start, at])
                 (frames if at is None else keep).append(data)
             self._submit(server, {'op': P.PUSH, 'sync': self.sync, 'keys': keys}, frames,
@@ -159,15 +158,18 @@ class DistClient:
             if flat is None:
                 finish.append((out, target))
         staging = self.io.staging
-        batches = fuse(self._parts_of(targets), lambda item: _nbytes(item) if staging is None
-                       or not staging.would_place(server_name(item[1].server), _nbytes(item))
-                       else 0)
+
+        def wire_bytes(item):
+            nbytes = _nbytes(item)
+            in_shm = staging is not None and staging.would_place(server_name(item[1].server),
+                                                                 nbytes)
+            return 0 if in_shm else nbytes
+        batches = fuse(self._parts_of(targets), wire_bytes)
         op = Operation(_describe('pull', items), len(batches))
         for server, batch in batches:
             node = server_name(server)
             blocks = [None if staging is None else staging.block_for(
-                node, (part.stop - part.start) * target.itemsize, (key, part.part))
-                for key, part, target, _ in batch]
+                node, _nbytes(item), (item[0], item[1].part)) for item in batch]
             header = {'op': P.PULL, 'keys': [
                 [key, part.part, None if block is None else block[0]]
                 for (key, part, _, _), block in zip(batch, blocks)]}
@@ -266,7 +268,7 @@ def _nbytes(item):
 
 
 def fuse(parts, wire_bytes=_nbytes):
-    """Group ``(key, part, array, dtype)`` by server into messages: small parts together (one
+    """Group ``(key, part, array, dtype, ...)`` by server into messages: small parts together (one
     message per server instead of one per key), a big part alone, so the server starts on
     it while the next one is still on the wire. ``wire_bytes(item)``: what a part puts on the
     wire (0 through shared memory: such parts all share one message)."""
@@ -297,14 +299,15 @@ def _copier(batch, blocks, staging, node):
     server's arena where it lent it (remembered: that key part then asks for no block)."""
     def on_data(header, buffers):
         frames = iter(buffers)
-        for (key, part, target, dtype), block, item in zip(batch, blocks, header['keys']):
+        for asked, block, item in zip(batch, blocks, header['keys']):
+            key, part, target, dtype = asked
             at, lent = item[P.AT[P.DATA]], item[P.LENT]
             if staging is not None:
                 staging.note_lent(node, (key, part.part), lent is not None)
             if lent is not None:
                 if staging is None:
                     raise ProtocolError('a pull answered from an arena this worker never mapped')
-                source = staging.lent(node, lent, target.itemsize * (part.stop - part.start))
+                source = staging.lent(node, lent, _nbytes(asked))
             elif at is None:
                 source = next(frames)
             elif block is not None and at == block[0]:

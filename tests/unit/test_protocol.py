@@ -52,7 +52,7 @@ def test_round_trip_keeps_header_and_shares_the_buffer():
     ([msgpack.packb({'op': 'data', 'id': 1, 'keys': [[1, 0, 'int8', 2, True, None]]})],
      'at must be an int >= 0'),
     ([msgpack.packb({'op': 'data', 'id': 1, 'keys': [[1, 0, 'int8', 2, None, -64]]})],
-     'at must be an int >= 0'),
+     'lent must be an int >= 0'),
     ([msgpack.packb({'op': 'data', 'id': 1, 'keys': [[1, 0, 'int8', 2, None]]})],
      'list of 6 fields'),
     ([msgpack.packb({'op': 'pull', 'id': 1, 'keys': [[1, 0, None]], 'seen': -1})],
