@@ -21,13 +21,27 @@ def is_array(value):
     return isinstance(value, np.ndarray) or (is_torch(value) and hasattr(value, 'dtype'))
 
 
+_NAME_OF = {}   # dtype object (numpy or torch) -> wire name: numpy's .name costs microseconds
+
+
 def dtype_name(value):
     """The wire dtype name of a numpy array or torch tensor."""
+    name = _NAME_OF.get(value.dtype)
+    if name is None:
+        name = _NAME_OF[value.dtype] = _wire_name(value)
+    return name
+
+
+def _wire_name(value):
     if is_torch(value):
         name = str(value.dtype).replace('torch.', '')
         name = {'half': 'float16', 'float': 'float32', 'double': 'float64'}.get(name, name)
     else:
-        name = np.dtype(value.dtype).name
+        dtype = np.dtype(value.dtype)
+        name = dtype.name
+        if not dtype.isnative:   # the wire carries native bytes; these would be misread
+            raise DTypeError(f'unsupported byte order of {dtype.str}; convert with '
+                             '.astype(dtype.newbyteorder("="))')
     if name not in DTYPES:
         raise DTypeError(f'unsupported dtype {name}; kvps carries {", ".join(DTYPES)}')
     return name
@@ -77,7 +91,10 @@ def sum_values(values, into=None):
 
 
 def check_like(value, shape, dtype, key, what):
-    """Raise ShapeError/DTypeError unless ``value`` matches the key's shape and dtype."""
+    """Raise ShapeError/DTypeError unless ``value`` matches the key's shape and dtype
+    (``shape``: a tuple)."""
+    if value.shape == shape and dtype_name(value) == dtype:   # the common case, kept cheap
+        return
     got_shape, got_dtype = shape_of(value), dtype_name(value)
     if got_shape != tuple(shape):
         raise ShapeError(f'key {key!r}: {what} has shape {got_shape}, '

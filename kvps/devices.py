@@ -18,6 +18,8 @@ DEVICE_TYPES = ('device', 'dist_sync_device', 'dist_async_device')
 
 def on_gpu(value):
     """True for a cupy array or a torch CUDA tensor; imports nothing."""
+    if type(value) is np.ndarray:   # the common case, answered first
+        return False
     if is_cupy(value):
         return True
     return arrays.is_torch(value) and getattr(getattr(value, 'device', None), 'type', '') == 'cuda'
@@ -31,8 +33,10 @@ def is_value(value):
 def takes_device_path(values, device_store, store_type, key):
     """Whether one key's values (or pull targets) go through the GPU path: any of them is on a
     GPU. Only device stores take that path; others raise a DTypeError that names them."""
-    gpu = next((v for v in values if on_gpu(v)), None)
-    if gpu is None:
+    for gpu in values:
+        if on_gpu(gpu):
+            break
+    else:
         return False
     if not device_store:
         where = f'cuda:{gpu.device.id}' if is_cupy(gpu) else str(gpu.device)

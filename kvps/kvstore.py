@@ -104,7 +104,7 @@ class KVStore:
                 raise DuplicateInitError(f'key {k!r} is already initialized')
             v = values[0]
             shape, dtype = arrays.shape_of(v), arrays.dtype_name(v)
-            items.append((k, self._host_copy(k, [v]), shape, dtype))
+            items.append((k, self._host_copies([(k, [v])])[0], shape, dtype))
         self._backend.init(items, device=self._device)
         for k, _, shape, dtype in items:
             self._meta[k] = (shape, dtype)
@@ -122,8 +122,8 @@ class KVStore:
             self._backend.push([(k, self._encoded(k, values), self._codec.name)
                                 for k, values in pairs])
             return
-        self._backend.push([(k, self._host_copy(k, values, stage=True), self._meta[k][1])
-                            for k, values in pairs])
+        copies = self._host_copies(pairs, stage=True)
+        self._backend.push([(k, copy, self._meta[k][1]) for (k, _), copy in zip(pairs, copies)])
 
     def set_gradient_compression(self, compression_params):
         """Compress pushed gradients, as MXNet does: ``{'type': '2bit', 'threshold': 0.5}``
@@ -221,11 +221,12 @@ class KVStore:
     def _encoded(self, key, values):
         """One compressed payload per part of the key (as the backend splits it), each in
         the memory the backend sends from when it has some."""
-        grad = self._host_copy(key, values)
+        grad = self._host_copies([(key, values)])[0]
+        parts = self._parts(key)
+        sizes = [compression.nbytes(self._codec.name, stop - start)
+                 for _, _, start, stop in parts]
         payloads = []
-        for _, part, start, stop in self._parts(key):
-            size = compression.nbytes(self._codec.name, stop - start)
-            out = self._backend.stage(size)
+        for (_, part, start, stop), size, out in zip(parts, sizes, self._backend.stage(sizes)):
             out = np.empty(size, np.uint8) if out is None else out
             payloads.append(self._codec.encode(key, part, grad[start:stop], out))
         return payloads
@@ -233,18 +234,24 @@ class KVStore:
     def _on_gpu(self, key, values):
         return devices.takes_device_path(values, self._device, self._type, key)
 
-    def _host_copy(self, key, values, stage=False):
-        """What the backend is given for one key: a kvps-owned flat host copy of the values'
-        sum (the caller's memory is never handed over). GPU values are summed on their device
-        and staged through pinned memory; host values are summed by numpy, with ``stage``
-        straight into the memory the backend sends from (a worker's shared memory: the one
-        copy a push makes)."""
-        if self._on_gpu(key, values):
-            return devices.host_sum(values)
-        into = self._backend.stage(arrays.as_numpy(values[0]).nbytes) if stage else None
-        if len(values) > 1:
-            return arrays.sum_values(values, into)
-        return arrays.flat_copy(values[0], into)
+    def _host_copies(self, pairs, stage=False):
+        """What the backend is given for each ``(key, values)``: a kvps-owned flat host copy
+        of the values' sum (the caller's memory is never handed over). GPU values are summed
+        on their device and staged through pinned memory; host values are summed by numpy,
+        with ``stage`` straight into the memory the backend sends from (a worker's shared
+        memory: the one copy a push makes)."""
+        gpu = [self._on_gpu(key, values) for key, values in pairs]
+        sizes = [0 if on_gpu else values[0].nbytes for on_gpu, (_, values) in zip(gpu, pairs)]
+        blocks = self._backend.stage(sizes) if stage else [None] * len(pairs)
+        copies = []
+        for on_gpu, (_, values), into in zip(gpu, pairs, blocks):
+            if on_gpu:
+                copies.append(devices.host_sum(values))
+            elif len(values) > 1:
+                copies.append(arrays.sum_values(values, into))
+            else:
+                copies.append(arrays.flat_copy(values[0], into))
+        return copies
 
     # -- keys -----------------------------------------------------------------------------
     def _pairs(self, key, value):

@@ -26,9 +26,9 @@ class LocalBackend:
         for key, flat, shape, dtype in items:
             self.shard.init(None, key, 0, dtype, shape, True, memoryview(flat).cast('B'))
 
-    def stage(self, nbytes):
+    def stage(self, sizes):
         """Pushes are applied before push returns: a copy anywhere will do."""
-        return None
+        return [None] * len(sizes)
 
     def push(self, items):
         def push_each():   # updates together, as a server does for one message

@@ -70,6 +70,10 @@ _MULTI = {PUSH: 6, PULL: 3, DATA: 6, RESUME: 3}   # op -> length of each 'keys' 
 _SIZED = (PUSH, DATA)        # their items start [key, part, dtype, n]: one buffer each
 _COUNTS = {PUSH: ('part', None, 'n', 'at', 'seq'), PULL: ('part', 'at'),
            DATA: ('part', None, 'n', 'at', 'lent'), RESUME: ('part', 'acked')}   # after the key
+# (index in an item, name, may be None) of every count field, as _check_items reads them.
+_COUNT_FIELDS = {op: [(index, name, name in ('at', 'lent'))
+                      for index, name in enumerate(names, 1) if name]
+                 for op, names in _COUNTS.items()}
 AT = {PUSH: 4, PULL: 2, DATA: 4}   # index of `at` in an item: shared-memory offset or None
 LENT = 5                           # index of `lent` in a DATA item: arena offset or None
 SEQ = 5                            # index of `seq` in a PUSH item (appended when sent)
@@ -104,6 +108,7 @@ DTYPES = {
     'bfloat16': np.uint16,
     'int8': np.int8, 'uint8': np.uint8, 'int32': np.int32, 'int64': np.int64,
 }
+ITEMSIZE = {name: np.dtype(t).itemsize for name, t in DTYPES.items()}
 # Compressed gradients (kvps.compression), a PUSH item dtype only: a float32 threshold, then
 # four 2-bit codes per byte.
 TWO_BIT = '2bit'
@@ -196,14 +201,22 @@ def _check_items(op, items):
     least = 0 if op == RESUME else 1   # a worker may hold no key of a restarted server
     if not least <= len(items) <= MAX_KEYS_PER_MESSAGE:
         raise ProtocolError(f'{op}: {least} to {MAX_KEYS_PER_MESSAGE} keys per message')
+    counts = _COUNT_FIELDS[op]
+    sized = op in _SIZED
+    # Exact type tests (msgpack makes plain ints and strs; bool is not int here): this runs
+    # for every key of every message.
     for item in items:
-        if not isinstance(item, list) or len(item) != width:
+        if type(item) is not list or len(item) != width:
             raise ProtocolError(f'{op}: each item must be a list of {width} fields')
-        check_key(item[0])
-        if op in _SIZED and not (op == PUSH and item[2] == TWO_BIT):
+        key = item[0]
+        if type(key) is not int and not (type(key) is str and len(key) <= MAX_KEY_CHARS):
+            check_key(key)
+        if sized and (type(item[2]) is not str or item[2] not in DTYPES) \
+                and not (op == PUSH and item[2] == TWO_BIT):
             _check_dtype(op, item[2])
-        for name, value in zip(_COUNTS[op], item[1:]):
-            if name and not _natural(value) and not (name in ('at', 'lent') and value is None):
+        for index, name, nullable in counts:
+            value = item[index]
+            if not (type(value) is int and value >= 0) and not (nullable and value is None):
                 raise ProtocolError(f'{op}: {name} must be an int >= 0')
 
 
@@ -239,7 +252,7 @@ def nbytes(dtype_name, n):
     """Bytes of ``n`` elements of a wire dtype."""
     if dtype_name == TWO_BIT:
         return 4 + (n + 3) // 4
-    return n * np.dtype(DTYPES[dtype_name]).itemsize
+    return n * ITEMSIZE[dtype_name]
 
 
 def as_array(buffer, dtype_name):

@@ -37,7 +37,7 @@ MAX_SEGMENT_BYTES = 1 << 40
 _NAME = re.compile(r'kvps-[0-9]{1,10}-[0-9a-f]{16}')
 
 
-def _aligned(nbytes):
+def aligned(nbytes):
     """The space a block of ``nbytes`` takes: whole cache lines, at least one."""
     return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
 
@@ -57,7 +57,7 @@ class Ring:
         self._lock = threading.Lock()
 
     def alloc(self, nbytes):
-        size = _aligned(nbytes)
+        size = aligned(nbytes)
         entry = [size, False]
         with self._lock:
             self._reclaim()
@@ -111,7 +111,7 @@ class Heap:
         self._lock = threading.Lock()
 
     def alloc(self, nbytes):
-        size = _aligned(nbytes)
+        size = aligned(nbytes)
         with self._lock:
             while self._freed:
                 offset = self._freed.popleft()

@@ -96,11 +96,11 @@ class DistClient:
         return [(p.server, p.part, p.start, p.stop) for p in self.placement.parts(key)]
 
     # -- data -----------------------------------------------------------------------------
-    def stage(self, nbytes):
-        """Where a push's copy of a value of ``nbytes`` should be made: a block of this
-        worker's shared memory (servers read it in place), or None (make it anywhere)."""
+    def stage(self, sizes):
+        """Where a push's copies of values of ``sizes`` bytes should be made: blocks of this
+        worker's shared memory (servers read them in place), or None (make it anywhere)."""
         staging = self.io.staging
-        return None if staging is None else staging.stage(nbytes)
+        return [None] * len(sizes) if staging is None else staging.stage(sizes)
 
     def push(self, items):
         """Send each ``(key, flat, dtype)`` (``flat``: a kvps-owned contiguous copy, maybe in a
@@ -297,17 +297,21 @@ def _copier(batch, blocks, staging, node):
     """The reply handler that writes every pulled part into the caller's arrays, from its data
     frame, from the shared-memory block (offset, array) the server wrote it into, or from the
     server's arena where it lent it (remembered: that key part then asks for no block)."""
+    at_index = P.AT[P.DATA]
+
     def on_data(header, buffers):
         frames = iter(buffers)
+        arena = None if staging is None else staging.arenas.get(node)
         for asked, block, item in zip(batch, blocks, header['keys']):
             key, part, target, dtype = asked
-            at, lent = item[P.AT[P.DATA]], item[P.LENT]
-            if staging is not None:
-                staging.note_lent(node, (key, part.part), lent is not None)
+            at, lent = item[at_index], item[P.LENT]
+            if arena is not None:
+                arena.note((key, part.part), lent is not None)
             if lent is not None:
-                if staging is None:
-                    raise ProtocolError('a pull answered from an arena this worker never mapped')
-                source = staging.lent(node, lent, _nbytes(asked))
+                if arena is None:
+                    raise ProtocolError(f'{node} answered a pull from an arena this worker '
+                                        'has not mapped')
+                source = arena.view(lent, _nbytes(asked))
             elif at is None:
                 source = next(frames)
             elif block is not None and at == block[0]:

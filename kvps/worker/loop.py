@@ -140,11 +140,11 @@ class WorkerIO(threading.Thread):
             header['id'] = self._pending.add(request)
             if header['op'] == P.PUSH:
                 self._number_pushes(node, header['keys'])
-            if header['op'] in (P.PUSH, P.PULL) and self.staging is not None \
-                    and self.staging.reads_arena_of(node):
+            arena = None if self.staging is None else self.staging.arenas.get(node)
+            if arena is not None and header['op'] in (P.PUSH, P.PULL):
                 # What was lent to us is copied (replies are handled before this send): the
                 # server may reuse it; and it may lend more.
-                header['seen'] = self.staging.seen[node]
+                header['seen'] = arena.seen
             request.message = self._readable(node, header, buffers)
             if node not in self._lost:
                 self._servers[node].send(P.encode(*request.message))

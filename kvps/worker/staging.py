@@ -13,9 +13,28 @@ import os
 
 from .. import protocol as P
 from ..errors import KVPSError, ProtocolError
-from ..shm import MIN_BYTES, Mapping, Segment
+from ..shm import MIN_BYTES, Mapping, Segment, aligned
 
 log = logging.getLogger('kvps.worker')
+
+
+class Arena:
+    """One server's arena as this worker reads it: the read-only mapping, how many of the
+    server's lending replies have been copied out of it (sent back as ``seen``), and the key
+    parts its last answers lent (their next pulls ask for no block)."""
+
+    __slots__ = ('mapping', 'seen', 'lent_keys')
+
+    def __init__(self, mapping):
+        self.mapping, self.seen, self.lent_keys = mapping, 0, set()
+
+    def view(self, at, nbytes):
+        """The bytes a reply lent at ``at`` (range checked: ProtocolError)."""
+        return self.mapping.view(at, nbytes)
+
+    def note(self, key_part, lent):
+        """Whether the server answered ``key_part``'s pull from here."""
+        (self.lent_keys.add if lent else self.lent_keys.discard)(key_part)
 
 
 class Staging:
@@ -25,9 +44,7 @@ class Staging:
         self.segment = segment
         self.attached = frozenset()   # node names; replaced whole, so readers need no lock
         self._asked = set()           # node names whose ATTACH is unanswered
-        self.arenas = {}              # node name -> Mapping of its arena (read-only)
-        self.seen = {}                # node name -> lent replies from it copied out so far
-        self.lent_keys = {}           # node name -> key parts its last answer lent in the arena
+        self.arenas = {}              # node name -> Arena this worker maps
 
     @classmethod
     def create(cls, config):
@@ -63,8 +80,7 @@ class Staging:
     def detach(self, node):
         """``node`` is lost: its replacement has not mapped the segment (nor we its arena)."""
         self.attached = self.attached - {node}
-        for table in (self.arenas, self.seen, self.lent_keys):
-            table.pop(node, None)
+        self.arenas.pop(node, None)
 
     def map_arena(self, node, header):
         """Map the arena an ATTACH answer describes (if any): ``node`` may then lend pulled
@@ -75,43 +91,38 @@ class Staging:
         try:
             if not isinstance(arena, dict):
                 raise ProtocolError('the arena description is not a map')
-            self.arenas[node] = Mapping.open(arena.get('name'), arena.get('nonce'),
-                                             arena.get('size'), os.path.dirname(self.segment.path),
-                                             writable=False)
+            mapping = Mapping.open(arena.get('name'), arena.get('nonce'), arena.get('size'),
+                                   os.path.dirname(self.segment.path), writable=False)
         except ProtocolError as exc:
             log.info('cannot map the arena of %s (%s); its pulls are copied into ours', node,
                      exc)
             return
-        self.seen[node], self.lent_keys[node] = 0, set()
-
-    def reads_arena_of(self, node):
-        return node in self.arenas
-
-    def lent(self, node, at, nbytes):
-        """The bytes a DATA reply lent at ``at`` in ``node``'s arena (range checked)."""
-        arena = self.arenas.get(node)
-        if arena is None:
-            raise ProtocolError(f'{node} lent a value in an arena this worker has not mapped')
-        return arena.view(at, nbytes)
-
-    def note_lent(self, node, key_part, lent):
-        """Whether ``node`` answered ``key_part``'s pull from its arena (its next pull of it
-        then asks for no block)."""
-        keys = self.lent_keys.get(node)
-        if keys is not None:
-            (keys.add if lent else keys.discard)(key_part)
+        self.arenas[node] = Arena(mapping)
 
     def copied(self, node, lease):
         """Every value of ``node``'s reply ``lease`` has been copied out of its arena."""
-        if node in self.seen:
-            self.seen[node] = max(self.seen[node], lease)
+        arena = self.arenas.get(node)
+        if arena is not None:
+            arena.seen = max(arena.seen, lease)
 
-    def stage(self, nbytes):
-        """A block for a push's copy of a value, or None (small, or no server has mapped it,
-        or no room)."""
-        if nbytes < MIN_BYTES or not self.attached:
-            return None
-        taken = self.segment.take(nbytes)
+    def stage(self, sizes):
+        """Blocks for a push's copies of values of ``sizes`` bytes, None for each that is small
+        (or when no server has mapped the segment, or there is no room). They are cut from
+        one allocation (a push of many keys takes the allocator once); when that finds no
+        room, each value gets a block of its own while they last."""
+        wanted = [n if n >= MIN_BYTES and self.attached else 0 for n in sizes]
+        total = sum(aligned(n) for n in wanted if n)
+        taken = self.segment.take(total) if total else None
+        if taken is None:
+            return [self._block(n) for n in wanted]
+        block, blocks, at = taken[1], [], 0
+        for n in wanted:
+            blocks.append(block[at:at + n] if n else None)
+            at += aligned(n) if n else 0
+        return blocks
+
+    def _block(self, nbytes):
+        taken = self.segment.take(nbytes) if nbytes else None
         return None if taken is None else taken[1]
 
     def offset_in(self, node, array):
@@ -127,7 +138,10 @@ class Staging:
     def block_for(self, node, nbytes, key_part):
         """``(offset, block)`` for ``node`` to write a pulled part into, or None: also when
         ``node`` lent that key part in its arena last time (it will again, most likely)."""
-        if not self.would_place(node, nbytes) or key_part in self.lent_keys.get(node, ()):
+        if not self.would_place(node, nbytes):
+            return None
+        arena = self.arenas.get(node)
+        if arena is not None and key_part in arena.lent_keys:
             return None
         return self.segment.take(nbytes)
 

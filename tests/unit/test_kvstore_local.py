@@ -140,6 +140,11 @@ def test_clear_errors_leave_the_store_usable():
         kv.push(1.5, np.zeros(2, np.float32))
     with pytest.raises(DTypeError, match='unsupported dtype'):
         kv.init(5, np.zeros(2, np.complex64))
+    swapped = np.dtype(np.float32).newbyteorder()   # same name, bytes the wire would misread
+    with pytest.raises(DTypeError, match='byte order'):
+        kv.push(0, np.zeros(2, swapped))
+    with pytest.raises(DTypeError, match='byte order'):
+        kv.init(6, np.zeros(2, swapped))
     with pytest.raises(TypeError, match='numpy arrays, torch tensors or cupy arrays'):
         kv.push(0, [1.0, 2.0])
     with pytest.raises(TypeError, match='out='):

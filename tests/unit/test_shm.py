@@ -157,11 +157,19 @@ def test_staging_turns_shared_memory_items_into_frames_for_a_server_without_it(t
     assert os.listdir(tmp_path)                        # server 1 has not answered yet
     staging.answered('server 1', KVPSError('other host'))
     assert os.listdir(tmp_path) == [] and staging.attached == {'server 0'}
-    flat = staging.stage(1 << 20).view(np.float32)
+    flat, small, other = staging.stage([1 << 20, 100, 1000 + (1 << 16)])
+    flat = flat.view(np.float32)
     flat[:] = np.arange(flat.size)
     at = staging.offset_in('server 0', flat[4:8])
     assert at is not None and staging.offset_in('server 1', flat) is None
-    assert staging.stage(100) is None                 # small payloads use the socket
+    assert small is None                              # small payloads use the socket
+    # One allocation, each block on its own cache line.
+    assert staging.offset_in('server 0', other) == staging.offset_in('server 0', flat) + (1 << 20)
+    assert other.nbytes == 1000 + (1 << 16)
+    assert staging.stage([1 << 30]) == [None]         # no room: the socket
+    # Too big together for what is left: each value that fits alone still gets a block.
+    parts = staging.stage([(5 << 20) // 2, 1 << 20, 1 << 20])   # 2.9 MiB are left
+    assert parts[0] is not None and parts[1] is None and parts[2] is None
     push = {'op': P.PUSH, 'keys': [['k', 0, 'float32', 4, at, 0], ['s', 0, 'int8', 1, None, 0]]}
     assert staging.readable('server 0', push, [b'x']) == (push, [b'x'])
     staging.detach('server 0')                        # lost; a replacement has no mapping
@@ -193,7 +201,7 @@ def test_an_arena_weight_is_lent_in_place_and_never_changed_before_the_worker_co
     assert len(os.listdir(tmp_path)) == 2              # the worker's segment and the arena
     staging = Staging(worker_segment)
     staging.map_arena('server 0', {'arena': arena})
-    assert staging.reads_arena_of('server 0')
+    assert 'server 0' in staging.arenas
     placements = Placements(HostArrays())
     placements.use_arena(regions.arena)
     shard = Shard(1, placements=placements)
@@ -206,19 +214,18 @@ def test_an_arena_weight_is_lent_in_place_and_never_changed_before_the_worker_co
     assert os.listdir(tmp_path) == [worker_segment.name]   # its one neighbour mapped it
     lease.reader, lease.number = reader, regions.lend(reader, [array])
     del array
-    assert (np.frombuffer(staging.lent('server 0', at, n * 4), np.float32) == 2).all()
+    assert (np.frombuffer(staging.arenas['server 0'].view(at, n * 4), np.float32) == 2).all()
     # The next round's update comes before the worker copied: it goes to a new arena block,
     # and the lent one stays as it was until the worker's `seen` reaches its reply.
     shard.push('p2', b'worker-0', 'k', 0, 'float32', True, np.full(n, 3, np.float32).tobytes())
     assert regions.lendable(entry.weight) not in (None, at)
-    assert (np.frombuffer(staging.lent('server 0', at, n * 4), np.float32) == 2).all()
+    assert (np.frombuffer(staging.arenas['server 0'].view(at, n * 4), np.float32) == 2).all()
     regions.saw(b'worker-0', {'seen': lease.number})
     gc.collect()
     assert lease.done and len(regions.arena.blocks) == 1   # the lent block is free again
     with pytest.raises(ProtocolError):
-        staging.lent('server 0', regions.arena.size, 4)    # outside the arena
-    with pytest.raises(ProtocolError):
-        staging.lent('server 1', at, 4)                     # an arena never mapped
+        staging.arenas['server 0'].view(regions.arena.size, 4)    # outside the arena
+    assert 'server 1' not in staging.arenas                # an arena never mapped
     regions.close()
     worker_segment.unlink()
     assert os.listdir(tmp_path) == []
