@@ -10,25 +10,37 @@ BF16_STORAGE = 'uint16'
 WEIGHT_DTYPES = ('float16', 'float32', 'float64', BF16_STORAGE)
 
 
+_STORAGE_NAMES = {}   # dtype object -> str(dtype): numpy builds that string in microseconds
+
+
+def storage_name(array):
+    """``str(array.dtype)`` of a numpy or cupy array ('float32', 'uint16', ...), cached: the
+    kernels ask for it several times per key and update."""
+    name = _STORAGE_NAMES.get(array.dtype)
+    if name is None:
+        name = _STORAGE_NAMES[array.dtype] = str(array.dtype)
+    return name
+
+
 def dtype_name(array):
     """The kvps dtype name of an array: 'bfloat16' for uint16 storage, else numpy's name."""
-    name = str(array.dtype)
+    name = storage_name(array)
     return 'bfloat16' if name == BF16_STORAGE else name
 
 
 def compute_dtype_name(master):
     """Arithmetic runs in float64 for float64 weights, float32 for everything else."""
-    return 'float64' if str(master.dtype) == 'float64' else 'float32'
+    return 'float64' if storage_name(master) == 'float64' else 'float32'
 
 
 def check_arrays(weight, grad, states, weight32):
     """Raise ShapeError/DTypeError unless every array matches the weight's shape and the
     dtypes are ones the kernels handle."""
     for label, arr in (('weight', weight), ('grad', grad), ('weight32', weight32)):
-        if arr is not None and str(arr.dtype) not in WEIGHT_DTYPES:
+        if arr is not None and storage_name(arr) not in WEIGHT_DTYPES:
             raise DTypeError(f'{label} has dtype {arr.dtype}; supported: float16, float32, '
                              'float64, bfloat16 (as uint16 storage)')
-    if weight32 is not None and str(weight32.dtype) not in ('float32', 'float64'):
+    if weight32 is not None and storage_name(weight32) not in ('float32', 'float64'):
         raise DTypeError(f'weight32 (the master copy) must be float32, got {weight32.dtype}')
     named = [('grad', grad), ('weight32', weight32)] + list(states.items())
     for label, arr in named:

@@ -78,7 +78,7 @@ class Updater:
             raise DTypeError(f'key {key!r}: weight and grad live on different devices '
                              f'({type(weight).__module__} vs {type(grad).__module__})')
         for label, arr in (('weight', weight), ('grad', grad)):
-            if str(arr.dtype) not in common.WEIGHT_DTYPES:
+            if common.storage_name(arr) not in common.WEIGHT_DTYPES:
                 raise DTypeError(f'key {key!r}: {label} dtype {arr.dtype} is not supported; '
                                  'use float16, float32, float64 or bfloat16 (uint16 storage)')
         if tuple(grad.shape) != tuple(weight.shape):
@@ -115,10 +115,10 @@ class Updater:
         return state
 
     def _wants_master(self, weight):
-        return self._opt.multi_precision and str(weight.dtype) in _LOW_PRECISION
+        return self._opt.multi_precision and common.storage_name(weight) in _LOW_PRECISION
 
     def _state_dtype(self, weight):
-        low = str(weight.dtype) in _LOW_PRECISION
+        low = common.storage_name(weight) in _LOW_PRECISION
         return np.float32 if low and (self._opt.multi_precision or self._opt.fp32_states) \
             else weight.dtype
 
