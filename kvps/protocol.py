@@ -49,8 +49,9 @@ SET_STATES = 'set_states'    # + 1 buffer: the updater state dict, msgpack
 # First message to a restarted server, unanswered: {keys: [[key, part, acked], ...]}, how many
 # of its pushes of each key part this worker has seen acknowledged
 RESUME = 'resume'
-# {name, nonce, size}: map this worker's shared-memory segment (kvps.shm); ERROR, or ACK with
-# {arena: {name, nonce, size}} when the server keeps big weights in an arena of its own
+# {name, nonce, size, [pid, fd]}: map this worker's shared-memory segment (kvps.shm), through
+# /proc/<pid>/fd/<fd> once its name is gone (a restarted server); ERROR, or ACK with
+# {arena: {name, nonce, size, ...}} when the server keeps big weights in an arena of its own
 ATTACH = 'attach'
 
 # Replies.
@@ -173,7 +174,7 @@ def validate_header(header):
         check_key(header['key'])
     if 'dtype' in header:
         _check_dtype(op, header['dtype'])
-    for name in ('n', 'part', 'rank', 'port', 'size', 'seen', 'lease'):
+    for name in ('n', 'part', 'rank', 'port', 'size', 'seen', 'lease', 'pid', 'fd'):
         value = header.get(name)
         if name in header and not _natural(value) and not (name == 'rank' and value is None):
             raise ProtocolError(f'{op}: {name} must be an int >= 0')

@@ -138,8 +138,9 @@ class Segment:
     their space back when the last reference to them goes (a worker's segment: from a Ring;
     a server's arena: from a Heap)."""
 
-    def __init__(self, name, nonce, memory, allocator=Ring):
+    def __init__(self, name, nonce, memory, allocator=Ring, fd=None):
         self.name, self.nonce, self._memory = name, nonce, memory
+        self.fd = fd   # kept open: a peer that comes after the name is gone opens it through us
         self.size = len(memory)
         self._view = memoryview(memory)
         self._address = np.frombuffer(memory, dtype=np.uint8).ctypes.data
@@ -147,8 +148,11 @@ class Segment:
         self._linked = True
 
     def describe(self):
-        """What a peer needs to map it: ``{name, nonce, size}`` (an ATTACH, or its answer)."""
-        return {'name': self.name, 'nonce': self.nonce, 'size': self.size}
+        """What a peer needs to map it (an ATTACH, or its answer): ``{name, nonce, size}``, and
+        ``pid`` and ``fd``, the open file a peer on this host reaches through /proc once the
+        name is gone (a server restarted during the job)."""
+        return {'name': self.name, 'nonce': self.nonce, 'size': self.size,
+                'pid': os.getpid(), 'fd': self.fd}
 
     @classmethod
     def create(cls, size, directory=SHM_DIR, allocator=Ring):
@@ -171,13 +175,12 @@ class Segment:
             os.posix_fallocate(fd, 0, size)
             memory = mmap.mmap(fd, size)
         except OSError as exc:
+            os.close(fd)
             os.unlink(path)
             raise KVPSError(f'cannot reserve {size} bytes of shared memory: {exc}') from None
-        finally:
-            os.close(fd)
         nonce = secrets.token_bytes(NONCE_BYTES)
         memory[:NONCE_BYTES] = nonce
-        segment = cls(name, nonce, memory, allocator)
+        segment = cls(name, nonce, memory, allocator, fd)
         segment.path = path
         return segment
 
@@ -207,13 +210,21 @@ class Segment:
         return not self._linked
 
     def unlink(self):
-        """Remove the name: mappings stay valid, nobody new can open it. Idempotent."""
+        """Remove the name: mappings stay valid, only a peer told our ``pid`` and ``fd`` can
+        still open it. Idempotent."""
         if self._linked:
             self._linked = False
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+    def close(self):
+        """Unlink, and close the file: once the mappings go, so do the pages. Idempotent."""
+        self.unlink()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def _address(array):
@@ -234,19 +245,22 @@ class Mapping:
         self._view = memoryview(memory)
 
     @classmethod
-    def open(cls, name, nonce, size, directory=SHM_DIR, writable=True):
+    def open(cls, name, nonce, size, directory=SHM_DIR, writable=True, holder=None):
         """Map the segment a peer announced; ProtocolError when the name is not one kvps
         makes, the file is missing, not a plain file of ``size`` bytes, or its nonce differs
-        (another host, another /dev/shm, another user)."""
+        (another host, another /dev/shm, another user). ``holder``: the ``(pid, fd)`` the peer
+        keeps it open as, the way in once its name is gone."""
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ProtocolError(f'attach: {name!r} is not a kvps segment name')
         if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
             raise ProtocolError('attach: the nonce must be 16 bytes')
         if not HEADER_BYTES + ALIGN <= size <= MAX_SEGMENT_BYTES:
             raise ProtocolError(f'attach: size {size} out of range')
+        flags = os.O_RDWR if writable else os.O_RDONLY
         try:
-            fd = os.open(os.path.join(directory, name),
-                         (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
+            fd = os.open(os.path.join(directory, name), flags | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            fd = _open_held(name, holder, directory, flags)
         except OSError as exc:
             raise ProtocolError(f'attach: cannot open {name}: {exc.strerror}') from None
         try:
@@ -272,6 +286,29 @@ class Mapping:
             raise ProtocolError(f'shared-memory range {offset!r}+{nbytes!r} is outside the '
                                 f'segment ({self.size} bytes)')
         return self._view[offset:offset + nbytes]
+
+
+def _open_held(name, holder, directory, flags):
+    """Open an unlinked segment through the process holding it, /proc/<pid>/fd/<fd>. It must be
+    a plain file of the same filesystem as ``directory``, checked before it is opened: a peer's
+    word never makes this process open a device or a pipe."""
+    pid, fd = holder if isinstance(holder, (list, tuple)) and len(holder) == 2 else (None, None)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (pid, fd)):
+        raise ProtocolError(f'attach: {name} is gone, and no process holding it was named')
+    path = f'/proc/{pid}/fd/{fd}'
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode) or info.st_dev != os.stat(directory).st_dev:
+            raise ProtocolError(f'attach: {path} is not a shared-memory file')
+        opened = os.open(path, flags)
+    except OSError as exc:
+        raise ProtocolError(f'attach: {name} is gone and {path} cannot be opened: '
+                            f'{exc.strerror}') from None
+    now = os.fstat(opened)
+    if (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):   # swapped in between
+        os.close(opened)
+        raise ProtocolError(f'attach: {path} changed while it was opened')
+    return opened
 
 
 def remove_leftovers(pid, directory=SHM_DIR):

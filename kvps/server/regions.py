@@ -60,8 +60,9 @@ class Regions:
         self._by_worker.pop(identity, None)   # a failed attach leaves the socket only
         if not self.enabled:
             raise ConfigError('shared memory is off on this server (KVPS_SHM=0)')
-        self._by_worker[identity] = Mapping.open(header['name'], header['nonce'],
-                                                 header['size'], self.directory)
+        self._by_worker[identity] = Mapping.open(
+            header['name'], header['nonce'], header['size'], self.directory,
+            holder=(header.get('pid'), header.get('fd')))
         if self.arena is None and self._unlink_at is None:
             self._unlink_at = now + ARENA_NAME_SECONDS   # one try: no room is logged once
             try:
@@ -79,7 +80,7 @@ class Regions:
 
     def close(self):
         if self.arena is not None:
-            self.arena.unlink()
+            self.arena.close()
 
     def view(self, identity, at, nbytes):
         """``nbytes`` of ``identity``'s segment at ``at``; ProtocolError when that worker has

@@ -74,9 +74,8 @@ class WorkerIO(threading.Thread):
             self.welcome = self._link.register()
             self._connect_servers(self.welcome)
             self.staging = Staging.create(self.config)
-            for node in self._servers if self.staging else ():
-                self._queue.append((node, self.staging.attach_header(node), (), Request(
-                    _Attaching(self.staging, node), node, self._arena_mapper(node))))
+            for node in self._servers:
+                self._attach(node)
         except Exception as exc:  # reported to the API thread waiting on `ready`
             self.fatal = exc
             self.ready.set()
@@ -172,9 +171,13 @@ class WorkerIO(threading.Thread):
             if 'lease' in decoded[0] and self.staging is not None:
                 self.staging.copied(node, decoded[0]['lease'])
 
-    def _arena_mapper(self, node):
-        """The ATTACH answer's handler: maps ``node``'s arena if it offers one."""
-        return lambda header, _: self.staging.map_arena(node, header)
+    def _attach(self, node):
+        """Queue the ATTACH that asks ``node`` to map this worker's segment (if it has one);
+        the answer's handler maps ``node``'s arena if it offers one."""
+        if self.staging is not None:
+            self._queue.append((node, self.staging.attach_header(node), (), Request(
+                _Attaching(self.staging, node), node,
+                lambda header, _: self.staging.map_arena(node, header))))
 
     def _from_scheduler(self):
         header = self._link.next_message()
@@ -219,7 +222,7 @@ class WorkerIO(threading.Thread):
         old.close(linger_s=0)
         self._connect(rank, host, port)
         self._lost.discard(name)
-        if self.staging is not None:   # the new process has not mapped our segment
+        if self.staging is not None:   # the new process has not mapped our segment (yet)
             self.staging.detach(name)
         waiting = self._pending.of_node(name)
         acked = dict(self._pushed.get(name, {}))
@@ -232,6 +235,7 @@ class WorkerIO(threading.Thread):
         for request in waiting:
             request.message = self._readable(name, *request.message)
             self._servers[name].send(P.encode(*request.message))
+        self._attach(name)   # it maps our segment through /proc: later payloads go there again
         log.warning('%s is back at %s:%d; sent %d unanswered requests again', name, host, port,
                     len(waiting))
 
@@ -247,7 +251,7 @@ class WorkerIO(threading.Thread):
 
     def _close(self):
         if self.staging is not None:
-            self.staging.segment.unlink()
+            self.staging.segment.close()
         for dealer in self._servers.values():
             dealer.close(linger_s=0.5)
         if getattr(self, '_link', None) is not None:

@@ -61,9 +61,7 @@ class Staging:
     def attach_header(self, node):
         """The ATTACH message that asks ``node`` to map the segment."""
         self._asked.add(node)
-        segment = self.segment
-        return {'op': P.ATTACH, 'name': segment.name, 'nonce': segment.nonce,
-                'size': segment.size}
+        return {'op': P.ATTACH, **self.segment.describe()}
 
     def answered(self, node, error=None):
         """``node`` mapped the segment (or could not: ``error``). Once every server answered,

@@ -105,7 +105,7 @@ def test_a_server_maps_only_the_segment_announced(tmp_path):
     block[:] = 7
     assert bytes(mapping.view(offset, 8)) == b'\x07' * 8
     bad = [(('../' + name), nonce, size, 'not a kvps segment name'),
-           ('kvps-1-0123456789abcdef', nonce, size, 'cannot open'),
+           ('kvps-1-0123456789abcdef', nonce, size, 'is gone'),
            (name, b'x' * 16, size, 'nonce differs'),
            (name, nonce[:8], size, '16 bytes'),
            (name, nonce, size * 2, 'not a segment of'),
@@ -115,6 +115,34 @@ def test_a_server_maps_only_the_segment_announced(tmp_path):
         with pytest.raises(ProtocolError, match=args[3]):
             Mapping.open(*args[:3], directory=tmp_path)
     segment.unlink()
+
+
+def test_a_segment_whose_name_is_gone_is_mapped_through_the_process_holding_it(tmp_path):
+    segment = Segment.create(1 << 20, directory=tmp_path)
+    described = segment.describe()
+    assert (described['pid'], described['fd']) == (os.getpid(), segment.fd)
+    offset, block = segment.take(8)
+    block[:] = 9
+    segment.unlink()                       # as every worker does once its servers mapped it
+    args = segment.name, segment.nonce, segment.size
+    with pytest.raises(ProtocolError, match='no process holding it'):
+        Mapping.open(*args, directory=tmp_path)
+    mapping = Mapping.open(*args, directory=tmp_path, holder=(os.getpid(), segment.fd))
+    assert bytes(mapping.view(offset, 8)) == b'\x09' * 8     # a restarted server's way in
+    read, write = os.pipe()                # a holder must name a plain shared-memory file
+    other = tmp_path / 'other'
+    other.write_bytes(bytes(segment.size))
+    with open(other, 'rb') as plain:
+        for holder, why in [((os.getpid(), read), 'not a shared-memory file'),
+                            ((os.getpid(), 10 ** 6), 'cannot be opened'),
+                            ((True, segment.fd), 'no process holding it'),
+                            (('1', segment.fd), 'no process holding it'),
+                            ((os.getpid(), plain.fileno()), 'nonce differs')]:
+            with pytest.raises(ProtocolError, match=why):
+                Mapping.open(*args, directory=tmp_path, holder=holder)
+    os.close(read), os.close(write)
+    segment.close()
+    assert segment.fd is None and os.listdir(tmp_path) == ['other']
 
 
 @pytest.mark.parametrize('offset, nbytes', [
