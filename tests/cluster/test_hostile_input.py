@@ -26,25 +26,22 @@ that decodes must get exactly one reply (server) or one logged refusal (schedule
 what a member may legitimately do and would change the job (PUSH/INIT to the real keys, a
 valid SET_OPTIMIZER or a state dict for SET_STATES, an INIT of a sync key, whose rounds would
 wait for worker 0). Type-confused headers that once crashed ``decode`` (TypeError instead of
-ProtocolError) are sent too, and pinned by the tests at the end.
+ProtocolError) are sent too; test_hostile_requests.py pins them one by one.
 """
 
 import collections
 import os
-import re
-import threading
 import time
-import uuid
 
 import msgpack
-import numpy as np
 import pytest
 import zmq
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
+from hostile_peers import CLUSTER_ENV, SECRET, FakeWorker, Output, Signed
 from kvps import protocol as P
-from kvps.auth import TO_DEALER, TO_ROUTER, Guard
+from kvps.auth import TO_ROUTER, Guard
 from kvps.errors import ProtocolError
 from kvps.optimizer import Optimizer
 
@@ -58,10 +55,6 @@ PROBE_EVERY = 50
 REPLAY_EVERY = 97
 BATCH = 20
 REPLY_WAIT_S = 15.0
-SECRET = 'hostile-input-test-secret'
-
-# Longer liveness bound than conftest.FAST: this test keeps both cores busy on purpose.
-CLUSTER_ENV = {'KVPS_HEARTBEAT_TIMEOUT': '20', 'KVPS_TIMEOUT': '60', 'KVPS_SECRET': SECRET}
 
 # The real worker's keys, sizes (elements) and dtypes. Key 3 is big (2.4 MB on the wire).
 REAL_KEYS = {0: (5, 'float32'), 1: (1000, 'float64'), 2: (7, 'float16'), 3: (600_000, 'float32')}
@@ -97,112 +90,6 @@ report(bad=bad, rounds=20)
 
 
 # -- processes ---------------------------------------------------------------------------------
-class Output:
-    """Reads a child's combined output on a thread (a full pipe would stall the child)."""
-
-    def __init__(self, proc):
-        self.proc, self.lines = proc, []
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self):
-        try:
-            for line in self.proc.stdout:
-                self.lines.append(line)
-        except (ValueError, OSError):  # the fixture closed the pipe at teardown
-            pass
-
-    @property
-    def text(self):
-        return ''.join(self.lines)
-
-    def wait_for(self, pattern, timeout, while_waiting=lambda: None):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            match = re.search(pattern, self.text)
-            if match:
-                return match
-            assert self.proc.poll() is None, f'exited {self.proc.returncode}:\n{self.text}'
-            while_waiting()
-            time.sleep(0.05)
-        raise AssertionError(f'no {pattern!r} within {timeout} s:\n{self.text}')
-
-    def exit_code(self, timeout, while_waiting=lambda: None):
-        deadline = time.monotonic() + timeout
-        while self.proc.poll() is None and time.monotonic() < deadline:
-            while_waiting()
-            time.sleep(0.05)
-        code = self.proc.wait(max(0.1, deadline - time.monotonic()))
-        self._thread.join(10)
-        return code
-
-
-def dealer(ctx, address, identity=None):
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDTIMEO, 10_000)   # a node that stops reading fails the test
-    if identity is not None:
-        sock.setsockopt(zmq.IDENTITY, identity)
-    sock.connect(address)
-    return sock
-
-
-class Signed:
-    """A DEALER that signs what it sends and verifies what it gets, as kvps nodes do."""
-
-    def __init__(self, ctx, address, identity, secret):
-        self.identity, self.sock = identity, dealer(ctx, address, identity)
-        self.guard = Guard(secret) if secret else None
-        self.last_sent = None
-
-    def send(self, frames):
-        if self.guard is not None:
-            frames = self.guard.sign(frames, TO_ROUTER, self.identity)
-        self.last_sent = frames
-        self.sock.send_multipart(frames)
-
-    def recv(self):
-        frames = self.sock.recv_multipart()
-        if self.guard is not None:
-            frames = self.guard.verify(frames, TO_DEALER, self.identity)
-        return P.decode(frames)[0]
-
-
-class FakeWorker:
-    """The test as a worker of the job: registered, heartbeating, waiting at every barrier."""
-
-    def __init__(self, ctx, scheduler_addr, secret, rank):
-        self.link = Signed(ctx, scheduler_addr, f'worker-{uuid.uuid4().hex[:12]}'.encode(),
-                           secret)
-        self.link.send(P.encode({'op': P.REGISTER, 'id': 0, 'role': 'worker',
-                                 'host': '127.0.0.1', 'port': 0, 'rank': rank,
-                                 'pid': os.getpid(), 'version': P.VERSION}))
-        self.welcome, self.heard, self._beat = None, collections.Counter(), 0.0
-
-    def tick(self):
-        """Heartbeat when due and read what the scheduler said."""
-        if time.monotonic() - self._beat > 0.3:
-            self.link.send(P.encode({'op': P.HEARTBEAT, 'id': 0}))
-            self._beat = time.monotonic()
-        while self.link.sock.poll(0):
-            header = self.link.recv()
-            self.heard[header['op']] += 1
-            assert header['op'] not in (P.SHUTDOWN, P.PEER_LOST), header
-            if header['op'] == P.WELCOME:
-                self.welcome = header
-                self._barrier(1)
-            elif header['op'] == P.BARRIER_DONE:
-                # Wait at the next barrier the real worker will reach, as a worker would
-                # (the scheduler accepts only the barrier the job is at).
-                self._barrier(header['id'] + 1)
-
-    def _barrier(self, seq):
-        self.link.send(P.encode({'op': P.BARRIER, 'id': seq, 'seq': seq}))
-
-    def finish(self):
-        self.link.send(P.encode({'op': P.FINISH, 'id': -1}))
-
-
 def start_cluster(by_hand, tmp_path, ctx, secret=SECRET):
     """Scheduler + 1 server (INFO log) + real worker 0, initialized and waiting; the test is
     worker 1."""
@@ -641,120 +528,3 @@ def test_fuzzed_server_and_scheduler_keep_serving_exact_values(by_hand, tmp_path
                                                 sched_in.expected['auth'] +
                                                 sched_in.expected['refuse'] + sched_in.probes)
     assert 'Traceback' not in scheduler.text, scheduler.text[-5000:]
-
-
-# -- known crashes: each kills a node today ------------------------------------------------------
-# validate_header compares and hashes fields before checking their types, so a signed (or, in a
-# cluster without a secret, any) message with an unhashable op or dtype or a non-number n/part
-# raises TypeError, which decode_or_log does not catch: the node's loop dies with it.
-CRASHERS = [{'op': [], 'id': 1},
-            {'op': {}, 'id': 1},
-            {'op': P.HEARTBEAT, 'id': 1, 'n': 'x'},
-            {'op': P.HEARTBEAT, 'id': 1, 'part': None},
-            {'op': P.HEARTBEAT, 'id': 1, 'dtype': []}]
-
-def answers(signed, proc, probe, timeout=10.0):
-    """Whether the node still answers ``probe`` (False as soon as its process is gone)."""
-    signed.send(P.encode(probe))
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if signed.sock.poll(100):
-            header = signed.recv()
-            if header.get('id') == probe['id']:
-                return True
-    return False
-
-
-def lone_server(by_hand, ctx):
-    """A job of one server (INFO log) whose worker 0 is the test: (server, fake, signed)."""
-    sched, env = by_hand.scheduler(1, 1, extra=CLUSTER_ENV)
-    server = Output(by_hand('server', {**env, 'KVPS_LOG_LEVEL': 'INFO'}, rank=0))
-    fake = FakeWorker(ctx, f'tcp://127.0.0.1:{env["DMLC_PS_ROOT_PORT"]}', SECRET, rank=0)
-    host, port = server.wait_for(r'serving on (\S+):(\d+)', 60, fake.tick).groups()
-    return server, fake, Signed(ctx, f'tcp://{host}:{port}', b'worker-0', SECRET)
-
-
-@pytest.mark.timeout(60)
-def test_type_confused_headers_do_not_kill_the_server(by_hand):
-    ctx = zmq.Context()
-    try:
-        server, fake, signed = lone_server(by_hand, ctx)
-        for i, header in enumerate(CRASHERS):
-            signed.send(P.encode(header))
-            fake.tick()
-            probe = {'op': P.CHECK, 'id': 1000 + i, 'key': 'absent', 'dtype': 'float32',
-                     'shape': [1]}
-            assert answers(signed, server.proc, probe), f'{header} killed it:\n{server.text}'
-    finally:
-        ctx.destroy(linger=0)
-
-
-@pytest.mark.timeout(60)
-def test_type_confused_headers_do_not_kill_the_scheduler(by_hand):
-    ctx = zmq.Context()
-    try:
-        sched, env = by_hand.scheduler(1, 1, extra=CLUSTER_ENV)
-        sched_out = Output(sched)
-        signed = Signed(ctx, f'tcp://127.0.0.1:{env["DMLC_PS_ROOT_PORT"]}', b'member', SECRET)
-        # A REGISTER whose rank is not an int once crashed rank assignment.
-        register = {'op': P.REGISTER, 'id': 0, 'role': 'worker', 'host': '127.0.0.1',
-                    'port': 0, 'rank': 'x', 'version': P.VERSION}
-        for i, header in enumerate(CRASHERS + [register]):
-            signed.send(P.encode(header))
-            probe = {'op': P.BARRIER, 'id': 1000 + i, 'seq': 1}   # refused: not a worker
-            assert answers(signed, sched, probe), f'{header} killed it:\n{sched_out.text}'
-    finally:
-        ctx.destroy(linger=0)
-
-
-def _reply(signed, header, timeout=10.0):
-    """Send ``header`` and return the server's answer to its id."""
-    signed.send(P.encode(header))
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if signed.sock.poll(100):
-            answer = signed.recv()
-            if answer.get('id') == header['id']:
-                return answer
-    raise AssertionError(f'no answer to {header}')
-
-
-@pytest.mark.timeout(60)
-def test_hostile_shared_memory_requests_are_refused_per_key(by_hand, tmp_path):
-    """A member naming segments that are not there or not theirs, or offsets outside its own
-    segment, gets an error for that key; the server serves on."""
-    from kvps.shm import Segment
-    ctx = zmq.Context()
-    segment = Segment.create(1 << 20)
-    try:
-        server, fake, signed = lone_server(by_hand, ctx)
-        real = {'name': segment.name, 'nonce': segment.nonce, 'size': segment.size}
-        init = {'op': P.INIT, 'id': 1, 'key': 'k', 'part': 0, 'dtype': 'float32', 'n': 4,
-                'shape': [4], 'sync': False}
-        signed.send(P.encode(init, [np.ones(4, np.float32)]))
-        push = {'op': P.PUSH, 'id': 2, 'sync': False, 'keys': [['k', 0, 'float32', 4, 8192, 0]]}
-        assert 'not attached' in _reply(signed, push)['message']
-        for i, bad in enumerate([{'name': 'kvps-1-0123456789abcdef'},
-                                 {'name': '../../etc/passwd'},
-                                 {'nonce': b'\0' * 16},
-                                 {'size': segment.size + 4096}]):
-            answer = _reply(signed, {'op': P.ATTACH, 'id': 10 + i, **real, **bad})
-            assert answer['op'] == P.ERROR and answer['type'] == 'ProtocolError', answer
-        assert _reply(signed, {'op': P.ATTACH, 'id': 20, **real})['op'] == P.ACK
-        for i, at in enumerate([0, 100, segment.size - 8, 1 << 40]):
-            push['id'], push['keys'][0][4], push['keys'][0][5] = 30 + i, at, i
-            assert 'outside the segment' in _reply(signed, push)['message']
-            pull = {'op': P.PULL, 'id': 40 + i, 'keys': [['k', 0, at]]}
-            assert 'outside the segment' in _reply(signed, pull)['message']
-        offset, block = segment.take(16)
-        block.view(np.float32)[:] = 5
-        push['id'], push['keys'][0][4], push['keys'][0][5] = 50, offset, 9
-        assert _reply(signed, push)['op'] == P.ACK
-        pull = {'op': P.PULL, 'id': 51, 'keys': [['k', 0, offset + 16]]}
-        answer = _reply(signed, pull)
-        assert answer['op'] == P.DATA and answer['keys'][0][4] == offset + 16
-        assert segment.view(offset + 16, 16).cast('f').tolist() == [5.0] * 4
-        assert server.proc.poll() is None and 'Traceback' not in server.text
-    finally:
-        segment.unlink()
-        ctx.destroy(linger=0)
