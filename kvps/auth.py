@@ -43,11 +43,12 @@ class Guard:
         self._last_seen = {}           # (identity, session) -> last seq accepted
 
     def _tag(self, direction, identity, session, seq, header, payload):
-        mac = hmac.new(self._key, digestmod=hashlib.sha256)
-        mac.update(direction + struct.pack('!H', len(identity)) + identity)
-        mac.update(struct.pack('!QQ', session, seq))
-        mac.update(header)
-        for frame in payload if self._sign_payload else ():
+        signed = (direction, struct.pack('!H', len(identity)), identity,
+                  struct.pack('!QQ', session, seq), header)
+        if not self._sign_payload:   # one call into OpenSSL: half the cost of an HMAC object
+            return hmac.digest(self._key, b''.join(signed), 'sha256')
+        mac = hmac.new(self._key, b''.join(signed), digestmod=hashlib.sha256)
+        for frame in payload:
             mac.update(struct.pack('!Q', memoryview(frame).nbytes))
             mac.update(frame)
         return mac.digest()
