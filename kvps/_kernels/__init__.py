@@ -6,6 +6,10 @@ Both modules expose the same functions (`sgd_update`, `nag_update`, `adam_update
 `from_host` and `multi_update`. cupy is imported only when a cupy array shows up.
 """
 
+import importlib
+
+import numpy as np
+
 from kvps.errors import DTypeError
 
 KERNEL_NAMES = ('sgd_update', 'nag_update', 'adam_update', 'adamw_update', 'adagrad_update',
@@ -19,15 +23,25 @@ def is_cupy(array):
 
 def kernels_for(array):
     """The kernel module for an array: cuda_kernels for cupy arrays, numpy_kernels for numpy."""
+    if type(array) is np.ndarray:   # asked several times per key and update: answered first
+        return _loaded('numpy_kernels')
     if is_cupy(array):
-        from kvps._kernels import cuda_kernels
-        return cuda_kernels
-    import numpy as np
+        return _loaded('cuda_kernels')
     if isinstance(array, np.ndarray):
-        from kvps._kernels import numpy_kernels
-        return numpy_kernels
+        return _loaded('numpy_kernels')
     raise DTypeError(f'no optimizer kernels for {type(array).__module__}.'
                      f'{type(array).__name__}; expected a numpy or cupy array')
+
+
+_MODULES = {}
+
+
+def _loaded(name):
+    """A kernel module, imported the first time it is needed (cuda_kernels imports cupy)."""
+    module = _MODULES.get(name)
+    if module is None:
+        module = _MODULES[name] = importlib.import_module(f'kvps._kernels.{name}')
+    return module
 
 
 def multi_apply(calls):

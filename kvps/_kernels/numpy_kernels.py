@@ -94,6 +94,8 @@ def _run(body, weight, grad, states, weight32, sc, write_weight=True):
     bufs = [None if a is None or (a.dtype == cdt and (i != 1 or a.flags.writeable))
             else np.empty(blk, cdt) for i, a in enumerate(arrays)]
     tmp = (np.empty(blk, cdt), np.empty(blk, cdt))
+    if n <= blk and cast_to is None and all(b is None for b in bufs):
+        return [body(*arrays, list(tmp), sc)]   # one block, nothing to widen: no slicing
     results = []
     for lo in range(0, n, blk):
         hi = min(lo + blk, n)
