@@ -10,6 +10,9 @@ weight32=None)`:
   or grad never needs a full-size temporary.
 - with weight32 (the fp32 master copy of a float16/bfloat16 weight) the update runs on
   weight32 and weight receives its rounded cast.
+- `grad` may also be a tuple of arrays of the compute dtype (a sync round's last pushes,
+  read-only receive buffers): they are added in order block by block, in cache, and never
+  written, so the server's sum costs no pass of its own.
 The work goes in blocks of BLOCK elements: every array is read and written once from main
 memory while the handful of ufunc passes per block stay in cache.
 """
@@ -19,7 +22,7 @@ import types
 import numpy as np
 
 from kvps._kernels import common
-from kvps.errors import ShapeError
+from kvps.errors import DTypeError, ShapeError
 
 BLOCK = 1 << 15  # 32 Ki elements: ~6 live blocks x 128 KiB stay in a 1-2 MiB L2
 
@@ -80,10 +83,17 @@ def _scalars(cdt, **values):
 
 
 def _run(body, weight, grad, states, weight32, sc, write_weight=True):
-    """Apply body(w, g, *states, tmp, sc) block by block; returns the bodies' results."""
+    """Apply body(w, g, *states, tmp, sc) block by block; returns the bodies' results. ``grad``
+    may be a tuple of arrays of the compute dtype, added block by block in order (a sync
+    round's sum made inside the update's pass: no merge buffer written and read back)."""
+    parts = None
+    if isinstance(grad, tuple):
+        parts, grad = grad, grad[0]
     common.check_arrays(weight, grad, {f'state {i}': s for i, s in enumerate(states)}, weight32)
     master = weight32 if weight32 is not None else weight
     cdt = np.dtype(common.compute_dtype_name(master)).type
+    if parts is not None:
+        parts = _summands(parts, grad, cdt)
     sc = _scalars(cdt, **sc)
     arrays = [_flat(master, 'weight'), None if grad is None else _flat(grad, 'grad')]
     arrays += [None if s is None else _flat(s, 'state') for s in states]
@@ -91,7 +101,8 @@ def _run(body, weight, grad, states, weight32, sc, write_weight=True):
     n = master.size
     blk = max(1, min(BLOCK, n))
     # a read-only grad (a zero-copy receive buffer) is widened into a block buffer instead
-    bufs = [None if a is None or (a.dtype == cdt and (i != 1 or a.flags.writeable))
+    bufs = [None if a is None or (a.dtype == cdt and (i != 1 or a.flags.writeable)
+                                  and not (i == 1 and parts))
             else np.empty(blk, cdt) for i, a in enumerate(arrays)]
     tmp = (np.empty(blk, cdt), np.empty(blk, cdt))
     if n <= blk and cast_to is None and all(b is None for b in bufs):
@@ -100,11 +111,16 @@ def _run(body, weight, grad, states, weight32, sc, write_weight=True):
     for lo in range(0, n, blk):
         hi = min(lo + blk, n)
         views = []
-        for a, b in zip(arrays, bufs):
+        for i, (a, b) in enumerate(zip(arrays, bufs)):
             if a is None:
                 views.append(None)
             elif b is None:
                 views.append(a[lo:hi])
+            elif i == 1 and parts:
+                np.add(parts[0][lo:hi], parts[1][lo:hi], out=b[:hi - lo])
+                for more in parts[2:]:
+                    b[:hi - lo] += more[lo:hi]
+                views.append(b[:hi - lo])
             else:
                 _load(a[lo:hi], b[:hi - lo])
                 views.append(b[:hi - lo])
@@ -115,6 +131,18 @@ def _run(body, weight, grad, states, weight32, sc, write_weight=True):
         if cast_to is not None:
             _store(views[0], cast_to[lo:hi])
     return results
+
+
+def _summands(parts, first, cdt):
+    """The flat arrays of a tuple grad, checked: two or more, each like the first and of the
+    compute dtype (summed in a wider dtype, a low-precision sum would round differently)."""
+    if len(parts) < 2:
+        raise ShapeError('a grad given as parts needs two or more of them')
+    for part in parts:
+        if part.dtype != cdt or tuple(part.shape) != tuple(first.shape):
+            raise DTypeError(f'grad parts must all be {np.dtype(cdt).name} of shape '
+                             f'{tuple(first.shape)}; got {part.dtype} {tuple(part.shape)}')
+    return [_flat(part, 'grad') for part in parts]
 
 
 def _base(lr, wd, rescale_grad, clip_gradient, **more):

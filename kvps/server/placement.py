@@ -25,6 +25,9 @@ class HostArrays:
 
     name = 'cpu'
     lends = True        # a pull reply may send the stored weight itself, without a copy
+    # An update may take a sync round's last pushes unsummed (the numpy kernels add them in
+    # the pass of the update): float32/float64 only, whose sum is the same there as in a merge.
+    sums_in_update = ('float32', 'float64')
     xp = np
 
     def __init__(self):
@@ -59,6 +62,7 @@ class CudaArrays(HostArrays):
 
     name = 'cuda'
     lends = False       # a pull reply needs the weight in host memory: a fresh copy each time
+    sums_in_update = ()
 
     def __init__(self):
         super().__init__()

@@ -213,10 +213,15 @@ class Shard:
     def _merge(self, entry, worker, data, token):
         """Add one worker's push to the open round. The first is kept as received (the
         buffer stays valid until its ack) and added to the second straight into the merge
-        buffer: the round's sum costs no copy."""
+        buffer: the round's sum costs no copy. With an optimizer on host float32/float64
+        keys the last push is not added at all: the update gets (sum so far, last push) and
+        adds them in its own pass, so the merge buffer is neither written nor read back."""
         grad, xp = entry.arrays.received(data, entry.dtype), entry.arrays.xp
         if entry.summed is None:
             entry.summed = grad
+        elif self.updater is not None and entry.dtype in entry.arrays.sums_in_update \
+                and len(entry.merged) + 1 == self.num_workers:
+            entry.summed = (entry.summed, grad)
         elif entry.summed is entry.merge:
             xp.add(entry.merge, grad, out=entry.merge)
         else:

@@ -73,6 +73,11 @@ class Updater:
 
     # -- per update --------------------------------------------------------------------------
     def _check(self, key, part, weight, grad):
+        """``grad``: an array, or a tuple of host arrays to be summed (a sync round's last
+        pushes: the numpy kernels add them block by block, in the pass of the update)."""
+        if isinstance(grad, tuple):
+            checked = tuple(self._check(key, part, weight, g)[0] for g in grad)
+            return checked, self._state_for(key, part, weight, kernels_for(weight))
         kernels = kernels_for(weight)
         if kernels_for(grad) is not kernels:
             raise DTypeError(f'key {key!r}: weight and grad live on different devices '

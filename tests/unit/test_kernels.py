@@ -184,6 +184,41 @@ def test_kernel_matches_reference(name, states, hyper, dtype, rtol, block, monke
         np.testing.assert_allclose(st[s], st_ref[s], rtol=rtol, atol=rtol)
 
 
+@pytest.mark.parametrize('block', [K.BLOCK, 300])
+@pytest.mark.parametrize('dtype', [np.float32, np.float64])
+@pytest.mark.parametrize('name,states,hyper', CASES,
+                         ids=[f'{c[0]}-{i}' for i, c in enumerate(CASES)])
+def test_a_grad_given_as_parts_is_their_sum_bit_for_bit(name, states, hyper, dtype, block,
+                                                        monkeypatch):
+    # A sync round's last pushes, handed unsummed: added block by block in the update's pass.
+    monkeypatch.setattr(K, 'BLOCK', block)
+    w0, g_steps = data()
+    rng = np.random.default_rng(1)
+    halves = [(g.astype(dtype), (rng.standard_normal(g.size) * 0.5).astype(dtype))
+              for g in g_steps]
+    summed, _ = run_kernel(name, states, hyper, w0, [a + b for a, b in halves], dtype=dtype)
+    for a, b in halves:
+        a.flags.writeable = b.flags.writeable = False   # receive buffers: never written
+    live = allocated(name, states, hyper)
+    w, st = w0.astype(dtype), {s: np.zeros(w0.size, dtype) for s in live}
+    fn = getattr(K, name + '_update')
+    for t, parts in enumerate(halves, start=1):
+        extra = {'t': t} if name in NEEDS_T else {}
+        fn(w, parts, *[st.get(s) for s in states], BASE['lr'], BASE['wd'], BASE['rescale'],
+           BASE['clip'], **hyper, **extra)
+    assert np.array_equal(w, summed)
+
+
+def test_grad_parts_must_be_two_or_more_of_the_compute_dtype():
+    w = np.ones(4, np.float32)
+    with pytest.raises(DTypeError, match='float32'):
+        K.sgd_update(w, (np.ones(4, np.float16), np.ones(4, np.float16)), None, 0.1, 0, 1, -1)
+    with pytest.raises(ShapeError, match='two or more'):
+        K.sgd_update(w, (np.ones(4, np.float32),), None, 0.1, 0, 1, -1)
+    with pytest.raises(DTypeError, match='shape'):
+        K.sgd_update(w, (np.ones(4, np.float32), np.ones(3, np.float32)), None, 0.1, 0, 1, -1)
+
+
 def test_kernel_names_exist_in_both_modules():
     import ast
     import pathlib

@@ -88,14 +88,17 @@ def test_async_applies_every_push_at_once():
 
 
 class AddUpdater:
-    """weight += grad, recording calls: one per round in sync, one per push in async."""
+    """weight += grad, recording calls: one per round in sync, one per push in async, and
+    whether the round's last push came unsummed (a tuple of parts, as Updater accepts)."""
 
     def __init__(self):
-        self.calls = 0
+        self.calls, self.parts = 0, []
 
     def update(self, key, weight, grad, part=0):
         self.calls += 1
-        weight += grad
+        self.parts.append(len(grad) if isinstance(grad, tuple) else 1)
+        for g in grad if isinstance(grad, tuple) else (grad,):
+            weight += g
 
 
 def test_optimizer_runs_once_per_sync_round_on_the_sum():
@@ -268,6 +271,36 @@ def test_rebase_of_async_keys_counts_each_worker_on_its_own():
     assert acks(shard.push('old1', W1, 'k', 0, 'float32', False, buf(1, 1), seq=3)) == ['old1']
     assert acks(shard.push('new', W1, 'k', 0, 'float32', False, buf(7, 7), seq=4)) == ['new']
     assert data_of(shard.pull('q', W0, 'k', 0)) == {'q': [7.0, 7.0]}
+
+
+@pytest.mark.parametrize('workers', [2, 3])
+def test_a_rounds_last_push_is_summed_in_the_update_exactly_as_a_merge_would(workers):
+    # float32 with an optimizer: the update gets (sum of the others, last push) and adds them
+    # in its own pass; the weights are bit for bit those of summing first. float16 keys are
+    # merged first (a sum in the update's float32 would round differently).
+    rng = np.random.default_rng(3)
+    pushes = [[rng.standard_normal(1000).astype(np.float32) for _ in range(workers)]
+              for _ in range(3)]
+    for dtype, fused in (('float32', True), ('float16', False)):
+        spec = create('sgd', learning_rate=0.1, momentum=0.9, wd=0.01).to_spec()
+        recorder, shard = AddUpdater(), Shard(workers, Updater(spec))
+        shard.updater.update_many = lambda items, real=shard.updater.update_many: (
+            recorder.parts.extend(len(g) if isinstance(g, tuple) else 1 for *_, g in items),
+            real(items))
+        reference = Updater(spec)
+        w_ref = np.ones(1000, dtype)
+        shard.init('i', 'k', 0, dtype, [1000], True, w_ref.tobytes())
+        for r, round_pushes in enumerate(pushes):
+            for w, g in enumerate(round_pushes):
+                shard.together(lambda: shard.push(f'p{r}{w}', f'w{w}'.encode(), 'k', 0, dtype,
+                                                  True, g.astype(dtype).tobytes()))
+            total = round_pushes[0].astype(dtype)
+            for g in round_pushes[1:]:
+                total = total + g.astype(dtype)
+            reference.update('k', w_ref, total)
+        got = data_of(shard.pull('q', b'w0', 'k', 0))['q']
+        assert np.array_equal(np.array(got, dtype), w_ref), dtype
+        assert recorder.parts == ([2] * 3 if fused else [1] * 3), dtype
 
 
 # -- updates gathered over one message (multi-tensor apply) -------------------------------------
