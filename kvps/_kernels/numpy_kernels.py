@@ -101,9 +101,10 @@ def _run(body, weight, grad, states, weight32, sc, write_weight=True):
     n = master.size
     blk = max(1, min(BLOCK, n))
     # a read-only grad (a zero-copy receive buffer) is widened into a block buffer instead
-    bufs = [None if a is None or (a.dtype == cdt and (i != 1 or a.flags.writeable)
-                                  and not (i == 1 and parts))
+    bufs = [None if a is None or (a.dtype == cdt and (i != 1 or a.flags.writeable))
             else np.empty(blk, cdt) for i, a in enumerate(arrays)]
+    if parts:   # their sum is made in a block buffer
+        bufs[1] = np.empty(blk, cdt)
     tmp = (np.empty(blk, cdt), np.empty(blk, cdt))
     if n <= blk and cast_to is None and all(b is None for b in bufs):
         return [body(*arrays, list(tmp), sc)]   # one block, nothing to widen: no slicing

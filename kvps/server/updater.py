@@ -73,12 +73,18 @@ class Updater:
 
     # -- per update --------------------------------------------------------------------------
     def _check(self, key, part, weight, grad):
-        """``grad``: an array, or a tuple of host arrays to be summed (a sync round's last
-        pushes: the numpy kernels add them block by block, in the pass of the update)."""
-        if isinstance(grad, tuple):
-            checked = tuple(self._check(key, part, weight, g)[0] for g in grad)
-            return checked, self._state_for(key, part, weight, kernels_for(weight))
+        """``(grad, state)`` for one update, both checked. ``grad``: an array, or a tuple of
+        host arrays to be summed (a sync round's last pushes: the numpy kernels add them
+        block by block, in the pass of the update), each checked alike."""
         kernels = kernels_for(weight)
+        if isinstance(grad, tuple):
+            grad = tuple(self._checked_grad(key, part, weight, kernels, g) for g in grad)
+        else:
+            grad = self._checked_grad(key, part, weight, kernels, grad)
+        return grad, self._state_for(key, part, weight, kernels)
+
+    def _checked_grad(self, key, part, weight, kernels, grad):
+        """``grad`` (made contiguous if need be) once it fits ``weight``; else the error."""
         if kernels_for(grad) is not kernels:
             raise DTypeError(f'key {key!r}: weight and grad live on different devices '
                              f'({type(weight).__module__} vs {type(grad).__module__})')
@@ -95,7 +101,7 @@ class Updater:
                                  'C-contiguous array')
             if not grad.flags.c_contiguous:
                 grad = np.ascontiguousarray(grad)
-        return grad, self._state_for(key, part, weight, kernels)
+        return grad
 
     def _state_for(self, key, part, weight, kernels):
         state = self._states.get((key, part))
