@@ -124,6 +124,10 @@ VARS = (
         'Size of each worker\'s shared-memory segment (reserved at start) and of each '
         'server\'s arena for the weights its local workers pull (reserved when the first '
         'attaches); what finds no room goes the way it would without.'),
+    Var('malloc_trim_bytes', ('KVPS_MALLOC_TRIM_BYTES',), _nonneg_int, 1 << 30,
+        'Servers ask glibc to keep up to this many freed bytes per heap (and to serve chunks '
+        'up to 32 MiB from its heaps) instead of returning message buffers to the kernel and '
+        'faulting them in again every round (0: leave malloc as it is).'),
 )
 
 _BY_FIELD = {v.field: v for v in VARS}
@@ -160,6 +164,7 @@ class Config:
     max_message_bytes: int = 1 << 31
     shm: bool = True
     shm_bytes: int = 1 << 28
+    malloc_trim_bytes: int = 1 << 30
 
     def __repr__(self):  # never print the secret in logs or tracebacks
         fields = ', '.join(f'{f.name}={"***" if f.name == "secret" and self.secret else getattr(self, f.name)!r}'

@@ -3,6 +3,7 @@
 import logging
 import sys
 
+from .allocator import keep_freed_memory
 from .config import Config
 from .errors import KVPSError
 
@@ -18,6 +19,7 @@ def run_role(config=None):
             return Scheduler(config).run()
         if config.role == 'server':
             from .server.loop import Server
+            keep_freed_memory(config.malloc_trim_bytes)
             return Server(config).run()
     except KVPSError as exc:
         logging.getLogger('kvps').error('%s failed: %s', config.role, exc)

@@ -11,6 +11,7 @@ import msgpack
 import numpy as np
 
 from .. import protocol as P
+from ..allocator import keep_freed_memory
 from ..arrays import writable_flat
 from ..errors import ProtocolError
 from .loop import SCHEDULER, WorkerIO, server_name
@@ -24,6 +25,7 @@ class DistClient:
     def __init__(self, config, sync):
         self.config = config.require_cluster()
         self.sync = sync
+        keep_freed_memory(config.malloc_trim_bytes)
         self.io = WorkerIO(config)
         self.io.start()
         # Outlast the I/O thread's own registration bound, so its error (naming who is missing)
