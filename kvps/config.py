@@ -57,6 +57,11 @@ def _device(text):
     return low
 
 
+def _bytes_or_auto(text):
+    low = text.strip().lower()
+    return 'auto' if low == 'auto' else _positive_int(low)
+
+
 def _text(text):
     return text.strip()
 
@@ -120,10 +125,12 @@ VARS = (
     Var('shm', ('KVPS_SHM',), _flag, True,
         'Move array payloads of 64 KiB and more between a worker and the servers on its host '
         'through shared memory (/dev/shm) instead of the socket (0: always the socket).'),
-    Var('shm_bytes', ('KVPS_SHM_BYTES',), _positive_int, 1 << 28,
-        'Size of each worker\'s shared-memory segment (reserved at start) and of each '
-        'server\'s arena for the weights its local workers pull (reserved when the first '
-        'attaches); what finds no room goes the way it would without.'),
+    Var('shm_bytes', ('KVPS_SHM_BYTES',), _bytes_or_auto, 'auto',
+        'Size of each worker\'s shared-memory segment (reserved at start, when a server '
+        'shares its host) and of each server\'s arena for the weights its local workers pull '
+        '(reserved when the first attaches); what finds no room goes the way it would '
+        'without. auto: half of /dev/shm split among the job\'s processes on the host, at '
+        'most 256 MiB (none under 2 MiB).'),
     Var('malloc_trim_bytes', ('KVPS_MALLOC_TRIM_BYTES',), _nonneg_int, 1 << 30,
         'Servers ask glibc to keep up to this many freed bytes per heap (and to serve chunks '
         'up to 32 MiB from its heaps) instead of returning message buffers to the kernel and '
@@ -163,7 +170,7 @@ class Config:
     max_inflight_bytes: int = 1 << 29
     max_message_bytes: int = 1 << 31
     shm: bool = True
-    shm_bytes: int = 1 << 28
+    shm_bytes: object = 'auto'
     malloc_trim_bytes: int = 1 << 30
 
     def __repr__(self):  # never print the secret in logs or tracebacks

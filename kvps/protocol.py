@@ -267,6 +267,12 @@ def error_header(req_id, exc, node, traceback_text=''):
             'traceback': traceback_text, 'node': node}
 
 
+def members_on(welcome, host, role):
+    """How many of the job's nodes of ``role`` registered from ``host`` (by the welcome's
+    node table; the same advertised address is taken to mean the same machine)."""
+    return sum(1 for n in welcome.get('nodes', ()) if n['role'] == role and n['host'] == host)
+
+
 def worker_identity(rank):
     """The socket identity a worker uses towards every server (servers count rounds by it)."""
     return f'worker-{rank}'.encode()

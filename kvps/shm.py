@@ -34,12 +34,34 @@ ALIGN = 64                   # every block starts on a cache line
 # copied into zmq and twice through the kernel, each copy on a busy core.
 MIN_BYTES = 1 << 16
 MAX_SEGMENT_BYTES = 1 << 40
+DEFAULT_SEGMENT_BYTES = 1 << 28
+# A smaller share holds too few blocks to be worth a segment (32 of the smallest payloads).
+MIN_SHARE_BYTES = 2 << 20
 _NAME = re.compile(r'kvps-[0-9]{1,10}-[0-9a-f]{16}')
 
 
 def aligned(nbytes):
     """The space a block of ``nbytes`` takes: whole cache lines, at least one."""
     return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+
+
+def share_of(sharers, directory=SHM_DIR):
+    """Bytes one of ``sharers`` kvps processes on this host may reserve in ``directory``: half
+    of the filesystem split among them, at most 256 MiB; 0 when that is under 2 MiB or the
+    size cannot be read. Half, because others need it too (a torch DataLoader's workers pass
+    every batch through /dev/shm), and a container's /dev/shm is often only 64 MiB."""
+    try:
+        vfs = os.statvfs(directory)
+    except OSError:
+        return 0
+    share = vfs.f_blocks * vfs.f_frsize // 2 // max(1, sharers)
+    share = min(DEFAULT_SEGMENT_BYTES, share) // MIN_BYTES * MIN_BYTES
+    return share if share >= MIN_SHARE_BYTES else 0
+
+
+def segment_bytes(setting, sharers, directory=SHM_DIR):
+    """KVPS_SHM_BYTES as given, or for 'auto' this process's ``share_of`` ``directory``."""
+    return share_of(sharers, directory) if setting == 'auto' else setting
 
 
 class Ring:

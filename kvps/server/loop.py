@@ -10,6 +10,7 @@ import numpy as np
 from .. import protocol as P
 from ..errors import ConfigError, KVPSError, PeerLostError, ProtocolError
 from ..link import SchedulerLink, decode_or_log
+from ..shm import segment_bytes
 from ..transport import Poller, Router, bind_host, guard_from, new_context
 from .batch import Batch
 from .checkpoint import Checkpointer
@@ -34,11 +35,6 @@ class Recovery:
         self.parked = []                 # (identity, header, buffers) held until resumed
 
 
-def _workers_on(host, welcome):
-    """How many of the job's workers registered from ``host`` (this server's)."""
-    return sum(1 for n in welcome.get('nodes', ()) if n['role'] == 'worker' and n['host'] == host)
-
-
 class Server:
     """Registers with the scheduler, then serves init/push/pull until told to stop."""
 
@@ -55,8 +51,7 @@ class Server:
         self.shard = Shard(welcome['num_workers'], placements=placements)
         # Only the job's workers may talk to a server; anyone else is refused and logged.
         self.workers = {P.worker_identity(r) for r in range(welcome['num_workers'])}
-        self.regions = Regions(config.shm, arena_bytes=config.shm_bytes,
-                               neighbours=_workers_on(self.link.host, welcome))
+        self.regions = self._regions(config, welcome)
         self._outbox = []            # replies, sent once the checkpoint that covers them is written
         self._unsaved = False        # an init or optimizer change that no checkpoint holds yet
         self.checkpointer = self._resume_from_checkpoint(welcome)
@@ -70,6 +65,14 @@ class Server:
                 self._resumed(None)
         self.exit_code = None
         log.info('%s serving on %s:%d', self.name, self.link.host, port)
+
+    def _regions(self, config, welcome):
+        """The workers' segments and this server's arena, which takes its share of /dev/shm
+        among the job's processes on this host when KVPS_SHM_BYTES=auto."""
+        host = self.link.host
+        workers = P.members_on(welcome, host, 'worker')
+        size = segment_bytes(config.shm_bytes, workers + P.members_on(welcome, host, 'server'))
+        return Regions(config.shm, arena_bytes=size, neighbours=workers)
 
     def _resume_from_checkpoint(self, welcome):
         """The Checkpointer (None without KVPS_CHECKPOINT_DIR), after loading this rank's file."""

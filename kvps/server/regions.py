@@ -65,14 +65,21 @@ class Regions:
             holder=(header.get('pid'), header.get('fd')))
         if self.arena is None and self._unlink_at is None:
             self._unlink_at = now + ARENA_NAME_SECONDS   # one try: no room is logged once
-            try:
-                self.arena = Segment.create(self.arena_bytes, self.directory, Heap)
-            except KVPSError as exc:
-                log.warning('no shared-memory arena for weights (%s); pulls are copied into '
-                            'each worker\'s segment', exc)
+            self.arena = self._new_arena()
         self.forget(identity)
         self._readers[identity] = Reader()
         return None if self.arena is None or self.arena.name_gone else self.arena.describe()
+
+    def _new_arena(self):
+        why = f'this server\'s share of {self.directory} is under 2 MiB'
+        if self.arena_bytes:
+            try:
+                return Segment.create(self.arena_bytes, self.directory, Heap)
+            except KVPSError as exc:
+                why = exc
+        log.warning('no shared-memory arena for weights (%s); pulls are copied into each '
+                    'worker\'s segment', why)
+        return None
 
     def tick(self, now):
         if self.arena is not None and self._unlink_at is not None and now >= self._unlink_at:

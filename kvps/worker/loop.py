@@ -73,7 +73,7 @@ class WorkerIO(threading.Thread):
             self._link = SchedulerLink(self.ctx, self.config, 'worker')
             self.welcome = self._link.register()
             self._connect_servers(self.welcome)
-            self.staging = Staging.create(self.config)
+            self.staging = self._staging()
             for node in self._servers:
                 self._attach(node)
         except Exception as exc:  # reported to the API thread waiting on `ready`
@@ -89,6 +89,15 @@ class WorkerIO(threading.Thread):
             self._die(exc if isinstance(exc, KVPSError) else KVPSError(f'I/O thread: {exc!r}'))
         finally:
             self._close()
+
+    def _staging(self):
+        """A segment when a server shares this host (by address): others could never map it,
+        and its pages would only sit reserved in /dev/shm."""
+        host = self._link.host
+        servers = P.members_on(self.welcome, host, 'server')
+        if not servers:
+            return None
+        return Staging.create(self.config, servers + P.members_on(self.welcome, host, 'worker'))
 
     def _connect_servers(self, welcome):
         self._poller.register(self.waker.socket)

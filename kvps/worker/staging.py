@@ -13,7 +13,7 @@ import os
 
 from .. import protocol as P
 from ..errors import KVPSError, ProtocolError
-from ..shm import MIN_BYTES, Mapping, Segment, aligned
+from ..shm import MIN_BYTES, SHM_DIR, Mapping, Segment, aligned, segment_bytes
 
 log = logging.getLogger('kvps.worker')
 
@@ -47,12 +47,20 @@ class Staging:
         self.arenas = {}              # node name -> Arena this worker maps
 
     @classmethod
-    def create(cls, config):
-        """A Staging with a fresh segment, or None (KVPS_SHM=0, or no room: logged)."""
+    def create(cls, config, sharers=1):
+        """A Staging with a fresh segment, or None (KVPS_SHM=0, or no room: logged).
+        ``sharers``: the job's processes on this host, which split /dev/shm when its size is
+        KVPS_SHM_BYTES=auto."""
         if not config.shm:
             return None
+        size = segment_bytes(config.shm_bytes, sharers)
+        if not size:
+            log.warning('no shared memory for array payloads: %d processes of this job share '
+                        'too small a %s (set KVPS_SHM_BYTES to choose a size); they go through '
+                        'the socket', sharers, SHM_DIR)
+            return None
         try:
-            return cls(Segment.create(config.shm_bytes))
+            return cls(Segment.create(size))
         except KVPSError as exc:
             log.warning('no shared memory for array payloads (%s); they go through the socket',
                         exc)
