@@ -67,16 +67,17 @@ def assert_no_leftovers(tag, wait_s=10.0):
 
 @pytest.fixture
 def job(tmp_path):
-    """job(script, workers, servers, env=..., launcher_args=...) -> Job, run by kvps.launch."""
+    """job(script, workers, servers, env=..., launcher_args=..., wrapper=...) -> Job, run by
+    kvps.launch (inside ``wrapper``, a command prefix, when given)."""
     tag = uuid.uuid4().hex
 
-    def run(script, workers=2, servers=1, env=None, launcher_args=(), timeout=120):
+    def run(script, workers=2, servers=1, env=None, launcher_args=(), timeout=120, wrapper=()):
         path = tmp_path / f'job_{uuid.uuid4().hex[:6]}.py'
         path.write_text(PRELUDE + textwrap.dedent(script))
         full_env = {**os.environ, **FAST, **(env or {}), 'KVPS_TEST_TAG': tag,
                     'PYTHONUNBUFFERED': '1'}
-        cmd = [sys.executable, '-m', 'kvps.launch', '-n', str(workers), '-s', str(servers),
-               *launcher_args, '--', sys.executable, str(path)]
+        cmd = [*wrapper, sys.executable, '-m', 'kvps.launch', '-n', str(workers),
+               '-s', str(servers), *launcher_args, '--', sys.executable, str(path)]
         proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True,
                               timeout=timeout, cwd=tmp_path)
         result = Job(proc.returncode, proc.stdout, proc.stderr)

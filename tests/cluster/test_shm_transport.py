@@ -1,9 +1,10 @@
 """Array payloads between a worker and the servers on its host go through shared memory (pushes
 through the worker's segment, pulls out of the servers' arenas): exact values in dist_sync and
 dist_async, with it off, with segments too small for every payload (the rest takes the
-socket), and nothing left in /dev/shm."""
+socket), in a container-sized /dev/shm, and nothing left in /dev/shm."""
 
 import glob
+import subprocess
 
 import pytest
 
@@ -63,9 +64,9 @@ report(rank=kv.rank, pid=os.getpid(), rounds=seen, final=all((o == want).all() f
 '''
 
 
-def run(job, mode, env=None):
+def run(job, mode, env=None, wrapper=()):
     before = set(glob.glob('/dev/shm/kvps-*'))
-    result = job(SCRIPT, workers=2, servers=2,
+    result = job(SCRIPT, workers=2, servers=2, wrapper=wrapper,
                  env={'MODE': mode, 'KVPS_BIGARRAY_BOUND': '100000', **(env or {})})
     assert result.returncode == 0, result.output
     results = result.results()
@@ -99,3 +100,28 @@ def test_a_segment_too_small_for_a_step_sends_the_rest_through_the_socket(job):
     for res in run(job, 'dist_sync', {'KVPS_SHM_BYTES': str(3 << 19)}).values():
         assert res['shm_push'] and res['sock_push'], res
         assert res['arena_pull'] + res['shm_pull'] + res['sock_pull'] == 4 * 5 + 5, res
+
+
+# A container's /dev/shm: 64 MiB unless the operator says otherwise. A private mount namespace
+# gives the job one of that size without touching the machine's.
+SMALL_DEV_SHM = ('unshare', '-m', 'sh', '-c',
+                 'mount -t tmpfs -o size=64m,mode=1777 tmpfs /dev/shm && exec "$@"', 'sh')
+
+
+def _can_mount_a_small_dev_shm():
+    try:
+        return subprocess.run([*SMALL_DEV_SHM, 'true'], capture_output=True,
+                              timeout=30).returncode == 0
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _can_mount_a_small_dev_shm(),
+                    reason='needs unshare -m and mount (root in a mount namespace)')
+def test_a_containers_64_mib_dev_shm_still_carries_the_payloads(job):
+    # W2 S2: each of the four processes takes 8 MiB, half of /dev/shm stays free; a step's
+    # 2.2 MB of big payloads fits, so nothing takes the socket.
+    for res in run(job, 'dist_sync', wrapper=SMALL_DEV_SHM).values():
+        assert res['attached'] == ['server 0', 'server 1']
+        assert (res['shm_push'], res['sock_push']) == (4 * 5, 0), res
+        assert (res['arena_pull'], res['sock_pull']) == (4 * 5 + 5, 0), res
