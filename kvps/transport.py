@@ -17,6 +17,11 @@ log = logging.getLogger('kvps.transport')
 _LOOPBACK_NAMES = ('127.0.0.1', 'localhost', '::1')
 
 
+# Plain ints: pyzmq's Flag enum costs an enum construction per `|`, per frame.
+_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
+_LAST = int(zmq.NOBLOCK)
+
+
 def new_context():
     return zmq.Context(io_threads=1)
 
@@ -50,12 +55,23 @@ class Socket:
     def send(self, frames, track=False):
         """Queue a message without ever blocking: a loop thread that blocks in send cannot
         notice that its peer is gone. A full or vanished peer raises TransportError.
-        With ``track``, return a tracker whose ``done`` says zmq has released the last frame."""
+        With ``track``, return a tracker whose ``done`` says zmq has let go of every frame it
+        did not copy (None: it copied them all)."""
+        send, last = self._sock.send, len(frames) - 1
         try:
-            return self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False,
-                                             track=track)
+            if not track:
+                for i, frame in enumerate(frames):
+                    send(frame, _MORE if i < last else _LAST, copy=False)
+                return None
+            # Each frame sent in place has a tracker of its own, and zmq may let go of them in
+            # any order: pyzmq's send_multipart returns only the last one's, which is already
+            # done when the last frame was small enough to copy.
+            trackers = [send(frame, _MORE if i < last else _LAST, copy=False, track=True)
+                        for i, frame in enumerate(frames)]
         except zmq.ZMQError as exc:
             raise TransportError(f'send failed: {exc}') from None
+        pending = [t for t in trackers if not t.done]
+        return zmq.MessageTracker(*pending) if pending else None
 
     def recv(self):
         """Frames of one message; each supports the buffer protocol (no copy made)."""
