@@ -190,6 +190,24 @@ class KVStore:
                             f'or its spec, got {type(optimizer).__name__}')
         self._backend.set_optimizer(spec)
 
+    def _set_updater(self, updater):
+        """MXNet's push updater for a store in this process ('local', 'device'): every later
+        push runs ``updater(key, merged, stored)``, which changes ``stored`` in place (numpy
+        arrays of the key's shape) instead of replacing it; set_optimizer replaces it. A
+        distributed store refuses: its servers run only optimizers sent as data, never code."""
+        if not callable(updater):
+            raise TypeError(f'the updater must be callable, got {type(updater).__name__}')
+        setter = getattr(self._backend, 'set_updater', None)
+        if setter is None:
+            raise ConfigError(
+                f'a {self._type!r} store cannot take a Python updater: its servers run only '
+                'optimizers sent as plain data (kvps never sends code). Use '
+                'kv.set_optimizer(kvps.optimizer.create(...)), or update on the workers '
+                '(kvps.Trainer(..., update_on_kvstore=False))')
+        setter(updater)
+
+    set_updater = _set_updater
+
     def save_optimizer_states(self, fname, dump_optimizer=False):
         """Save the servers' optimizer state (every shard, whole keys) to ``fname``."""
         merged = states.merge(self._backend.get_states(dump_optimizer), self._parts)

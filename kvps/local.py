@@ -3,10 +3,47 @@
 import numpy as np
 
 from .arrays import writable_flat
+from .errors import ConfigError
 from .protocol import TWO_BIT
 from .server.shard import Shard
 
 _ME = b'local'
+
+
+class FunctionUpdater:
+    """MXNet's push updater: ``fn(key, merged, stored)`` changes ``stored`` in place, given as
+    numpy arrays of the key's shape. It runs in this process, where the caller wrote it."""
+
+    def __init__(self, fn, shape_of):
+        self.fn, self._shape_of = fn, shape_of
+        self._failure = None
+
+    def update(self, key, weight, grad, part=0):
+        if isinstance(grad, tuple):   # a round's pushes handed over unsummed
+            grad = np.add.reduce(grad)
+        shape = self._shape_of(key)
+        try:
+            self.fn(key, grad.reshape(shape), weight.reshape(shape))   # views: in place
+        except Exception as exc:  # the push raises it once its round is closed, so the
+            self._failure = self._failure or exc   # store stays usable (pulls see the key)
+
+    def raise_failure(self):
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def update_many(self, items):
+        for key, part, weight, grad in items:
+            self.update(key, weight, grad, part)
+
+    def retune(self, spec):
+        return False     # an optimizer set later replaces the function
+
+    def get_states(self, dump_optimizer):
+        raise ConfigError('the store runs a Python updater (set with _set_updater): it keeps '
+                          'no optimizer state kvps can save')
+
+    set_states = get_states
 
 
 class LocalBackend:
@@ -37,6 +74,8 @@ class LocalBackend:
                 self.shard.push(None, _ME, key, 0, dtype, True, memoryview(data).cast('B'))
             return []
         self.shard.together(push_each)
+        if isinstance(self.shard.updater, FunctionUpdater):
+            self.shard.updater.raise_failure()
 
     def pull(self, items):
         for key, out, _ in items:
@@ -50,6 +89,9 @@ class LocalBackend:
 
     def set_optimizer(self, spec):
         self.shard.set_optimizer(spec)
+
+    def set_updater(self, fn):
+        self.shard.updater = FunctionUpdater(fn, lambda key: self.shard.entries[key, 0].shape)
 
     def get_states(self, dump_optimizer):
         return [self.shard.get_states(dump_optimizer)]

@@ -205,3 +205,60 @@ def test_agree_on_one_worker_is_always_unanimous_and_takes_only_a_digest():
     assert kv.agree(b'\x01' * 32) == []
     with pytest.raises(ValueError, match='at most 64 bytes'):
         kv.agree(b'x' * 65)
+
+
+def test_a_python_updater_runs_in_place_as_in_mxnets_tutorial():
+    kv = kvps.create('local')
+    kv.init(3, np.ones((2, 3), np.float32) * 2)
+    seen = []
+
+    def update(key, merged, stored):
+        seen.append((key, merged.shape, stored.shape, merged.tolist()))
+        stored += merged * 2
+    kv._set_updater(update)
+    out = np.zeros((2, 3), np.float32)
+    kv.push(3, [np.ones((2, 3), np.float32), np.ones((2, 3), np.float32)])   # summed first
+    kv.pull(3, out=out)
+    assert out.tolist() == [[6] * 3] * 2
+    assert seen == [(3, (2, 3), (2, 3), [[2] * 3] * 2)]
+
+
+def test_an_optimizer_and_a_python_updater_replace_each_other(tmp_path):
+    kv = kvps.create('local')
+    kv.init('w', np.zeros(2, np.float32))
+    kv.set_updater(lambda key, merged, stored: stored.__isub__(merged))
+    with pytest.raises(ConfigError, match='Python updater'):
+        kv.save_optimizer_states(tmp_path / 's')
+    kv.push('w', np.ones(2, np.float32))
+    kv.set_optimizer(kvps.optimizer.create('test', rescale_grad=0.5))   # w += 0.5 * g
+    kv.push('w', np.ones(2, np.float32))
+    out = np.zeros(2, np.float32)
+    kv.pull('w', out=out)
+    assert out.tolist() == [-0.5, -0.5]
+
+
+def test_a_failing_python_updater_raises_from_push_and_the_store_stays_usable():
+    kv = kvps.create('local')
+    kv.init('w', np.ones(2, np.float32))
+
+    def broken(key, merged, stored):
+        raise ValueError('bug in my updater')
+    kv._set_updater(broken)
+    with pytest.raises(ValueError, match='bug in my updater'):
+        kv.push('w', np.ones(2, np.float32))
+    kv._set_updater(lambda key, merged, stored: stored.__iadd__(merged))
+    kv.push('w', np.ones(2, np.float32))
+    out = np.zeros(2, np.float32)
+    kv.pull('w', out=out)
+    assert out.tolist() == [2, 2]
+    with pytest.raises(TypeError, match='callable'):
+        kv._set_updater('sgd')
+
+
+def test_a_distributed_store_refuses_a_python_updater():
+    from kvps.kvstore import KVStore
+
+    class Servers:   # a distributed backend: optimizers travel as data, code never does
+        pass
+    with pytest.raises(ConfigError, match='never sends code'):
+        KVStore('dist_sync', Servers())._set_updater(lambda key, merged, stored: None)
