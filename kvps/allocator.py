@@ -6,7 +6,7 @@ back to the kernel (trimming) as soon as it exceeds a small threshold (128 KiB, 
 by frees of mmap'd chunks) and maps every chunk above its mmap threshold afresh, so the next
 round's buffers are new pages: a page fault and a zeroed page per 4 KiB, in the loop thread.
 On the socket path that cost more than the traffic itself (W2 S1, 40 keys of 100 KB:
-31.7 ms a round before, 17 ms after). Raising both thresholds keeps a node's memory at its
+31.7 ms a round before, 15.5 ms after). Raising both thresholds keeps a node's memory at its
 peak working set (bounded by the workers' in-flight window) instead of faulting it in again.
 """
 

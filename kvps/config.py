@@ -132,9 +132,10 @@ VARS = (
         'without. auto: half of /dev/shm split among the job\'s processes on the host, at '
         'most 256 MiB (none under 2 MiB).'),
     Var('malloc_trim_bytes', ('KVPS_MALLOC_TRIM_BYTES',), _nonneg_int, 1 << 30,
-        'Servers ask glibc to keep up to this many freed bytes per heap (and to serve chunks '
-        'up to 32 MiB from its heaps) instead of returning message buffers to the kernel and '
-        'faulting them in again every round (0: leave malloc as it is).'),
+        'Servers and the workers of a distributed store ask glibc to keep up to this many '
+        'freed bytes per heap (and to serve chunks up to 32 MiB from its heaps) instead of '
+        'returning message buffers to the kernel and faulting them in again every round (0: '
+        'leave malloc as it is).'),
 )
 
 _BY_FIELD = {v.field: v for v in VARS}
