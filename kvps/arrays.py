@@ -80,13 +80,16 @@ def flat_copy(value, into=None):
 
 def sum_values(values, into=None):
     """Sum a list of same-shaped values (one per device) into a new flat numpy array (or
-    ``into``, as flat_copy)."""
+    ``into``, as flat_copy). bfloat16 values are summed in float32 and rounded once."""
     total = flat_copy(values[0], into)
+    if dtype_name(values[0]) == 'bfloat16':
+        from ._kernels import numpy_kernels as kernels   # bfloat16 arithmetic lives there
+        wide = kernels.widen(total)
+        for other in values[1:]:
+            kernels.add_widened(wide, as_numpy(other).reshape(-1), out=wide)
+        return kernels.narrow(wide, total)
     for other in values[1:]:
-        arr = as_numpy(other).reshape(-1)
-        if arr.dtype == np.uint16 and dtype_name(values[0]) == 'bfloat16':
-            raise DTypeError('summing several bfloat16 values is not supported on the CPU')
-        np.add(total, arr, out=total)
+        np.add(total, as_numpy(other).reshape(-1), out=total)
     return total
 
 

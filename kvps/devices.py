@@ -50,15 +50,20 @@ def host_sum(values):
     """What push sends for one key's GPU values: a fresh flat host copy of their sum.
 
     The sum runs on the device of the first value (the others are copied onto it, peer to
-    peer; torch sums bfloat16 natively there), then lands in a pinned host buffer, and the
-    stream is synchronised before the buffer is handed to the backend. The caller's memory is
-    only read."""
+    peer; bfloat16 is summed in float32 and rounded once, as servers and host values sum it),
+    then lands in a pinned host buffer, and the stream is synchronised before the buffer is
+    handed to the backend. The caller's memory is only read."""
     tensors = [as_torch(v).reshape(-1) for v in values]
     total = tensors[0]
     if len(tensors) > 1:
-        total = total.clone()   # reshape may return the caller's memory: never add into it
+        torch = _torch()
+        wide = total.dtype == torch.bfloat16
+        # reshape may return the caller's memory: never add into it
+        total = total.float() if wide else total.clone()
         for other in tensors[1:]:
             total.add_(other.to(total.device))
+        if wide:
+            total = total.to(torch.bfloat16)
     host = _host_buffer(total.numel(), total.dtype, total.is_cuda)
     host.copy_(total, non_blocking=True)
     _synchronize([total.device])

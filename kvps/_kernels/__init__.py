@@ -2,8 +2,9 @@
 
 Both modules expose the same functions (`sgd_update`, `nag_update`, `adam_update`,
 `adamw_update`, `adagrad_update`, `rmsprop_update`, `lamb_update`, `ftrl_update`,
-`signum_update`, `test_update`) with the same signatures, plus `zeros_like`, `to_host`,
-`from_host` and `multi_update`. cupy is imported only when a cupy array shows up.
+`signum_update`, `test_update`) with the same signatures, plus `zeros_like`, `widen`,
+`add_widened`, `narrow`, `to_host`, `from_host` and `multi_update`. cupy is imported only
+when a cupy array shows up.
 """
 
 import importlib

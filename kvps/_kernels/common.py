@@ -2,12 +2,44 @@
 
 import math
 
+import numpy as np
+
 from kvps.errors import DTypeError, ShapeError
 
 # uint16 storage means bfloat16 (numpy and cupy have no bfloat16 dtype); the name on the wire
 # and in state dicts is 'bfloat16'.
 BF16_STORAGE = 'uint16'
 WEIGHT_DTYPES = ('float16', 'float32', 'float64', BF16_STORAGE)
+
+
+def bf16_to_f32(u16, out=None, xp=np):
+    """Widen bfloat16 bits (uint16) to float32 exactly. ``xp``: numpy, or cupy for cupy
+    arrays (the same operations serve both)."""
+    u16 = xp.asarray(u16)
+    if out is None:
+        out = xp.empty(u16.shape, np.float32)
+    bits = out.view(np.uint32)
+    xp.copyto(bits, u16, casting='unsafe')
+    bits <<= 16
+    return out
+
+
+def f32_to_bf16(f32, out=None, xp=np):
+    """Round float32 to bfloat16 bits (uint16), to nearest even; NaN stays a (quiet) NaN."""
+    f32 = xp.ascontiguousarray(f32, dtype=np.float32)
+    if out is None:
+        out = xp.empty(f32.shape, np.uint16)
+    bits = f32.view(np.uint32)
+    rounded = bits >> 16
+    rounded &= 1
+    rounded += 0x7FFF
+    rounded += bits  # cannot wrap for non-NaN inputs: 0xFF7FFFFF + 0x8000 < 2**32
+    rounded >>= 16
+    nan = xp.isnan(f32)
+    if nan.any():
+        rounded[nan] = (bits[nan] >> 16) | 0x40
+    xp.copyto(out, rounded, casting='unsafe')
+    return out
 
 
 _STORAGE_NAMES = {}   # dtype object -> str(dtype): numpy builds that string in microseconds

@@ -293,6 +293,23 @@ def widen(array):
         return array.astype(cp.float32)
 
 
+def add_widened(a, b, out):
+    """numpy_kernels.add_widened: a float32 sum of float32 or bfloat16 (uint16) arrays."""
+    cp = _cupy()
+    with out.device:
+        return cp.add(*(x if x.dtype == np.float32 else widen(x) for x in (a, b)), out=out)
+
+
+def narrow(src, out):
+    """numpy_kernels.narrow: out = src cast to out's dtype, bfloat16 rounded to nearest even."""
+    cp = _cupy()
+    with out.device:
+        if out.dtype == np.uint16:
+            return common.f32_to_bf16(src, out, xp=cp)
+        cp.copyto(out, src, casting='unsafe')
+        return out
+
+
 def to_host(array):
     return array.get()
 

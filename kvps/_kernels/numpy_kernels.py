@@ -22,38 +22,10 @@ import types
 import numpy as np
 
 from kvps._kernels import common
+from kvps._kernels.common import bf16_to_f32, f32_to_bf16  # noqa: F401  (part of this API)
 from kvps.errors import DTypeError, ShapeError
 
 BLOCK = 1 << 15  # 32 Ki elements: ~6 live blocks x 128 KiB stay in a 1-2 MiB L2
-
-
-def bf16_to_f32(u16, out=None):
-    """Widen bfloat16 bits (uint16) to float32 exactly."""
-    u16 = np.asarray(u16)
-    if out is None:
-        out = np.empty(u16.shape, np.float32)
-    bits = out.view(np.uint32)
-    np.copyto(bits, u16, casting='unsafe')
-    bits <<= 16
-    return out
-
-
-def f32_to_bf16(f32, out=None):
-    """Round float32 to bfloat16 bits (uint16), to nearest even; NaN stays a (quiet) NaN."""
-    f32 = np.ascontiguousarray(f32, dtype=np.float32)
-    if out is None:
-        out = np.empty(f32.shape, np.uint16)
-    bits = f32.view(np.uint32)
-    rounded = bits >> 16
-    rounded &= 1
-    rounded += 0x7FFF
-    rounded += bits  # cannot wrap for non-NaN inputs: 0xFF7FFFFF + 0x8000 < 2**32
-    rounded >>= 16
-    nan = np.isnan(f32)
-    if nan.any():
-        rounded[nan] = (bits[nan] >> 16) | 0x40
-    np.copyto(out, rounded, casting='unsafe')
-    return out
 
 
 def _load(src, dst):
@@ -423,6 +395,30 @@ def zeros_like(array, dtype):
 def widen(array):
     """A float32 copy of a float16 or bfloat16 (uint16) array: the master weight."""
     return bf16_to_f32(array) if array.dtype == np.uint16 else array.astype(np.float32)
+
+
+def add_widened(a, b, out):
+    """out = a + b into a float32 ``out`` (which may be ``a``), block by block; ``a`` and ``b``
+    are float32 or bfloat16 bits (uint16, widened exactly). How bfloat16 gradients are summed:
+    numpy would add their bit patterns as integers."""
+    flat_a, flat_b, flat_out = a.reshape(-1), b.reshape(-1), out.reshape(-1)
+    blk = max(1, min(BLOCK, flat_out.size))
+    bufs = np.empty(blk, np.float32), np.empty(blk, np.float32)
+    for lo in range(0, flat_out.size, blk):
+        hi = min(lo + blk, flat_out.size)
+        x, y = (_as_f32(src[lo:hi], buf[:hi - lo]) for src, buf in zip((flat_a, flat_b), bufs))
+        np.add(x, y, out=flat_out[lo:hi])
+    return out
+
+
+def _as_f32(block, buf):
+    return bf16_to_f32(block, out=buf) if block.dtype == np.uint16 else block
+
+
+def narrow(src, out):
+    """out = src cast to out's dtype; bfloat16 bits (uint16) round to nearest even."""
+    _store(src.reshape(-1), out.reshape(-1))
+    return out
 
 
 def to_host(array):

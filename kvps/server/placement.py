@@ -12,6 +12,7 @@ import logging
 
 import numpy as np
 
+from .._kernels import numpy_kernels
 from ..errors import ConfigError
 from ..protocol import DTYPES
 from ..shm import MIN_BYTES
@@ -41,12 +42,32 @@ class HostArrays:
         """A new array holding a copy of a received buffer."""
         return self.copy(np.frombuffer(data, dtype=DTYPES[dtype]))
 
-    def empty_like(self, array):
-        if self.arena is not None and array.nbytes >= MIN_BYTES:
-            taken = self.arena.take(array.nbytes)
+    @property
+    def kernels(self):
+        return numpy_kernels
+
+    def empty_like(self, array, dtype=None):
+        dtype = array.dtype if dtype is None else np.dtype(dtype)
+        nbytes = array.size * dtype.itemsize
+        if self.arena is not None and nbytes >= MIN_BYTES:
+            taken = self.arena.take(nbytes)
             if taken is not None:
-                return taken[1].view(array.dtype).reshape(array.shape)
-        return np.empty_like(array)
+                return taken[1].view(dtype).reshape(array.shape)
+        return np.empty(array.shape, dtype)
+
+    def add(self, a, b, out):
+        """out = a + b. bfloat16 keys (uint16 bits) sum into a float32 ``out``: numpy and
+        cupy have no bfloat16 and would add the bit patterns as integers."""
+        if a.dtype == b.dtype == out.dtype:
+            return self.xp.add(a, b, out=out)
+        return self.kernels.add_widened(a, b, out)
+
+    def assign(self, dst, src):
+        """dst = src; a float32 sum of a bfloat16 key is rounded to nearest even."""
+        if dst.dtype == src.dtype:
+            self.xp.copyto(dst, src)
+        else:
+            self.kernels.narrow(src, dst)
 
     def copy(self, array):
         out = self.empty_like(array)
@@ -84,8 +105,13 @@ class CudaArrays(HostArrays):
     def to_host(self, array):
         return self.xp.asnumpy(array)
 
-    def empty_like(self, array):
-        return self.xp.empty_like(array)
+    @property
+    def kernels(self):
+        from .._kernels import cuda_kernels   # imports cupy only when it runs
+        return cuda_kernels
+
+    def empty_like(self, array, dtype=None):
+        return self.xp.empty_like(array, dtype=dtype)
 
     def copy(self, array):
         return array.copy()

@@ -89,8 +89,10 @@ class Entry:
         return self.weight
 
     def writable_merge(self):
+        """The buffer a round's sum is made in: the weight's dtype, float32 for bfloat16."""
         if self.merge is None or _in_use(self.merge_leases):
-            self.merge = self.arrays.empty_like(self.weight)
+            wide = 'float32' if self.dtype == 'bfloat16' else None
+            self.merge = self.arrays.empty_like(self.weight, wide)
         self.merge_leases = []
         return self.merge
 
@@ -215,17 +217,19 @@ class Shard:
         buffer stays valid until its ack) and added to the second straight into the merge
         buffer: the round's sum costs no copy. With an optimizer on host float32/float64
         keys the last push is not added at all: the update gets (sum so far, last push) and
-        adds them in its own pass, so the merge buffer is neither written nor read back."""
-        grad, xp = entry.arrays.received(data, entry.dtype), entry.arrays.xp
+        adds them in its own pass, so the merge buffer is neither written nor read back.
+        bfloat16 pushes are summed in float32, rounded once where the sum becomes the weight
+        (an optimizer takes the float32 sum as it is)."""
+        grad = entry.arrays.received(data, entry.dtype)
         if entry.summed is None:
             entry.summed = grad
         elif self.updater is not None and entry.dtype in entry.arrays.sums_in_update \
                 and len(entry.merged) + 1 == self.num_workers:
             entry.summed = (entry.summed, grad)
         elif entry.summed is entry.merge:
-            xp.add(entry.merge, grad, out=entry.merge)
+            entry.arrays.add(entry.merge, grad, out=entry.merge)
         else:
-            entry.summed = xp.add(entry.summed, grad, out=entry.writable_merge())
+            entry.summed = entry.arrays.add(entry.summed, grad, out=entry.writable_merge())
         entry.merged.add(worker)
         entry.held.append(token)
 
@@ -297,11 +301,12 @@ class Shard:
         grad = entry.take_summed() if data is None else entry.arrays.received(data, entry.dtype)
         if self.updater is not None:
             self.updater.update(entry.key, entry.writable_weight(), grad, part=entry.part)
-        elif grad is entry.merge:  # the merge buffer becomes the weight, the old one scratch
+        elif grad is entry.merge and grad.dtype == entry.weight.dtype:
+            # the merge buffer becomes the weight, the old one scratch
             entry.weight, entry.merge = entry.merge, entry.weight
             entry.weight_leases, entry.merge_leases = [], entry.weight_leases
         else:
-            entry.arrays.xp.copyto(entry.writable_weight(), grad)
+            entry.arrays.assign(entry.writable_weight(), grad)
         entry.version += 1
         self.updates += 1
 

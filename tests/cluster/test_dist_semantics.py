@@ -11,6 +11,8 @@ r, n = kv.rank, kv.num_workers
 # rank 0's init value wins; a key above the bound is split over every server.
 kv.init([3, 7, 9], [np.full(4, 10.0 * (r + 1), np.float32), np.zeros(3000, np.float32),
                     np.zeros(5, np.float16)])
+import torch
+kv.init(11, torch.zeros(5, dtype=torch.bfloat16))   # numpy has no bfloat16: servers widen
 strs = kvps.create(os.environ['STORE'])
 strs.init('w', np.full((2, 2), r + 1.0))          # float64, str keys in a second store
 seen = {}
@@ -19,13 +21,15 @@ for step in range(3):
     kv.push(3, np.full(4, step + r + 1.0, np.float32))
     kv.push(7, np.arange(3000, dtype=np.float32) * (r + 1))
     kv.push(9, np.full(5, 0.5 * (r + 1), np.float16))
+    kv.push(11, torch.full((5,), 1.0 if r == 0 else 2.0 ** -8, dtype=torch.bfloat16))
     strs.push('w', np.full((2, 2), float(r)))
     a = np.zeros(4, np.float32); kv.pull(3, out=a)
+    brain = torch.zeros(5, dtype=torch.bfloat16); kv.pull(11, out=brain)
     big = np.zeros(3000, np.float32); kv.pull(7, out=big)
     half = np.zeros(5, np.float16); kv.pull(9, out=half)
     w = np.zeros((2, 2)); strs.pull('w', out=w)
     seen[step] = [a.tolist(), float(big[0]), float(big[1]), float(big[-1]), half.tolist(),
-                  w.tolist()]
+                  w.tolist(), brain.tolist()]
 kv.barrier()
 report(rank=r, n=n, seen=seen, type=kv.type)
 '''
@@ -44,11 +48,13 @@ def test_dist_sync_push_replaces_with_the_round_sum(job, workers, servers):
         seen = res['seen']
         assert seen['init'] == [10.0] * 4
         for step in range(3):
-            a, big0, big1, big_last, half, w = seen[str(step)]
+            a, big0, big1, big_last, half, w, brain = seen[str(step)]
             assert a == [workers * (step + 1) + workers * (workers - 1) / 2] * 4
             assert (big0, big1, big_last) == (0.0, total, 2999 * total)
             assert half == [0.5 * total] * 5
             assert w == [[workers * (workers - 1) / 2] * 2] * 2
+            # summed in float32, rounded once: 1 + 2**-8 ties to 1.0, 1 + 2 * 2**-8 is exact
+            assert brain == [{2: 1.0, 3: 1.0078125}[workers]] * 5
 
 
 def test_device_type_names_run_on_cpu_arrays(job):

@@ -77,15 +77,30 @@ def test_device_store_pull_lands_in_every_target():
     assert [t.data_ptr() for t in targets[1:3]] == pointers
 
 
-def test_device_store_keeps_refusing_host_bfloat16_sums():
-    kv = kvps.create('device')
+@pytest.mark.parametrize('name', ['device', 'local'])
+def test_several_bfloat16_values_sum_in_float32_as_torch_sum_does(name):
+    # 1 + 2**-8 + 2**-8: step by step in bfloat16 each add ties back to 1.0; in float32 the
+    # sum is 1.0078125, exactly a bfloat16, which is what torch.stack(...).sum(0) gives too.
+    values = [torch.tensor([1.0, 3.0, -2.0]), torch.tensor([2.0 ** -8, 0.5, 1.0]),
+              torch.tensor([2.0 ** -8, 0.25, 1.0])]
+    values = [v.to(torch.bfloat16) for v in values]
+    kv = kvps.create(name)
     kv.init(0, torch.zeros(3, dtype=torch.bfloat16))
-    with pytest.raises(DTypeError, match='bfloat16'):
-        kv.push(0, [torch.ones(3, dtype=torch.bfloat16)] * 2)
-    kv.push(0, torch.full((3,), 1.5, dtype=torch.bfloat16))
+    kv.push(0, values)
     out = torch.zeros(3, dtype=torch.bfloat16)
     kv.pull(0, out=out)
-    assert (out == 1.5).all()
+    assert out.tolist() == [1.0078125, 3.75, 0.0]
+    assert out.tolist() == torch.stack(values).sum(0).tolist()
+    assert values[1].tolist() == [2.0 ** -8, 0.5, 1.0]      # pushed values are only read
+
+
+def test_host_sum_of_bfloat16_tensors_matches_the_host_path():
+    from kvps import devices
+    values = [torch.full((4,), x, dtype=torch.bfloat16) for x in (1.0, 2.0 ** -8, 2.0 ** -8)]
+    total = devices.host_sum(values)
+    assert total.dtype == np.uint16
+    assert torch.from_numpy(total.view(np.int16)).view(torch.bfloat16).tolist() == [1.0078125] * 4
+    assert values[0].tolist() == [1.0] * 4
 
 
 @pytest.mark.parametrize('name', ['local', 'dist_sync', 'dist_async'])

@@ -284,6 +284,24 @@ def test_bf16_conversion_matches_torch_round_to_nearest_even():
     assert np.isnan(K.bf16_to_f32(nan))[0]
 
 
+def test_bf16_sums_widen_to_float32_block_by_block_and_round_once():
+    rng = np.random.default_rng(2)
+    n = 2 * K.BLOCK + 77                                  # several blocks and a ragged end
+    a, b = (K.f32_to_bf16(rng.standard_normal(n).astype(np.float32)) for _ in range(2))
+    out = np.full(n, np.nan, np.float32)
+    assert K.add_widened(a, b, out) is out
+    np.testing.assert_array_equal(out, K.bf16_to_f32(a) + K.bf16_to_f32(b))
+    K.add_widened(out, a, out)                            # accumulating in place
+    np.testing.assert_array_equal(out, (K.bf16_to_f32(a) + K.bf16_to_f32(b)) + K.bf16_to_f32(a))
+    rounded = K.narrow(out, np.empty(n, np.uint16))
+    np.testing.assert_array_equal(rounded, K.f32_to_bf16(out))
+    # torch's float32-accumulating sum of the same bfloat16 values rounds to the same bits
+    as_torch = [torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) for x in (a, b, a)]
+    theirs = torch.stack(as_torch).sum(0).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(rounded, theirs)
+    np.testing.assert_array_equal(K.narrow(out, np.empty(n, np.float16)), out.astype(np.float16))
+
+
 @pytest.mark.parametrize('wdtype', [np.float16, np.uint16])
 def test_low_precision_weight_with_master_gets_rounded_master(wdtype):
     w0, g_steps = data(n=777)

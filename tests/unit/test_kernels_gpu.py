@@ -119,6 +119,21 @@ def test_widen_matches_numpy():
     np.testing.assert_array_equal(cp.asnumpy(C.widen(cp.asarray(x))), K.widen(x))
 
 
+def test_bf16_sums_and_rounding_match_numpy():
+    rng = np.random.default_rng(3)
+    a, b = (K.f32_to_bf16(rng.standard_normal(5000).astype(np.float32) * 50) for _ in range(2))
+    wide = cp.empty(5000, cp.float32)
+    C.add_widened(cp.asarray(a), cp.asarray(b), wide)
+    C.add_widened(wide, cp.asarray(a), wide)
+    want = K.add_widened(K.add_widened(a, b, np.empty(5000, np.float32)), a,
+                         np.empty(5000, np.float32))
+    np.testing.assert_array_equal(cp.asnumpy(wide), want)
+    wide[:3] = cp.asarray([np.nan, np.inf, 1.00390625], cp.float32)
+    want[:3] = [np.nan, np.inf, 1.00390625]
+    np.testing.assert_array_equal(cp.asnumpy(C.narrow(wide, cp.empty(5000, cp.uint16))),
+                                  K.narrow(want, np.empty(5000, np.uint16)))
+
+
 def test_updater_on_device_with_checkpoint_round_trip():
     u = Updater(create('adam', multi_precision=True, learning_rate=0.01))
     w = cp.asarray(np.random.default_rng(1).standard_normal(5000).astype(np.float16))

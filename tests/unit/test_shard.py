@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from kvps._kernels import numpy_kernels as K
 from kvps.errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInitializedError,
                          KVPSError, ShapeError)
 from kvps.optimizer import create
@@ -156,6 +157,31 @@ def test_other_dtypes_sum_exactly(dtype):
     shard.push('b', W1, 1, 0, name, True, buf(0.25, 1, 2, dtype=dtype))
     (_, _, (_, value, _)), = shard.pull('q', W0, 1, 0)
     assert value.dtype == dtype and value.tolist() == [0.75, 2, 4]
+
+
+def bf16_wire(*values):
+    return memoryview(K.f32_to_bf16(np.array(values, np.float32))).cast('B')
+
+
+@pytest.mark.parametrize('optimizer', [False, True])
+def test_bfloat16_rounds_sum_numbers_in_float32_not_bit_patterns(optimizer):
+    # numpy has no bfloat16: its uint16 storage added as integers gave nonsense (0.5 + 0.5
+    # came back as 4e37). The sum runs in float32 and is rounded once: 1 + 2**-8 + 2**-8 is
+    # 1.0078125, where adding in bfloat16 step by step would tie back to 1.0 twice.
+    updater = Updater(create('sgd', learning_rate=1.0).to_spec()) if optimizer else None
+    shard = Shard(3, updater)
+    shard.init('t', 1, 0, 'bfloat16', [3], True, bf16_wire(0, 0, 0))
+    weight = np.zeros(3, np.float32)
+    for round_index in range(3):
+        pushes = [(0.5, 1, 3), (0.5, 2.0 ** -8, 0.5), (round_index, 2.0 ** -8, -2)]
+        for worker, values in zip((W0, W1, W2), pushes):
+            shard.push(('p', worker), worker, 1, 0, 'bfloat16', True, bf16_wire(*values))
+        total = np.sum(np.array(pushes, np.float32), axis=0)
+        weight = K.bf16_to_f32(K.f32_to_bf16(weight - total if optimizer else total))
+        (_, _, (_, value, _)), = shard.pull('q', W0, 1, 0)
+        assert value.dtype == np.uint16
+        assert K.bf16_to_f32(value).tolist() == weight.tolist()
+    assert optimizer or weight.tolist() == [3, 1.0078125, 1.5]
 
 
 def test_errors_are_clear():

@@ -6,6 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from kvps._kernels.common import bf16_to_f32, f32_to_bf16
 from kvps.optimizer import create
 from kvps.server.checkpoint import restore, snapshot
 from kvps.errors import ConfigError
@@ -35,12 +36,17 @@ def wire(values, dtype=np.float32):
     return memoryview(np.asarray(values, dtype=dtype)).cast('B')
 
 
+def bf16_wire(values):
+    return memoryview(f32_to_bf16(np.asarray(values, np.float32))).cast('B')
+
+
 def train(arrays, sync, optimizer):
-    """Two workers, two keys (one float16 with a float32 master), five rounds; the pulled values
-    after each round and a checkpoint taken at the end."""
+    """Two workers, three keys (float16 and bfloat16 with float32 masters), five rounds; the
+    pulled values after each round and a checkpoint taken at the end."""
     shard = Shard(2, placements=Placements(arrays, arrays))
     shard.init('i', 'a', 0, 'float32', [6], sync, wire(np.linspace(-1, 1, 6)))
     shard.init('i', 'b', 0, 'float16', [4], sync, wire([0.5, -0.25, 1, 2], np.float16))
+    shard.init('i', 'c', 0, 'bfloat16', [4], sync, bf16_wire([0.5, -0.25, 1, 3]))
     if optimizer:
         shard.set_optimizer(create(optimizer, learning_rate=0.1, multi_precision=True).to_spec())
     pulled = []
@@ -50,7 +56,9 @@ def train(arrays, sync, optimizer):
             shard.push('p', worker, 'a', 0, 'float32', sync, wire(grads['a']), seq=step)
             shard.push('p', worker, 'b', 0, 'float16', sync, wire(grads['b'], np.float16),
                        seq=step)
-        for key in ('a', 'b'):
+            shard.push('p', worker, 'c', 0, 'bfloat16', sync, bf16_wire(grads['b'] / 3),
+                       seq=step)
+        for key in ('a', 'b', 'c'):
             (_, _, (_, value, lease)), = shard.pull('q', W0, key, 0)
             pulled.append(np.array(value))
             lease.released = True
@@ -65,9 +73,11 @@ def assert_like_host(arrays, sync, optimizer, rtol=0.0):
     other, other_blob = train(arrays, sync, optimizer)
     for want, got in zip(host, other):
         assert isinstance(got, np.ndarray) and got.dtype == want.dtype
-        tolerance = max(rtol, 1e-3) if rtol and want.dtype == np.float16 else rtol
+        low = {np.dtype(np.float16): 1e-3, np.dtype(np.uint16): 1e-2}.get(want.dtype, 0.0)
+        if want.dtype == np.uint16:   # bfloat16 bits
+            want, got = bf16_to_f32(want), bf16_to_f32(got)
         np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
-                                   rtol=tolerance)
+                                   rtol=max(rtol, low) if rtol else 0.0)
     if not rtol or optimizer is None:   # sums and copies only: exact on any device
         assert host_blob == other_blob
 
