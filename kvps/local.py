@@ -69,13 +69,18 @@ class LocalBackend:
 
     def push(self, items):
         def push_each():   # updates together, as a server does for one message
+            replies = []
             for key, flat, dtype in items:
                 data = flat[0] if dtype == TWO_BIT else flat   # compressed: one part
-                self.shard.push(None, _ME, key, 0, dtype, True, memoryview(data).cast('B'))
-            return []
-        self.shard.together(push_each)
+                replies += self.shard.push(None, _ME, key, 0, dtype, True,
+                                           memoryview(data).cast('B'))
+            return replies
+        replies = self.shard.together(push_each)
         if isinstance(self.shard.updater, FunctionUpdater):
             self.shard.updater.raise_failure()
+        for kind, _, payload in replies:   # a key the optimizer could not update
+            if kind == 'error':
+                raise payload
 
     def pull(self, items):
         for key, out, _ in items:

@@ -38,6 +38,10 @@ class Lease:
         return self.released or (self.tracker is not None and self.tracker.done)
 
 
+def _reply(token, failure):
+    return ('ack', token, None) if failure is None else ('error', token, failure)
+
+
 def _in_use(leases):
     return any(not lease.done for lease in leases)
 
@@ -171,8 +175,7 @@ class Shard:
         if not entry.sync:
             entry.pushed[worker] = count + 1 if seq is None else seq + 1
             if not self._gather(entry):
-                self._apply(entry, data)
-                return [('ack', token, None)]
+                return [_reply(token, self._apply(entry, data))]
             entry.summed = entry.arrays.received(data, entry.dtype)   # applied by together
             entry.held.append(token)
             return []
@@ -237,14 +240,15 @@ class Shard:
         """Apply every round that is now complete; answer what waited on it."""
         replies = []
         while len(entry.merged) == self.num_workers and not self._gather(entry):
-            self._apply(entry)
-            replies += self._finish_round(entry)
+            failure = self._apply(entry)
+            replies += self._finish_round(entry, failure)
         return replies
 
-    def _finish_round(self, entry):
-        """The round's update is applied: ack its pushers, answer the pulls that waited for
-        it, and merge the pushes queued for the next round."""
-        replies = [('ack', t, None) for t in entry.held]
+    def _finish_round(self, entry, failure=None):
+        """The round's update is applied (or failed with ``failure``, which its pushers get;
+        the pulls that waited for it get the weight as it is, after those errors): answer
+        them, and merge the pushes queued for the next round."""
+        replies = [_reply(t, failure) for t in entry.held]
         entry.held, entry.merged = [], set()
         replies += self._answer_deferred(entry)
         ready = [q for q in entry.queued if q[1] == entry.version]
@@ -284,31 +288,61 @@ class Shard:
     def _apply_due(self):
         due = list(self._due.values())
         self._due.clear()
-        self.updater.update_many([(e.key, e.part, e.writable_weight(), e.take_summed())
-                                  for e in due])
-        for entry in due:
-            entry.version += 1
-            self.updates += 1
+        failed = self._run_updates([(e.key, e.part, e.writable_weight(), e.take_summed())
+                                    for e in due])
+        for index, entry in enumerate(due):
+            failure = failed.get(index)
+            self._count_update(entry, failure)
             if entry.sync:
-                self._released += self._finish_round(entry) + self._close_rounds(entry)
+                self._released += self._finish_round(entry, failure) + self._close_rounds(entry)
             else:
-                self._released += [('ack', t, None) for t in entry.held]
+                self._released += [_reply(t, failure) for t in entry.held]
                 entry.held = []
+
+    def _run_updates(self, items):
+        """Run the optimizer over ``items``; returns {index: exception} of those it could not
+        update. The updater checks every item before it changes anything, so after a failed
+        check each item is tried alone: one bad key does not fail the keys sent with it."""
+        try:
+            self.updater.update_many(items)
+            return {}
+        except KVPSError as exc:
+            if len(items) == 1:
+                return {0: exc}
+        except Exception as exc:   # a kernel failed part way: which keys changed is unknown
+            return dict.fromkeys(range(len(items)), exc)
+        failed = {}
+        for index, item in enumerate(items):
+            try:
+                self.updater.update_many([item])
+            except Exception as exc:
+                failed[index] = exc
+        return failed
+
+    def _count_update(self, entry, failure):
+        """A round (sync) or push (async) is over, updated or failed: a failed one is not
+        retried (its pushers get the error), so the key goes on with the next."""
+        entry.version += 1
+        if failure is None:
+            self.updates += 1
 
     def _apply(self, entry, data=None):
         """Run the update with one push's ``data`` (async) or, without it, the round's sum
-        (sync); with no optimizer the value is replaced."""
+        (sync); with no optimizer the value is replaced. Returns the exception that failed
+        the update (the weight is then unchanged), or None."""
         grad = entry.take_summed() if data is None else entry.arrays.received(data, entry.dtype)
+        failure = None
         if self.updater is not None:
-            self.updater.update(entry.key, entry.writable_weight(), grad, part=entry.part)
+            failure = self._run_updates([(entry.key, entry.part, entry.writable_weight(),
+                                          grad)]).get(0)
         elif grad is entry.merge and grad.dtype == entry.weight.dtype:
             # the merge buffer becomes the weight, the old one scratch
             entry.weight, entry.merge = entry.merge, entry.weight
             entry.weight_leases, entry.merge_leases = [], entry.weight_leases
         else:
             entry.arrays.assign(entry.writable_weight(), grad)
-        entry.version += 1
-        self.updates += 1
+        self._count_update(entry, failure)
+        return failure
 
     # -- pull -----------------------------------------------------------------------------
     def pull(self, token, worker, key, part):

@@ -180,6 +180,9 @@ class DistClient:
         op.wait(self.config.timeout)
         for out, target in finish:
             np.copyto(out, target.reshape(out.shape))
+        # A push whose round failed on a server (its update raised) was answered before this
+        # pull: the pull after it raises that error, as a local store's push does.
+        self._raise_pending_errors()
 
     def _parts_of(self, items):
         """``(key, part, array, dtype)`` for every part of every item, in order."""

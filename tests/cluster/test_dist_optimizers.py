@@ -120,3 +120,36 @@ def test_servers_resume_from_their_checkpoint_directory(job, tmp_path):
     expected = local_run('adam', 0, 7)
     for res in second.results().values():
         assert res['weights'] == expected
+
+
+FAILED_UPDATE_SCRIPT = '''
+kv = kvps.create(os.environ['STORE'])
+kv.init(['f', 'i'], [np.zeros(3, np.float32), np.zeros(3, np.int32)])
+kv.set_optimizer(kvps.optimizer.create('sgd', learning_rate=1.0))
+seen = []
+for step in range(3):
+    kv.push(['f', 'i'], [np.ones(3, np.float32), np.ones(3, np.int32)])
+    f, i = np.zeros(3, np.float32), np.full(3, -1, np.int32)
+    try:
+        kv.pull(['f', 'i'], out=[f, i])
+        seen.append(['no error'])
+    except kvps.errors.DTypeError as exc:
+        seen.append([str(exc)])
+    kv.barrier()
+    kv.pull(['f', 'i'], out=[f, i])
+    seen[-1] += [f.tolist(), i.tolist()]
+report(rank=kv.rank, seen=seen)
+'''
+
+
+@pytest.mark.parametrize('store', ['dist_sync', 'dist_async'])
+def test_a_key_the_optimizer_cannot_update_fails_its_pushes_not_the_job(job, store):
+    # An optimizer cannot update an int key. Each push of it fails, once, with the reason,
+    # by the pull after it (not after KVPS_TIMEOUT); the float key sent in the same messages
+    # is updated, and later rounds of both keys go on.
+    result = job(FAILED_UPDATE_SCRIPT, 2, 1, env={'STORE': store})
+    assert result.returncode == 0, result.output
+    for rank, res in result.results().items():
+        for step, (error, f, i) in enumerate(res['seen']):
+            assert 'int32' in error and 'not supported' in error, (rank, error)
+            assert f == [-2.0 * (step + 1)] * 3 and i == [0, 0, 0]

@@ -95,11 +95,12 @@ class AddUpdater:
     def __init__(self):
         self.calls, self.parts = 0, []
 
-    def update(self, key, weight, grad, part=0):
-        self.calls += 1
-        self.parts.append(len(grad) if isinstance(grad, tuple) else 1)
-        for g in grad if isinstance(grad, tuple) else (grad,):
-            weight += g
+    def update_many(self, items):
+        for _, _, weight, grad in items:
+            self.calls += 1
+            self.parts.append(len(grad) if isinstance(grad, tuple) else 1)
+            for g in grad if isinstance(grad, tuple) else (grad,):
+                weight += g
 
 
 def test_optimizer_runs_once_per_sync_round_on_the_sum():
@@ -339,9 +340,6 @@ class CountingUpdater:
         self.real = Updater(create('sgd', learning_rate=0.5).to_spec())
         self.calls = []
 
-    def update(self, key, weight, grad, part=0):
-        self.update_many([(key, part, weight, grad)])
-
     def update_many(self, items):
         self.calls.append(sorted(key for key, *_ in items))
         self.real.update_many(items)
@@ -420,3 +418,61 @@ def test_without_an_optimizer_nothing_is_gathered():
     shard.init('i', 'a', 0, 'float32', [2], True, buf(1, 1))
     replies = shard.together(lambda: shard.push('p', W0, 'a', 0, 'float32', True, buf(5, 6)))
     assert acks(replies) == ['p'] and data_of(shard.pull('q', W0, 'a', 0)) == {'q': [5.0, 6.0]}
+
+
+# -- an update that fails ----------------------------------------------------------------------
+def sgd():
+    return Updater(create('sgd', learning_rate=1.0).to_spec())
+
+
+def errors(replies):
+    return {token: str(exc) for kind, token, exc in replies if kind == 'error'}
+
+
+def test_a_failed_sync_update_fails_its_round_and_the_key_goes_on():
+    # An int key cannot be updated by an optimizer: every pusher of the round gets the error
+    # at once and a pull waiting for the round gets the unchanged weight (before, both waited
+    # for KVPS_TIMEOUT); the next round is not stuck behind it.
+    shard = Shard(2, sgd())
+    shard.init('t', 'i', 0, 'int32', [2], True, buf(5, 5, dtype=np.int32))
+    shard.push('a', W0, 'i', 0, 'int32', True, buf(1, 1, dtype=np.int32))
+    assert shard.pull('q', W0, 'i', 0) == []               # waits for the round
+    shard.push('a2', W0, 'i', 0, 'int32', True, buf(1, 1, dtype=np.int32))   # next round
+    replies = shard.push('b', W1, 'i', 0, 'int32', True, buf(1, 1, dtype=np.int32))
+    failed = errors(replies)
+    assert sorted(failed) == ['a', 'b'] and 'int32' in failed['a']
+    assert data_of(replies) == {'q': [5, 5]}
+    assert [kind for kind, *_ in replies] == ['error', 'error', 'data']   # errors first
+    replies = shard.push('b2', W1, 'i', 0, 'int32', True, buf(1, 1, dtype=np.int32))
+    assert sorted(errors(replies)) == ['a2', 'b2']
+    shard.updater = None                                    # the key is still usable
+    shard.push('a3', W0, 'i', 0, 'int32', True, buf(2, 2, dtype=np.int32))
+    assert acks(shard.push('b3', W1, 'i', 0, 'int32', True, buf(3, 3, dtype=np.int32))) == [
+        'a3', 'b3']
+    assert data_of(shard.pull('q3', W1, 'i', 0)) == {'q3': [5, 5]}
+
+
+def test_a_failed_async_update_answers_its_push_with_the_error():
+    shard = Shard(2, sgd())
+    shard.init('t', 'i', 0, 'int32', [2], False, buf(5, 5, dtype=np.int32))
+    assert list(errors(shard.push('a', W0, 'i', 0, 'int32', False,
+                                  buf(1, 1, dtype=np.int32)))) == ['a']
+    assert data_of(shard.pull('q', W0, 'i', 0)) == {'q': [5, 5]}
+
+
+@pytest.mark.parametrize('sync', [True, False])
+def test_one_key_that_cannot_be_updated_does_not_fail_the_keys_sent_with_it(sync):
+    shard = Shard(1, sgd())
+    shard.init('t', 'f', 0, 'float32', [2], sync, buf(1, 1))
+    shard.init('t', 'i', 0, 'int32', [2], sync, buf(1, 1, dtype=np.int32))
+    shard.init('t', 'g', 0, 'float32', [2], sync, buf(1, 1))
+
+    def one_message():
+        return [reply for key, dtype in (('f', np.float32), ('i', np.int32), ('g', np.float32))
+                for reply in shard.push(key, W0, key, 0, np.dtype(dtype).name, sync,
+                                        buf(0.5, 0.5, dtype=dtype))]
+    replies = shard.together(one_message)
+    assert acks(replies) == ['f', 'g'] and list(errors(replies)) == ['i']
+    assert data_of(shard.pull('q', W0, 'f', 0)) == {'q': [0.5, 0.5]}
+    assert data_of(shard.pull('q', W0, 'g', 0)) == {'q': [0.5, 0.5]}
+    assert shard.updates == 2
