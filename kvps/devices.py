@@ -118,12 +118,19 @@ def as_torch(value):
     return value.detach()
 
 
-def kernel_view(tensor):
+def kernel_view(tensor, read_only=False):
     """A flat array that the optimizer kernels update in place, sharing ``tensor``'s memory:
     numpy for a host tensor, cupy (through DLPack) for a CUDA one. bfloat16 is seen as its
-    uint16 bits, the kernels' bfloat16 storage (DLPack consumers refuse bfloat16)."""
+    uint16 bits, the kernels' bfloat16 storage (DLPack consumers refuse bfloat16).
+    ``read_only``: for a gradient the caller keeps. The numpy kernels use a writable grad as
+    scratch and copy a read-only one block by block, in cache; the CUDA kernels never write
+    the grad."""
     if not on_gpu(tensor):
-        return arrays.as_numpy(tensor).reshape(-1)
+        view = arrays.as_numpy(tensor).reshape(-1)
+        if read_only:
+            view = view.view()   # a view of its own: the tensor's array stays writable
+            view.flags.writeable = False
+        return view
     cupy = require_cupy()
     flat = tensor.detach().reshape(-1)
     if arrays.dtype_name(flat) == 'bfloat16':

@@ -238,7 +238,7 @@ class Trainer:
     def _push(self, p, grad):
         # Every trainable parameter is pushed every step (zeros when it has no gradient):
         # a sync round completes only when every worker has pushed into it.
-        value = grad if grad is not None else p.tensor.new_zeros(p.tensor.shape)
+        value = _dense(grad) if grad is not None else p.tensor.new_zeros(p.tensor.shape)
         self._bucket.add(p.key, value)
         self._pushed.add(p.key)
 
@@ -250,8 +250,9 @@ class Trainer:
             if p.key not in self._pushed:
                 self._push(p, p.tensor.grad)
         self._bucket.flush()
-        for p in self._trainable:
-            if not self._update_on_kvstore and p.tensor.grad is None:
+        for p in self._trainable:   # summed gradients land in dense .grad tensors
+            grad = p.tensor.grad
+            if not self._update_on_kvstore and (grad is None or not _is_dense(grad)):
                 p.tensor.grad = p.tensor.new_zeros(p.tensor.shape)
                 self._seen_grads[p.key] = p.tensor.grad
         # One pipelined pull for every parameter: all requests leave before any answer is
@@ -273,7 +274,9 @@ class Trainer:
             if grad is None or not (self._distributed or self._is_fresh(p)):
                 continue
             # Flat views: the state then has the servers' layout, so files load either way.
-            items.append((p.key, 0, kernel_view(p.tensor), kernel_view(grad)))
+            # The gradient stays as backward (or allreduce_grads) left it, as with torch.optim.
+            items.append((p.key, 0, kernel_view(p.tensor),
+                          kernel_view(_dense(grad), read_only=True)))
         if items:
             self._updater.update_many(items)
 
@@ -290,6 +293,17 @@ class Trainer:
 
     def _note_grads(self):
         self._seen_grads = {p.key: p.tensor.grad for p in self._trainable}
+
+
+def _is_dense(grad):
+    import torch  # lazy: kvps imports without torch (it is loaded once a Trainer exists)
+    return grad.layout == torch.strided
+
+
+def _dense(grad):
+    """A sparse gradient (``nn.Embedding(sparse=True)``) as the dense tensor it stands for:
+    store keys and kernels are dense, so it trains as ``sparse=False`` would."""
+    return grad if _is_dense(grad) else grad.to_dense()
 
 
 class _Bucket:

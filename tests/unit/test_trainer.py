@@ -106,6 +106,62 @@ def test_sgd_momentum_steps(kvstore, uok):
     assert torch.all(x == -2.5)       # mom = 0.5 * -1 - 1
 
 
+STORES = [(None, None), ('local', True), ('local', False), ('dist_sync', True),
+          ('dist_sync', False)]
+
+
+def _store(kvstore):
+    return None if kvstore is None else (
+        kvps.create('local') if kvstore == 'local' else fake_store(kvstore))
+
+
+@pytest.mark.parametrize('kvstore, uok', STORES)
+@pytest.mark.parametrize('optimizer', [
+    ('sgd', {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 0.1, 'clip_gradient': 0.5}),
+    ('adam', {'learning_rate': 0.1, 'wd': 0.01})])
+def test_a_step_leaves_the_gradients_as_backward_made_them(kvstore, uok, optimizer):
+    # As with torch.optim: logging a gradient norm after step() must see the gradient, not
+    # the kernels' scratch (rescaled, clipped, decayed), which local updates used to leave.
+    x = torch.nn.Parameter(torch.linspace(-1, 1, 10))
+    t = Trainer([x], *optimizer, kvstore=_store(kvstore), update_on_kvstore=uok)
+    for step in range(2):
+        t.zero_grad()
+        (x * torch.arange(10.0) * (step + 1)).sum().backward()
+        t.step(4)
+        assert x.grad.tolist() == (torch.arange(10.0) * (step + 1)).tolist()
+
+
+class Bag(torch.nn.Module):
+    def __init__(self, sparse):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(12, 3, sparse=sparse)
+        self.out = torch.nn.Linear(3, 1)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids)).sum()
+
+
+@pytest.mark.parametrize('kvstore, uok', STORES)
+def test_sparse_gradients_train_as_the_dense_ones_they_stand_for(kvstore, uok):
+    # nn.Embedding(sparse=True) gives sparse COO gradients (ids repeat: duplicates add up);
+    # kvps densifies them, so training equals sparse=False exactly.
+    ids = torch.tensor([[1, 4, 4], [7, 1, 0]])
+    models = []
+    for sparse in (True, False):
+        model = Bag(sparse)
+        t = Trainer(model, 'adam', {'learning_rate': 0.1, 'wd': 0.01},
+                    kvstore=_store(kvstore), update_on_kvstore=uok)
+        for step in range(3):
+            t.zero_grad()
+            model(ids * (step + 1) % 12).backward()
+            assert model.emb.weight.grad.is_sparse == sparse
+            t.step(2)
+        models.append(model)
+    for (name, a), (_, b) in zip(*(m.named_parameters() for m in models)):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize('kvstore', [None, 'local'])
 def test_rescale_grad_is_scale_over_batch_size(kvstore):
     kv = kvps.create(kvstore) if kvstore else None
