@@ -8,19 +8,22 @@ residual for the next push. Nothing is lost, only delayed. Pulls are not compres
 Wire payload of one part of n elements (protocol dtype '2bit'): the threshold as a
 little-endian float32, then the codes, four per byte (element i in bits 2*(i%4) of byte
 i//4): 0 for 0, 2 for -t, 3 for +t. The server checks the threshold and decodes into the
-key's dtype before merging, so the sync and async rules are unchanged.
+key's dtype before merging, so the sync and async rules are unchanged. For float16 and
+bfloat16 keys t is first rounded to the key's dtype (what the server will add), so the
+residual keeps exactly what was not sent.
 """
 
 import math
 
 import numpy as np
 
+from ._kernels.common import bf16_to_f32, dtype_name, f32_to_bf16
 from .errors import DTypeError, ProtocolError
 from .protocol import TWO_BIT, nbytes  # noqa: F401  (nbytes: the payload size, for callers)
 
 TYPES = (TWO_BIT,)
 _ZERO, _MINUS, _PLUS = 0, 2, 3
-DECODABLE = ('float16', 'float32', 'float64')   # bfloat16 has no numpy arithmetic here
+DECODABLE = ('float16', 'bfloat16', 'float32', 'float64')
 
 
 class TwoBit:
@@ -34,12 +37,15 @@ class TwoBit:
 
     def encode(self, key, part, grad, out):
         """Quantize flat ``grad`` (+ the residual of (key, part)) into ``out``, a uint8 array
-        of ``nbytes('2bit', grad.size)``; the residual keeps what was not sent."""
+        of ``nbytes('2bit', grad.size)``; the residual keeps what was not sent. A uint16
+        ``grad`` holds bfloat16 bits (kvps's storage of bfloat16)."""
+        kind = dtype_name(grad)
+        t = sent_threshold(self.threshold, kind)
         residual = self._residuals.get((key, part))
         if residual is None or residual.size != grad.size:
             residual = self._residuals[(key, part)] = np.zeros(grad.size, np.float32)
-        np.add(residual, grad, out=residual, casting='unsafe')
-        t = np.float32(self.threshold)
+        np.add(residual, bf16_to_f32(grad) if kind == 'bfloat16' else grad, out=residual,
+               casting='unsafe')
         plus, minus = residual >= t, residual <= -t
         sign = plus.view(np.int8) - minus.view(np.int8)
         np.subtract(residual, np.multiply(sign, t, dtype=np.float32), out=residual)
@@ -80,10 +86,24 @@ def parse(params):
     return TwoBit(float(threshold))
 
 
+def sent_threshold(threshold, dtype):
+    """``threshold`` as a server adds it to a ``dtype`` key, in float32: rounded to float16
+    or bfloat16 for those keys, so the residual takes off exactly what was sent."""
+    t = np.float32(threshold)
+    if dtype == 'float16':
+        t = np.float32(np.float16(t))
+    elif dtype == 'bfloat16':
+        t = bf16_to_f32(f32_to_bf16(np.array([t])))[0]
+    if not (math.isfinite(t) and t > 0):
+        raise ValueError(f'2bit threshold {threshold!r} is {t} in a {dtype} key; choose one '
+                         f'that {dtype} can hold')
+    return t
+
+
 def check_compressible(key, dtype):
     if dtype not in DECODABLE:
-        raise DTypeError(f'key {key!r}: 2bit gradient compression handles float16, float32 '
-                         f'and float64 gradients, not {dtype}')
+        raise DTypeError(f'key {key!r}: 2bit gradient compression handles float16, bfloat16, '
+                         f'float32 and float64 gradients, not {dtype}')
 
 
 def decode(payload, n, dtype):
@@ -96,10 +116,12 @@ def decode(payload, n, dtype):
     t = float(raw[:4].view('<f4')[0])
     if not math.isfinite(t) or t <= 0:
         raise ProtocolError(f'2bit payload with threshold {t!r}; it must be finite and > 0')
-    table = np.zeros((256, 4), dtype)
+    table = np.zeros((256, 4), np.float32 if dtype == 'bfloat16' else dtype)
     byte = np.arange(256)
     for slot in range(4):
         code = (byte >> (2 * slot)) & 3
         table[code == _PLUS, slot] = t
         table[code == _MINUS, slot] = -t
+    if dtype == 'bfloat16':
+        table = f32_to_bf16(table)
     return table[raw[4:]].reshape(-1)[:n]

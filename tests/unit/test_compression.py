@@ -125,13 +125,65 @@ def test_a_store_pushes_compressed_values_and_pulls_exact_ones():
     assert b.tolist() == [1.75, -0.25, 0.25]
 
 
-def test_bfloat16_keys_cannot_be_compressed():
+def bf16(values):
+    from kvps._kernels.common import f32_to_bf16
+    return f32_to_bf16(np.asarray(values, np.float32))
+
+
+def widened(array):
+    from kvps._kernels.common import bf16_to_f32
+    return bf16_to_f32(array) if array.dtype == np.uint16 else array.astype(np.float32)
+
+
+@pytest.mark.parametrize('dtype', ['float16', 'bfloat16'])
+def test_low_precision_keys_get_the_threshold_they_can_hold_and_lose_nothing(dtype):
+    # 0.3 is 0.2998 in float16 and 0.30078 in bfloat16: the worker quantizes with the value
+    # the server will add, so sent + held back is what was pushed (with 0.3 itself, each
+    # send would drift the two apart by the rounding error).
+    rng = np.random.default_rng(5)
+    grads = [rng.standard_normal(50).astype(np.float32) for _ in range(8)]
+    grads = [bf16(g) if dtype == 'bfloat16' else g.astype(np.float16) for g in grads]
+    codec = compression.parse({'type': '2bit', 'threshold': 0.3})
+    t = compression.sent_threshold(0.3, dtype)
+    assert t != np.float32(0.3) and t == widened(bf16([0.3]) if dtype == 'bfloat16'
+                                                  else np.float16([0.3]))[0]
+    got = []
+    for g in grads:
+        out = np.empty(P.nbytes(P.TWO_BIT, g.size), np.uint8)
+        got.append(compression.decode(memoryview(codec.encode('k', 0, g, out)), g.size, dtype))
+    assert all(a.dtype == (np.uint16 if dtype == 'bfloat16' else np.float16) for a in got)
+    assert set(np.concatenate([widened(a) for a in got]).tolist()) <= {0.0, t, -t}
+    held = codec._residuals[('k', 0)]
+    np.testing.assert_allclose(sum(widened(a) for a in got) + held,
+                               sum(widened(g) for g in grads), atol=2e-6)
+
+
+def test_a_threshold_a_key_cannot_hold_is_refused():
+    with pytest.raises(ValueError, match='float16'):
+        compression.sent_threshold(1e-9, 'float16')
+
+
+def test_integer_keys_are_not_compressed():
+    kv = kvps.create('local')
+    kv.init(0, np.zeros(4, np.int32))
+    kv.set_gradient_compression({'type': '2bit'})
+    with pytest.raises(DTypeError, match='2bit.*int32'):
+        kv.push(0, np.ones(4, np.int32))
+
+
+def test_a_store_compresses_bfloat16_pushes():
     torch = pytest.importorskip('torch')
     kv = kvps.create('local')
     kv.init(0, torch.zeros(4, dtype=torch.bfloat16))
-    kv.set_gradient_compression({'type': '2bit'})
-    with pytest.raises(DTypeError, match='2bit'):
-        kv.push(0, torch.ones(4, dtype=torch.bfloat16))
+    kv.set_optimizer(kvps.optimizer.create('test', rescale_grad=1.0))   # w += g
+    kv.set_gradient_compression({'type': '2bit', 'threshold': 0.5})
+    for _ in range(3):
+        kv.push(0, torch.tensor([0.2, 1.0, -0.3, 0.0], dtype=torch.bfloat16))
+    out = torch.zeros(4, dtype=torch.bfloat16)
+    kv.pull(0, out=out)
+    # bfloat16 0.2 is 0.2001953125: 0, 0.5, 0 (0.1005859375 held); 1.0: 0.5 each time;
+    # -0.3 (-0.30078125): 0, -0.5, 0
+    assert out.tolist() == [0.5, 1.5, -0.5, 0.0]
 
 
 def test_2bit_is_a_push_dtype_only():
