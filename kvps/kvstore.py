@@ -1,6 +1,7 @@
 """`create(name)` and KVStore: MXNet's KVStore API over the local or the distributed backend."""
 
 import atexit
+import operator
 import os
 import sys
 import threading
@@ -289,8 +290,11 @@ class KVStore:
         return values
 
     def _check_key(self, key):
-        if isinstance(key, bool) or not isinstance(key, (int, str)):
+        """The key as a plain int or str (numpy integers from ``np.arange``, IntEnum and str
+        subclasses are taken by value; bool, float and the rest are refused)."""
+        if isinstance(key, bool) or not isinstance(key, (int, str, np.integer)):
             raise KeyTypeError(f'keys must be int or str, got {type(key).__name__}')
+        key = str.__str__(key) if isinstance(key, str) else operator.index(key)
         kind = type(key)
         if self._key_kind is None:
             self._key_kind = kind

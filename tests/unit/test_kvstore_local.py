@@ -117,6 +117,25 @@ def test_dtypes_fp16_fp64_and_bfloat16():
     assert b.tolist() == [1.0, 2.0, 0.5]
 
 
+def test_numpy_integer_and_enum_keys_are_their_values():
+    import enum
+
+    class Name(str, enum.Enum):
+        W = 'w'
+    ints, strs = kvps.create('local'), kvps.create('local')
+    ints.init(list(np.arange(3)), [np.zeros(2, np.float32)] * 3)   # np.int64 keys
+    ints.push(1, np.ones(2, np.float32))
+    out = np.zeros(2, np.float32)
+    ints.pull(np.int32(1), out=out)
+    assert out.tolist() == [1, 1]
+    with pytest.raises(DuplicateInitError):
+        ints.init(enum.IntEnum('K', 'A B').B, np.zeros(2, np.float32))   # the value 2
+    strs.init(Name.W, np.zeros(1))
+    strs.push('w', np.ones(1))
+    with pytest.raises(KeyTypeError, match='bool'):
+        ints.push(np.True_, np.zeros(2, np.float32))
+
+
 def test_clear_errors_leave_the_store_usable():
     kv = kvps.create('local')
     kv.init(0, np.zeros(2, np.float32))
