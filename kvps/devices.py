@@ -126,9 +126,8 @@ def kernel_view(tensor, read_only=False):
     scratch and copy a read-only one block by block, in cache; the CUDA kernels never write
     the grad."""
     if not on_gpu(tensor):
-        view = arrays.as_numpy(tensor).reshape(-1)
-        if read_only:
-            view = view.view()   # a view of its own: the tensor's array stays writable
+        view = arrays.as_numpy(tensor).reshape(-1)   # always a new array object: marking it
+        if read_only:                                 # leaves the tensor's array writable
             view.flags.writeable = False
         return view
     cupy = require_cupy()
