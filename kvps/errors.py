@@ -28,6 +28,10 @@ class DTypeError(KVPSError, TypeError):
     """A value's dtype does not match the key's initialized dtype, or is unsupported."""
 
 
+class StoreClosedError(KVPSError, RuntimeError):
+    """The store was closed (``kv.close()`` or interpreter exit) and takes no more calls."""
+
+
 class ProtocolError(KVPSError):
     """A message on the wire is malformed, oversized or of an unknown kind."""
 

@@ -11,7 +11,7 @@ import numpy as np
 from . import arrays, compression, devices, states
 from .config import Config
 from .errors import (ConfigError, DuplicateInitError, KeyNotInitializedError, KeyTypeError,
-                     KVPSError)
+                     KVPSError, StoreClosedError)
 from .local import LocalBackend
 
 # Type names are parsed by substring as in MXNet; these are the words a name may be built from.
@@ -20,6 +20,8 @@ KNOWN_TYPES = ('local', 'device', 'dist', 'dist_sync', 'dist_async', 'dist_sync_
                'dist_device_sync', 'dist_async_device', 'local_update_cpu',
                'local_allreduce_cpu', 'local_allreduce_device')
 CAPABILITIES = ('optimizer',)
+# Keys travel as msgpack ints: 64 bits, signed or unsigned.
+_KEY_MIN, _KEY_END = -2 ** 63, 2 ** 64
 
 _dist_lock = threading.Lock()
 _dist_client = None      # one job membership per process, shared by every dist store
@@ -45,7 +47,11 @@ def create(name='local'):
 def _dist_backend(sync):
     global _dist_client
     with _dist_lock:
-        if _dist_client is None or _dist_client.closed:
+        if _dist_client is not None and _dist_client.closed:
+            raise StoreClosedError(
+                'this process already left the job (kv.close() or a failed start); a process '
+                'joins a job once, as in ps-lite: create the store before closing it')
+        if _dist_client is None:
             from .worker.client import DistClient  # sockets load only for distributed stores
             _dist_client = DistClient(Config.from_env(), sync)
             atexit.register(_leave_job_at_exit, _dist_client)
@@ -71,11 +77,15 @@ def _leave_job_at_exit(client):
 class KVStore:
     """Keys to arrays, shared by every worker of the job (MXNet's KVStore interface)."""
 
+    OPTIMIZER = 'optimizer'    # MXNet's name of the one capability (is_capable)
+
     def __init__(self, name, backend):
         self._type = name
         self._device = parse_type(name)[2]   # GPU values are taken by device stores only
         self._backend = backend
-        self._meta = {}            # key -> (shape, dtype name)
+        # key -> (shape, dtype name), kept by the backend: every store of one process's job
+        # membership sees the keys any of them initialized, as the servers do
+        self._meta = backend.keys
         self._key_kind = None
         self._codec = None         # gradient compression of pushes (set_gradient_compression)
 
@@ -99,10 +109,14 @@ class KVStore:
     # -- the data API ---------------------------------------------------------------------
     def init(self, key, value):
         """Initialize keys (collective: every worker calls it; rank 0's values are stored)."""
+        self._open()
         items = []
         for k, values in self._pairs(key, value):
             if k in self._meta or any(k == i[0] for i in items):
                 raise DuplicateInitError(f'key {k!r} is already initialized')
+            if len(values) > 1:   # MXNet: a duplicate init of the key
+                raise DuplicateInitError(f'init takes one value per key; key {k!r} got '
+                                         f'{len(values)}')
             v = values[0]
             shape, dtype = arrays.shape_of(v), arrays.dtype_name(v)
             items.append((k, self._host_copies([(k, [v])])[0], shape, dtype))
@@ -112,6 +126,7 @@ class KVStore:
 
     def push(self, key, value, priority=0):
         """Send values (a list per key is summed first); returns without waiting."""
+        self._open()
         pairs = self._pairs(key, value)
         for k, values in pairs:   # every value is checked before anything is sent
             shape, dtype = self._known(k)
@@ -137,6 +152,7 @@ class KVStore:
         """Write the current values into ``out`` (in place), after this worker's pushes."""
         if out is None:
             raise TypeError('pull needs out= (the arrays to write into)')
+        self._open()
         pairs = self._pairs(key, out)
         for k, targets in pairs:
             shape, dtype = self._known(k)
@@ -168,12 +184,16 @@ class KVStore:
 
     def barrier(self):
         """Wait until every worker arrives and all of this worker's pushes are applied."""
+        self._open()
         self._backend.barrier()
+
+    _barrier = barrier     # MXNet's spelling
 
     def agree(self, value):
         """A barrier at which every worker offers ``value`` (bytes, at most 64: a digest of
         what must be the same everywhere); returns the ranks whose value differs from rank
         0's, [] when all agree. Collective; a kvps extension of the MXNet API."""
+        self._open()
         value = bytes(value)
         if len(value) > 64:
             raise ValueError(f'agree takes at most 64 bytes (a digest), got {len(value)}')
@@ -189,6 +209,7 @@ class KVStore:
         else:
             raise TypeError('set_optimizer takes a kvps optimizer (kvps.optimizer.create(...)) '
                             f'or its spec, got {type(optimizer).__name__}')
+        self._open()
         self._backend.set_optimizer(spec)
 
     def _set_updater(self, updater):
@@ -198,6 +219,7 @@ class KVStore:
         distributed store refuses: its servers run only optimizers sent as data, never code."""
         if not callable(updater):
             raise TypeError(f'the updater must be callable, got {type(updater).__name__}')
+        self._open()
         setter = getattr(self._backend, 'set_updater', None)
         if setter is None:
             raise ConfigError(
@@ -211,16 +233,23 @@ class KVStore:
 
     def save_optimizer_states(self, fname, dump_optimizer=False):
         """Save the servers' optimizer state (every shard, whole keys) to ``fname``."""
+        self._open()
         merged = states.merge(self._backend.get_states(dump_optimizer), self._parts)
         states.write_file(fname, merged)
 
     def load_optimizer_states(self, fname):
         """Load a file from save_optimizer_states into the servers (collective in dist
         stores: every worker calls it; rank 0 sends)."""
+        self._open()
         merged = states.read_file(fname)
         for key, _, _ in merged.get('keys', ()):
             self._known(key)
         self._backend.set_states(states.split(merged, self._backend.num_servers, self._parts))
+
+    def _keep_keys_whole(self):
+        """Place keys initialized from now on on one server each, whatever their size: for an
+        optimizer that reads each weight whole (LAMB), which will be set after init."""
+        self._backend.keep_keys_whole()
 
     def _parts(self, key):
         shape, _ = self._known(key)
@@ -295,6 +324,8 @@ class KVStore:
         if isinstance(key, bool) or not isinstance(key, (int, str, np.integer)):
             raise KeyTypeError(f'keys must be int or str, got {type(key).__name__}')
         key = str.__str__(key) if isinstance(key, str) else operator.index(key)
+        if isinstance(key, int) and not _KEY_MIN <= key < _KEY_END:
+            raise KeyTypeError(f'int keys must fit in 64 bits ([-2**63, 2**64)); got {key}')
         kind = type(key)
         if self._key_kind is None:
             self._key_kind = kind
@@ -302,6 +333,11 @@ class KVStore:
             raise KeyTypeError(f'this store uses {self._key_kind.__name__} keys; got '
                                f'{kind.__name__} key {key!r} (one kind per store)')
         return key
+
+    def _open(self):
+        if self._backend.closed:
+            raise StoreClosedError(f'this {self._type!r} store is closed (kv.close() or '
+                                   'interpreter exit); it takes no more calls')
 
     def _known(self, key):
         meta = self._meta.get(key)

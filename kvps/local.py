@@ -1,5 +1,8 @@
 """The in-process backend for 'local' and 'device' stores: the server's Shard, no sockets."""
 
+import functools
+import threading
+
 import numpy as np
 
 from .arrays import writable_flat
@@ -46,6 +49,16 @@ class FunctionUpdater:
     set_states = get_states
 
 
+def _serialized(method):
+    """One call at a time: the shard's rounds are not thread-safe, and a store may be shared
+    by the threads of a process (MXNet's engine serializes calls too)."""
+    @functools.wraps(method)
+    def serialized(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return serialized
+
+
 class LocalBackend:
     """One process is the whole job: rank 0 of 1, every push is a complete round."""
 
@@ -55,8 +68,11 @@ class LocalBackend:
 
     def __init__(self):
         self.shard = Shard(num_workers=1)
+        self.lock = threading.RLock()
+        self.keys = {}            # key -> (shape, dtype name), as the KVStore checks them
         self.closed = False
 
+    @_serialized
     def init(self, items, device=False):
         """In this process, keys stay in host memory; device values are summed on their GPU
         before they get here."""
@@ -67,6 +83,7 @@ class LocalBackend:
         """Pushes are applied before push returns: a copy anywhere will do."""
         return [None] * len(sizes)
 
+    @_serialized
     def push(self, items):
         def push_each():   # updates together, as a server does for one message
             replies = []
@@ -82,6 +99,7 @@ class LocalBackend:
             if kind == 'error':
                 raise payload
 
+    @_serialized
     def pull(self, items):
         for key, out, _ in items:
             (_, _, (_, value, lease)), = self.shard.pull(None, _ME, key, 0)
@@ -92,19 +110,26 @@ class LocalBackend:
                 np.copyto(out, value.reshape(out.shape))
             lease.released = True
 
+    @_serialized
     def set_optimizer(self, spec):
         self.shard.set_optimizer(spec)
 
+    @_serialized
     def set_updater(self, fn):
         self.shard.updater = FunctionUpdater(fn, lambda key: self.shard.entries[key, 0].shape)
 
+    @_serialized
     def get_states(self, dump_optimizer):
         return [self.shard.get_states(dump_optimizer)]
 
+    @_serialized
     def set_states(self, per_server):
         self.shard.set_states(per_server[0])
 
     num_servers = 1
+
+    def keep_keys_whole(self):
+        pass      # one shard holds every key whole
 
     def parts(self, key, size):
         return [(0, 0, 0, size)]

@@ -44,6 +44,14 @@ def create(name, **params):
     return _REGISTRY[name.lower()](**params)
 
 
+def needs_whole_tensors(spec):
+    """Whether the optimizer a spec names must see each weight whole (False for unknown
+    names: whoever builds it refuses those)."""
+    name = spec.get('name') if isinstance(spec, dict) else None
+    cls = _REGISTRY.get(name.lower()) if isinstance(name, str) else None
+    return cls is not None and cls.whole_tensor
+
+
 def _mult_table(mults, what):
     """Validate a key -> multiplier table; accepts a dict or msgpack-friendly [key, value] pairs."""
     pairs = mults.items() if isinstance(mults, dict) else mults
@@ -68,7 +76,9 @@ class Optimizer:
     peer sent. Subclasses declare `hyper` (name -> (kind, default)), `aliases` (MXNet 1.x
     spellings), `kernel` (function name in kvps._kernels), `kernel_params` (hyper-parameters
     the kernel takes), `needs_count` (kernel takes the per-key update count as `t`) and
-    `fp32_states` (float32 states for low-precision weights even without multi_precision).
+    `fp32_states` (float32 states for low-precision weights even without multi_precision)
+    and `whole_tensor` (the update reads the whole weight, as LAMB's norms do: servers must
+    not split it).
     """
     name = None
     default_lr = 0.01
@@ -79,6 +89,7 @@ class Optimizer:
     kernel_states = ()
     needs_count = False
     fp32_states = False  # keep states fp32 for float16/bfloat16 weights even without a master
+    whole_tensor = False
 
     def __init__(self, learning_rate=None, wd=0.0, rescale_grad=1.0, clip_gradient=None,
                  lr_scheduler=None, multi_precision=False, begin_num_update=0, **hyper):
@@ -300,6 +311,7 @@ class LAMB(Optimizer):
              'bias_correction': ('bool', True)}
     kernel, kernel_states, needs_count = 'lamb_update', ('mean', 'var'), True
     fp32_states = True  # as MXNet: LAMB's moments are always float32
+    whole_tensor = True  # the trust ratio's norms are over the whole weight
     kernel_params = ('beta1', 'beta2', 'epsilon', 'lower_bound', 'upper_bound',
                      'bias_correction')
 

@@ -51,6 +51,7 @@ class Trainer:
         self._distributed = self._kv is not None and 'dist' in self._kv.type
         self._updater = None if self._update_on_kvstore else Updater(self._optimizer)
         self._server_has_optimizer = False
+        self._batch_size_known = False    # a step (of this job) has set rescale_grad
         self._fresh, self._pushed, self._reduced = set(), set(), False
         self._seen_grads = {}
         if self._kv is not None:
@@ -156,6 +157,9 @@ class Trainer:
                 self._server_has_optimizer = True
             load_server_states(self._kv, fname)
             self._optimizer = optimizer
+            # its rescale_grad is the saving job's; the next step sends this job's (the same
+            # kind of optimizer again keeps the state just loaded)
+            self._batch_size_known = False
         else:
             load_local_states(self._updater, fname, self._sizes())
             self._optimizer = self._updater.optimizer
@@ -164,6 +168,10 @@ class Trainer:
     def _init_store(self):
         """Prove the workers agree on the parameters, then broadcast rank 0's weights."""
         check_same_everywhere(self._kv, self._params)
+        if self._update_on_kvstore and self._optimizer.whole_tensor:
+            keep_whole = getattr(self._kv, '_keep_keys_whole', None)   # a kvps store's
+            if keep_whole is not None:
+                keep_whole()   # the servers get the optimizer at the first step, after init
         keys = [p.key for p in self._params]
         tensors = [p.tensor for p in self._params]
         self._kv.init(keys, tensors)
@@ -188,13 +196,14 @@ class Trainer:
         """optimizer.rescale_grad = scale / batch_size, kept in step with the servers' copy."""
         rescale = self._scale / batch_size
         changed = rescale != self._optimizer.rescale_grad
-        if changed and self._update_on_kvstore and self._server_has_optimizer \
-                and self._distributed:
+        if changed and self._batch_size_known and self._update_on_kvstore \
+                and self._server_has_optimizer and self._distributed:
             raise ConfigError(  # MXNet raises here too: the servers hold the old rescale_grad
                 f'batch_size changed (rescale_grad {self._optimizer.rescale_grad} -> {rescale}) '
                 'while the servers run the optimizer: they keep normalizing by the first '
                 'batch size. Keep batch_size constant, or use update_on_kvstore=False')
         self._optimizer.rescale_grad = rescale
+        self._batch_size_known = True
         if self._kv is not None and self._update_on_kvstore:
             if not self._server_has_optimizer:
                 self._kv.set_optimizer(self._optimizer)   # collective: the first step

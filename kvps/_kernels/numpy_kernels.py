@@ -63,6 +63,8 @@ def _run(body, weight, grad, states, weight32, sc, write_weight=True):
         parts, grad = grad, grad[0]
     common.check_arrays(weight, grad, {f'state {i}': s for i, s in enumerate(states)}, weight32)
     master = weight32 if weight32 is not None else weight
+    if master.size == 0:
+        return []     # an empty key: nothing to update (blocks below are at least 1 long)
     cdt = np.dtype(common.compute_dtype_name(master)).type
     if parts is not None:
         parts = _summands(parts, grad, cdt)

@@ -142,9 +142,11 @@ class Scheduler:
 
     def _fail_blocked_barriers(self):
         waiting, finished = self.members.blocked_barriers()
-        for identity in waiting:
+        for identity, seq in waiting:
             exc = KVPSError(f'barrier can never complete: {finished.describe()} has finished')
-            self._send(identity, P.error_header(0, exc, 'scheduler'))
+            # an answer to that barrier, not the end of the job: a worker that catches it may
+            # still leave the job cleanly
+            self._send(identity, P.error_header(seq, exc, 'scheduler'))
 
     # -- time -------------------------------------------------------------------------------
     def _tick(self, now):

@@ -138,11 +138,12 @@ class Membership:
         return sorted(rank for rank, d in by_rank.items() if d != by_rank.get(0))
 
     def blocked_barriers(self):
-        """Identities waiting at a barrier that a finished worker can never reach."""
+        """(identity, barrier seq) of the workers waiting at a barrier that a finished worker
+        can never reach."""
         finished = [n for n in self.of_role('worker') if n.finished]
         if not finished:
             return [], None
-        waiting = sorted(i for ids in self._barrier.values() for i in ids)
+        waiting = sorted((i, seq) for seq, ids in self._barrier.items() for i in ids)
         self._barrier.clear()
         return waiting, finished[0]
 

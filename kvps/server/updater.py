@@ -186,8 +186,23 @@ class Updater:
             num_update = int(states['num_update'])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ConfigError(f'set_states: malformed state dict ({exc})') from None
+        _check_state_names(opt, restored)
         self._opt, self._counts, self._states = opt, counts, restored
         self._num_update = opt.num_update = num_update
+
+
+def _check_state_names(opt, restored):
+    """States saved under another optimizer (adam's mean and var for sgd with momentum, say)
+    would be silently ignored or fail every update: refuse them at load."""
+    want = set(opt.state_names())
+    for (key, part), state in restored.items():
+        have = set(state) - {'weight32'}
+        if have != want:
+            raise ConfigError(
+                f'set_states: key {key!r} part {part} holds optimizer state '
+                f'{sorted(have) or "none"}, but {opt.name} keeps {sorted(want) or "none"}: the '
+                'states were saved under another optimizer. Set that optimizer first, or save '
+                'with dump_optimizer=True so that the file carries it')
 
 
 def _pack(array):

@@ -13,10 +13,14 @@ import numpy as np
 from .. import protocol as P
 from ..allocator import keep_freed_memory
 from ..arrays import writable_flat
-from ..errors import ProtocolError
+from ..errors import ConfigError, KVPSError, ProtocolError, RemoteError
+from ..optimizer import needs_whole_tensors
 from .loop import SCHEDULER, WorkerIO, server_name
 from .pending import Operation, Request
 from .sharding import Placement
+
+
+_REFUSED = b'refused'   # rank 0's word at the barrier ending a collective the servers refused
 
 
 class DistClient:
@@ -44,6 +48,7 @@ class DistClient:
         self._errors = collections.deque()     # errors of pushes, raised at the next wait
         self._lock = threading.Lock()
         self._barrier_seq = 0
+        self.keys = {}            # key -> (shape, dtype name), for every store of this process
         self.closed = False
 
     # -- collective setup -----------------------------------------------------------------
@@ -52,11 +57,8 @@ class DistClient:
         a device-side store asks servers to keep these keys on their GPUs if they have one."""
         for key, flat, _, _ in items:
             self.placement.place(key, flat.size, flat.itemsize)
-        if self.rank == 0:
-            ops = [self._send_init(key, flat, shape, dtype, device)
-                   for key, flat, shape, dtype in items]
-            self._wait_all(ops)
-        self.barrier()
+        self._by_rank_0('init', lambda: self._wait_all([
+            self._send_init(key, flat, shape, dtype, device) for key, flat, shape, dtype in items]))
         if self.rank != 0:
             ops = [self._request(self.placement.parts(key)[0].server, f'init of key {key!r}',
                                  {'op': P.CHECK, 'key': key, 'dtype': dtype,
@@ -66,11 +68,10 @@ class DistClient:
 
     def set_optimizer(self, spec):
         """Rank 0 installs the optimizer on every server; everyone returns when all have it."""
-        if self.rank == 0:
-            ops = [self._request(s, 'set_optimizer', {'op': P.SET_OPTIMIZER, 'spec': spec})
-                   for s in range(self.num_servers)]
-            self._wait_all(ops)
-        self.barrier()
+        self._require_whole_keys(spec)
+        self._by_rank_0('set_optimizer', lambda: self._wait_all([
+            self._request(s, 'set_optimizer', {'op': P.SET_OPTIMIZER, 'spec': spec})
+            for s in range(self.num_servers)]))
 
     def get_states(self, dump_optimizer):
         """Every server's updater state, once this worker's pushes are applied."""
@@ -88,11 +89,55 @@ class DistClient:
 
     def set_states(self, per_server):
         """Rank 0 loads each server's share; everyone returns when all servers have it."""
+        if per_server and 'optimizer' in per_server[0]:
+            self._require_whole_keys(per_server[0]['optimizer'])
+        self._by_rank_0('load_optimizer_states', lambda: self._wait_all([
+            self._request(s, 'load_optimizer_states', {'op': P.SET_STATES},
+                          (msgpack.packb(states, use_bin_type=True),))
+            for s, states in enumerate(per_server)]))
+
+    def _by_rank_0(self, what, send):
+        """A collective that rank 0 carries out alone (``send``: its requests to the servers,
+        waited for), then a barrier at which rank 0 tells whether the servers took it: their
+        refusal is raised on every rank, so that no worker goes on as if it had happened and
+        the next barriers stay in step."""
+        failure = None
         if self.rank == 0:
-            self._wait_all([self._request(s, 'load_optimizer_states', {'op': P.SET_STATES},
-                                          (msgpack.packb(states, use_bin_type=True),))
-                            for s, states in enumerate(per_server)])
-        self.barrier()
+            try:
+                send()
+            except KVPSError as exc:
+                failure = exc
+        try:
+            refused = self.barrier(_REFUSED if failure is not None else None)
+        except KVPSError:
+            if failure is not None:
+                raise failure from None   # the cause, not the barrier it left behind
+            raise
+        if failure is not None:
+            raise failure
+        if refused:   # rank 0 offered _REFUSED; the others offered nothing
+            raise RemoteError(f'{what} failed: the servers refused it on rank 0, which raised '
+                              'their reason', remote_type='CollectiveRefused', node='rank 0')
+
+    def keep_keys_whole(self):
+        """Keys initialized from now on go to one server each (see _require_whole_keys)."""
+        self.placement.keep_whole = True
+
+    def _require_whole_keys(self, spec):
+        """An optimizer whose update reads each weight whole (LAMB's norms) would get a
+        slice on every server of a split key, and a different answer: refuse it there (every
+        rank alike: placement is the same everywhere), else keep later keys whole."""
+        if not needs_whole_tensors(spec):
+            return
+        split = self.placement.split_keys()
+        if split:
+            raise ConfigError(
+                f'{spec["name"]} reads each weight whole, but key(s) '
+                f'{", ".join(map(repr, split[:5]))} are split across servers (more than '
+                'KVPS_BIGARRAY_BOUND elements): set the optimizer before init (kvps then keeps '
+                'keys whole), raise KVPS_BIGARRAY_BOUND, or update on the workers '
+                '(Trainer(update_on_kvstore=False))')
+        self.keep_keys_whole()
 
     def parts(self, key, size):
         return [(p.server, p.part, p.start, p.stop) for p in self.placement.parts(key)]

@@ -27,12 +27,13 @@ class Placement:
         self.bound = bigarray_bound
         self.load = [0] * num_servers          # bytes placed on each server
         self._parts = {}
+        self.keep_whole = False   # place later keys on one server each, whatever their size
 
     def place(self, key, size, itemsize):
         """Assign ``key`` (``size`` elements) to servers; return its parts."""
         if key in self._parts:
             return self._parts[key]
-        if size > self.bound and self.num_servers > 1:
+        if size > self.bound and self.num_servers > 1 and not self.keep_whole:
             pieces = min(self.num_servers, size)
             edges = np.linspace(0, size, pieces + 1).astype(np.int64)
             # Rotate the start so that uneven remainders do not always land on server 0.
@@ -49,3 +50,6 @@ class Placement:
 
     def parts(self, key):
         return self._parts[key]
+
+    def split_keys(self):
+        return [key for key, parts in self._parts.items() if len(parts) > 1]

@@ -11,16 +11,20 @@ import pytest
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 
-ERRORS_SCRIPT = '''
+# Records the kvps error each call raises, by name.
+EXPECT = '''
 from kvps.errors import *
-kv = kvps.create('dist_sync')
-r = kv.rank
 errors = {}
 def expect(name, fn):
     try:
         fn()
     except KVPSError as exc:
         errors[name] = type(exc).__name__
+'''
+
+ERRORS_SCRIPT = EXPECT + '''
+kv = kvps.create('dist_sync')
+r = kv.rank
 kv.init(0, np.zeros(4, np.float32))
 expect('duplicate', lambda: kv.init(0, np.zeros(4, np.float32)))
 expect('pull_before_init', lambda: kv.pull(5, out=np.zeros(4, np.float32)))
@@ -48,6 +52,72 @@ def test_bad_calls_raise_clear_errors_and_servers_keep_serving(job):
             expected['init_mismatch'] = 'ShapeError'
         assert res['errors'] == expected
         assert res['after'] == [3.0] * 4
+
+
+REFUSALS_SCRIPT = EXPECT + '''
+kv = kvps.create(os.environ['STORE'])
+r = kv.rank
+kv.init([0, 1], [np.zeros(4, np.float32), np.zeros((0, 3), np.float32)])
+# The servers refuse what rank 0 sends: every rank is told, and barriers stay in step.
+expect('refused_optimizer', lambda: kv.set_optimizer({'name': 'no_such_optimizer'}))
+saver = kvps.create('local')          # states without their optimizer, which servers lack
+saver.init(0, np.zeros(4, np.float32))
+saver.set_optimizer(kvps.optimizer.create('sgd', momentum=0.9))
+saver.push(0, np.ones(4, np.float32))
+saver.save_optimizer_states(f'states{r}')
+expect('refused_states', lambda: kv.load_optimizer_states(f'states{r}'))
+kv.barrier()
+expect('big_key', lambda: kv.init(2 ** 64, np.zeros(1)))
+# A second store of this process shares the job's keys.
+again = kvps.create(os.environ['STORE'])
+expect('init_again', lambda: again.init(0, np.zeros(4, np.float32)))
+kv.set_optimizer(kvps.optimizer.create('adam', learning_rate=0.5))
+# A size-0 key (a zero-width layer) updates alongside the others in one message.
+again.push([0, 1], [np.ones(4, np.float32), np.zeros((0, 3), np.float32)])
+kv.barrier()
+out = np.zeros(4, np.float32); again.pull(0, out=out)
+kv.close()
+expect('push_closed', lambda: again.push(0, out))
+expect('pull_closed', lambda: kv.pull(0, out=out))
+expect('create_closed', lambda: kvps.create(os.environ['STORE']))
+report(rank=r, errors=errors, after=out.tolist())
+'''
+
+
+@pytest.mark.parametrize('store', ['dist_sync', 'dist_async'])
+def test_refusals_reach_every_rank_and_a_closed_store_says_so(job, store):
+    result = job(REFUSALS_SCRIPT, 2, 1, env={'STORE': store})
+    assert result.returncode == 0, result.output
+    results = result.results()
+    assert sorted(results) == [0, 1]
+    for rank, res in results.items():
+        assert res['errors'] == {   # rank 0 raises the servers' own error, the others hear of it
+            'refused_optimizer': 'ConfigError' if rank == 0 else 'RemoteError',
+            'refused_states': 'ConfigError' if rank == 0 else 'RemoteError',
+            'big_key': 'KeyTypeError',
+            'init_again': 'DuplicateInitError', 'push_closed': 'StoreClosedError',
+            'pull_closed': 'StoreClosedError', 'create_closed': 'StoreClosedError'}
+        # each adam step moves every element by about lr, whatever the gradient's size: one
+        # step for the sync round's sum, one per push in async
+        steps = 1 if store == 'dist_sync' else 2
+        assert res['after'] == pytest.approx([-0.5 * steps] * 4, rel=1e-5)
+
+
+CAUGHT_BARRIER_SCRIPT = '''
+kv = kvps.create('dist_sync')
+kv.init(0, np.zeros(2))
+if kv.rank == 1:
+    try:
+        kv.barrier()                      # rank 0 has left: this barrier can never complete
+    except kvps.KVPSError as exc:
+        report(caught=str(exc))
+'''
+
+
+def test_a_worker_that_catches_a_failed_barrier_still_leaves_the_job_cleanly(job):
+    result = job(CAUGHT_BARRIER_SCRIPT, 2, 1)
+    assert result.returncode == 0, result.output
+    assert 'can never complete' in result.results()[1]['caught']
 
 
 KILLED_SCRIPT = '''

@@ -153,3 +153,74 @@ def test_a_key_the_optimizer_cannot_update_fails_its_pushes_not_the_job(job, sto
         for step, (error, f, i) in enumerate(res['seen']):
             assert 'int32' in error and 'not supported' in error, (rank, error)
             assert f == [-2.0 * (step + 1)] * 3 and i == [0, 0, 0]
+
+
+
+LAMB_SCRIPT = '''
+sys.path.insert(0, os.environ['TEST_DIR'])
+from test_dist_optimizers import KEYS, initial, lamb_keys, lamb_model, lamb_train
+kv = kvps.create('dist_sync')
+r = kv.rank
+if os.environ['ORDER'] == 'after':    # keys placed first: 'big' is split over both servers
+    kv.init(list(KEYS), [initial(key) for key in KEYS])
+    try:
+        kv.set_optimizer(kvps.optimizer.create('lamb'))
+    except kvps.errors.ConfigError as exc:
+        report(rank=r, refused=str(exc))
+    sys.exit(0)
+got = lamb_keys(kv, [r])              # sets the optimizer first: later keys stay whole
+want = lamb_keys(kvps.create('local'), [0, 1])
+# The Trainer sets the optimizer after its init: it asks for whole keys itself.
+model, single = lamb_model(), lamb_model()
+lamb_train(model, kvps.Trainer(model, 'lamb', {'learning_rate': 0.1},
+                               kvstore=kvps.create('dist_sync')), [r], 2)
+lamb_train(single, kvps.Trainer(single, 'lamb', {'learning_rate': 0.1}), [0, 1], 2)
+report(rank=r, keys_equal=all((got[k] == want[k]).all() for k in KEYS),
+       model_diff=max(float((a - b).abs().max()) for a, b in zip(model.parameters(),
+                                                                 single.parameters())))
+'''
+
+
+def lamb_keys(kv, ranks):
+    """Three LAMB steps over KEYS, pushing the gradients of ``ranks``; the weights."""
+    kv.set_optimizer(kvps.optimizer.create('lamb', learning_rate=0.1, wd=0.01))
+    kv.init(list(KEYS), [initial(key) for key in KEYS])
+    for step in range(3):
+        kv.push(list(KEYS), [[grad(r, step, key) for r in ranks] for key in KEYS])
+    out = {key: np.zeros(KEYS[key], np.float32) for key in KEYS}
+    kv.pull(list(KEYS), out=[out[key] for key in KEYS])
+    return out
+
+
+def lamb_model():
+    torch = pytest.importorskip('torch')
+    torch.manual_seed(0)
+    return torch.nn.Linear(60, 50)         # 3000 weights: above the bound of 1000
+
+
+def lamb_train(model, trainer, ranks, workers, steps=3):
+    """Steps on the rows of a batch of 8 that ``ranks`` (of ``workers``) take."""
+    torch = pytest.importorskip('torch')
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 60, generator=g), torch.randn(8, 50, generator=g)
+        rows = [i for i in range(8) if i % workers in ranks]
+        trainer.zero_grad()
+        ((model(x[rows]) - y[rows]) ** 2).sum().backward()
+        trainer.step(8)
+
+
+@pytest.mark.parametrize('order', ['before', 'after'])
+def test_lamb_sees_whole_weights_never_a_servers_slice(job, order):
+    # LAMB's trust ratio takes norms over the whole weight; a slice per server would give
+    # another update for every split key, depending on the number of servers.
+    env = {'ORDER': order, 'TEST_DIR': str(Path(__file__).parent), 'KVPS_BIGARRAY_BOUND': '1000'}
+    result = job(LAMB_SCRIPT, 2, 2, env=env)
+    assert result.returncode == 0, result.output
+    found = result.results()
+    assert sorted(found) == [0, 1], result.output
+    for res in found.values():
+        if order == 'after':
+            assert "'big' are split across servers" in res['refused']
+        else:
+            assert res['keys_equal'] and res['model_diff'] < 1e-6, res

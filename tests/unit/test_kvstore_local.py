@@ -219,6 +219,27 @@ def test_optimizer_state_errors(tmp_path):
         kv.load_optimizer_states(tmp_path / 'junk')
 
 
+@pytest.mark.parametrize('saved, loaded', [
+    ({'name': 'adam'}, {'name': 'sgd', 'momentum': 0.9}),
+    ({'name': 'sgd'}, {'name': 'sgd', 'momentum': 0.9}),      # no state, then momentum
+    ({'name': 'sgd', 'momentum': 0.9}, {'name': 'adam'})])
+def test_states_saved_under_another_optimizer_are_refused_at_load(tmp_path, saved, loaded):
+    kv = kvps.create('local')
+    kv.init(0, np.zeros(2))
+    kv.set_optimizer(kvps.optimizer.create(**saved))
+    kv.push(0, np.ones(2))
+    kv.save_optimizer_states(tmp_path / 's')
+    other = kvps.create('local')
+    other.init(0, np.zeros(2))
+    other.set_optimizer(kvps.optimizer.create(**loaded))
+    with pytest.raises(ConfigError, match='saved under another optimizer'):
+        other.load_optimizer_states(tmp_path / 's')
+    other.push(0, np.ones(2))          # the store keeps its own (empty) state and trains on
+    out = np.zeros(2)
+    other.pull(0, out=out)
+    assert (out < 0).all()
+
+
 def test_agree_on_one_worker_is_always_unanimous_and_takes_only_a_digest():
     kv = kvps.create('local')
     assert kv.agree(b'\x01' * 32) == []
@@ -278,6 +299,79 @@ def test_a_distributed_store_refuses_a_python_updater():
     from kvps.kvstore import KVStore
 
     class Servers:   # a distributed backend: optimizers travel as data, code never does
-        pass
+        keys, closed = {}, False
     with pytest.raises(ConfigError, match='never sends code'):
         KVStore('dist_sync', Servers())._set_updater(lambda key, merged, stored: None)
+
+
+def test_a_store_shared_by_threads_applies_every_push_once():
+    # Training loops with a data-loading or logging thread share one store; the local shard's
+    # rounds must not interleave (they once lost and doubled updates here).
+    import threading
+    kv = kvps.create('local')
+    keys = list(range(4))
+    kv.init(keys, [np.zeros(8, np.float32) for _ in keys])
+    kv.set_optimizer(kvps.optimizer.create('sgd', learning_rate=1.0))
+    pushes = 1500
+
+    def train(key):
+        grad = np.ones(8, np.float32)
+        for _ in range(pushes):
+            kv.push(key, grad)
+
+    threads = [threading.Thread(target=train, args=(k,)) for k in keys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    outs = [np.zeros(8, np.float32) for _ in keys]
+    kv.pull(keys, out=outs)
+    assert [o.tolist() for o in outs] == [[-float(pushes)] * 8] * len(keys)
+
+
+@pytest.mark.parametrize('name', ['sgd', 'nag', 'adam', 'adamw', 'rmsprop', 'adagrad', 'ftrl',
+                                  'signum', 'lamb'])
+def test_an_empty_key_takes_every_optimizer(name):
+    # A zero-width layer (nn.Linear(4, 0)) gives a size-0 key; it has nothing to update and
+    # must not fail the keys pushed with it.
+    kv = kvps.create('local')
+    kv.init(['empty', 'w'], [np.zeros((0, 3), np.float32), np.ones(3, np.float32)])
+    with_momentum = {'momentum': 0.9} if name in ('sgd', 'nag', 'signum') else {}
+    kv.set_optimizer(kvps.optimizer.create(name, learning_rate=0.1, **with_momentum))
+    kv.push(['empty', 'w'], [np.zeros((0, 3), np.float32), np.ones(3, np.float32)])
+    empty, w = np.zeros((0, 3), np.float32), np.zeros(3, np.float32)
+    kv.pull(['empty', 'w'], out=[empty, w])
+    assert empty.shape == (0, 3) and (w < 1).all()
+
+
+def test_a_closed_store_refuses_every_call():
+    from kvps.errors import StoreClosedError
+    kv = kvps.create('local')
+    kv.init(0, np.zeros(2, np.float32))
+    kv.close()
+    out = np.zeros(2, np.float32)
+    calls = [lambda: kv.init(1, out), lambda: kv.push(0, out), lambda: kv.pull(0, out=out),
+             lambda: kv.pushpull(0, out), kv.barrier, lambda: kv.agree(b'x'),
+             lambda: kv.set_optimizer(kvps.optimizer.create('sgd')),
+             lambda: kv.save_optimizer_states('never-written')]
+    for call in calls:
+        with pytest.raises(StoreClosedError, match='closed'):
+            call()
+    kv.close()   # closing twice is fine
+
+
+def test_keys_outside_64_bits_are_refused_at_the_call():
+    kv = kvps.create('local')
+    for key in (2 ** 64, -2 ** 63 - 1):
+        with pytest.raises(KeyTypeError, match='64 bits'):
+            kv.init(key, np.zeros(1))
+    kv.init([2 ** 64 - 1, -2 ** 63], [np.zeros(1), np.ones(1)])   # the edges travel
+
+
+def test_init_takes_one_value_per_key_and_mxnet_spellings_exist():
+    kv = kvps.create('local')
+    with pytest.raises(DuplicateInitError, match='one value per key'):
+        kv.init(0, [np.zeros(1), np.ones(1)])
+    kv.init(0, np.zeros(1))
+    kv._barrier()
+    assert kv.is_capable(kv.OPTIMIZER)

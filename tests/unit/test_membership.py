@@ -78,7 +78,7 @@ def test_finished_worker_blocks_barriers_and_liveness_skips_it():
     m.arrive(b'w-a', 1)
     m.finish(b'w-b')
     waiting, finished = m.blocked_barriers()
-    assert waiting == [b'w-a'] and finished.identity == b'w-b'
+    assert waiting == [(b'w-a', 1)] and finished.identity == b'w-b'
     m.seen(b'w-a', 10)
     m.seen(b's', 10)
     assert m.silent(now=12, timeout=5) == []

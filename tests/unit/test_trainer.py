@@ -189,6 +189,27 @@ def test_batch_size_change_refused_when_dist_servers_update():
         t.step(8)
 
 
+def test_a_job_with_another_batch_size_resumes_from_saved_states(tmp_path):
+    # A single-process run (batch 4) saved; a distributed job whose servers update resumes it
+    # with its own combined batch size: the loaded rescale_grad is the saver's, not a change.
+    x = param(0)
+    t = Trainer([x], 'sgd', {'learning_rate': 1.0, 'momentum': 0.5}, kvstore=None)
+    backward(x)
+    t.step(4)                          # mom = -0.25, x = -0.25
+    t.save_states(tmp_path / 's')
+    y = param(-0.25)
+    t2 = Trainer([y], 'sgd', {'learning_rate': 1.0, 'momentum': 0.5},
+                 kvstore=fake_store('dist_sync'), update_on_kvstore=True)
+    t2.load_states(tmp_path / 's')
+    backward(y)
+    t2.step(8)                         # mom = 0.5 * -0.25 - 1/8 = -0.25: the momentum survived
+    assert torch.allclose(y, torch.full((10,), -0.5))
+    t2.zero_grad()
+    backward(y)
+    with pytest.raises(kvps.ConfigError, match='batch_size changed'):
+        t2.step(16)                    # this job's own change is still refused
+
+
 def test_allreduce_then_update_equals_step():
     a, b = param(1), param(1)
     ta = Trainer([a], 'sgd', {'learning_rate': 0.1}, kvstore=kvps.create('local'),
