@@ -3,7 +3,8 @@
 from . import kvstore, optimizer
 from .errors import (AuthError, ConfigError, DTypeError, DuplicateInitError, KeyNotInitializedError,
                      KeyTypeError, KVPSError, ParameterMismatchError, PeerLostError, ProtocolError,
-                     RemoteError, RequestTimeout, ShapeError, StaleGradientError, TransportError)
+                     RemoteError, RequestTimeout, ShapeError, StaleGradientError,
+                     StoreClosedError, TransportError)
 from .kvstore import KVStore, create
 from .trainer import Trainer
 
@@ -13,18 +14,22 @@ __all__ = ['create', 'KVStore', 'Trainer', 'kvstore', 'optimizer', '__version__'
            'KVPSError', 'ConfigError', 'ProtocolError', 'TransportError', 'RequestTimeout',
            'PeerLostError', 'RemoteError', 'AuthError', 'KeyNotInitializedError',
            'DuplicateInitError', 'ShapeError', 'DTypeError', 'KeyTypeError',
-           'ParameterMismatchError', 'StaleGradientError']
+           'ParameterMismatchError', 'StaleGradientError', 'StoreClosedError']
 
 
 def _serve_if_server_role():
     """MXNet compatibility: cluster operators run the same command for every role, so importing
-    kvps in a scheduler or server process runs that role and exits (as `import mxnet` does)."""
+    kvps in a scheduler or server process runs that role and exits (as `import mxnet` does).
+    Not in `python -m kvps.launch`, whose shell may hold a stale role: it sets the roles."""
+    import sys
     from .config import Config
-    config = Config.from_env()
-    if config.role in ('scheduler', 'server'):
-        import sys
-        from .node import run_role
-        sys.exit(run_role(config))
+    argv = list(getattr(sys, 'orig_argv', ()))
+    if any(a == '-m' and b == 'kvps.launch' for a, b in zip(argv, argv[1:])):
+        return
+    if Config.from_env(fields={'role'}).role not in ('scheduler', 'server'):
+        return   # a worker, or no role: the other settings are read when a store is created
+    from .node import run_role
+    sys.exit(run_role(Config.from_env()))
 
 
 _serve_if_server_role()

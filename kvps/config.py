@@ -66,13 +66,30 @@ def _text(text):
     return text.strip()
 
 
+def _port(text):
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError('must be a TCP port, 0 to 65535')
+    return value
+
+
+_LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'WARN', 'ERROR', 'CRITICAL', 'FATAL', 'NOTSET')
+
+
+def _log_level(text):
+    name = text.strip().upper()
+    if name not in _LOG_LEVELS:
+        raise ValueError(f'expected one of {", ".join(_LOG_LEVELS)}')
+    return name
+
+
 # Every variable kvps reads. README's table is generated from the same facts; keep docs here true.
 VARS = (
     Var('role', ('KVPS_ROLE', 'DMLC_ROLE'), _role, None,
         'This process\'s role: worker, server or scheduler.'),
     Var('scheduler_host', ('KVPS_SCHEDULER_HOST', 'DMLC_PS_ROOT_URI'), _text, None,
         'IP or hostname of the scheduler (resolved with retry).'),
-    Var('scheduler_port', ('KVPS_SCHEDULER_PORT', 'DMLC_PS_ROOT_PORT'), _nonneg_int, None,
+    Var('scheduler_port', ('KVPS_SCHEDULER_PORT', 'DMLC_PS_ROOT_PORT'), _port, None,
         'TCP port of the scheduler (0 on the scheduler: the OS picks one).'),
     Var('num_workers', ('KVPS_NUM_WORKERS', 'DMLC_NUM_WORKER'), _positive_int, None,
         'Number of worker processes in the job.'),
@@ -99,7 +116,7 @@ VARS = (
     Var('server_device', ('KVPS_SERVER_DEVICE',), _device, 'auto',
         'Where servers keep shards: auto (keys of device-side stores on the GPU when the '
         'server has one, others in host memory), cpu, or cuda (all on the GPU; needs cupy).'),
-    Var('log_level', ('KVPS_LOG_LEVEL',), _text, 'WARNING',
+    Var('log_level', ('KVPS_LOG_LEVEL',), _log_level, 'WARNING',
         'Python logging level of kvps nodes (DEBUG, INFO, WARNING, ...).'),
     Var('port_file', ('KVPS_PORT_FILE',), _text, None,
         'Scheduler only: write the bound port to this file (the launcher uses it).'),
@@ -195,11 +212,14 @@ class Config:
         return None
 
     @classmethod
-    def from_env(cls, environ=None):
-        """Read every variable in VARS; the KVPS_ name wins over its aliases."""
+    def from_env(cls, environ=None, fields=None):
+        """Read every variable in VARS (or those of ``fields``); the KVPS_ name wins over its
+        aliases."""
         env = os.environ if environ is None else environ
         values = {}
         for var in VARS:
+            if fields is not None and var.field not in fields:
+                continue
             for name in var.names:
                 raw = env.get(name)
                 if raw is not None and raw.strip() != '':

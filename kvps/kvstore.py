@@ -64,7 +64,12 @@ def _dist_backend(sync):
 
 def _leave_job_at_exit(client):
     """Python ignores exceptions in atexit hooks; a worker that could not leave the job cleanly
-    (pushes lost, scheduler gone) must not exit 0 as if nothing happened."""
+    (pushes lost, scheduler gone) must not exit 0 as if nothing happened. A worker exiting on
+    an uncaught exception does not leave cleanly at all: told it had finished, the others'
+    rounds would fail at once, and they, not it, would look like the first failure."""
+    if getattr(sys, 'last_exc', None) or getattr(sys, 'last_value', None):
+        client.abandon()   # its exit (seen by the launcher) or its silence names it
+        return
     try:
         client.close()
     except KVPSError as exc:

@@ -1,6 +1,7 @@
 """`python -m kvps.node`: run this process's scheduler or server role, as DMLC_ROLE says."""
 
 import logging
+import signal
 import sys
 
 from .allocator import keep_freed_memory
@@ -11,6 +12,7 @@ from .errors import KVPSError
 def run_role(config=None):
     """Run the scheduler or server loop to its end; return the exit code."""
     config = config or Config.from_env()
+    _end_cleanly_on_termination()
     logging.basicConfig(level=config.log_level.upper(),
                         format='%(asctime)s %(name)s %(levelname)s %(message)s')
     try:
@@ -25,6 +27,17 @@ def run_role(config=None):
         logging.getLogger('kvps').error('%s failed: %s', config.role, exc)
         return 1
     raise SystemExit(f'kvps.node runs the scheduler or a server; DMLC_ROLE={config.role!r}')
+
+
+def _end_cleanly_on_termination():
+    """SIGTERM and SIGHUP (a batch system's kill, a dropped ssh session, the ssh and Slurm
+    recipes' cleanup) end the role as Ctrl-C does: through its finally blocks, which unlink
+    its shared memory. By default they end the process on the spot, leaving a server's
+    256 MiB arena in /dev/shm for as long as the host runs (only kvps.launch sweeps)."""
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)
 
 
 def main():

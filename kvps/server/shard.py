@@ -154,8 +154,9 @@ class Shard:
         """Confirm that another worker's view of a key matches what rank 0 initialized."""
         entry = self._entry(key, 0)
         if not entry.holds(dtype, shape):
-            raise ShapeError(f'key {key!r}: this worker has {tuple(shape)} {dtype}, but rank 0 '
-                             f'initialized {entry.shape} {entry.dtype}')
+            error = ShapeError if tuple(shape) != tuple(entry.shape) else DTypeError
+            raise error(f'key {key!r}: this worker has {tuple(shape)} {dtype}, but rank 0 '
+                        f'initialized {entry.shape} {entry.dtype}')
         return [('ack', token, None)]
 
     # -- push -----------------------------------------------------------------------------
@@ -213,7 +214,7 @@ class Shard:
             made = counts.get((entry.key, entry.part), 0)
             if round_index >= made:
                 raise KVPSError(f'round {round_index + 1} of key {entry.key!r} can never complete:'
-                                f' worker {worker} finished after {made} pushes of it')
+                                f' {_named(worker)} finished after {made} pushes of it')
 
     def _merge(self, entry, worker, data, token):
         """Add one worker's push to the open round. The first is kept as received (the
@@ -389,8 +390,8 @@ class Shard:
         entry.queued = [q for q in entry.queued if q[1] < made]
         doomed += [t for need, t in entry.deferred if need > made]
         entry.deferred = [(need, t) for need, t in entry.deferred if need <= made]
-        exc = KVPSError(f'a sync round of key {entry.key!r} can never complete: worker {worker} '
-                        f'finished after {made} pushes of it')
+        exc = KVPSError(f'a sync round of key {entry.key!r} can never complete: '
+                        f'{_named(worker)} finished after {made} pushes of it')
         return [('error', t, exc) for t in doomed]
 
     # -- a restarted server ---------------------------------------------------------------
@@ -445,3 +446,8 @@ class Shard:
                                   'file saved with dump_optimizer=True)')
             self.set_optimizer(states['optimizer'])
         self.updater.set_states(states)
+
+
+def _named(worker):
+    """A worker's identity as people read it ('worker-1', not b'worker-1')."""
+    return worker.decode(errors='replace') if isinstance(worker, bytes) else str(worker)

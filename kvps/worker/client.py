@@ -275,6 +275,12 @@ class DistClient:
         finally:
             self.io.stop(5.0)
 
+    def abandon(self):
+        """Stop without a word to the job: this process is failing."""
+        if not self.closed:
+            self.closed = True
+            self.io.stop(1.0)
+
     # -- helpers --------------------------------------------------------------------------
     def _send_init(self, key, flat, shape, dtype, device):
         parts = self.placement.parts(key)

@@ -1,5 +1,6 @@
 """Clear errors on the caller, dead and missing peers, and hand-started clusters."""
 
+import glob
 import importlib.util
 import os
 import signal
@@ -146,6 +147,29 @@ def test_worker_error_exit_code_is_the_jobs(job):
     assert 'failed first: exit code 3' in result.stderr
 
 
+RAISING_SCRIPT = '''
+kv = kvps.create('dist_sync')
+kv.init(0, np.zeros(2))
+for step in range(1000):
+    if kv.rank == 1 and step == 3:
+        raise RuntimeError('boom in worker 1')
+    kv.push(0, np.ones(2))
+    kv.pull(0, out=np.zeros(2))
+'''
+
+
+def test_a_worker_that_raises_is_the_one_blamed(job):
+    # It must not leave the job as if it had finished: its peers' rounds would fail at once
+    # and one of them would look like the first failure (the launcher names whoever exits
+    # first with an error).
+    for _ in range(2):
+        result = job(RAISING_SCRIPT, 2, 1)
+        assert result.returncode == 1
+        assert 'worker 1 (pid' in result.stderr and 'failed first' in result.stderr, \
+            result.stderr
+        assert 'boom in worker 1' in result.stderr
+
+
 def test_missing_server_is_named_within_the_connect_bound(by_hand):
     _, env = by_hand.scheduler(num_workers=1, num_servers=1,
                                extra={'KVPS_CONNECT_TIMEOUT': '3'})
@@ -161,6 +185,29 @@ def test_absent_scheduler_is_a_timeout_naming_it(by_hand):
     worker = by_hand('worker', env, script='kvps.create("dist_sync")\n')
     code, out = by_hand.finish(worker)
     assert code != 0 and 'RequestTimeout' in out and '127.0.0.1:9' in out
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGHUP])
+def test_a_server_ended_by_a_signal_leaves_no_shared_memory(by_hand, signum):
+    # What Slurm, a dropped ssh session or the ssh recipe's cleanup send: the server's arena
+    # (256 MiB, named until every local worker has pulled once) must not outlive it.
+    _, env = by_hand.scheduler(num_workers=1, num_servers=1)
+    server = by_hand('server', env)
+    worker = by_hand('worker', env, script="""
+kv = kvps.create('dist_sync')
+kv.init(0, np.zeros(2))
+print('READY', flush=True)
+time.sleep(120)
+""")
+    _wait_ready(worker)
+    arena = f'/dev/shm/kvps-{server.pid}-*'
+    deadline = time.monotonic() + 30
+    while not glob.glob(arena) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert glob.glob(arena), 'the server made no arena'
+    server.send_signal(signum)
+    assert server.wait(30) == 128 + signum
+    assert glob.glob(arena) == []
 
 
 LONG_SCRIPT = '''

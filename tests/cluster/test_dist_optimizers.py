@@ -138,6 +138,7 @@ for step in range(3):
     kv.barrier()
     kv.pull(['f', 'i'], out=[f, i])
     seen[-1] += [f.tolist(), i.tolist()]
+    kv.barrier()   # async: no worker's next push may land before everyone has pulled
 report(rank=kv.rank, seen=seen)
 '''
 

@@ -30,7 +30,8 @@ def test_native_name_wins_over_alias_and_defaults_apply():
 @pytest.mark.parametrize('name, value', [
     ('DMLC_ROLE', 'boss'), ('DMLC_NUM_WORKER', '0'), ('DMLC_NUM_WORKER', 'two'),
     ('KVPS_TIMEOUT', '-1'), ('DMLC_USE_KUBERNETES', 'maybe'), ('KVPS_SERVER_DEVICE', 'tpu'),
-    ('DMLC_PS_ROOT_PORT', '-5'),
+    ('DMLC_PS_ROOT_PORT', '-5'), ('DMLC_PS_ROOT_PORT', '70000'), ('KVPS_LOG_LEVEL', 'LOUD'),
+    ('KVPS_LOG_LEVEL', '10'),
 ])
 def test_bad_values_name_the_variable(name, value):
     with pytest.raises(ConfigError, match=name):

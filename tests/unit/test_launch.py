@@ -166,6 +166,22 @@ def test_module_entry_point_reports_usage_errors():
     assert proc.returncode == 2 and 'need at least one server' in proc.stderr
 
 
+@pytest.mark.parametrize('inherited', [{'DMLC_ROLE': 'server'}, {'KVPS_ROLE': 'scheduler'},
+                                       {'KVPS_TIMEOUT': 'never'}])
+def test_the_launcher_process_never_takes_a_role_from_its_shell(inherited):
+    # `import kvps` runs a server or scheduler role (MXNet's contract), but the launcher sets
+    # the roles itself: a stale one in its shell must not turn it into a node, and a bad
+    # setting is its usage error (exit 2), not a traceback at import.
+    proc = subprocess.run([sys.executable, '-m', 'kvps.launch', '-n', '1', '-s', '1', '--',
+                           sys.executable, '-c', 'import kvps; kvps.create("dist_sync"); '
+                           'print(7 * 6)'], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **inherited})
+    if 'KVPS_TIMEOUT' in inherited:
+        assert proc.returncode == 2 and "KVPS_TIMEOUT='never'" in proc.stderr, proc.stderr
+    else:
+        assert proc.returncode == 0 and '[worker 0] 42' in proc.stdout, proc.stderr
+
+
 def test_bad_inherited_setting_is_reported_before_starting(capsys):
     opts = launch.parse_args(['-n', '1', '-s', '1', 'true'])
     assert launch.run(opts, environ={'KVPS_TIMEOUT': 'never'}, node_argv=('false',)) == 2

@@ -209,6 +209,8 @@ def test_check_compares_another_workers_view():
     assert shard.check('c', 'k', 'float32', [2]) == [('ack', 'c', None)]
     with pytest.raises(ShapeError, match=r'rank 0 initialized \(2,\)'):
         shard.check('c', 'k', 'float32', [1, 2])
+    with pytest.raises(DTypeError, match=r'float64, but rank 0 initialized \(2,\) float32'):
+        shard.check('c', 'k', 'float64', [2])
 
 
 def test_finished_worker_fails_rounds_that_can_never_complete():
