@@ -276,3 +276,8 @@ def members_on(welcome, host, role):
 def worker_identity(rank):
     """The socket identity a worker uses towards every server (servers count rounds by it)."""
     return f'worker-{rank}'.encode()
+
+
+def identity_label(identity):
+    """A socket identity as people read it in errors ('worker-1', not b'worker-1')."""
+    return identity.decode(errors='replace') if isinstance(identity, bytes) else str(identity)

@@ -17,7 +17,7 @@ import dataclasses
 from .. import compression
 from ..errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInitializedError,
                       KVPSError, ShapeError)
-from ..protocol import TWO_BIT
+from ..protocol import TWO_BIT, identity_label
 from .placement import HostArrays, Placements
 
 
@@ -214,7 +214,7 @@ class Shard:
             made = counts.get((entry.key, entry.part), 0)
             if round_index >= made:
                 raise KVPSError(f'round {round_index + 1} of key {entry.key!r} can never complete:'
-                                f' {_named(worker)} finished after {made} pushes of it')
+                                f' {identity_label(worker)} finished after {made} pushes of it')
 
     def _merge(self, entry, worker, data, token):
         """Add one worker's push to the open round. The first is kept as received (the
@@ -391,7 +391,7 @@ class Shard:
         doomed += [t for need, t in entry.deferred if need > made]
         entry.deferred = [(need, t) for need, t in entry.deferred if need <= made]
         exc = KVPSError(f'a sync round of key {entry.key!r} can never complete: '
-                        f'{_named(worker)} finished after {made} pushes of it')
+                        f'{identity_label(worker)} finished after {made} pushes of it')
         return [('error', t, exc) for t in doomed]
 
     # -- a restarted server ---------------------------------------------------------------
@@ -447,7 +447,3 @@ class Shard:
             self.set_optimizer(states['optimizer'])
         self.updater.set_states(states)
 
-
-def _named(worker):
-    """A worker's identity as people read it ('worker-1', not b'worker-1')."""
-    return worker.decode(errors='replace') if isinstance(worker, bytes) else str(worker)

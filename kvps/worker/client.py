@@ -110,10 +110,9 @@ class DistClient:
         try:
             refused = self.barrier(_REFUSED if failure is not None else None)
         except KVPSError:
-            if failure is not None:
-                raise failure from None   # the cause, not the barrier it left behind
-            raise
-        if failure is not None:
+            if failure is None:
+                raise
+        if failure is not None:   # the cause, also when the barrier it left behind failed
             raise failure
         if refused:   # rank 0 offered _REFUSED; the others offered nothing
             raise RemoteError(f'{what} failed: the servers refused it on rank 0, which raised '
