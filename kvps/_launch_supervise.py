@@ -19,6 +19,10 @@ PR_SET_PDEATHSIG = 1
 TAIL_LINES = 20
 _READ_CHUNK = 1 << 16
 _POLL = 0.05
+# How long the other workers may take to exit too once one left before the job formed: all
+# of them exiting 0 is a job that never meant to join (nothing failed); any still running
+# after that wait for a peer that is gone.
+UNJOINED_GRACE = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +146,7 @@ class Supervisor:
     """
 
     def __init__(self, out=None, err=None, grace=5.0, tail_lines=TAIL_LINES, restarts=None,
-                 primary_role='worker'):
+                 primary_role='worker', formed_file=None, unjoined_grace=UNJOINED_GRACE):
         self.out = out if out is not None else sys.stdout
         self.err = err if err is not None else sys.stderr
         self.grace = grace
@@ -154,6 +158,11 @@ class Supervisor:
         self._failure = None                # (child, why) of the root cause
         self.restarts = dict(restarts or {})  # role -> restarts left over the whole job
         self.primary_role = primary_role
+        # Written once every node has registered; until then, a primary child exiting 0 left
+        # without joining and the others can never start.
+        self.formed_file = formed_file
+        self.unjoined_grace = unjoined_grace
+        self._unjoined = None              # (first such child, when the others must be done)
 
     # -- output --------------------------------------------------------------------------
 
@@ -235,7 +244,28 @@ class Supervisor:
         what.done = True
         if what.returncode != 0 and not self._restart(what):
             return self.fail(what)
+        if what.returncode == 0 and self._unjoined is None and self._left_unformed(what):
+            self._unjoined = (what, time.monotonic() + self.unjoined_grace)
         return self.stopped
+
+    def _left_unformed(self, child):
+        return (child.spec.role == self.primary_role and self.formed_file is not None
+                and not os.path.exists(self.formed_file))
+
+    def _check_unjoined(self):
+        """Once a primary child left before the job formed: stop with 0 when every primary
+        child did (they never meant to join), else fail it when the others outlast the grace
+        (they wait for it in vain)."""
+        child, deadline = self._unjoined
+        if os.path.exists(self.formed_file):   # it had registered after all: liveness decides
+            self._unjoined = None
+        elif all(c.done for c in self.children if c.spec.role == self.primary_role):
+            self.say(f'no {self.primary_role} joined the job (none created a distributed '
+                     'kvstore); stopping the rest')
+            self.stop(0)
+        elif time.monotonic() >= deadline:
+            self.fail(child, 'exited with exit code 0 without joining the job (it never '
+                             'created a distributed kvstore), so the job can never start')
 
     def _restart(self, child):
         """Start a failed child's spec again if its role has restarts left and the job is still
@@ -289,6 +319,10 @@ class Supervisor:
             running = [c for c in self.children if not c.done]
             if not running:
                 return self.stop(0)
+            if self._unjoined is not None:
+                self._check_unjoined()
+                if self.stopped is not None:
+                    break
             if deadline is None and all(c.done for c in self.children
                                         if c.spec.role == primary_role):
                 deadline = time.monotonic() + shutdown_timeout

@@ -230,6 +230,13 @@ class Config:
                     break
         return cls(**values)
 
+    @property
+    def formed_file(self):
+        """The file the scheduler writes once every node has registered (beside the port
+        file; None without one): the launcher tells by it whether a worker that exited had
+        joined the job."""
+        return None if not self.port_file else self.port_file + '.formed'
+
     def require_cluster(self):
         """Raise ConfigError naming every variable a distributed node still lacks."""
         needed = ['scheduler_host', 'scheduler_port', 'num_workers', 'num_servers']

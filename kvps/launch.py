@@ -190,7 +190,8 @@ def run(opts, environ=None, node_argv=NODE_ARGV, out=None, err=None):
                   'resumes from its checkpoint', file=err or sys.stderr, flush=True)
             return 2
         supervisor = Supervisor(out=out, err=err, grace=opts.grace,
-                                restarts={'server': opts.restart_servers})
+                                restarts={'server': opts.restart_servers},
+                                formed_file=config.formed_file)
         with forwarding_signals(supervisor):
             try:
                 return _run_job(supervisor, opts, environ, scheduler, config, node_argv)

@@ -76,6 +76,8 @@ class Scheduler:
                               header.get('rank'), header.get('pid', 0), time.monotonic())
         if self.members.complete:
             self.members.assign_ranks()
+            if self.config.formed_file:   # before any welcome: no worker can be done earlier
+                write_atomically(self.config.formed_file, 'formed')
             now = time.monotonic()
             for node in self.members.nodes.values():
                 node.last_seen = now  # liveness counts from the start of the job

@@ -147,6 +147,19 @@ def test_worker_error_exit_code_is_the_jobs(job):
     assert 'failed first: exit code 3' in result.stderr
 
 
+def test_a_job_whose_workers_never_join_ends_when_they_do(job):
+    """A script that makes no distributed store: the launcher stops the scheduler and
+    servers at once (not after KVPS_CONNECT_TIMEOUT, blaming a server); one whose workers
+    joined finishes without that word."""
+    started = time.monotonic()
+    never = job('report(local=kvps.create("local").type)', 2, 1)
+    assert never.returncode == 0, never.output
+    assert 'no worker joined the job' in never.stderr and len(never.results()) == 2
+    assert time.monotonic() - started < 25   # FAST's KVPS_CONNECT_TIMEOUT is 30 s
+    joined = job('kv = kvps.create("dist_sync")\nreport(rank=kv.rank)', 2, 1)
+    assert joined.returncode == 0 and 'joined' not in joined.stderr, joined.output
+
+
 RAISING_SCRIPT = '''
 kv = kvps.create('dist_sync')
 kv.init(0, np.zeros(2))

@@ -37,6 +37,8 @@ FAKE_NODE = textwrap.dedent('''
                 f.write(str(port))
             os.replace(path + '.tmp', path)
             print('bound', port)
+            if not os.environ.get('FAKE_WORKERS_NEVER_JOIN'):
+                open(path + '.formed', 'w').close()   # as if every node registered at once
     else:
         print(role, os.environ['KVPS_RANK'], 'dials', os.environ['DMLC_PS_ROOT_PORT'])
     time.sleep(float(os.environ.get('FAKE_%s_SLEEP' % role.upper(), '0.2')))
@@ -68,10 +70,10 @@ def py(role, rank, code, **env):
                     dict(os.environ, PYTHONUNBUFFERED='1', **env))
 
 
-def supervise(specs, grace=1.0, shutdown_timeout=10.0, restarts=None):
+def supervise(specs, grace=1.0, shutdown_timeout=10.0, restarts=None, **options):
     """Run specs in-process; returns (exit code, stdout text, stderr text, child pids)."""
     out, err = io.StringIO(), io.StringIO()
-    sup = Supervisor(out=out, err=err, grace=grace, restarts=restarts)
+    sup = Supervisor(out=out, err=err, grace=grace, restarts=restarts, **options)
     try:
         for spec in specs:
             assert sup.start(spec) is not None
@@ -337,6 +339,48 @@ def test_server_that_outlives_the_workers_is_reported_and_killed():
     assert_gone(pids)
 
 
+SCHEDULER_AND_SERVER_WAITING = [py('scheduler', None, 'import time; time.sleep(60)'),
+                                 py('server', 0, 'import time; time.sleep(60)')]
+
+
+def test_workers_that_never_join_end_the_job_at_once(tmp_path):
+    """A script that makes no distributed store (or none at all) ran to completion: the
+    scheduler and servers waiting for it to register are stopped, nothing failed."""
+    start = time.monotonic()
+    rc, out, err, pids = supervise([*SCHEDULER_AND_SERVER_WAITING,
+                                    py('worker', 0, 'print("done")'),
+                                    py('worker', 1, 'import time; time.sleep(0.5)')],
+                                   formed_file=str(tmp_path / 'formed'))
+    assert rc == 0 and out.count('done') == 1
+    assert err == 'kvps.launch: no worker joined the job (none created a distributed kvstore); ' \
+                  'stopping the rest\n'
+    assert time.monotonic() - start < 8   # not the scheduler's registration bound
+    assert_gone(pids)
+
+
+def test_a_worker_leaving_before_the_job_formed_is_blamed(tmp_path):
+    """The others would wait for it until KVPS_CONNECT_TIMEOUT, and a server would be named."""
+    rc, _, err, pids = supervise([*SCHEDULER_AND_SERVER_WAITING,
+                                  py('worker', 0, 'import time; time.sleep(60)'),
+                                  py('worker', 1, 'pass')],
+                                 formed_file=str(tmp_path / 'formed'), unjoined_grace=0.5)
+    assert rc == 1
+    assert re.search(r'worker 1 \(pid \d+\) failed first: exited with exit code 0 without '
+                     r'joining the job \(it never created a distributed kvstore\)', err)
+    assert_gone(pids)
+
+
+def test_workers_that_joined_may_finish_at_any_pace(tmp_path):
+    formed = tmp_path / 'formed'
+    formed.touch()
+    rc, _, err, pids = supervise([py('server', 0, 'import time; time.sleep(1.5)'),
+                                  py('worker', 0, 'import time; time.sleep(1)'),
+                                  py('worker', 1, 'pass')],
+                                 formed_file=str(formed), unjoined_grace=0.2)
+    assert (rc, err) == (0, '')
+    assert_gone(pids)
+
+
 def test_command_that_cannot_start():
     out, err = io.StringIO(), io.StringIO()
     rc = run_specs([py('server', 0, 'import time; time.sleep(60)'),
@@ -409,6 +453,14 @@ def test_port_file_handshake_with_a_fake_scheduler(fake_node):
     assert f'[server 0] server 0 dials {port}' in text
     assert text.count(f'] port {port}') == 2
     assert err.getvalue() == ''
+
+
+def test_the_launcher_learns_from_the_scheduler_whether_the_job_formed(fake_node):
+    err = io.StringIO()
+    rc = launch.run(_opts('--env', 'FAKE_WORKERS_NEVER_JOIN=1', '--env', 'FAKE_SCHEDULER_SLEEP=60',
+                          '--env', 'FAKE_SERVER_SLEEP=60'),
+                    node_argv=fake_node, out=io.StringIO(), err=err)
+    assert rc == 0 and 'no worker joined the job' in err.getvalue()
 
 
 def test_scheduler_that_exits_before_writing_its_port(fake_node):
