@@ -108,10 +108,22 @@ def check_like(value, shape, dtype, key, what):
 
 
 def writable_flat(out):
-    """A writable 1-D numpy view of ``out`` if it is contiguous, else None."""
+    """A writable 1-D numpy view of pull target ``out`` if it is contiguous, else None
+    (ValueError as ``writable``)."""
+    arr = writable(out)
+    return arr.reshape(-1) if arr.flags.c_contiguous else None
+
+
+def writable(out):
+    """A numpy view of pull target ``out``; ValueError if it is read-only or some of its
+    elements share memory (an expanded or broadcast view: every write to one would land on
+    the others, and torch's own ``copy_`` refuses it too)."""
     arr = as_numpy(out)
     if not arr.flags.writeable:
         raise ValueError('pull target is read-only')
-    if arr.flags.c_contiguous:
-        return arr.reshape(-1)
-    return None
+    if not arr.flags.c_contiguous and any(
+            step == 0 and n > 1 for step, n in zip(arr.strides, arr.shape)):
+        raise ValueError(f'pull target of shape {arr.shape} has elements that share memory '
+                         f'(strides {arr.strides}: an expanded or broadcast view); pull into '
+                         'an array of its own (.clone() or .copy())')
+    return arr

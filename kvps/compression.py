@@ -31,9 +31,11 @@ class TwoBit:
 
     name = TWO_BIT
 
-    def __init__(self, threshold):
+    def __init__(self, threshold, residuals=None):
         self.threshold = threshold
-        self._residuals = {}
+        # owned by the store, so that setting compression again (or off, then on) keeps
+        # what earlier pushes have not sent yet, as MXNet's per-key residual buffers do
+        self._residuals = {} if residuals is None else residuals
 
     def encode(self, key, part, grad, out):
         """Quantize flat ``grad`` (+ the residual of (key, part)) into ``out``, a uint8 array
@@ -62,8 +64,9 @@ class TwoBit:
         return out
 
 
-def parse(params):
-    """The codec for ``set_gradient_compression`` params (None turns compression off)."""
+def parse(params, residuals=None):
+    """The codec for ``set_gradient_compression`` params (None turns compression off),
+    keeping its residuals in ``residuals`` (a dict) when given."""
     if params is None:
         return None
     if not isinstance(params, dict):
@@ -83,7 +86,7 @@ def parse(params):
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or \
             not math.isfinite(threshold) or threshold <= 0:
         raise ValueError(f'2bit compression needs a finite threshold > 0, got {threshold!r}')
-    return TwoBit(float(threshold))
+    return TwoBit(float(threshold), residuals)
 
 
 def sent_threshold(threshold, dtype):

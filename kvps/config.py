@@ -104,7 +104,7 @@ VARS = (
     Var('rank', ('KVPS_RANK',), _nonneg_int, None,
         'Requested rank within the role (the launcher sets it); else ranks follow arrival order.'),
     Var('bigarray_bound', ('KVPS_BIGARRAY_BOUND', 'MXNET_KVSTORE_BIGARRAY_BOUND'), _positive_int,
-        1_000_000, 'Arrays with more elements than this are split across all servers.'),
+        1_000_000, 'Arrays with at least this many elements are split across all servers.'),
     Var('timeout', ('KVPS_TIMEOUT',), _positive_float, 600.0,
         'Seconds any single wait (reply, barrier, shutdown) may take before RequestTimeout.'),
     Var('connect_timeout', ('KVPS_CONNECT_TIMEOUT',), _positive_float, 120.0,

@@ -13,6 +13,7 @@ from .config import Config
 from .errors import (ConfigError, DuplicateInitError, KeyNotInitializedError, KeyTypeError,
                      KVPSError, StoreClosedError)
 from .local import LocalBackend
+from .protocol import MAX_KEY_CHARS
 
 # Type names are parsed by substring as in MXNet; these are the words a name may be built from.
 _WORDS = {'local', 'device', 'dist', 'sync', 'async', 'update', 'cpu', 'allreduce'}
@@ -93,6 +94,7 @@ class KVStore:
         self._meta = backend.keys
         self._key_kind = None
         self._codec = None         # gradient compression of pushes (set_gradient_compression)
+        self._residuals = {}       # what compressed pushes have not sent yet, per key part
 
     # -- identity -------------------------------------------------------------------------
     @property
@@ -117,7 +119,7 @@ class KVStore:
         self._open()
         items = []
         for k, values in self._pairs(key, value):
-            if k in self._meta or any(k == i[0] for i in items):
+            if k in self._meta:
                 raise DuplicateInitError(f'key {k!r} is already initialized')
             if len(values) > 1:   # MXNet: a duplicate init of the key
                 raise DuplicateInitError(f'init takes one value per key; key {k!r} got '
@@ -151,7 +153,7 @@ class KVStore:
         sends each element as +threshold, -threshold or 0 and keeps the difference on this
         worker for later pushes (``None`` or type 'none': off). Pulls stay exact. Every worker
         should set the same; see kvps.compression."""
-        self._codec = compression.parse(compression_params)
+        self._codec = compression.parse(compression_params, self._residuals)
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
         """Write the current values into ``out`` (in place), after this worker's pushes."""
@@ -175,7 +177,14 @@ class KVStore:
             else:
                 first = arrays.as_numpy(targets[0])
                 for t in targets[1:]:
-                    arrays.as_numpy(t)[...] = first
+                    arrays.writable(t)[...] = first
+
+    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
+        """MXNet's pull of some rows of a row_sparse key: not provided (say so clearly rather
+        than fail with an AttributeError)."""
+        raise NotImplementedError(
+            'row_sparse_pull: kvps stores dense arrays only (no row_sparse storage); pull the '
+            'whole key with kv.pull(key, out=...) and index the rows you need')
 
     def pushpull(self, key, value, out=None, priority=0):
         """Push then pull; with ``out=None`` the result is written into ``value``."""
@@ -308,12 +317,17 @@ class KVStore:
 
     # -- keys -----------------------------------------------------------------------------
     def _pairs(self, key, value):
-        """Normalize (key, value) into [(key, [values...])] as MXNet does."""
-        if isinstance(key, (list, tuple)):
-            if not isinstance(value, (list, tuple)) or len(value) != len(key):
-                raise ValueError('a list of keys needs a list of values of the same length')
-            return [(self._check_key(k), self._as_list(v)) for k, v in zip(key, value)]
-        return [(self._check_key(key), self._as_list(value))]
+        """Normalize (key, value) into [(key, [values...])] as MXNet does: a key given
+        more than once in a call is one key with all their values (pushed: summed; pulled:
+        each written), in the order of its first appearance."""
+        if not isinstance(key, (list, tuple)):
+            return [(self._check_key(key), self._as_list(value))]
+        if not isinstance(value, (list, tuple)) or len(value) != len(key):
+            raise ValueError('a list of keys needs a list of values of the same length')
+        grouped = {}
+        for k, v in zip(key, value):
+            grouped.setdefault(self._check_key(k), []).extend(self._as_list(v))
+        return list(grouped.items())
 
     @staticmethod
     def _as_list(value):
@@ -331,6 +345,9 @@ class KVStore:
         key = str.__str__(key) if isinstance(key, str) else operator.index(key)
         if isinstance(key, int) and not _KEY_MIN <= key < _KEY_END:
             raise KeyTypeError(f'int keys must fit in 64 bits ([-2**63, 2**64)); got {key}')
+        if isinstance(key, str) and len(key) > MAX_KEY_CHARS:
+            raise KeyTypeError(f'str keys may have at most {MAX_KEY_CHARS} characters; got '
+                               f'one of {len(key)}: {key[:40]!r}...')
         kind = type(key)
         if self._key_kind is None:
             self._key_kind = kind

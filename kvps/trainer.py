@@ -42,6 +42,8 @@ class Trainer:
                  compression_params=None, update_on_kvstore=None, *, overlap=True,
                  bucket_bytes=BUCKET_BYTES):
         self._params = collect(params)
+        # Trained this step: the parameters requiring grad, read again at every step as Gluon
+        # reads grad_req (so freezing and unfreezing mid-training work as in torch.optim).
         self._trainable = [p for p in self._params if p.trainable]
         self._optimizer = _make_optimizer(optimizer, optimizer_params)
         merge_mults(self._optimizer, self._params)
@@ -64,9 +66,18 @@ class Trainer:
         # with update_on_kvstore they must wait until step() has sent the optimizer (it needs
         # rescale_grad, i.e. the batch size).
         self._armed = self._overlap and not self._update_on_kvstore
+        self._hooks = {}           # key -> handle of the hook sending its gradient
+        self._hook_trainable()
+
+    def _hook_trainable(self):
+        """Take the parameters requiring grad now as this step's, and hook those not hooked
+        yet (torch refuses hooks on the others): from their next backward on, their
+        gradients leave as it runs."""
+        self._trainable = [p for p in self._params if p.trainable]
         ref = weakref.ref(self)
-        self._hooks = [p.tensor.register_post_accumulate_grad_hook(_hook(ref, p))
-                       for p in self._trainable]
+        for p in self._trainable:
+            if p.key not in self._hooks:
+                self._hooks[p.key] = p.tensor.register_post_accumulate_grad_hook(_hook(ref, p))
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -97,6 +108,7 @@ class Trainer:
     # -- training --------------------------------------------------------------------------
     def step(self, batch_size, ignore_stale_grad=False):
         """One update: gradients normalized by 1/batch_size, summed over workers, applied."""
+        self._hook_trainable()
         self._rescale(batch_size)
         self._check_stale(ignore_stale_grad)
         self._allreduce_grads()
@@ -109,6 +121,7 @@ class Trainer:
         if self._kv is not None and self._update_on_kvstore:
             raise RuntimeError('allreduce_grads() is not possible when the servers update the '
                                'parameters; create the Trainer with update_on_kvstore=False')
+        self._hook_trainable()
         self._allreduce_grads()
 
     def update(self, batch_size, ignore_stale_grad=False):
@@ -120,6 +133,7 @@ class Trainer:
             raise RuntimeError('call allreduce_grads() before update() in distributed mode '
                                '(or use step()); updating with local gradients would make '
                                'the workers\' parameters diverge')
+        self._hook_trainable()
         self._rescale(batch_size)
         self._check_stale(ignore_stale_grad)
         self._update(ignore_stale_grad)

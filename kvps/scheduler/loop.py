@@ -12,6 +12,12 @@ from .membership import Membership
 
 log = logging.getLogger('kvps.scheduler')
 
+# How long a worker's FINISH waits before its peers' rounds and barriers that it can never
+# join fail: a worker leaving on sys.exit(3) finishes cleanly (an atexit hook cannot see the
+# code), and its own exit must reach a launcher before the failures it causes, else a peer
+# is named. A job whose last worker finishes ends at once.
+FINISH_GRACE = 3.0
+
 
 class Scheduler:
     """Bootstraps the job, runs barriers, watches liveness and ends the job in order."""
@@ -27,6 +33,7 @@ class Scheduler:
             write_atomically(config.port_file, str(self.port))
         self.exit_code = None
         self.started = time.monotonic()
+        self._finishing = {}      # identity -> when its FINISH takes effect
         log.info('scheduler listening on %s:%d', host, self.port)
 
     def run(self):
@@ -124,13 +131,25 @@ class Scheduler:
         self._fail_blocked_barriers()
 
     def _on_finish(self, identity, header):
-        node = self._worker(identity)
-        self.members.finish(identity)
+        self._worker(identity)
         self._send(identity, {'op': P.ACK, 'id': header.get('id', 0)})
+        grace = min(FINISH_GRACE, self.config.heartbeat_timeout / 2)
+        self._finishing.setdefault(identity, time.monotonic() + grace)
+        if all(n.finished or n.identity in self._finishing
+               for n in self.members.of_role('worker')):
+            for waiting in list(self._finishing):
+                self._finished(waiting)
+
+    def _finished(self, identity):
+        """A worker's FINISH takes effect: servers fail the rounds it can never join, and
+        so do the barriers; the job ends with its last worker."""
+        del self._finishing[identity]
+        self.members.finish(identity)
+        node = self.members.nodes[identity]
         for server in self.members.of_role('server'):
             self._send(server.identity, {'op': P.FINISH, 'id': 0, 'rank': node.rank})
         self._fail_blocked_barriers()
-        if self.members.all_workers_finished:
+        if self.members.all_workers_finished and self.exit_code is None:
             self._end(0, 'all workers finished')
 
     _HANDLERS = {P.REGISTER: _on_register, P.HEARTBEAT: _on_heartbeat,
@@ -165,6 +184,8 @@ class Scheduler:
             else:
                 self._lose(lost, reason)
                 return
+        for identity in [i for i, when in self._finishing.items() if now >= when]:
+            self._finished(identity)
         for lost in self.members.overdue(now, self.config.recovery_timeout):
             self._lose(lost, f'{lost.describe()} is lost and was not replaced within '
                              f'{self.config.recovery_timeout:g} s (KVPS_RECOVERY_TIMEOUT)')

@@ -132,8 +132,8 @@ class DistClient:
         if split:
             raise ConfigError(
                 f'{spec["name"]} reads each weight whole, but key(s) '
-                f'{", ".join(map(repr, split[:5]))} are split across servers (more than '
-                'KVPS_BIGARRAY_BOUND elements): set the optimizer before init (kvps then keeps '
+                f'{", ".join(map(repr, split[:5]))} are split across servers (KVPS_BIGARRAY_BOUND '
+                'elements or more): set the optimizer before init (kvps then keeps '
                 'keys whole), raise KVPS_BIGARRAY_BOUND, or update on the workers '
                 '(Trainer(update_on_kvstore=False))')
         self.keep_keys_whole()
@@ -189,7 +189,7 @@ class DistClient:
                     return
                 oldest = self._inflight[0][0]
             if not oldest.done.wait(self.config.timeout):
-                oldest.wait(0)  # raises RequestTimeout naming the silent servers
+                raise oldest.timed_out(self.config.timeout, self._round_hint)
 
     def pull(self, items):
         """Fill each ``out`` of ``items`` ([(key, out, dtype)]) with the key's value once this
@@ -221,7 +221,7 @@ class DistClient:
                 for (key, part, _, _), block in zip(batch, blocks)]}
             self._submit(server, header, (),
                          Request(op, node, _copier(batch, blocks, staging, node), keep=blocks))
-        op.wait(self.config.timeout)
+        op.wait(self.config.timeout, self._round_hint)
         for out, target in finish:
             np.copyto(out, target.reshape(out.shape))
         # A push whose round failed on a server (its update raised) was answered before this
@@ -245,7 +245,8 @@ class DistClient:
         op = Operation('barrier', 1)
         self.io.submit(SCHEDULER, header, (), Request(
             op, SCHEDULER, lambda reply, _: differs.extend(reply.get('differs', ()))))
-        op.wait(self.config.timeout)
+        op.wait(self.config.timeout, '; a barrier returns once every worker has called it, each '
+                                     'with its pushes applied')
         return differs
 
     def wait_pushes(self):
@@ -256,8 +257,8 @@ class DistClient:
                     break
                 op, nbytes = self._inflight.popleft()
                 self._inflight_bytes -= nbytes
-            if not op.done.wait(self.config.timeout):
-                op.wait(0)  # raises RequestTimeout naming the silent servers
+            if not op.done.wait(self.config.timeout):   # its error is in _errors: not raised here
+                raise op.timed_out(self.config.timeout, self._round_hint)
         self._raise_pending_errors()
 
     def close(self):
@@ -300,6 +301,13 @@ class DistClient:
 
     def _submit(self, server, header, buffers, request):
         self.io.submit(server_name(server), header, buffers, request)
+
+    @property
+    def _round_hint(self):
+        """Why a server may rightly keep a push (and a pull after it) unanswered."""
+        return ('; in dist_sync a server answers a push of a key, and a pull of it after the '
+                'push, once every worker has pushed that key in the round: is some worker not '
+                'pushing it, or stalled?') if self.sync else ''
 
     def _wait_all(self, ops):
         for op in ops:

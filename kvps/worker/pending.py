@@ -31,14 +31,19 @@ class Operation:
                 self.on_error(exc)
         self.done.set()
 
-    def wait(self, timeout):
-        """Block until complete; raise its error, or RequestTimeout naming who never answered."""
+    def wait(self, timeout, hint=''):
+        """Block until complete; raise its error, or RequestTimeout naming who never answered
+        (``hint``: what may hold them up, appended)."""
         if not self.done.wait(timeout):
-            who = ', '.join(sorted(self.waiting_on)) or 'the cluster'
-            raise RequestTimeout(f'{self.what}: no answer from {who} within {timeout:g} s '
-                                 '(KVPS_TIMEOUT)')
+            raise self.timed_out(timeout, hint)
         if self.error is not None:
             raise self.error
+
+    def timed_out(self, timeout, hint=''):
+        """The RequestTimeout for a wait of ``timeout`` s that this outlasted."""
+        who = ', '.join(sorted(self.waiting_on)) or 'the cluster'
+        return RequestTimeout(f'{self.what}: no answer from {who} within {timeout:g} s '
+                              f'(KVPS_TIMEOUT){hint}')
 
 
 class Request:

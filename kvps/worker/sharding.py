@@ -33,7 +33,7 @@ class Placement:
         """Assign ``key`` (``size`` elements) to servers; return its parts."""
         if key in self._parts:
             return self._parts[key]
-        if size > self.bound and self.num_servers > 1 and not self.keep_whole:
+        if size >= self.bound and self.num_servers > 1 and not self.keep_whole:   # as MXNet
             pieces = min(self.num_servers, size)
             edges = np.linspace(0, size, pieces + 1).astype(np.int64)
             # Rotate the start so that uneven remainders do not always land on server 0.

@@ -120,9 +120,10 @@ SGD_SYNC_SCRIPT = '''
 kv = kvps.create('dist_sync')
 r = kv.rank
 kv.init(1, np.ones(6, np.float32))
-kv.set_optimizer(kvps.optimizer.create('sgd', learning_rate=0.5))
-for i in range(4):
-    kv.push(1, np.full(6, float(r + 1), np.float32))
+kv.set_optimizer(kvps.optimizer.create('sgd', learning_rate=0.5, momentum=0.5))
+half = np.full(6, (r + 1) / 2, np.float32)
+for i in range(4):   # odd rounds name the key twice in one push: one key, values summed
+    kv.push(*((1, half * 2) if i % 2 == 0 else ([1, 1], [half, half])))
 out = np.zeros(6, np.float32); kv.pull(1, out=out)
 report(rank=r, w=out.tolist())
 '''
@@ -131,8 +132,12 @@ report(rank=r, w=out.tolist())
 def test_dist_sync_runs_the_optimizer_once_per_round_on_the_sum(job):
     result = job(SGD_SYNC_SCRIPT, 3, 2, env={'KVPS_BIGARRAY_BOUND': '4'})
     assert result.returncode == 0, result.output
+    w, mom = 1.0, 0.0
+    for _ in range(4):      # one update per round of the 3 workers' sum, 1 + 2 + 3
+        mom = 0.5 * mom - 0.5 * 6.0
+        w += mom
     for res in result.results().values():
-        assert res['w'] == [1.0 - 4 * 0.5 * 6.0] * 6
+        assert res['w'] == [w] * 6
 
 
 COMPRESSED_SCRIPT = '''

@@ -125,6 +125,27 @@ def test_a_store_pushes_compressed_values_and_pulls_exact_ones():
     assert b.tolist() == [1.75, -0.25, 0.25]
 
 
+def test_setting_compression_again_keeps_what_was_not_sent():
+    """MXNet's residual buffers outlive set_gradient_compression: a second call (same
+    threshold or not), or turning it off and on, loses nothing held back."""
+    kv = kvps.create('local')
+    kv.init(0, np.zeros(2, np.float32))
+    kv.set_optimizer(kvps.optimizer.create('test', rescale_grad=1.0))   # w += g
+    out = np.zeros(2, np.float32)
+    kv.set_gradient_compression({'type': '2bit', 'threshold': 0.5})
+    kv.push(0, np.full(2, 0.3, np.float32))        # nothing sent, 0.3 held
+    kv.set_gradient_compression({'type': '2bit', 'threshold': 0.5})
+    kv.push(0, np.full(2, 0.3, np.float32))        # 0.6: 0.5 sent, 0.1 held
+    kv.pull(0, out=out)
+    assert out.tolist() == [0.5, 0.5]
+    kv.set_gradient_compression(None)
+    kv.push(0, np.full(2, 0.25, np.float32))       # uncompressed: exactly what is pushed
+    kv.set_gradient_compression({'type': '2bit', 'threshold': 0.25})
+    kv.push(0, np.full(2, 0.2, np.float32))        # 0.1 + 0.2: 0.25 sent
+    kv.pull(0, out=out)
+    assert out.tolist() == [1.0, 1.0]
+
+
 def bf16(values):
     from kvps._kernels.common import f32_to_bf16
     return f32_to_bf16(np.asarray(values, np.float32))

@@ -103,6 +103,45 @@ def test_non_contiguous_pull_target():
     assert target.tolist() == np.arange(6.0).reshape(3, 2).tolist()
 
 
+def test_a_pull_target_whose_elements_share_memory_is_refused():
+    """Every row of an expanded view is the same memory: it would silently hold the last
+    row (torch's copy_ refuses it too)."""
+    kv = kvps.create('local')
+    kv.init(0, torch.zeros(4, 3))
+    kv.push(0, torch.arange(12.0).reshape(4, 3))
+    own = torch.zeros(4, 3)
+    for targets in (torch.zeros(1, 3).expand(4, 3), [own, torch.zeros(3).expand(4, 3)]):
+        with pytest.raises(ValueError, match='share memory'):
+            kv.pull(0, out=targets)
+    kv.push(0, torch.ones(3).expand(4, 3))             # a pushed view is only read: fine
+    kv.pull(0, out=own)
+    assert own.tolist() == [[1.0] * 3] * 4
+
+
+def test_a_key_given_twice_in_one_call_is_one_key_as_in_mxnet():
+    """MXNet groups a call's equal keys: their pushed values are summed into one push (one
+    optimizer update), and each of their pull targets is written."""
+    kv = kvps.create('local')
+    kv.init([0, 1], [np.zeros(2), np.zeros(2)])
+    kv.push([0, 1, 0], [np.ones(2), np.full(2, 7.0), [np.full(2, 2.0), np.full(2, 3.0)]])
+    a, b, c = np.zeros(2), np.zeros(2), np.zeros(2)
+    kv.pull([0, 1, 0], out=[a, b, c])
+    assert (a.tolist(), b.tolist(), c.tolist()) == ([6, 6], [7, 7], [6, 6])
+    kv.set_optimizer(kvps.optimizer.create('sgd', learning_rate=1.0, momentum=0.9))
+    kv.push([1, 1], [np.ones(2), np.ones(2)])
+    kv.pull(1, out=b)
+    assert b.tolist() == [5, 5]                        # 7 - 1 * 2: one update, not two
+    with pytest.raises(DuplicateInitError, match='one value per key'):
+        kv.init([2, 2], [np.zeros(1), np.ones(1)])
+
+
+def test_str_keys_longer_than_the_wire_allows_are_refused_at_the_call():
+    kv = kvps.create('local')
+    kv.init('w' * 1024, np.zeros(1))
+    with pytest.raises(KeyTypeError, match='at most 1024 characters'):
+        kv.init('w' * 1025, np.zeros(1))
+
+
 def test_dtypes_fp16_fp64_and_bfloat16():
     kv = kvps.create('local')
     kv.init(0, np.zeros(2, np.float16))
@@ -375,3 +414,5 @@ def test_init_takes_one_value_per_key_and_mxnet_spellings_exist():
     kv.init(0, np.zeros(1))
     kv._barrier()
     assert kv.is_capable(kv.OPTIMIZER)
+    with pytest.raises(NotImplementedError, match='dense arrays only'):
+        kv.row_sparse_pull(0, out=np.zeros(1), row_ids=np.array([0]))

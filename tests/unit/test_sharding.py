@@ -13,9 +13,9 @@ def test_big_array_is_split_across_all_servers_and_covers_every_element():
     assert max(p.stop - p.start for p in parts) - min(p.stop - p.start for p in parts) <= 1
 
 
-def test_bound_is_exclusive_and_one_server_never_splits():
-    assert len(Placement(2, 10).place('k', 10, 4)) == 1
-    assert len(Placement(2, 10).place('k', 11, 4)) == 2
+def test_a_key_of_bound_elements_is_split_as_in_mxnet_and_one_server_never_splits():
+    assert len(Placement(2, 10).place('k', 9, 4)) == 1
+    assert len(Placement(2, 10).place('k', 10, 4)) == 2   # MXNet: size < bound stays whole
     assert len(Placement(1, 10).place('k', 1000, 4)) == 1
 
 

@@ -257,6 +257,30 @@ def test_stale_gradients():
     assert torch.all(used == -2)
 
 
+@pytest.mark.parametrize('kvstore, uok', STORES)
+def test_freezing_and_unfreezing_mid_training_work_as_in_torch_optim(kvstore, uok):
+    """requires_grad is read at every step, as Gluon reads grad_req: a parameter unfrozen
+    later is trained from then on (its gradient sent during backward from its second step),
+    and one frozen later is left alone, not called stale."""
+    a, b = param(0), param(0)
+    b.requires_grad_(False)
+    t = Trainer([a, b], 'sgd', {'learning_rate': 1.0}, kvstore=_store(kvstore),
+                update_on_kvstore=uok)
+    backward(a)
+    t.step(1)
+    b.requires_grad_(True)
+    for _ in range(2):
+        t.zero_grad()
+        backward(a, b)
+        t.step(1)
+    assert torch.all(a == -3) and torch.all(b == -2)
+    a.requires_grad_(False)
+    t.zero_grad()
+    backward(b)
+    t.step(1)
+    assert torch.all(a == -3) and torch.all(b == -3)
+
+
 def test_overlap_pushes_during_backward_and_refuses_a_second_backward():
     x = param(0)
     t = Trainer([x], 'sgd', {'learning_rate': 1.0}, kvstore=fake_store('dist_sync'),
