@@ -9,7 +9,7 @@ from ._trainer_kv import (load_local_states, load_server_states, read_optimizer,
                           save_local_states, save_server_states)
 from ._trainer_params import check_devices, check_same_everywhere, collect, merge_mults
 from .devices import kernel_view
-from .errors import ConfigError, ParameterMismatchError, StaleGradientError
+from .errors import ConfigError, DuplicateInitError, ParameterMismatchError, StaleGradientError
 from .server.updater import Updater
 
 __all__ = ['Trainer', 'ParameterMismatchError', 'StaleGradientError']
@@ -55,6 +55,7 @@ class Trainer:
         self._server_has_optimizer = False
         self._batch_size_known = False    # a step (of this job) has set rescale_grad
         self._fresh, self._pushed, self._reduced = set(), set(), False
+        self._summed = {}          # key -> where step() pulls a summed gradient (workers update)
         self._seen_grads = {}
         if self._kv is not None:
             self._set_compression(compression_params)
@@ -103,6 +104,13 @@ class Trainer:
         at once, so in distributed mode every worker must call this at the same point."""
         self._optimizer.set_learning_rate(lr)
         if self._kv is not None and self._update_on_kvstore and self._server_has_optimizer:
+            if self._pushed:
+                warnings.warn(
+                    'set_learning_rate between backward() and step(): this step\'s gradients '
+                    'already left for the servers (overlap), which apply them at the old rate; '
+                    'the new one applies from the next step. Set it before backward() (or use '
+                    'an lr_scheduler, which the servers follow per update), or create the '
+                    'Trainer with overlap=False', stacklevel=2)
             self._reinstall_optimizer()
 
     # -- training --------------------------------------------------------------------------
@@ -111,7 +119,7 @@ class Trainer:
         self._hook_trainable()
         self._rescale(batch_size)
         self._check_stale(ignore_stale_grad)
-        self._allreduce_grads()
+        self._allreduce_grads(into_grads=False)
         if not self._update_on_kvstore:
             self._update(ignore_stale_grad)
         self._end_step()
@@ -122,7 +130,7 @@ class Trainer:
             raise RuntimeError('allreduce_grads() is not possible when the servers update the '
                                'parameters; create the Trainer with update_on_kvstore=False')
         self._hook_trainable()
-        self._allreduce_grads()
+        self._allreduce_grads(into_grads=True)
 
     def update(self, batch_size, ignore_stale_grad=False):
         """Apply the optimizer to the (reduced) gradients; pairs with allreduce_grads()."""
@@ -188,7 +196,17 @@ class Trainer:
                 keep_whole()   # the servers get the optimizer at the first step, after init
         keys = [p.key for p in self._params]
         tensors = [p.tensor for p in self._params]
-        self._kv.init(keys, tensors)
+        try:   # refused alike on every worker (they hold the same key table), before sending
+            self._kv.init(keys, tensors)
+        except DuplicateInitError as exc:
+            raise DuplicateInitError(
+                f'{exc}: this store already holds keys (another Trainer, or kv.init calls of '
+                'your own), and a Trainer\'s keys are its parameters\' positions from 0. One '
+                'store serves one Trainer (its servers run one optimizer): give one Trainer '
+                'every model\'s parameters (a GAN\'s generator and discriminator too); it '
+                'trains those requiring grad at each step, so freeze the other model with '
+                'requires_grad_(False), and lr_mult/wd_mult attributes on parameters set their '
+                'own rates') from None
         self._kv.pull(keys, out=tensors)
 
     def _set_compression(self, compression_params):
@@ -265,33 +283,44 @@ class Trainer:
         self._bucket.add(p.key, value)
         self._pushed.add(p.key)
 
-    def _allreduce_grads(self):
-        """Send what backward has not sent yet; pull weights (servers update) or summed grads."""
+    def _allreduce_grads(self, into_grads):
+        """Send what backward has not sent yet; pull weights (servers update) or summed
+        gradients: into each ``.grad`` (allreduce_grads, as Gluon), or for step() into buffers
+        of the Trainer's, so that ``.grad`` stays this worker's own and a backward that adds
+        to it without zero_grad accumulates as with torch.optim (not onto the sum)."""
         if self._kv is None:
             return
         for p in self._trainable:
             if p.key not in self._pushed:
                 self._push(p, p.tensor.grad)
         self._bucket.flush()
-        for p in self._trainable:   # summed gradients land in dense .grad tensors
-            grad = p.tensor.grad
-            if not self._update_on_kvstore and (grad is None or not _is_dense(grad)):
-                p.tensor.grad = p.tensor.new_zeros(p.tensor.shape)
-                self._seen_grads[p.key] = p.tensor.grad
         # One pipelined pull for every parameter: all requests leave before any answer is
         # awaited, first layers first (the next forward needs them first).
-        targets = [p.tensor if self._update_on_kvstore else p.tensor.grad
-                   for p in self._trainable]
+        targets = [self._pull_target(p, into_grads) for p in self._trainable]
         if targets:
             self._kv.pull([p.key for p in self._trainable], out=targets)
-        self._reduced = True
+        self._reduced = 'grads' if into_grads else 'buffers'
+
+    def _pull_target(self, p, into_grads):
+        if self._update_on_kvstore:
+            return p.tensor
+        if not into_grads:
+            summed = self._summed.get(p.key)
+            if summed is None:
+                summed = self._summed[p.key] = p.tensor.new_empty(p.tensor.shape)
+            return summed
+        grad = p.tensor.grad   # summed gradients land in dense .grad tensors
+        if grad is None or not _is_dense(grad):
+            p.tensor.grad = p.tensor.new_zeros(p.tensor.shape)
+            self._seen_grads[p.key] = p.tensor.grad
+        return p.tensor.grad
 
     def _update(self, ignore_stale_grad):
         """Local update with the servers' kernels, in place on views of the tensors: numpy for
         CPU parameters, cupy (through DLPack, no copy) for CUDA ones."""
         items = []
         for p in self._trainable:
-            grad = p.tensor.grad
+            grad = self._summed[p.key] if self._reduced == 'buffers' else p.tensor.grad
             # Distributed: every worker updates every parameter with the same summed gradient,
             # so workers stay identical even when their stale parameters differ.
             if grad is None or not (self._distributed or self._is_fresh(p)):

@@ -68,11 +68,16 @@ SYNC_VS_SINGLE = '''
     def train(start, stop, reference=False):
         for step in range(start, stop):
             x, y = batch(step)
-            trainer.zero_grad()
+            # beside the reference, odd steps keep the last step's gradients and add to
+            # them, as torch.optim users may: each worker's own, not the summed ones
+            accumulate = reference and step % 2 == 1
+            if not accumulate:
+                trainer.zero_grad()
             loss_fn(model(x[rank::nw]), y[rank::nw]).backward()
             trainer.step(len(x))
             if reference:
-                ref_opt.zero_grad()
+                if not accumulate:
+                    ref_opt.zero_grad()
                 (loss_fn(ref(x), y) / len(x)).backward()
                 ref_opt.step()
 

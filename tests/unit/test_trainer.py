@@ -298,6 +298,27 @@ def test_overlap_pushes_during_backward_and_refuses_a_second_backward():
     assert torch.all(y == -2)
 
 
+def test_a_learning_rate_set_after_backward_sent_the_gradients_warns():
+    x = param(0)
+    t = Trainer([x], 'sgd', {'learning_rate': 1.0}, kvstore=fake_store('dist_sync'))
+    backward(x)
+    t.step(1)                                        # the servers have the optimizer now
+    t.set_learning_rate(0.5)                         # before backward: no warning
+    t.zero_grad()
+    backward(x)
+    with pytest.warns(UserWarning, match='applies from the next step'):
+        t.set_learning_rate(0.25)
+    t.step(1)
+    assert torch.all(x == -1.5)                      # this step ran at 0.5
+
+
+def test_a_second_trainer_on_a_store_is_told_what_to_do_instead():
+    store = fake_store('dist_sync')
+    Trainer([param(0)], 'sgd', {'learning_rate': 1.0}, kvstore=store)
+    with pytest.raises(kvps.errors.DuplicateInitError, match='One store serves one Trainer'):
+        Trainer([param(0)], 'adam', {'learning_rate': 1.0}, kvstore=store)
+
+
 class PushLog(KVStore):
     """A dist_sync store on the in-process backend that records each push call's keys."""
 
