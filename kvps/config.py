@@ -84,6 +84,9 @@ def _log_level(text):
 
 
 # Every variable kvps reads. README's table is generated from the same facts; keep docs here true.
+# How kvps's own log lines look, on nodes and in workers.
+LOG_FORMAT = '%(asctime)s %(name)s %(levelname)s %(message)s'
+
 VARS = (
     Var('role', ('KVPS_ROLE', 'DMLC_ROLE'), _role, None,
         'This process\'s role: worker, server or scheduler.'),
@@ -117,7 +120,7 @@ VARS = (
         'Where servers keep shards: auto (keys of device-side stores on the GPU when the '
         'server has one, others in host memory), cpu, or cuda (all on the GPU; needs cupy).'),
     Var('log_level', ('KVPS_LOG_LEVEL',), _log_level, 'WARNING',
-        'Python logging level of kvps nodes (DEBUG, INFO, WARNING, ...).'),
+        'Python logging level of kvps\'s messages, on nodes and in workers (DEBUG, INFO, ...).'),
     Var('port_file', ('KVPS_PORT_FILE',), _text, None,
         'Scheduler only: write the bound port to this file (the launcher uses it).'),
     Var('checkpoint_dir', ('KVPS_CHECKPOINT_DIR',), _text, None,
@@ -228,7 +231,23 @@ class Config:
                     except ValueError as exc:
                         raise ConfigError(f'{name}={raw!r}: {exc}') from None
                     break
-        return cls(**values)
+        config = cls(**values)
+        if config.heartbeat_interval >= config.heartbeat_timeout:
+            raise ConfigError(
+                f'KVPS_HEARTBEAT_INTERVAL={config.heartbeat_interval:g} must be below '
+                f'KVPS_HEARTBEAT_TIMEOUT={config.heartbeat_timeout:g} (several beats per '
+                'timeout), else every node is declared lost between two heartbeats')
+        return config
+
+    def shared_settings(self, role):
+        """The settings every node of ``role`` must share with the job's others, by variable
+        name (sent at registration, compared by the scheduler): a worker alone with another
+        bound places keys elsewhere ("not initialized" errors), a node alone signing
+        payloads has every message refused as forged."""
+        shared = {'KVPS_AUTH_PAYLOAD': bool(self.auth_payload)}
+        if role == 'worker':
+            shared['KVPS_BIGARRAY_BOUND'] = self.bigarray_bound
+        return shared
 
     @property
     def formed_file(self):

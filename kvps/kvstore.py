@@ -1,6 +1,7 @@
 """`create(name)` and KVStore: MXNet's KVStore API over the local or the distributed backend."""
 
 import atexit
+import logging
 import operator
 import os
 import sys
@@ -9,7 +10,7 @@ import threading
 import numpy as np
 
 from . import arrays, compression, devices, states
-from .config import Config
+from .config import LOG_FORMAT, Config
 from .errors import (ConfigError, DuplicateInitError, KeyNotInitializedError, KeyTypeError,
                      KVPSError, StoreClosedError)
 from .local import LocalBackend
@@ -54,13 +55,29 @@ def _dist_backend(sync):
                 'joins a job once, as in ps-lite: create the store before closing it')
         if _dist_client is None:
             from .worker.client import DistClient  # sockets load only for distributed stores
-            _dist_client = DistClient(Config.from_env(), sync)
+            config = Config.from_env()
+            _worker_logging(config.log_level)
+            _dist_client = DistClient(config, sync)
             atexit.register(_leave_job_at_exit, _dist_client)
         elif _dist_client.sync != sync:
             raise ConfigError('this process already joined the job with a '
                               f'{"sync" if _dist_client.sync else "async"} store; every store of '
                               'one process must use the same mode')
         return _dist_client
+
+
+def _worker_logging(level):
+    """KVPS_LOG_LEVEL for kvps's messages in a worker (the user's script): the level of the
+    'kvps' logger, and below WARNING a handler of its own when the script has set up none
+    (else Python shows warnings only). A script's own logging setup is left as it is."""
+    logger = logging.getLogger('kvps')
+    logger.setLevel(level.upper())
+    if logger.level < logging.WARNING and not logger.handlers and \
+            not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        logger.addHandler(handler)
+        logger.propagate = False   # a later logging.basicConfig must not print each line twice
 
 
 def _leave_job_at_exit(client):

@@ -28,7 +28,7 @@ class SchedulerLink:
         """Send REGISTER and wait for WELCOME (every node has arrived); return WELCOME."""
         self.send({'op': P.REGISTER, 'id': 0, 'role': self.role, 'host': self.host,
                    'port': port, 'rank': self.config.rank, 'pid': os.getpid(),
-                   'version': P.VERSION})
+                   'version': P.VERSION, 'shared': self.config.shared_settings(self.role)})
         # Wait a little past the scheduler's own bound: its verdict names the missing nodes.
         deadline = time.monotonic() + self.config.connect_timeout + max(
             2.0, 2 * self.config.heartbeat_interval)
@@ -39,7 +39,7 @@ class SchedulerLink:
                 raise RequestTimeout(
                     f'{self.role} waited {self.config.connect_timeout:.0f} s for the scheduler at '
                     f'{self.config.scheduler_host}:{self.config.scheduler_port} and the other '
-                    'nodes to register (KVPS_CONNECT_TIMEOUT)')
+                    f'nodes to register (KVPS_CONNECT_TIMEOUT); {self._secret_hint()}')
             if not poll(int(min(left, 1.0) * 1000)):
                 continue
             header = self.next_message()
@@ -48,6 +48,16 @@ class SchedulerLink:
             if header['op'] == P.WELCOME:
                 return header
             self.raise_if_fatal(header)
+
+    def _secret_hint(self):
+        """The scheduler never answers a message it cannot authenticate (an answer would help
+        an attacker), so a node with the wrong secret only ever times out."""
+        if self.config.secret_value():
+            return ('if the scheduler is up, check that this node has the job\'s KVPS_SECRET '
+                    '(or KVPS_SECRET_FILE): the scheduler ignores messages signed with another')
+        return ('if the scheduler is up and the job has a secret (kvps.launch makes one), this '
+                'node needs it too (KVPS_SECRET or KVPS_SECRET_FILE): the scheduler ignores '
+                'unsigned messages')
 
     def next_message(self):
         """The scheduler's next header, or None if it was malformed (logged, not fatal)."""

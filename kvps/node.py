@@ -5,7 +5,7 @@ import signal
 import sys
 
 from .allocator import keep_freed_memory
-from .config import Config
+from .config import LOG_FORMAT, Config
 from .errors import KVPSError
 
 
@@ -13,8 +13,7 @@ def run_role(config=None):
     """Run the scheduler or server loop to its end; return the exit code."""
     config = config or Config.from_env()
     _end_cleanly_on_termination()
-    logging.basicConfig(level=config.log_level.upper(),
-                        format='%(asctime)s %(name)s %(levelname)s %(message)s')
+    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
     try:
         if config.role == 'scheduler':
             from .scheduler.loop import Scheduler

@@ -14,7 +14,7 @@ from .errors import AuthError, ConfigError, TransportError
 
 log = logging.getLogger('kvps.transport')
 
-_LOOPBACK_NAMES = ('127.0.0.1', 'localhost', '::1')
+_LOOPBACK_NAMES = ('127.0.0.1', 'localhost')
 
 
 # Plain ints: pyzmq's Flag enum costs an enum construction per `|`, per frame.
@@ -98,9 +98,11 @@ class Router(Socket):
             if port:
                 self._sock.bind(f'tcp://{host}:{port}')
                 return port
-            endpoint = self._sock.bind_to_random_port(f'tcp://{host}', min_port=1024,
-                                                      max_port=65535, max_tries=1000)
-            return endpoint
+            # zmq's wildcard port binds port 0: the OS picks from its ephemeral range, so a
+            # job never takes the fixed port another job on the host was told to use
+            self._sock.bind(f'tcp://{host}:*')
+            endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+            return int(endpoint.rsplit(':', 1)[1])
         except zmq.ZMQError as exc:
             raise TransportError(f'cannot bind {host}:{port}: {exc}') from None
 
@@ -206,6 +208,9 @@ def _bracket(host):
 
 def resolve(host, timeout_s):
     """IP address of ``host``, retrying DNS until ``timeout_s`` (services appear late on k8s)."""
+    if ':' in host:   # an IPv6 literal: retrying cannot help
+        raise ConfigError(f'scheduler host {host!r} is an IPv6 address; kvps speaks IPv4: give '
+                          'an IPv4 address or a name that has one')
     deadline = time.monotonic() + timeout_s
     while True:
         try:

@@ -80,7 +80,8 @@ class Scheduler:
             self._on_rejoin(identity, header)
             return
         self.members.register(identity, header['role'], header['host'], header['port'],
-                              header.get('rank'), header.get('pid', 0), time.monotonic())
+                              header.get('rank'), header.get('pid', 0), time.monotonic(),
+                              header.get('shared', {}))
         if self.members.complete:
             self.members.assign_ranks()
             if self.config.formed_file:   # before any welcome: no worker can be done earlier

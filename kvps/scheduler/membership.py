@@ -38,10 +38,12 @@ class Membership:
         self._barrier = {}         # seq -> {worker identity arrived: its digest or None}
         self._last_digests = {}    # the digests of the last completed barrier
         self.barriers_done = 0
+        self._shared = {}          # setting name -> (value, the node that registered it first)
 
     # -- registration ------------------------------------------------------------------
-    def register(self, identity, role, host, port, rank_hint, pid, now):
-        """Add a node; raise ConfigError for a bad role, a full role or a taken rank."""
+    def register(self, identity, role, host, port, rank_hint, pid, now, shared=None):
+        """Add a node; raise ConfigError for a bad role, a full role, a taken rank or a
+        ``shared`` setting (name -> value) that differs from the first node's that sent it."""
         if role not in self.want:
             raise ConfigError(f'cannot register role {role!r}: expected worker or server')
         if identity in self.nodes:
@@ -53,7 +55,15 @@ class Membership:
                 raise ConfigError(f'{role} rank {rank_hint} out of range 0..{self.want[role] - 1}')
             if any(n.rank_hint == rank_hint for n in self.of_role(role)):
                 raise ConfigError(f'{role} rank {rank_hint} is already taken')
+        self._check_shared(role, pid, shared or {})
         self.nodes[identity] = Node(identity, role, host, port, pid, rank_hint, now)
+
+    def _check_shared(self, role, pid, shared):
+        for name, value in shared.items():
+            first, who = self._shared.setdefault(name, (value, f'{role} pid {pid}'))
+            if value != first:
+                raise ConfigError(f'{name}={value!r} here, but {name}={first!r} on the {who} '
+                                  'that joined first: every node of a job must have the same')
 
     def replace(self, identity, role, host, port, rank_hint, pid, now):
         """A server rejoins a running job with a rank (or takes the one lost server's rank);

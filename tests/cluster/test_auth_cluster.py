@@ -75,6 +75,7 @@ def test_intruders_are_refused_everywhere_and_the_job_carries_on(by_hand, tmp_pa
                        script='kvps.create("dist_sync")\n')
     code, out = by_hand.finish(stranger)
     assert code != 0 and 'RequestTimeout' in out
+    assert "check that this node has the job's KVPS_SECRET" in out   # the likely cause
 
     go.write_text('')
     code, out = by_hand.finish(worker)

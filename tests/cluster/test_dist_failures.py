@@ -3,6 +3,7 @@
 import glob
 import importlib.util
 import os
+import re
 import signal
 import time
 
@@ -158,6 +159,18 @@ def test_a_job_whose_workers_never_join_ends_when_they_do(job):
     assert time.monotonic() - started < 25   # FAST's KVPS_CONNECT_TIMEOUT is 30 s
     joined = job('kv = kvps.create("dist_sync")\nreport(rank=kv.rank)', 2, 1)
     assert joined.returncode == 0 and 'joined' not in joined.stderr, joined.output
+
+
+def test_a_worker_whose_job_wide_settings_differ_is_refused_at_registration(job):
+    # else its keys are placed where no server holds them: 'not initialized' errors later
+    result = job('if os.environ["KVPS_RANK"] == "1":\n'
+                 '    os.environ["KVPS_BIGARRAY_BOUND"] = "1000"\n'
+                 'kvps.create("dist_sync")\n', 2, 2)
+    assert result.returncode == 1 and 'failed first' in result.stderr
+    # whichever registered second is refused, naming both values
+    assert re.search(r'ConfigError: KVPS_BIGARRAY_BOUND=(1000|1000000) here, but '
+                     r'KVPS_BIGARRAY_BOUND=(1000000|1000) on the worker pid \d+ that joined first',
+                     result.stderr), result.stderr
 
 
 ONE_SIDED_SCRIPT = '''

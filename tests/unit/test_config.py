@@ -38,6 +38,12 @@ def test_bad_values_name_the_variable(name, value):
         Config.from_env({name: value})
 
 
+def test_a_heartbeat_interval_must_be_below_the_timeout():
+    with pytest.raises(ConfigError, match='KVPS_HEARTBEAT_INTERVAL=3 must be below'):
+        Config.from_env({'KVPS_HEARTBEAT_INTERVAL': '3', 'KVPS_HEARTBEAT_TIMEOUT': '1'})
+    assert Config.from_env({'KVPS_HEARTBEAT_TIMEOUT': '2'}).heartbeat_timeout == 2
+
+
 def test_missing_cluster_variables_are_listed():
     with pytest.raises(ConfigError, match='DMLC_PS_ROOT_URI.*DMLC_NUM_SERVER'):
         Config.from_env({'DMLC_NUM_WORKER': '1'}).require_cluster()

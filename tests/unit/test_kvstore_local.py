@@ -416,3 +416,17 @@ def test_init_takes_one_value_per_key_and_mxnet_spellings_exist():
     assert kv.is_capable(kv.OPTIMIZER)
     with pytest.raises(NotImplementedError, match='dense arrays only'):
         kv.row_sparse_pull(0, out=np.zeros(1), row_ids=np.array([0]))
+
+
+def test_kvps_log_level_reaches_the_workers_own_log_lines():
+    """Only nodes configured logging: a worker's DEBUG lines never showed, nor could ERROR
+    quiet its warnings. (A subprocess: pytest holds handlers on the root logger.)"""
+    import subprocess
+    import sys
+    code = ('import logging, kvps.kvstore as k; log = logging.getLogger("kvps.worker")\n'
+            'k._worker_logging("DEBUG"); log.debug("shown")\n'
+            'k._worker_logging("ERROR"); log.warning("quieted")\n')
+    run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert 'kvps.worker DEBUG shown' in run.stderr and 'quieted' not in run.stderr

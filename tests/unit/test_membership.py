@@ -46,6 +46,23 @@ def test_a_full_job_refuses_more_nodes():
         m.register(b'w-c', 'worker', 'h', 0, None, 14, now=0)
 
 
+def test_settings_every_node_must_share_are_compared_at_registration():
+    """A worker alone with another KVPS_BIGARRAY_BOUND places keys where no server has
+    them; one alone signing payloads has every message refused as forged."""
+    from kvps.config import Config
+    m = Membership(num_workers=3, num_servers=1)
+    worker = Config.from_env({}).shared_settings('worker')
+    m.register(b's', 'server', 'h', 1, None, 10, 0, Config.from_env({}).shared_settings('server'))
+    m.register(b'w-a', 'worker', 'h', 0, None, 11, 0, worker)
+    with pytest.raises(ConfigError, match=r"KVPS_BIGARRAY_BOUND=1000 here, but "
+                                          r"KVPS_BIGARRAY_BOUND=1000000 on the worker pid 11"):
+        m.register(b'w-b', 'worker', 'h', 0, None, 12, 0, {**worker, 'KVPS_BIGARRAY_BOUND': 1000})
+    with pytest.raises(ConfigError, match='KVPS_AUTH_PAYLOAD=True here.*server pid 10'):
+        m.register(b'w-c', 'worker', 'h', 0, None, 13, 0, {**worker, 'KVPS_AUTH_PAYLOAD': True})
+    m.register(b'w-d', 'worker', 'h', 0, None, 14, 0, worker)
+    assert m.count('worker') == 2
+
+
 def test_missing_names_what_never_came():
     m = Membership(3, 2)
     m.register(b'w0', 'worker', 'h', 0, None, 1, now=0)

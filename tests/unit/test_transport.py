@@ -1,12 +1,13 @@
-"""The transport's send: a tracked message is done only when zmq has let go of every frame that
-it did not copy, whatever the order of big and small frames."""
+"""The transport: a tracked message is done only when zmq has let go of every frame that it did
+not copy, whatever the order of big and small frames; ports come from the OS; IPv6 is named."""
 
 import socket
 
 import numpy as np
 import pytest
 
-from kvps.transport import Dealer, Socket, new_context
+from kvps.errors import ConfigError
+from kvps.transport import Dealer, Router, Socket, new_context, resolve
 
 BIG = 1 << 20      # above the copy threshold: sent in place, so tracked
 SMALL = 1 << 10    # below it: copied at send time
@@ -37,3 +38,25 @@ def test_a_tracked_message_is_pending_while_any_uncopied_frame_is(stalled_dealer
 
 def test_a_message_of_copied_frames_needs_no_tracking(stalled_dealer):
     assert Socket.send(stalled_dealer, [b'a', b'b' * SMALL], track=True) is None
+
+
+def test_port_zero_is_the_operating_systems_choice():
+    """Not a random pick over 1024-65535, which could take the fixed port (9091, say) that
+    another job on the host was told to use."""
+    low, high = map(int, open('/proc/sys/net/ipv4/ip_local_port_range').read().split())
+    ctx = new_context()
+    routers = [Router(ctx) for _ in range(5)]
+    try:
+        ports = [r.bind('127.0.0.1') for r in routers]
+        assert all(low <= p <= high for p in ports) and len(set(ports)) == 5
+        with socket.create_connection(('127.0.0.1', ports[0]), timeout=5):
+            pass                                      # really listening there
+    finally:
+        for r in routers:
+            r.close(linger_s=0)
+        ctx.term()
+
+
+def test_an_ipv6_scheduler_address_is_refused_at_once():
+    with pytest.raises(ConfigError, match='IPv6'):
+        resolve('::1', timeout_s=60)
