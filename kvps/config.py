@@ -83,10 +83,10 @@ def _log_level(text):
     return name
 
 
-# Every variable kvps reads. README's table is generated from the same facts; keep docs here true.
 # How kvps's own log lines look, on nodes and in workers.
 LOG_FORMAT = '%(asctime)s %(name)s %(levelname)s %(message)s'
 
+# Every variable kvps reads. README's table is generated from the same facts; keep docs here true.
 VARS = (
     Var('role', ('KVPS_ROLE', 'DMLC_ROLE'), _role, None,
         'This process\'s role: worker, server or scheduler.'),

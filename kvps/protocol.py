@@ -180,14 +180,18 @@ def validate_header(header):
             raise ProtocolError(f'{op}: {name} must be an int >= 0')
     if op in _MULTI:
         _check_items(op, header['keys'])
-    shared = header.get('shared', {})
+    if 'shared' in header:   # REGISTER's only: no cost on the data path's messages
+        _check_shared(op, header['shared'])
+    digest = header.get('digest')
+    if digest is not None and not (isinstance(digest, bytes) and len(digest) <= MAX_DIGEST_BYTES):
+        raise ProtocolError(f'{op}: digest must be at most {MAX_DIGEST_BYTES} bytes')
+
+
+def _check_shared(op, shared):
     if not (isinstance(shared, dict) and len(shared) <= 16 and all(
             isinstance(k, str) and len(k) <= 64 and isinstance(v, (bool, int))
             for k, v in shared.items())):
         raise ProtocolError(f'{op}: shared must map at most 16 setting names to values')
-    digest = header.get('digest')
-    if digest is not None and not (isinstance(digest, bytes) and len(digest) <= MAX_DIGEST_BYTES):
-        raise ProtocolError(f'{op}: digest must be at most {MAX_DIGEST_BYTES} bytes')
 
 
 def _natural(value):

@@ -42,9 +42,6 @@ class Trainer:
                  compression_params=None, update_on_kvstore=None, *, overlap=True,
                  bucket_bytes=BUCKET_BYTES):
         self._params = collect(params)
-        # Trained this step: the parameters requiring grad, read again at every step as Gluon
-        # reads grad_req (so freezing and unfreezing mid-training work as in torch.optim).
-        self._trainable = [p for p in self._params if p.trainable]
         self._optimizer = _make_optimizer(optimizer, optimizer_params)
         merge_mults(self._optimizer, self._params)
         self._scale = self._optimizer.rescale_grad
@@ -60,7 +57,6 @@ class Trainer:
         if self._kv is not None:
             self._set_compression(compression_params)
             self._init_store()
-        self._note_grads()
         self._overlap = bool(overlap) and self._distributed
         self._bucket = _Bucket(self._kv, bucket_bytes) if self._kv is not None else None
         # Servers without an optimizer just sum, so gradients may flow from the first backward;
@@ -69,11 +65,13 @@ class Trainer:
         self._armed = self._overlap and not self._update_on_kvstore
         self._hooks = {}           # key -> handle of the hook sending its gradient
         self._hook_trainable()
+        self._note_grads()
 
     def _hook_trainable(self):
-        """Take the parameters requiring grad now as this step's, and hook those not hooked
-        yet (torch refuses hooks on the others): from their next backward on, their
-        gradients leave as it runs."""
+        """Take the parameters requiring grad now as this step's ``_trainable`` (read at
+        every step, as Gluon reads grad_req, so that freezing and unfreezing mid-training
+        work as in torch.optim), and hook those not hooked yet (torch refuses hooks on the
+        others): from their next backward on, their gradients leave as it runs."""
         self._trainable = [p for p in self._params if p.trainable]
         ref = weakref.ref(self)
         for p in self._trainable:

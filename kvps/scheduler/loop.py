@@ -150,7 +150,7 @@ class Scheduler:
         for server in self.members.of_role('server'):
             self._send(server.identity, {'op': P.FINISH, 'id': 0, 'rank': node.rank})
         self._fail_blocked_barriers()
-        if self.members.all_workers_finished and self.exit_code is None:
+        if self.members.all_workers_finished:
             self._end(0, 'all workers finished')
 
     _HANDLERS = {P.REGISTER: _on_register, P.HEARTBEAT: _on_heartbeat,
