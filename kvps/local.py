@@ -35,7 +35,8 @@ class FunctionUpdater:
         if failure is not None:
             raise failure
 
-    def update_many(self, items):
+    def update_many(self, items, step=0):
+        """A Python updater has no lr scheduler: ``step`` means nothing to it."""
         for key, part, weight, grad in items:
             self.update(key, weight, grad, part)
 

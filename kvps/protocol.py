@@ -13,7 +13,7 @@ import numpy as np
 from .errors import ProtocolError
 
 # Node <-> scheduler.
-VERSION = 5                  # bumped on any change of the wire format; checked at REGISTER
+VERSION = 6                  # bumped on any change of the wire format; checked at REGISTER
 REGISTER = 'register'        # node -> scheduler: {role, host, port, rank, pid, version}
 # scheduler -> node: {rank, num_workers, num_servers, servers, nodes, recovery_timeout}; to a
 # server that replaces a lost one also {restarted: True, finished: [worker ranks]}
@@ -37,7 +37,10 @@ CHECK = 'check'              # {key, dtype, shape}: verify a non-root worker's v
 # {sync, keys: [[key, part, dtype, n, at, seq], ...]} + 1 buffer per key whose `at` is None;
 # `at` (an int) says the payload lies in the worker's shared-memory segment at that offset
 # (see ATTACH). seq counts this worker's pushes of the key from 0, so a push resent to a
-# restarted server is applied only once. Optional `seen` (PUSH and PULL): see DATA's `lease`
+# restarted server is applied only once. Optional `seen` (PUSH and PULL): see DATA's `lease`.
+# `step` (sync stores): the most pushes this worker has made of any one key, this call's
+# included; a round's update counts at least that many for the lr scheduler, as one server
+# holding every key would (MXNet's num_update: the max of every key's update count)
 PUSH = 'push'
 # {keys: [[key, part, at], ...]}: `at` (an int, or None for a data frame) asks for the value to
 # be written into the worker's segment at that offset. `seen` (an int, only from a worker that
@@ -174,7 +177,7 @@ def validate_header(header):
         check_key(header['key'])
     if 'dtype' in header:
         _check_dtype(op, header['dtype'])
-    for name in ('n', 'part', 'rank', 'port', 'size', 'seen', 'lease', 'pid', 'fd'):
+    for name in ('n', 'part', 'rank', 'port', 'size', 'seen', 'lease', 'pid', 'fd', 'step'):
         value = header.get(name)
         if name in header and not _natural(value) and not (name == 'rank' and value is None):
             raise ProtocolError(f'{op}: {name} must be an int >= 0')

@@ -251,7 +251,7 @@ class Server:
             if isinstance(buffer, ProtocolError):   # its shared-memory range is bad
                 raise buffer
             return self.shard.push(item_token, token[0], key, part, dtype, h['sync'], buffer,
-                                   seq)
+                                   seq, h.get('step', 0))
         payloads = self.regions.payloads(token[0], h['keys'], buffers)
         self.regions.saw(token[0], h)   # before the updates: what the worker copied is free
         return self.shard.together(

@@ -58,10 +58,11 @@ class Entry:
     merge: object = None                  # the buffer sums are made in
     summed: object = None                 # the gradient to apply: a received array or merge
     version: int = 0                      # rounds completed (sync) / pushes applied (async)
+    step: int = 0                         # sync: the open round's pushes' highest step
     pushed: dict = dataclasses.field(default_factory=dict)   # worker -> pushes received
     merged: set = dataclasses.field(default_factory=set)     # workers in the open round
     held: list = dataclasses.field(default_factory=list)     # tokens acked at round end
-    queued: list = dataclasses.field(default_factory=list)   # (worker, round, data, token)
+    queued: list = dataclasses.field(default_factory=list)   # (worker, round, data, token, step)
     deferred: list = dataclasses.field(default_factory=list)  # (round needed, token)
     weight_leases: list = dataclasses.field(default_factory=list)
     merge_leases: list = dataclasses.field(default_factory=list)
@@ -160,10 +161,11 @@ class Shard:
         return [('ack', token, None)]
 
     # -- push -----------------------------------------------------------------------------
-    def push(self, token, worker, key, part, dtype, sync, data, seq=None):
+    def push(self, token, worker, key, part, dtype, sync, data, seq=None, step=0):
         """``seq``: the worker's count of its earlier pushes of this key (None: not counted).
         A push whose ``seq`` is already counted was resent to a restarted server: it is
-        acknowledged, not applied again."""
+        acknowledged, not applied again. ``step`` (sync): the most pushes the worker has
+        made of any key; the round's update counts at least that many (lr scheduler)."""
         entry = self._entry(key, part)
         if dtype == TWO_BIT:   # a compressed gradient: decoded, then as any other push
             compression.check_compressible(key, entry.dtype)
@@ -184,9 +186,9 @@ class Shard:
         self._check_round_possible(entry, round_index)
         entry.pushed[worker] = round_index + 1
         if round_index > entry.version:   # a fast worker is ahead: keep it for its round
-            entry.queued.append((worker, round_index, data, token))
+            entry.queued.append((worker, round_index, data, token, step))
             return []
-        self._merge(entry, worker, data, token)
+        self._merge(entry, worker, data, token, step)
         return self._close_rounds(entry)
 
     @staticmethod
@@ -216,7 +218,7 @@ class Shard:
                 raise KVPSError(f'round {round_index + 1} of key {entry.key!r} can never complete:'
                                 f' {identity_label(worker)} finished after {made} pushes of it')
 
-    def _merge(self, entry, worker, data, token):
+    def _merge(self, entry, worker, data, token, step=0):
         """Add one worker's push to the open round. The first is kept as received (the
         buffer stays valid until its ack) and added to the second straight into the merge
         buffer: the round's sum costs no copy. With an optimizer on host float32/float64
@@ -236,6 +238,7 @@ class Shard:
             entry.summed = entry.arrays.add(entry.summed, grad, out=entry.writable_merge())
         entry.merged.add(worker)
         entry.held.append(token)
+        entry.step = max(entry.step, step)
 
     def _close_rounds(self, entry):
         """Apply every round that is now complete; answer what waited on it."""
@@ -254,8 +257,8 @@ class Shard:
         replies += self._answer_deferred(entry)
         ready = [q for q in entry.queued if q[1] == entry.version]
         entry.queued = [q for q in entry.queued if q[1] != entry.version]
-        for worker, _, data, token in ready:
-            self._merge(entry, worker, data, token)
+        for worker, _, data, token, step in ready:
+            self._merge(entry, worker, data, token, step)
         return replies
 
     # -- updates of many keys together (multi-tensor apply) -------------------------------
@@ -290,7 +293,7 @@ class Shard:
         due = list(self._due.values())
         self._due.clear()
         failed = self._run_updates([(e.key, e.part, e.writable_weight(), e.take_summed())
-                                    for e in due])
+                                    for e in due], max(e.step for e in due))
         for index, entry in enumerate(due):
             failure = failed.get(index)
             self._count_update(entry, failure)
@@ -300,12 +303,12 @@ class Shard:
                 self._released += [_reply(t, failure) for t in entry.held]
                 entry.held = []
 
-    def _run_updates(self, items):
+    def _run_updates(self, items, step=0):
         """Run the optimizer over ``items``; returns {index: exception} of those it could not
         update. The updater checks every item before it changes anything, so after a failed
         check each item is tried alone: one bad key does not fail the keys sent with it."""
         try:
-            self.updater.update_many(items)
+            self.updater.update_many(items, step)
             return {}
         except KVPSError as exc:
             if len(items) == 1:
@@ -315,7 +318,7 @@ class Shard:
         failed = {}
         for index, item in enumerate(items):
             try:
-                self.updater.update_many([item])
+                self.updater.update_many([item], step)
             except Exception as exc:
                 failed[index] = exc
         return failed
@@ -324,6 +327,7 @@ class Shard:
         """A round (sync) or push (async) is over, updated or failed: a failed one is not
         retried (its pushers get the error), so the key goes on with the next."""
         entry.version += 1
+        entry.step = 0
         if failure is None:
             self.updates += 1
 
@@ -335,7 +339,7 @@ class Shard:
         failure = None
         if self.updater is not None:
             failure = self._run_updates([(entry.key, entry.part, entry.writable_weight(),
-                                          grad)]).get(0)
+                                          grad)], entry.step).get(0)
         elif grad is entry.merge and grad.dtype == entry.weight.dtype:
             # the merge buffer becomes the weight, the old one scratch
             entry.weight, entry.merge = entry.merge, entry.weight

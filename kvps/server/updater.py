@@ -21,7 +21,8 @@ class Updater:
     weight's dtype (arithmetic still runs in fp32 and rounds once per step, as on a GPU),
     except for optimizers with fp32_states (LAMB, as in MXNet).
     Update counts are kept per (key, part) and drive the lr scheduler as in MXNet: a key's
-    count is incremented before its lr is computed, and num_update = the max over keys.
+    count is incremented before its lr is computed, and num_update = the max over keys
+    (in sync rounds at least the workers' push ``step``: the keys of other servers count).
     """
 
     def __init__(self, optimizer):
@@ -60,12 +61,15 @@ class Updater:
         """weight <- optimizer step with the summed grad, in place. grad may be clobbered."""
         self.update_many([(key, part, weight, grad)])
 
-    def update_many(self, items):
+    def update_many(self, items, step=0):
         """Multi-tensor apply over [(key, part, weight, grad), ...]. Everything is checked
         before any count moves or any weight changes; then all counts tick (MXNet's
-        aggregated update), then the kernels run."""
+        aggregated update), then the kernels run. ``step``: the workers' count of pushes of
+        their most pushed key (a sync round), which num_update is brought up to: a server
+        holding some of the keys then schedules the lr as one holding all of them would."""
         checked = [self._check(key, part, weight, grad) for key, part, weight, grad in items]
         counts = [self._tick(key, part) for key, part, _, _ in items]
+        self._num_update = max(self._num_update, self._opt.begin_num_update + step)
         self._opt.num_update = self._num_update
         calls = [self._call(key, weight, grad, state, count)
                  for (key, _, weight, _), (grad, state), count in zip(items, checked, counts)]

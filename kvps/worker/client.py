@@ -48,6 +48,8 @@ class DistClient:
         self._errors = collections.deque()     # errors of pushes, raised at the next wait
         self._lock = threading.Lock()
         self._barrier_seq = 0
+        self._pushes = {}         # key -> pushes made of it (sync: the lr scheduler's step)
+        self._step = 0            # the most of any key
         self.keys = {}            # key -> (shape, dtype name), for every store of this process
         self.closed = False
 
@@ -153,6 +155,7 @@ class DistClient:
         block from ``stage``) to the key's servers, small parts fused into one message per
         server; do not wait."""
         self._raise_pending_errors()
+        step = self._count_pushes(items)
         nbytes = sum(sum(p.nbytes for p in flat) if dtype == P.TWO_BIT else flat.nbytes
                      for _, flat, dtype in items)
         self._make_room(nbytes)
@@ -170,11 +173,27 @@ class DistClient:
             for key, part, data, dtype, at in batch:
                 keys.append([key, part.part, dtype, part.stop - part.start, at])
                 (frames if at is None else keep).append(data)
-            self._submit(server, {'op': P.PUSH, 'sync': self.sync, 'keys': keys}, frames,
-                         Request(op, node, keep=keep))
+            header = {'op': P.PUSH, 'sync': self.sync, 'keys': keys}
+            if step:
+                header['step'] = step
+            self._submit(server, header, frames, Request(op, node, keep=keep))
         with self._lock:
             self._inflight.append((op, nbytes))
             self._inflight_bytes += nbytes
+
+    def _count_pushes(self, items):
+        """The step a sync push carries (None in async): servers each hold some of the keys,
+        and without it a server whose keys are pushed less often than others would count
+        fewer updates, and run an lr schedule behind the rest (split keys would even get
+        two learning rates)."""
+        if not self.sync:
+            return None
+        pushes = self._pushes
+        for key, _, _ in items:
+            count = pushes[key] = pushes.get(key, 0) + 1
+            if count > self._step:
+                self._step = count
+        return self._step
 
     def _make_room(self, nbytes):
         """Back-pressure: while this worker's unacknowledged pushes hold more than

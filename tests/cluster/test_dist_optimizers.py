@@ -225,3 +225,40 @@ def test_lamb_sees_whole_weights_never_a_servers_slice(job, order):
             assert "'big' are split across servers" in res['refused']
         else:
             assert res['keys_equal'] and res['model_diff'] < 1e-6, res
+
+
+SCHEDULE_SCRIPT = '''
+kv = kvps.create('dist_sync')
+kv.init('often', np.zeros(10, np.float32))
+kv.init('once', np.zeros(3000, np.float32))       # split across both servers
+kv.set_optimizer(kvps.optimizer.create('sgd', lr_scheduler=kvps.optimizer.FactorScheduler(
+    step=1, factor=0.5, base_lr=1.0)))
+for step in range(4):
+    kv.push('often', np.ones(10, np.float32))
+    if step == 3:
+        kv.push('once', np.ones(3000, np.float32))
+w = np.zeros(3000, np.float32)
+kv.pull('once', out=w)
+report(rank=kv.rank, once=sorted(set(w.tolist())))
+'''
+
+
+def test_lr_schedule_counts_every_key_whatever_server_holds_it(job):
+    # MXNet's num_update is the max of every key's update count. 'once' is first pushed at
+    # step 4, after 'often' three times; the server without 'often' must not schedule it as
+    # a first update (one weight, two learning rates, a result that depends on placement).
+    result = job(SCHEDULE_SCRIPT, 2, 2, env={'KVPS_BIGARRAY_BOUND': '1000'})
+    assert result.returncode == 0, result.output
+    kv = kvps.create('local')
+    kv.init('often', np.zeros(10, np.float32))
+    kv.init('once', np.zeros(3000, np.float32))
+    kv.set_optimizer(kvps.optimizer.create('sgd', lr_scheduler=kvps.optimizer.FactorScheduler(
+        step=1, factor=0.5, base_lr=1.0)))
+    for step in range(4):
+        kv.push('often', [np.ones(10, np.float32)] * 2)
+        if step == 3:
+            kv.push('once', [np.ones(3000, np.float32)] * 2)
+    expected = np.zeros(3000, np.float32)
+    kv.pull('once', out=expected)
+    for res in result.results().values():
+        assert res['once'] == sorted(set(expected.tolist())) == [-0.25]

@@ -6,7 +6,7 @@ import pytest
 from kvps._kernels import numpy_kernels as K
 from kvps.errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInitializedError,
                          KVPSError, ShapeError)
-from kvps.optimizer import create
+from kvps.optimizer import FactorScheduler, create
 from kvps.server.shard import Shard
 from kvps.server.updater import Updater
 
@@ -95,7 +95,7 @@ class AddUpdater:
     def __init__(self):
         self.calls, self.parts = 0, []
 
-    def update_many(self, items):
+    def update_many(self, items, step=0):
         for _, _, weight, grad in items:
             self.calls += 1
             self.parts.append(len(grad) if isinstance(grad, tuple) else 1)
@@ -231,7 +231,6 @@ def test_finished_worker_that_already_pushed_lets_the_round_finish():
 
 
 def test_same_optimizer_kind_again_keeps_state_other_kind_starts_fresh():
-    from kvps.optimizer import create
     shard = make(num_workers=1, values=(1.0, 1.0))
     shard.set_optimizer(create('sgd', learning_rate=1.0, momentum=0.5).to_spec())
     shard.push('a', W0, 'k', 0, 'float32', True, buf(1, 1))          # mom -1, w 0
@@ -313,9 +312,9 @@ def test_a_rounds_last_push_is_summed_in_the_update_exactly_as_a_merge_would(wor
     for dtype, fused in (('float32', True), ('float16', False)):
         spec = create('sgd', learning_rate=0.1, momentum=0.9, wd=0.01).to_spec()
         recorder, shard = AddUpdater(), Shard(workers, Updater(spec))
-        shard.updater.update_many = lambda items, real=shard.updater.update_many: (
+        shard.updater.update_many = lambda items, step=0, real=shard.updater.update_many: (
             recorder.parts.extend(len(g) if isinstance(g, tuple) else 1 for *_, g in items),
-            real(items))
+            real(items, step))
         reference = Updater(spec)
         w_ref = np.ones(1000, dtype)
         shard.init('i', 'k', 0, dtype, [1000], True, w_ref.tobytes())
@@ -337,12 +336,10 @@ class CountingUpdater:
     """An SGD Updater that records how many keys each update_many call got."""
 
     def __init__(self):
-        from kvps.optimizer import create
-        from kvps.server.updater import Updater
         self.real = Updater(create('sgd', learning_rate=0.5).to_spec())
         self.calls = []
 
-    def update_many(self, items):
+    def update_many(self, items, step=0):
         self.calls.append(sorted(key for key, *_ in items))
         self.real.update_many(items)
 
@@ -478,3 +475,18 @@ def test_one_key_that_cannot_be_updated_does_not_fail_the_keys_sent_with_it(sync
     assert data_of(shard.pull('q', W0, 'f', 0)) == {'q': [0.5, 0.5]}
     assert data_of(shard.pull('q', W0, 'g', 0)) == {'q': [0.5, 0.5]}
     assert shard.updates == 2
+
+
+def test_a_rounds_lr_step_is_its_own_pushes_not_a_fast_workers_later_ones():
+    # The step (most pushes of any key, sent by each worker) lifts num_update for the lr
+    # scheduler; a push queued for a later round must not lift the round still open.
+    sched = FactorScheduler(step=1, factor=0.5, base_lr=1.0)
+    shard = make(values=(0.0,), updater=Updater(create('sgd', learning_rate=1.0,
+                                                       lr_scheduler=sched)))
+    shard.push('a0', W0, 'k', 0, 'float32', True, buf(1.0), step=3)
+    shard.push('a1', W0, 'k', 0, 'float32', True, buf(1.0), step=9)    # queued: round 2
+    shard.push('b0', W1, 'k', 0, 'float32', True, buf(1.0), step=3)
+    assert shard.updater.num_update == 3
+    assert data_of(shard.pull('q', W1, 'k', 0))['q'] == [-0.5]          # lr 1.0 * 0.5 ** 1
+    shard.push('b1', W1, 'k', 0, 'float32', True, buf(1.0), step=4)
+    assert shard.updater.num_update == 9                                 # the queued step
