@@ -249,6 +249,22 @@ class Config:
             shared['KVPS_BIGARRAY_BOUND'] = self.bigarray_bound
         return shared
 
+    def unrecoverable(self):
+        """Why a server lost during this job could not rejoin as KVPS_RECOVERY_TIMEOUT asks
+        (None: it can). It resumes from its checkpoint; one written only at init and at the end
+        would take it back to the initial weights, every acknowledged update lost."""
+        if not self.recovery_timeout:
+            return None
+        if not self.checkpoint_dir:
+            return ('the job waits for lost servers to rejoin (KVPS_RECOVERY_TIMEOUT), so every '
+                    'server needs KVPS_CHECKPOINT_DIR to resume from')
+        if not (self.checkpoint_every or self.checkpoint_seconds):
+            return ('a server that rejoins resumes from its checkpoint, which without '
+                    'KVPS_CHECKPOINT_EVERY or KVPS_CHECKPOINT_SECONDS holds only the inits: it '
+                    'would go back to the initial weights and lose every update; set '
+                    'KVPS_CHECKPOINT_EVERY=1 (no acknowledged update lost) or an interval')
+        return None
+
     @property
     def formed_file(self):
         """The file the scheduler writes once every node has registered (beside the port

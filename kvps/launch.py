@@ -185,9 +185,10 @@ def run(opts, environ=None, node_argv=NODE_ARGV, out=None, err=None):
         except ConfigError as exc:
             print(f'kvps.launch: {exc}', file=err or sys.stderr, flush=True)
             return 2
-        if opts.restart_servers and not config.checkpoint_dir:
-            print('kvps.launch: --restart-servers needs KVPS_CHECKPOINT_DIR: a restarted server '
-                  'resumes from its checkpoint', file=err or sys.stderr, flush=True)
+        problem = config.unrecoverable()
+        if problem:
+            flag = '--restart-servers: ' if opts.restart_servers else ''
+            print(f'kvps.launch: {flag}{problem}', file=err or sys.stderr, flush=True)
             return 2
         supervisor = Supervisor(out=out, err=err, grace=opts.grace,
                                 restarts={'server': opts.restart_servers},

@@ -6,7 +6,8 @@ import time
 import uuid
 
 from . import protocol as P
-from .errors import ConfigError, PeerLostError, ProtocolError, RequestTimeout, from_remote
+from .errors import (ConfigError, KVPSError, PeerLostError, ProtocolError, RequestTimeout,
+                     from_remote)
 from .transport import Dealer, advertised_host, guard_from, resolve
 
 log = logging.getLogger('kvps')
@@ -79,6 +80,14 @@ class SchedulerLink:
                                 header.get('host'))
         if op == P.SHUTDOWN:
             raise ConfigError(f'the scheduler shut the job down: {header.get("reason", "")}')
+
+    def abort(self, reason):
+        """Tell the scheduler this node is failing (it then ends the job at once, naming
+        us, instead of a heartbeat timeout later); closing the socket delivers it."""
+        try:
+            self.send({'op': P.ABORT, 'id': 0, 'reason': reason[:2000]})
+        except KVPSError:   # the scheduler is gone too: nobody to tell
+            pass
 
     def send(self, header):
         self.socket.send(P.encode(header))

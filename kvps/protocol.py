@@ -15,8 +15,9 @@ from .errors import ProtocolError
 # Node <-> scheduler.
 VERSION = 6                  # bumped on any change of the wire format; checked at REGISTER
 REGISTER = 'register'        # node -> scheduler: {role, host, port, rank, pid, version}
-# scheduler -> node: {rank, num_workers, num_servers, servers, nodes, recovery_timeout}; to a
-# server that replaces a lost one also {restarted: True, finished: [worker ranks]}
+# scheduler -> node: {rank, num_workers, num_servers, servers, nodes, recovery_timeout, job (a
+# token naming this run, kept in server checkpoints)}; to a server that replaces a lost one
+# also {restarted: True, finished: [worker ranks]}
 WELCOME = 'welcome'
 HEARTBEAT = 'heartbeat'      # node -> scheduler, answered by HEARTBEAT_ACK
 HEARTBEAT_ACK = 'heartbeat_ack'
@@ -26,6 +27,7 @@ BARRIER = 'barrier'
 BARRIER_DONE = 'barrier_done'
 MAX_DIGEST_BYTES = 64
 FINISH = 'finish'            # worker -> scheduler: done; answered by ACK
+ABORT = 'abort'              # node -> scheduler: {reason}; it is failing: the job ends at once
 SHUTDOWN = 'shutdown'        # scheduler -> node: exit now ({reason})
 PEER_LOST = 'peer_lost'      # scheduler -> node: {role, rank, host, reason}
 SERVER_LOST = 'server_lost'  # scheduler -> worker: {rank, reason}; the job waits for its return
@@ -87,6 +89,7 @@ _KEY = (int, str)
 _FIELDS = {
     REGISTER: {'role': str, 'host': str, 'port': int},
     BARRIER: {'seq': int},
+    ABORT: {'reason': str},
     INIT: {'key': _KEY, 'part': int, 'dtype': str, 'n': int, 'shape': list, 'sync': bool},
     CHECK: {'key': _KEY, 'dtype': str, 'shape': list},
     PUSH: {'keys': list, 'sync': bool},
@@ -101,7 +104,7 @@ _FIELDS = {
     RESUME: {'keys': list},
     ATTACH: {'name': str, 'nonce': bytes, 'size': int},
 }
-OPS = frozenset([REGISTER, WELCOME, HEARTBEAT, HEARTBEAT_ACK, BARRIER, BARRIER_DONE, FINISH,
+OPS = frozenset([REGISTER, WELCOME, HEARTBEAT, HEARTBEAT_ACK, BARRIER, BARRIER_DONE, FINISH, ABORT,
                  SHUTDOWN, PEER_LOST, SERVER_LOST, SERVER_BACK, INIT, CHECK, PUSH, PULL,
                  SET_OPTIMIZER, GET_STATES, SET_STATES, RESUME, ATTACH, ACK, DATA, ERROR,
                  STATES])

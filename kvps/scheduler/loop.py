@@ -1,6 +1,7 @@
 """The scheduler process: owns the ROUTER socket and drives Membership from a poll loop."""
 
 import logging
+import secrets
 import time
 
 from .. import protocol as P
@@ -33,6 +34,7 @@ class Scheduler:
             write_atomically(config.port_file, str(self.port))
         self.exit_code = None
         self.started = time.monotonic()
+        self.job = secrets.token_hex(8)   # names this run in server checkpoints
         self._finishing = {}      # identity -> when its FINISH takes effect
         log.info('scheduler listening on %s:%d', host, self.port)
 
@@ -114,6 +116,7 @@ class Scheduler:
     def _welcome(self, node, restarted=False):
         self._send(node.identity, {'op': P.WELCOME, 'id': 0, 'restarted': restarted,
                                    'recovery_timeout': self.config.recovery_timeout,
+                                   'job': self.job,
                                    **self.members.welcome(node)})
 
     def _on_heartbeat(self, identity, header):
@@ -153,8 +156,16 @@ class Scheduler:
         if self.members.all_workers_finished:
             self._end(0, 'all workers finished')
 
+    def _on_abort(self, identity, header):
+        """A member fails (a server that cannot start serving, say): end the job now with
+        its reason; a replacement would only fail the same way."""
+        node = self.members.nodes.get(identity)
+        if node is None or not self.members.ranked:
+            raise KVPSError('only members of a running job may abort it')
+        self._lose(node, f'{node.describe()} failed: {header["reason"]}')
+
     _HANDLERS = {P.REGISTER: _on_register, P.HEARTBEAT: _on_heartbeat,
-                 P.BARRIER: _on_barrier, P.FINISH: _on_finish}
+                 P.BARRIER: _on_barrier, P.FINISH: _on_finish, P.ABORT: _on_abort}
 
     def _worker(self, identity):
         node = self.members.nodes.get(identity)

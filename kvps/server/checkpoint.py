@@ -14,22 +14,23 @@ import msgpack
 
 from ..atomic import write_atomically
 from ..errors import ConfigError
-FORMAT = 'kvps.server_checkpoint/3'   # /2 added version and push counts, /3 the device wish
-READABLE = ('kvps.server_checkpoint/2', FORMAT)
+# /2 added version and push counts, /3 the device wish, /4 the job that wrote it
+FORMAT = 'kvps.server_checkpoint/4'
+READABLE = ('kvps.server_checkpoint/2', 'kvps.server_checkpoint/3', FORMAT)
 
 
 def path_for(directory, rank, num_servers):
     return os.path.join(directory, f'server-{rank}-of-{num_servers}.kvps')
 
 
-def snapshot(shard):
-    """The shard's weights and optimizer state as bytes."""
+def snapshot(shard, job=None):
+    """The shard's weights and optimizer state as bytes; ``job``: the run writing it."""
     entries = [[e.key, e.part, e.dtype, list(e.shape), e.sync,
                 e.arrays.to_host(e.weight).tobytes(), e.version, _applied_pushes(e), e.device]
                for e in shard.entries.values()]
     updater = shard.updater.get_states(dump_optimizer=True) if shard.updater else None
-    return msgpack.packb({'format': FORMAT, 'entries': entries, 'updater': updater},
-                         use_bin_type=True)
+    return msgpack.packb({'format': FORMAT, 'job': job, 'entries': entries,
+                          'updater': updater}, use_bin_type=True)
 
 
 def _applied_pushes(entry):
@@ -38,14 +39,24 @@ def _applied_pushes(entry):
     return {} if entry.sync else dict(entry.pushed)
 
 
-def restore(shard, blob, rounds=False):
+def restore(shard, blob, rounds=False, job=None):
     """Load ``blob`` (from snapshot) into an empty shard; raise ConfigError if it is not one.
-    With ``rounds`` (a server rejoining its running job) each key keeps its round and push
-    counts; a new job starts counting again."""
+    With ``rounds`` (a server rejoining its running job ``job``) each key keeps its round and
+    push counts, and the file must be that job's; a new job starts counting again."""
     try:
         state = msgpack.unpackb(blob, raw=False, strict_map_key=False)
         if state.get('format') not in READABLE:
             raise ValueError(f'format {state.get("format")!r}')
+    except (ValueError, AttributeError, msgpack.UnpackException) as exc:
+        raise ConfigError(f'unreadable server checkpoint: {exc!r}') from None
+    if rounds and state.get('job') != job:
+        # Another run's weights and counts would pass for this job's: the workers'
+        # acknowledged pushes would silently be lost (or applied to the wrong values).
+        raise ConfigError('the checkpoint was written by another job, not by the server this '
+                          "one replaces: a rejoining server must find the lost server's own "
+                          'file (is KVPS_CHECKPOINT_DIR the same directory, shared between '
+                          'their hosts?)')
+    try:
         for key, part, dtype, shape, sync, data, version, pushed, *rest in state['entries']:
             device = bool(rest and rest[0])   # a /2 file predates the device wish
             entry = shard.new_entry(key, part, dtype, shape, sync, data, device, restored=True)
@@ -62,18 +73,24 @@ def restore(shard, blob, rounds=False):
 class Checkpointer:
     """Decides when a checkpoint is due and writes it."""
 
-    def __init__(self, directory, rank, num_servers, every=0, seconds=0.0, now=0.0):
+    def __init__(self, directory, rank, num_servers, every=0, seconds=0.0, now=0.0, job=None):
         os.makedirs(directory, exist_ok=True)
         self.path = path_for(directory, rank, num_servers)
+        self.job = job
         self.every, self.seconds = every, seconds
         self._last_updates, self._last_time = 0, now
 
     def load(self, shard, rounds=False):
-        """Resume ``shard`` from this server's file if there is one; return whether it did."""
+        """Resume ``shard`` from this server's file if there is one; return whether it did.
+        With ``rounds`` (rejoining this job) the file must be there, written by this job."""
         if not os.path.exists(self.path):
+            if rounds:
+                raise ConfigError(f'this server replaces a lost one but finds no checkpoint at '
+                                  f'{self.path}: it has nothing to resume from (is '
+                                  'KVPS_CHECKPOINT_DIR shared with the lost server\'s host?)')
             return False
         with open(self.path, 'rb') as f:
-            restore(shard, f.read(), rounds)
+            restore(shard, f.read(), rounds, self.job)
         self._last_updates = shard.updates
         return True
 
@@ -83,5 +100,5 @@ class Checkpointer:
                             (self.seconds and now - self._last_time >= self.seconds))
 
     def write(self, shard, now):
-        write_atomically(self.path, snapshot(shard))
+        write_atomically(self.path, snapshot(shard, self.job))
         self._last_updates, self._last_time = shard.updates, now

@@ -1,5 +1,6 @@
 """The server process: owns the ROUTER that workers talk to and feeds their requests to a Shard."""
 
+import dataclasses
 import logging
 import time
 import traceback
@@ -46,6 +47,18 @@ class Server:
         self.router = Router(self.ctx, guard_from(config))
         port = self.router.bind(bind_host(config, self.link.host), 0)
         welcome = self.link.register(port)
+        try:
+            self._join(config, welcome, placements)
+        except KVPSError as exc:   # the job would only notice at the heartbeat timeout
+            self.link.abort(f'{exc}')
+            self.router.close()
+            self.link.close()
+            self.ctx.term()
+            raise
+        log.info('%s serving on %s:%d', self.name, self.link.host, port)
+
+    def _join(self, config, welcome, placements):
+        """Take the rank and shard the WELCOME gives; resume from the checkpoint."""
         self.rank = welcome['rank']
         self.name = f'server {self.rank}'
         self.shard = Shard(welcome['num_workers'], placements=placements)
@@ -64,7 +77,6 @@ class Server:
             if not self.recovery.awaiting:   # every worker has already left
                 self._resumed(None)
         self.exit_code = None
-        log.info('%s serving on %s:%d', self.name, self.link.host, port)
 
     def _regions(self, config, welcome):
         """The workers' segments and this server's arena, which takes its share of /dev/shm
@@ -77,16 +89,18 @@ class Server:
     def _resume_from_checkpoint(self, welcome):
         """The Checkpointer (None without KVPS_CHECKPOINT_DIR), after loading this rank's file."""
         config = self.config
+        restarted = bool(welcome.get('restarted'))
+        # The scheduler's KVPS_RECOVERY_TIMEOUT rules (set by hand, this server may lack it).
+        problem = dataclasses.replace(
+            config, recovery_timeout=welcome.get('recovery_timeout') or float(restarted)
+        ).unrecoverable()
+        if problem:
+            raise ConfigError(problem)
         if not config.checkpoint_dir:
-            if welcome.get('recovery_timeout') or welcome.get('restarted'):
-                raise ConfigError('the job waits for lost servers to rejoin '
-                                  '(KVPS_RECOVERY_TIMEOUT), so every server needs '
-                                  'KVPS_CHECKPOINT_DIR to resume from')
             return None
         checkpointer = Checkpointer(config.checkpoint_dir, self.rank, welcome['num_servers'],
                                     config.checkpoint_every, config.checkpoint_seconds,
-                                    time.monotonic())
-        restarted = bool(welcome.get('restarted'))
+                                    time.monotonic(), welcome.get('job'))
         if checkpointer.load(self.shard, rounds=restarted):
             log.info('%s resumed %d key parts from %s', self.name, len(self.shard.entries),
                      checkpointer.path)
@@ -230,7 +244,12 @@ class Server:
         if recovery.awaiting:
             return
         self.recovery = None
-        self.shard.rebase(recovery.acked, self.workers)
+        lost = self.shard.rebase(recovery.acked, self.workers)
+        if lost:
+            log.warning('%s: its checkpoint is %d update(s) behind what the workers saw '
+                        'acknowledged (KVPS_CHECKPOINT_EVERY/SECONDS): those are lost; %s',
+                        self.name, sum(lost.values()),
+                        ', '.join(f'{k!r} part {p}: {n}' for (k, p), n in list(lost.items())[:5]))
         for worker in sorted(recovery.finished):
             self._reply_all(self.shard.worker_finished(worker))
         log.warning('%s: every worker resumed; serving %d requests held meanwhile', self.name,

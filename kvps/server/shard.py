@@ -407,19 +407,24 @@ class Shard:
         checkpoint predates it (its update is then lost: the checkpoint interval bounds how
         many); every worker has pushed exactly the completed rounds, so a resent push of one of
         them is acknowledged, not merged again, and the round after them is redone. Async
-        entries count each worker's pushes on their own."""
-        by_part = {}
+        entries count each worker's pushes on their own. Returns {(key, part): rounds lost}
+        for sync keys whose checkpoint predates rounds the workers saw completed."""
+        by_part, lost = {}, {}
         for worker, items in acked.items():
             for key, part, count in items:
                 by_part.setdefault((key, part), {})[worker] = count
         for key_part, entry in self.entries.items():
             counts = by_part.get(key_part, {})
             if entry.sync:
-                entry.version = max(entry.version, *counts.values(), 0)
+                seen = max(*counts.values(), 0, 0)
+                if seen > entry.version:
+                    lost[key_part] = seen - entry.version
+                entry.version = max(entry.version, seen)
                 entry.pushed = {worker: entry.version for worker in workers}
             else:
                 for worker, count in counts.items():
                     entry.pushed[worker] = max(entry.pushed.get(worker, 0), count)
+        return lost
 
     # -- lookup and state -----------------------------------------------------------------
     def _entry(self, key, part):

@@ -128,6 +128,16 @@ def test_restart_needs_a_checkpoint_directory(job):
     assert 'KVPS_CHECKPOINT_DIR' in result.stderr
 
 
+def test_restart_needs_a_checkpoint_written_during_the_job(job, tmp_path):
+    # Without an interval the file holds only the inits: a restarted server would go back to
+    # the initial weights, and every acknowledged update would be lost without a word.
+    result = job('kv = kvps.create("dist_sync")\n', workers=1, servers=1,
+                 env={'KVPS_CHECKPOINT_DIR': str(tmp_path / 'ckpt')},
+                 launcher_args=['--restart-servers', '2'])
+    assert result.returncode == 2
+    assert 'KVPS_CHECKPOINT_EVERY=1' in result.stderr and 'lose every update' in result.stderr
+
+
 HAND_TRAIN = '''
 kv = kvps.create('dist_sync')
 kv.init(0, np.zeros(4, dtype=np.float32))
@@ -151,16 +161,23 @@ def _wait_for(proc, word):
     raise AssertionError(f'{word} never printed')
 
 
-def test_a_server_restarted_by_hand_with_its_rank_rejoins(by_hand, tmp_path):
-    env = {'KVPS_RECOVERY_TIMEOUT': '60', 'KVPS_CHECKPOINT_DIR': str(tmp_path / 'ckpt'),
+def _job_losing_server_1(by_hand, tmp_path, recovery_s):
+    """A job started by hand, one worker and two servers (key 0 is split over both), whose
+    server 1 is killed mid-training while the worker waits for the file ``go``."""
+    env = {'KVPS_RECOVERY_TIMEOUT': recovery_s, 'KVPS_CHECKPOINT_DIR': str(tmp_path / 'ckpt'),
            'KVPS_CHECKPOINT_EVERY': '1', 'KVPS_BIGARRAY_BOUND': '2'}
     _, env = by_hand.scheduler(num_workers=1, num_servers=2, extra=env)
     servers = [by_hand('server', env, rank=i) for i in range(2)]
     go = tmp_path / 'go'
     worker = by_hand('worker', {**env, 'STEPS': '6', 'GO': str(go)}, script=HAND_TRAIN)
     _wait_for(worker, 'WAITING')
-    os.kill(servers[1].pid, signal.SIGKILL)     # key 0 is split over both servers
+    os.kill(servers[1].pid, signal.SIGKILL)
     servers[1].wait(10)
+    return env, servers, worker, go
+
+
+def test_a_server_restarted_by_hand_with_its_rank_rejoins(by_hand, tmp_path):
+    env, servers, worker, go = _job_losing_server_1(by_hand, tmp_path, '60')
     replacement = by_hand('server', env, rank=1)
     go.touch()
     code, out = by_hand.finish(worker)
@@ -170,16 +187,35 @@ def test_a_server_restarted_by_hand_with_its_rank_rejoins(by_hand, tmp_path):
 
 
 def test_a_lost_server_not_replaced_in_time_ends_the_job_naming_it(by_hand, tmp_path):
-    env = {'KVPS_RECOVERY_TIMEOUT': '2', 'KVPS_CHECKPOINT_DIR': str(tmp_path / 'ckpt'),
-           'KVPS_BIGARRAY_BOUND': '2'}
-    _, env = by_hand.scheduler(num_workers=1, num_servers=2, extra=env)
-    servers = [by_hand('server', env, rank=i) for i in range(2)]
-    go = tmp_path / 'go'
-    worker = by_hand('worker', {**env, 'STEPS': '6', 'GO': str(go)}, script=HAND_TRAIN)
-    _wait_for(worker, 'WAITING')
-    os.kill(servers[1].pid, signal.SIGKILL)
+    _, servers, worker, go = _job_losing_server_1(by_hand, tmp_path, '2')
     go.touch()
     code, out = by_hand.finish(worker)
     assert code != 0
     assert 'server 1' in out and 'not replaced within 2 s' in out
     assert servers[0].wait(30) != 0
+
+
+def test_a_rejoining_server_without_the_lost_ones_checkpoint_ends_the_job_saying_so(
+        by_hand, tmp_path):
+    # Say, restarted on another host whose directory is not shared: serving from the initial
+    # weights would lose every acknowledged update.
+    env, _, worker, go = _job_losing_server_1(by_hand, tmp_path, '60')
+    replacement = by_hand('server', {**env, 'KVPS_CHECKPOINT_DIR': str(tmp_path / 'empty')},
+                          rank=1)
+    go.touch()
+    code, out = by_hand.finish(worker)
+    assert code != 0 and 'server 1' in out and 'finds no checkpoint' in out, out
+    assert by_hand.finish(replacement)[0] != 0
+
+
+def test_a_server_that_cannot_start_serving_ends_the_job_with_its_reason(by_hand, tmp_path):
+    # It registered, then failed (here: the job waits for lost servers, and this one has no
+    # checkpoint directory): the others learn why at once, not as a lost heartbeat later.
+    _, env = by_hand.scheduler(num_workers=1, num_servers=1,
+                               extra={'KVPS_RECOVERY_TIMEOUT': '60'})
+    server = by_hand('server', env)
+    worker = by_hand('worker', env, script='kvps.create("dist_sync")\n')
+    code, out = by_hand.finish(worker)
+    assert code != 0 and 'server 0' in out and 'failed' in out, out
+    assert 'KVPS_CHECKPOINT_DIR' in out and 'no heartbeat' not in out, out
+    assert by_hand.finish(server)[0] != 0

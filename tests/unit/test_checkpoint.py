@@ -79,3 +79,23 @@ def test_round_counts_come_back_only_for_a_server_rejoining_its_job():
     assert rejoined.entries[('k', 0)].pushed == {b'worker-0': 1}
     # A new job's workers count their pushes from 0 again: nothing may look like a resend.
     assert fresh.entries[('k', 0)].version == 0 and fresh.entries[('k', 0)].pushed == {}
+
+
+def test_a_rejoining_server_takes_only_its_own_jobs_checkpoint(tmp_path):
+    # Another run's file (an old job left it in the directory) would pass for this job's: the
+    # workers' acknowledged pushes would be silently lost. A missing file is as bad.
+    with pytest.raises(ConfigError, match='finds no checkpoint'):
+        Checkpointer(str(tmp_path), 0, 1, job='this').load(Shard(1), rounds=True)
+    Checkpointer(str(tmp_path), 0, 1, job='earlier').write(trained_shard(), now=0)
+    with pytest.raises(ConfigError, match='written by another job'):
+        Checkpointer(str(tmp_path), 0, 1, job='this').load(Shard(1), rounds=True)
+    assert Checkpointer(str(tmp_path), 0, 1, job='this').load(Shard(1))   # a new job resumes
+    assert Checkpointer(str(tmp_path), 0, 1, job='earlier').load(Shard(1), rounds=True)
+
+
+def test_rebase_counts_the_rounds_a_checkpoint_missed():
+    shard = trained_shard()   # 'w' at round 3
+    restored = Shard(1)
+    restore(restored, snapshot(shard), rounds=True)
+    lost = restored.rebase({W0: [['w', 0, 5], [7, 1, 0]]}, [W0])
+    assert lost == {('w', 0): 2} and restored.entries[('w', 0)].version == 5

@@ -61,3 +61,14 @@ def test_readme_lists_every_variable_as_config_describes_it():
     for var in VARS:
         for name in var.names:
             assert f'`{name}`' in readme, f'{name} missing from README'
+
+
+def test_recovery_needs_a_checkpoint_that_is_written_during_the_job():
+    base = {'KVPS_RECOVERY_TIMEOUT': '30'}
+    assert Config.from_env({}).unrecoverable() is None
+    assert 'KVPS_CHECKPOINT_DIR' in Config.from_env(base).unrecoverable()
+    inits_only = Config.from_env({**base, 'KVPS_CHECKPOINT_DIR': '/ckpt'}).unrecoverable()
+    assert 'KVPS_CHECKPOINT_EVERY=1' in inits_only and 'lose every update' in inits_only
+    for every in ({'KVPS_CHECKPOINT_EVERY': '1'}, {'KVPS_CHECKPOINT_SECONDS': '5'}):
+        assert Config.from_env({**base, 'KVPS_CHECKPOINT_DIR': '/c', **every}).unrecoverable() \
+            is None
