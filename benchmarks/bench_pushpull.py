@@ -36,6 +36,8 @@ WORKER = Path(__file__).resolve().parent / 'pushpull_worker.py'
 CONFIGS = {  # name: (workers, servers, keys, total bytes)
     'w2s1-4mb': (2, 1, 40, 4 * MiB), 'w2s1-64mb': (2, 1, 16, 64 * MiB),
     'w4s2-4mb': (4, 2, 40, 4 * MiB), 'w4s2-64mb': (4, 2, 16, 64 * MiB),
+    # a model's many small tensors (biases, norms): what a key costs beyond its bytes
+    'w2s1-400keys': (2, 1, 400, 4 * MiB),
 }
 GLOO_MODES = {'async': 'allreduce_per_tensor', 'coalesced': 'allreduce_flat'}
 PEER_KEYS = {('mxnet', 'dist_sync'): 'mxnet', ('gloo', 'allreduce_per_tensor'): 'gloo_per_tensor',

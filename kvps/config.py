@@ -143,7 +143,7 @@ VARS = (
     Var('max_message_bytes', ('KVPS_MAX_MESSAGE_BYTES',), _positive_int, 1 << 31,
         'Largest message a node accepts; larger ones are rejected and logged.'),
     Var('shm', ('KVPS_SHM',), _flag, True,
-        'Move array payloads of 64 KiB and more between a worker and the servers on its host '
+        'Move array payloads of 1 KiB and more between a worker and the servers on its host '
         'through shared memory (/dev/shm) instead of the socket (0: always the socket).'),
     Var('shm_bytes', ('KVPS_SHM_BYTES',), _bytes_or_auto, 'auto',
         'Size of each worker\'s shared-memory segment (reserved at start, when a server '

@@ -29,13 +29,14 @@ SHM_DIR = '/dev/shm'
 NONCE_BYTES = 16
 HEADER_BYTES = 4096          # the nonce's page; blocks start after it
 ALIGN = 64                   # every block starts on a cache line
-# Payloads below this go through the socket (cheap, and no block). At 64 KiB, not 256 KiB,
-# 40 keys of 104 KB step in 6 ms instead of 16 (W2 S1): through the socket such a frame is
-# copied into zmq and twice through the kernel, each copy on a busy core.
-MIN_BYTES = 1 << 16
+# Payloads below this go through the socket (no block). A frame costs far more than its bytes:
+# zmq calls, a Frame object and a memoryview on each side, and through the kernel, copies
+# on a busy core. At 1 KiB, not 64 KiB, 400 keys of 10 KB step in half the CPU (W2 S1); below
+# it, a frame and a block cost about the same.
+MIN_BYTES = 1 << 10
 MAX_SEGMENT_BYTES = 1 << 40
 DEFAULT_SEGMENT_BYTES = 1 << 28
-# A smaller share holds too few blocks to be worth a segment (32 of the smallest payloads).
+# A smaller share holds too few blocks to be worth a segment.
 MIN_SHARE_BYTES = 2 << 20
 _NAME = re.compile(r'kvps-[0-9]{1,10}-[0-9a-f]{16}')
 

@@ -11,7 +11,7 @@ import pytest
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 # Keys above KVPS_BIGARRAY_BOUND (here 100k elements) are split over both servers; 'small' stays
-# under the shared-memory threshold (kvps.shm.MIN_BYTES, 64 KiB). Every push and pull of at
+# under the shared-memory threshold (kvps.shm.MIN_BYTES, 1 KiB). Every push and pull of at
 # least that size is counted by where its bytes went, by wrapping what the worker sends (pushes)
 # and the answers it gets (pulls).
 SCRIPT = '''
@@ -83,7 +83,7 @@ def test_big_payloads_go_through_shared_memory_with_exact_values(job, mode):
     for res in run(job, mode).values():
         assert res['attached'] == ['server 0', 'server 1']
         assert not res['linked']          # unlinked once mapped: a kill -9 leaves nothing
-        # parts of 64 KiB and more: big's two (600 KB), wide's two (240 KB) and f64's one
+        # parts of 1 KiB and more: big's two (600 KB), wide's two (240 KB) and f64's one
         # (560 KB), per step (+ the last pull); small's 200 bytes take the socket
         assert (res['shm_push'], res['sock_push']) == (4 * 5, 0), res
         # every pull is copied straight out of the servers' arenas
