@@ -249,11 +249,12 @@ class Config:
             shared['KVPS_BIGARRAY_BOUND'] = self.bigarray_bound
         return shared
 
-    def unrecoverable(self):
+    def unrecoverable(self, recovery_timeout=None):
         """Why a server lost during this job could not rejoin as KVPS_RECOVERY_TIMEOUT asks
-        (None: it can). It resumes from its checkpoint; one written only at init and at the end
-        would take it back to the initial weights, every acknowledged update lost."""
-        if not self.recovery_timeout:
+        (None: it can; ``recovery_timeout``: the job's, when not this node's own). It resumes
+        from its checkpoint; one written only at init and at the end would take it back to
+        the initial weights, every acknowledged update lost."""
+        if not (self.recovery_timeout if recovery_timeout is None else recovery_timeout):
             return None
         if not self.checkpoint_dir:
             return ('the job waits for lost servers to rejoin (KVPS_RECOVERY_TIMEOUT), so every '

@@ -1,6 +1,5 @@
 """The server process: owns the ROUTER that workers talk to and feeds their requests to a Shard."""
 
-import dataclasses
 import logging
 import time
 import traceback
@@ -51,9 +50,7 @@ class Server:
             self._join(config, welcome, placements)
         except KVPSError as exc:   # the job would only notice at the heartbeat timeout
             self.link.abort(f'{exc}')
-            self.router.close()
-            self.link.close()
-            self.ctx.term()
+            self._close_sockets()
             raise
         log.info('%s serving on %s:%d', self.name, self.link.host, port)
 
@@ -91,9 +88,7 @@ class Server:
         config = self.config
         restarted = bool(welcome.get('restarted'))
         # The scheduler's KVPS_RECOVERY_TIMEOUT rules (set by hand, this server may lack it).
-        problem = dataclasses.replace(
-            config, recovery_timeout=welcome.get('recovery_timeout') or float(restarted)
-        ).unrecoverable()
+        problem = config.unrecoverable(welcome.get('recovery_timeout') or float(restarted))
         if problem:
             raise ConfigError(problem)
         if not config.checkpoint_dir:
@@ -127,10 +122,14 @@ class Server:
             self._checkpoint()   # a clean or aborted end keeps every applied round
         finally:
             self.regions.close()
-            self.router.close()
-            self.link.close()
-            self.ctx.term()
+            self._close_sockets()
         return self.exit_code
+
+    def _close_sockets(self):
+        """Close both sockets (what they still hold is delivered within their linger)."""
+        self.router.close()
+        self.link.close()
+        self.ctx.term()
 
     def _tick(self):
         now = time.monotonic()
@@ -265,12 +264,14 @@ class Server:
         return self.shard.check(token, h['key'], h['dtype'], h['shape'])
 
     def _push(self, token, h, buffers):
+        sync, step = h['sync'], h.get('step', 0)
+
         def push_one(item_token, item, buffer):
             key, part, dtype, _, _, seq = item
             if isinstance(buffer, ProtocolError):   # its shared-memory range is bad
                 raise buffer
-            return self.shard.push(item_token, token[0], key, part, dtype, h['sync'], buffer,
-                                   seq, h.get('step', 0))
+            return self.shard.push(item_token, token[0], key, part, dtype, sync, buffer, seq,
+                                   step)
         payloads = self.regions.payloads(token[0], h['keys'], buffers)
         self.regions.saw(token[0], h)   # before the updates: what the worker copied is free
         return self.shard.together(

@@ -416,7 +416,7 @@ class Shard:
         for key_part, entry in self.entries.items():
             counts = by_part.get(key_part, {})
             if entry.sync:
-                seen = max(*counts.values(), 0, 0)
+                seen = max(counts.values(), default=0)
                 if seen > entry.version:
                     lost[key_part] = seen - entry.version
                 entry.version = max(entry.version, seen)
