@@ -6,7 +6,8 @@ Systems: `kvps` (Trainer, SGD on the servers), `kvps-local` (Trainer with
 update_on_kvstore=False: gradients summed through the servers, SGD on each worker) and
 `ddp` (DistributedDataParallel over gloo, the all-reduce torch users run). Models: `wide`
 (784-1024-1024-1024-10, 8 tensors, 11.6 MB) and `deep` (40 layers of 256, 82 tensors,
-11 MB). One JSON line per (model, system) and a ratio line per model (kvps ms / DDP ms:
+11 MB) and `narrow` (200 layers of 64, 402 tensors, 3.5 MB: a transformer's many small
+weights, biases and norms). One JSON line per (model, system) and a ratio line per model (kvps ms / DDP ms:
 below 1, kvps is faster). Every process runs torch with one thread.
 
     python benchmarks/bench_training.py                  # W=2 S=1, both models, ~2 min
@@ -31,7 +32,7 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--workers', type=int, default=2)
     p.add_argument('--servers', type=int, default=1)
-    p.add_argument('--models', default='wide,deep')
+    p.add_argument('--models', default='wide,deep,narrow')
     p.add_argument('--systems', default=','.join(SYSTEMS))
     p.add_argument('--steps', type=int, default=20)
     p.add_argument('--batch', type=int, default=64)

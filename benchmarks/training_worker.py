@@ -18,9 +18,10 @@ import os
 import statistics
 import time
 
-MODELS = {   # name -> layer widths: 'wide' has few big tensors, 'deep' many small ones
+MODELS = {   # name -> layer widths: 'wide' has few big tensors, 'deep' and 'narrow' many small ones
     'wide': [784, 1024, 1024, 1024, 10],
     'deep': [784] + [256] * 40 + [10],
+    'narrow': [784] + [64] * 200 + [10],
 }
 
 

@@ -59,18 +59,31 @@ def _distributed(kv):
 # One file format everywhere: kvps.states' whole-key optimizer-state file, which the store's
 # save_optimizer_states writes. A file saved by servers loads into local updates and back.
 
-def save_server_states(kv, fname):
-    """The servers' optimizer state (optimizer included) into ``fname``."""
-    if not hasattr(kv, 'save_optimizer_states'):
-        raise no_server_states('save_states')
-    kv.save_optimizer_states(fname, dump_optimizer=True)
+def save_server_states(kv, fname, layout):
+    """The servers' optimizer state (optimizer included) into ``fname``, per parameter
+    (``layout``: the Trainer's fused keys, split back into their members)."""
+    if not layout.fused:
+        if not hasattr(kv, 'save_optimizer_states'):
+            raise no_server_states('save_states')
+        kv.save_optimizer_states(fname, dump_optimizer=True)
+        return
+    merged = states.unfuse(kv._get_optimizer_states(dump_optimizer=True), layout.ranges())
+    merged['optimizer'] = layout.file_spec(merged['optimizer'])
+    states.write_file(fname, merged)
 
 
-def load_server_states(kv, fname):
-    """Collective: every worker calls it; the store installs the file on its servers."""
-    if not hasattr(kv, 'load_optimizer_states'):
-        raise no_server_states('load_states')
-    kv.load_optimizer_states(fname)
+def load_server_states(kv, fname, layout):
+    """Collective: every worker calls it; the store installs the file on its servers (with
+    the members of ``layout``'s fused keys joined)."""
+    if not layout.fused:
+        if not hasattr(kv, 'load_optimizer_states'):
+            raise no_server_states('load_states')
+        kv.load_optimizer_states(fname)
+        return
+    merged = states.fuse(states.read_file(fname), layout.ranges())
+    if 'optimizer' in merged:   # it replaces the servers' own: it must know the fused keys
+        merged['optimizer'] = layout.server_spec(merged['optimizer'])
+    kv._set_optimizer_states(merged)
 
 
 def no_server_states(what):

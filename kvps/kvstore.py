@@ -264,16 +264,23 @@ class KVStore:
 
     def save_optimizer_states(self, fname, dump_optimizer=False):
         """Save the servers' optimizer state (every shard, whole keys) to ``fname``."""
-        self._open()
-        merged = states.merge(self._backend.get_states(dump_optimizer), self._parts)
-        states.write_file(fname, merged)
+        states.write_file(fname, self._get_optimizer_states(dump_optimizer))
 
     def load_optimizer_states(self, fname):
         """Load a file from save_optimizer_states into the servers (collective in dist
         stores: every worker calls it; rank 0 sends)."""
+        self._set_optimizer_states(states.read_file(fname))
+
+    def _get_optimizer_states(self, dump_optimizer=False):
+        """The servers' optimizer state as whole keys (kvps.states' file contents)."""
         self._open()
-        merged = states.read_file(fname)
-        for key, _, _ in merged.get('keys', ()):
+        return states.merge(self._backend.get_states(dump_optimizer), self._parts)
+
+    def _set_optimizer_states(self, merged):
+        """Install whole-key state (as _get_optimizer_states gives) on the servers, in place
+        of theirs (collective, as load_optimizer_states)."""
+        self._open()
+        for key, _, _ in merged.get('keys', ()) if isinstance(merged, dict) else ():
             self._known(key)
         self._backend.set_states(states.split(merged, self._backend.num_servers, self._parts))
 

@@ -56,8 +56,7 @@ def merge(server_states, parts_of):
 
 def split(merged, num_servers, parts_of):
     """Per-server updater state dicts for the current placement of every key."""
-    if not isinstance(merged, dict) or merged.get('format') != FILE_FORMAT:
-        raise ConfigError(f'not a kvps optimizer-state file (format {FILE_FORMAT!r} expected)')
+    _check_format(merged)
     out = [{'format': STATE_FORMAT, 'num_update': merged['num_update'], 'counts': [],
             'states': []} for _ in range(num_servers)]
     for key, count, whole in merged['keys']:
@@ -69,6 +68,54 @@ def split(merged, num_servers, parts_of):
         for states in out:
             states['optimizer'] = merged['optimizer']
     return out
+
+
+def unfuse(merged, fused):
+    """``merged`` with each fused key's entry split into its members' entries.
+
+    ``fused``: {fused key: [(member key, start, stop)]} (the Trainer's packed keys); members
+    take the fused key's update count. Other entries are kept."""
+    _check_format(merged)
+    keys = []
+    for key, count, whole in merged['keys']:
+        if key not in fused:
+            keys.append([key, count, whole])
+            continue
+        for member, start, stop in fused[key]:
+            keys.append([member, count, {name: _slice(blob, start, stop)
+                                         for name, blob in whole.items()}])
+    return {**merged, 'keys': sorted(keys, key=lambda entry: (str(type(entry[0])), entry[0]))}
+
+
+def fuse(merged, fused):
+    """The inverse of unfuse: members' entries joined into their fused key's. A fused key
+    some of whose members have no state in ``merged`` is left out (a load starts it afresh,
+    as a key never updated), with a warning."""
+    _check_format(merged)
+    entries = {key: (count, whole) for key, count, whole in merged['keys']}
+    members = {member for ranges in fused.values() for member, _, _ in ranges}
+    keys = [[key, count, whole] for key, (count, whole) in entries.items() if key not in members]
+    for key, ranges in fused.items():
+        present = [member for member, _, _ in ranges if member in entries]
+        if len(present) < len(ranges):
+            if present:
+                log.warning('optimizer state of parameters %s left out: the file holds none for '
+                            '%s, which share one key with them', present,
+                            [m for m, _, _ in ranges if m not in entries])
+            continue
+        parts = [entries[member] for member, _, _ in ranges]
+        names = parts[0][1].keys()
+        if any(whole.keys() != names for _, whole in parts):
+            raise ConfigError(f'the file holds different optimizer states for parameters '
+                              f'{present}, which share one key')
+        keys.append([key, max(count for count, _ in parts),
+                     {name: _concat([whole[name] for _, whole in parts]) for name in names}])
+    return {**merged, 'keys': sorted(keys, key=lambda entry: (str(type(entry[0])), entry[0]))}
+
+
+def _check_format(merged):
+    if not isinstance(merged, dict) or merged.get('format') != FILE_FORMAT:
+        raise ConfigError(f'not a kvps optimizer-state file (format {FILE_FORMAT!r} expected)')
 
 
 def _concat(blobs):

@@ -5,6 +5,8 @@ import warnings
 import weakref
 
 from . import optimizer as opt_mod
+from ._trainer_fusion import (FusedKey, Layout, PushBucket, pull_weights, split_partly_frozen,
+                              weights_of)
 from ._trainer_kv import (load_local_states, load_server_states, read_optimizer, resolve,
                           save_local_states, save_server_states)
 from ._trainer_params import check_devices, check_same_everywhere, collect, merge_mults
@@ -28,7 +30,13 @@ class Trainer:
     default in sync; False sums gradients through the servers and updates on every worker).
     ``overlap`` (kvps): in distributed mode, send gradients while backward runs, in buckets
     of about ``bucket_bytes`` (the last one when backward ends), as DDP does; turn off to
-    accumulate several backward passes before ``step``.
+    accumulate several backward passes before ``step``. ``fuse`` (kvps): with a store,
+    pack CPU parameters under 512 KiB into shared keys of up to ``bucket_bytes`` (one dtype
+    and lr_mult/wd_mult each), as DDP and Horovod fuse small tensors: a key costs more than
+    its bytes, and a model's many biases and norms would otherwise set the pace. Updates
+    are the same elementwise passes, so results are identical; such parameters have no key
+    of their own in the store while fused (``fuse=False``: every parameter's key is its
+    position, as in Gluon).
 
     Parameters may live on CUDA devices when the store is a device store ('dist_sync_device',
     'dist_async_device') or there is none: gradients and weights then pass through pinned host
@@ -40,7 +48,7 @@ class Trainer:
 
     def __init__(self, params, optimizer, optimizer_params=None, kvstore='device',
                  compression_params=None, update_on_kvstore=None, *, overlap=True,
-                 bucket_bytes=BUCKET_BYTES):
+                 bucket_bytes=BUCKET_BYTES, fuse=True):
         self._params = collect(params)
         self._optimizer = _make_optimizer(optimizer, optimizer_params)
         merge_mults(self._optimizer, self._params)
@@ -54,11 +62,15 @@ class Trainer:
         self._fresh, self._pushed, self._reduced = set(), set(), False
         self._summed = {}          # key -> where step() pulls a summed gradient (workers update)
         self._seen_grads = {}
+        self._bucket = PushBucket(self._kv, bucket_bytes) if self._kv is not None else None
+        self._layout = Layout(self._params, self._optimizer, bucket_bytes,
+                              self._can_fuse(fuse))
+        for fused in self._layout.fused:   # workers update members on views of the sum
+            self._summed.update((p.key, view) for p, view in zip(fused.members, fused.grad_views))
         if self._kv is not None:
             self._set_compression(compression_params)
             self._init_store()
         self._overlap = bool(overlap) and self._distributed
-        self._bucket = _Bucket(self._kv, bucket_bytes) if self._kv is not None else None
         # Servers without an optimizer just sum, so gradients may flow from the first backward;
         # with update_on_kvstore they must wait until step() has sent the optimizer (it needs
         # rescale_grad, i.e. the batch size).
@@ -66,6 +78,14 @@ class Trainer:
         self._hooks = {}           # key -> handle of the hook sending its gradient
         self._hook_trainable()
         self._note_grads()
+
+    def _can_fuse(self, fuse):
+        """Fused keys need a kvps store (its state calls translate them to parameters), and
+        an update that is elementwise when the servers run it (not LAMB's whole-tensor
+        norms)."""
+        if not fuse or self._kv is None or not hasattr(self._kv, '_get_optimizer_states'):
+            return False
+        return not (self._update_on_kvstore and self._optimizer.whole_tensor)
 
     def _hook_trainable(self):
         """Take the parameters requiring grad now as this step's ``_trainable`` (read at
@@ -116,6 +136,8 @@ class Trainer:
         """One update: gradients normalized by 1/batch_size, summed over workers, applied."""
         self._hook_trainable()
         self._rescale(batch_size)
+        if self._update_on_kvstore:
+            self._dissolve_mixed()
         self._check_stale(ignore_stale_grad)
         self._allreduce_grads(into_grads=False)
         if not self._update_on_kvstore:
@@ -162,7 +184,7 @@ class Trainer:
         loads into a Trainer that updates locally, and the other way round."""
         fname = os.fspath(fname)
         if self._kv is not None and self._update_on_kvstore and self._server_has_optimizer:
-            save_server_states(self._kv, fname)
+            save_server_states(self._kv, fname, self._layout)
         else:  # local updates, or servers that have not updated anything yet
             updater = self._updater or Updater(self._optimizer)
             save_local_states(updater, fname, self._sizes())
@@ -173,9 +195,9 @@ class Trainer:
         if self._kv is not None and self._update_on_kvstore:
             optimizer = read_optimizer(fname) or self._optimizer
             if not self._server_has_optimizer:
-                self._kv.set_optimizer(optimizer)
+                self._kv.set_optimizer(self._layout.server_spec(optimizer.to_spec()))
                 self._server_has_optimizer = True
-            load_server_states(self._kv, fname)
+            load_server_states(self._kv, fname, self._layout)
             self._optimizer = optimizer
             # its rescale_grad is the saving job's; the next step sends this job's (the same
             # kind of optimizer again keeps the state just loaded)
@@ -192,10 +214,10 @@ class Trainer:
             keep_whole = getattr(self._kv, '_keep_keys_whole', None)   # a kvps store's
             if keep_whole is not None:
                 keep_whole()   # the servers get the optimizer at the first step, after init
-        keys = [p.key for p in self._params]
-        tensors = [p.tensor for p in self._params]
+        entries = self._layout.store_keys(self._params)
+        keys = [key for _, key, _ in entries]
         try:   # refused alike on every worker (they hold the same key table), before sending
-            self._kv.init(keys, tensors)
+            self._kv.init(keys, [weights_of(entry, gather=True) for _, _, entry in entries])
         except DuplicateInitError as exc:
             raise DuplicateInitError(
                 f'{exc}: this store already holds keys (another Trainer, or kv.init calls of '
@@ -205,7 +227,10 @@ class Trainer:
                 'trains those requiring grad at each step, so freeze the other model with '
                 'requires_grad_(False), and lr_mult/wd_mult attributes on parameters set their '
                 'own rates') from None
-        self._kv.pull(keys, out=tensors)
+        self._pull_weights(entries)
+
+    def _pull_weights(self, entries):
+        pull_weights(self._kv, entries)
 
     def _set_compression(self, compression_params):
         if not compression_params:
@@ -235,8 +260,8 @@ class Trainer:
         self._optimizer.rescale_grad = rescale
         self._batch_size_known = True
         if self._kv is not None and self._update_on_kvstore:
-            if not self._server_has_optimizer:
-                self._kv.set_optimizer(self._optimizer)   # collective: the first step
+            if not self._server_has_optimizer:   # collective: the first step
+                self._kv.set_optimizer(self._layout.server_spec(self._optimizer.to_spec()))
                 self._server_has_optimizer = True
             elif changed:
                 self._reinstall_optimizer()
@@ -244,7 +269,13 @@ class Trainer:
     def _reinstall_optimizer(self):
         """Give the servers the current hyper-parameters; the same kind of optimizer keeps its
         per-key state there (collective)."""
-        self._kv.set_optimizer(self._optimizer)
+        self._kv.set_optimizer(self._layout.server_spec(self._optimizer.to_spec()))
+
+    def _dissolve_mixed(self):
+        """Fused keys now partly frozen are split (collective); their members' gradients, if
+        noted already, then leave alone."""
+        moved = split_partly_frozen(self._kv, self._layout, self._server_has_optimizer)
+        self._pushed.difference_update(moved)
 
     def _check_stale(self, ignore_stale_grad):
         if ignore_stale_grad:
@@ -277,9 +308,13 @@ class Trainer:
     def _push(self, p, grad):
         # Every trainable parameter is pushed every step (zeros when it has no gradient):
         # a sync round completes only when every worker has pushed into it.
-        value = _dense(grad) if grad is not None else p.tensor.new_zeros(p.tensor.shape)
-        self._bucket.add(p.key, value)
         self._pushed.add(p.key)
+        fused = self._layout.by_member.get(p.key)
+        if fused is None:
+            value = _dense(grad) if grad is not None else p.tensor.new_zeros(p.tensor.shape)
+            self._bucket.add(p.key, value)
+        elif fused.arrive(p, grad):   # a fused key leaves once all its members' gradients are in
+            self._bucket.add(fused.key, fused.gather_grads(_dense))
 
     def _allreduce_grads(self, into_grads):
         """Send what backward has not sent yet; pull weights (servers update) or summed
@@ -291,22 +326,42 @@ class Trainer:
         for p in self._trainable:
             if p.key not in self._pushed:
                 self._push(p, p.tensor.grad)
+        for fused in self._layout.fused:   # some members frozen (workers update): zeros for them
+            if fused.arrived:
+                self._bucket.add(fused.key, fused.gather_grads(_dense))
         self._bucket.flush()
         # One pipelined pull for every parameter: all requests leave before any answer is
         # awaited, first layers first (the next forward needs them first).
-        targets = [self._pull_target(p, into_grads) for p in self._trainable]
-        if targets:
-            self._kv.pull([p.key for p in self._trainable], out=targets)
+        entries = self._layout.store_keys(self._trainable)
+        if entries and self._update_on_kvstore:
+            self._pull_weights(entries)
+        elif entries:
+            self._kv.pull([key for _, key, _ in entries],
+                          out=[self._pull_target(entry, into_grads) for _, _, entry in entries])
+            if into_grads:
+                self._land_fused_grads(entries)
         self._reduced = 'grads' if into_grads else 'buffers'
 
+    def _land_fused_grads(self, entries):
+        """allreduce_grads: summed gradients of fused keys into their trainable members'
+        ``.grad``, as Gluon leaves them."""
+        for _, _, entry in entries:
+            if isinstance(entry, FusedKey):
+                for p, view in zip(entry.members, entry.grad_views):
+                    if p.trainable:
+                        self._grad_target(p).copy_(view)
+
     def _pull_target(self, p, into_grads):
-        if self._update_on_kvstore:
-            return p.tensor
+        if isinstance(p, FusedKey):
+            return p.grad
         if not into_grads:
             summed = self._summed.get(p.key)
             if summed is None:
                 summed = self._summed[p.key] = p.tensor.new_empty(p.tensor.shape)
             return summed
+        return self._grad_target(p)
+
+    def _grad_target(self, p):
         grad = p.tensor.grad   # summed gradients land in dense .grad tensors
         if grad is None or not _is_dense(grad):
             p.tensor.grad = p.tensor.new_zeros(p.tensor.shape)
@@ -354,43 +409,6 @@ def _dense(grad):
     """A sparse gradient (``nn.Embedding(sparse=True)``) as the dense tensor it stands for:
     store keys and kernels are dense, so it trains as ``sparse=False`` would."""
     return grad if _is_dense(grad) else grad.to_dense()
-
-
-class _Bucket:
-    """Gradients waiting to leave in one push (one message per server for their small parts),
-    sent once they hold ``cap`` bytes, when backward ends, or at ``step``: many small
-    tensors cost a few messages instead of one each, and a gradient still leaves before
-    backward returns, so code run between backward and step never changes what was sent."""
-
-    def __init__(self, kv, cap):
-        if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
-            raise ValueError(f'bucket_bytes must be an int >= 0, got {cap!r}')
-        self._kv, self._cap = kv, cap
-        self._keys, self._values, self._bytes = [], [], 0
-        self._callback_queued = False
-
-    def add(self, key, value):
-        self._keys.append(key)
-        self._values.append(value)
-        self._bytes += value.numel() * value.element_size()
-        if self._bytes >= self._cap:
-            self.flush()
-
-    def flush(self):
-        self._callback_queued = False
-        if self._keys:
-            keys, values = self._keys, self._values
-            self._keys, self._values, self._bytes = [], [], 0
-            self._kv.push(keys, values)
-
-    def flush_when_backward_ends(self):
-        """Called from a gradient hook: send what is left once this backward pass is over
-        (autograd's end-of-pass callback, the one DDP uses)."""
-        if self._callback_queued or not self._keys:
-            return
-        import torch
-        torch.autograd.Variable._execution_engine.queue_callback(self.flush)
-        self._callback_queued = True
 
 
 def _hook(ref, p):

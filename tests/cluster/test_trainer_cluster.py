@@ -170,3 +170,55 @@ def test_workers_with_different_parameters_get_a_clear_error(job, mode):
     assert "differ from rank 0's" in found[1]['message'] and 'w: (4, 3)' in found[1]['message']
     assert "differ from rank 0's" in found[2]['message'] and 'v: (4, 2)' in found[2]['message']
     assert '2 worker(s) of this job (ranks 1, 2)' in found[0]['message']
+
+
+GAN_FREEZING = '''
+    kv = kvps.create(MODE)
+    torch.manual_seed(0)
+    def build():   # a GAN's two halves in one Trainer (README's recipe), small enough to fuse
+        return [torch.nn.Parameter(torch.randn(n)) for n in (30, 7, 12, 5, 9, 4)]
+    params, ref = build(), build()
+    with torch.no_grad():
+        for p, r in zip(params, ref):
+            r.copy_(p)
+    opt = {'learning_rate': 0.05, 'wd': 0.01}
+    trainer = Trainer(params, 'adam', dict(opt), kvstore=kv)
+    local = Trainer(ref, 'adam', dict(opt), kvstore=None)      # one process, no store
+    fused_at_start = len(trainer._layout.fused)
+
+    def step(ps, t, i, batch):
+        for j, p in enumerate(ps):      # both halves at first, then one at a time
+            p.requires_grad_(i < 2 or (j < 3) == (i % 2 == 0))
+        t.zero_grad()
+        g = torch.Generator().manual_seed(i)     # the same data on every worker
+        sum((torch.randn(p.shape, generator=g) * p * p).sum() for p in ps
+            if p.requires_grad).backward()
+        t.step(batch, ignore_stale_grad=True)
+
+    for i in range(8):
+        step(params, trainer, i, kv.num_workers)   # summed over workers, scaled back
+        step(ref, local, i, 1)
+    diff = max(float((p - r).abs().max()) for p, r in zip(params, ref))
+    trainer.save_states(f's{kv.rank}')
+    from kvps import states
+    report(diff=diff, fused_at_start=fused_at_start, fused=len(trainer._layout.fused),
+           keys=[k for k, _, _ in states.read_file(f's{kv.rank}')['keys']])
+'''
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize('mode', ['dist_sync', 'dist_async'])
+def test_fused_keys_split_by_freezing_train_as_one_process_does(job, mode):
+    """Parameters sharing a fused key, then frozen apart (a GAN's alternating halves): the key
+    is split over 2 servers, its members get keys of their own with their Adam moments and
+    counts, and training matches one process, bit for bit (the same data on both workers)."""
+    result = job(script(GAN_FREEZING, MODE=mode), workers=2, servers=2, timeout=90,
+                 env={'KVPS_BIGARRAY_BOUND': '40'})
+    assert result.returncode == 0, result.output
+    found = result.results()
+    assert sorted(found) == [0, 1], result.output
+    for values in found.values():
+        assert values['fused_at_start'] == 1 and values['fused'] == 0, values
+        assert values['keys'] == [0, 1, 2, 3, 4, 5], values
+        if mode == 'dist_sync':
+            assert values['diff'] == 0, values

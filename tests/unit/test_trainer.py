@@ -335,7 +335,7 @@ def test_gradients_leave_in_buckets_and_the_last_one_before_backward_returns():
     params = [param(0, (256,)) for _ in range(5)]             # 1 KiB each
     store = PushLog()
     t = Trainer(params, 'sgd', {'learning_rate': 1.0}, kvstore=store,
-                update_on_kvstore=False, bucket_bytes=2048)
+                update_on_kvstore=False, bucket_bytes=2048, fuse=False)
     backward(*params)
     # autograd reaches the parameters in reverse: full buckets of two as they fill, and the
     # last, half-full one when backward ends
@@ -360,7 +360,8 @@ def test_a_bucket_size_of_zero_sends_each_gradient_alone_and_bad_sizes_are_refus
 def test_what_backward_did_not_send_leaves_in_one_push_at_step():
     params = [param(0) for _ in range(3)]
     store = PushLog()
-    t = Trainer(params, 'sgd', {'learning_rate': 1.0}, kvstore=store, overlap=False)
+    t = Trainer(params, 'sgd', {'learning_rate': 1.0}, kvstore=store, overlap=False,
+                fuse=False)
     backward(*params)
     assert store.pushes == []
     t.step(1)
@@ -476,7 +477,7 @@ def test_keys_are_positions_in_the_given_order(form):
     given = {'module': net, 'named': net.named_parameters(), 'dict': dict(named),
              'list': [p for _, p in named], 'iterator': net.parameters()}[form]
     kv = kvps.create('local')
-    t = Trainer(given, 'sgd', kvstore=kv)
+    t = Trainer(given, 'sgd', kvstore=kv, fuse=False)   # fused keys: test_trainer_fusion.py
     assert [p.key for p in t._params] == [0, 1, 2, 3]
     for key, (name, tensor) in enumerate(named):
         assert torch.equal(_stored(kv, tensor, key), tensor.detach()), name

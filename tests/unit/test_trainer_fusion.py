@@ -1,0 +1,177 @@
+"""The Trainer's fused keys: which parameters share a key, and that training, freezing and state files give exactly what separate keys give."""
+
+import pytest
+
+torch = pytest.importorskip('torch')
+
+import kvps  # noqa: E402
+from kvps import Trainer, states  # noqa: E402
+from kvps._trainer_fusion import FUSE_BELOW_BYTES  # noqa: E402
+from kvps.kvstore import KVStore  # noqa: E402
+from kvps.local import LocalBackend  # noqa: E402
+
+
+def store(name='dist_sync'):
+    """A store of the given type on the in-process backend (one worker, no sockets)."""
+    return KVStore(name, LocalBackend())
+
+
+def model(seed=0):
+    """Small tensors of two dtypes and two lr_mults, a frozen one and one too big to fuse."""
+    g = torch.Generator().manual_seed(seed)
+
+    def p(*shape, dtype=torch.float32):
+        return torch.nn.Parameter(torch.randn(*shape, generator=g).to(dtype))
+    params = [p(8, 4), p(8), p(4, 8, dtype=torch.float64), p(4, dtype=torch.float64), p(3, 3),
+              p(FUSE_BELOW_BYTES // 4 + 1), p(6), p(5)]
+    params[4].lr_mult = params[6].lr_mult = 0.5
+    params[7].requires_grad_(False)
+    return params
+
+
+def loss(params, step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return sum((torch.randn(p.shape, generator=g).to(p.dtype) * p * p).sum()
+               for p in params if p.requires_grad)
+
+
+def train(params, trainer, steps, start=0, freeze=None):
+    for step in range(start, start + steps):
+        if freeze is not None:
+            freeze(params, step)
+        trainer.zero_grad()
+        loss(params, step).backward()
+        trainer.step(1, ignore_stale_grad=True)
+
+
+OPTIMIZERS = [('sgd', {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 0.01}),
+              ('adam', {'learning_rate': 0.01, 'wd': 0.001}),
+              ('rmsprop', {'learning_rate': 0.01, 'centered': True, 'clip_gradient': 0.5})]
+
+
+def keys_of(trainer):
+    return sorted(trainer.kvstore._meta)
+
+
+def test_layout_groups_by_dtype_and_multiplier_and_leaves_the_rest_alone():
+    params = model()
+    t = Trainer(params, 'sgd', kvstore=store())
+    fused = {f.key: [p.key for p in f.members] for f in t._layout.fused}
+    # float32 with lr_mult 1 share key 8, float64 key 9, lr_mult 0.5 key 10; 5 is too big;
+    # 7 was frozen at creation
+    assert fused == {8: [0, 1], 9: [2, 3], 10: [4, 6]}
+    assert keys_of(t) == [5, 7, 8, 9, 10]
+    packed = torch.empty(9 + 6)
+    t.kvstore.pull(10, out=packed)
+    assert torch.equal(packed, torch.cat([params[i].detach().reshape(-1) for i in (4, 6)]))
+
+
+def test_the_cap_splits_keys_and_nothing_is_fused_without_a_cap_or_with_fuse_false():
+    params = [torch.nn.Parameter(torch.zeros(256)) for _ in range(5)]     # 1 KiB each
+    t = Trainer(params, 'sgd', kvstore=store(), bucket_bytes=2048)
+    assert [[p.key for p in f.members] for f in t._layout.fused] == [[0, 1], [2, 3]]
+    assert keys_of(t) == [4, 5, 6]
+    for kwargs in ({'bucket_bytes': 0}, {'fuse': False}):
+        t = Trainer(params, 'sgd', kvstore=store(), **kwargs)
+        assert t._layout.fused == [] and keys_of(t) == [0, 1, 2, 3, 4]
+
+
+def test_whole_tensor_optimizers_are_not_fused_on_the_servers_only():
+    params = [torch.nn.Parameter(torch.ones(4)) for _ in range(3)]
+    assert Trainer(params, 'lamb', kvstore=store())._layout.fused == []
+    t = Trainer(params, 'lamb', kvstore=store(), update_on_kvstore=False)
+    assert len(t._layout.fused) == 1     # the servers only sum: LAMB runs per parameter
+
+
+def fused_and_alone(name, kwargs, uok, freeze=None):
+    """The same training with fused keys and without: ((params, trainer), (params, trainer)).
+    With ``freeze``: two steps of every parameter, then five under ``freeze``."""
+    runs = []
+    for fuse in (True, False):
+        params = model()
+        t = Trainer(params, name, dict(kwargs), kvstore=store(), update_on_kvstore=uok,
+                    fuse=fuse)
+        assert bool(t._layout.fused) is fuse
+        train(params, t, 2 if freeze else 4)
+        if freeze:
+            train(params, t, 5, start=2, freeze=freeze)
+        runs.append((params, t))
+    return runs
+
+
+@pytest.mark.parametrize('name, kwargs', OPTIMIZERS)
+@pytest.mark.parametrize('uok', [True, False])
+def test_fused_training_is_bit_for_bit_unfused_training(name, kwargs, uok):
+    (fused, _), (alone, _) = fused_and_alone(name, kwargs, uok)
+    for a, b in zip(fused, alone):
+        assert torch.equal(a, b)
+
+
+def gan(params, step):
+    """Alternate halves, as README's GAN recipe does: the split runs through fused key 10."""
+    for i, p in enumerate(params[:7]):
+        p.requires_grad_((i < 5) == (step % 2 == 0))
+
+
+@pytest.mark.parametrize('name, kwargs', OPTIMIZERS[:2])
+@pytest.mark.parametrize('uok', [True, False])
+def test_partly_frozen_fused_keys_train_exactly_as_separate_keys(name, kwargs, uok):
+    (fused, t), (alone, _) = fused_and_alone(name, kwargs, uok, freeze=gan)
+    for a, b in zip(fused, alone):
+        assert torch.equal(a, b)
+    if uok:   # the servers update whole keys: the split ones were given keys of their own
+        assert [[p.key for p in f.members] for f in t._layout.fused] == [[0, 1], [2, 3]]
+        assert {4, 6} <= set(keys_of(t))
+    else:     # workers update each parameter: zeros for the frozen ones keep them fused
+        assert len(t._layout.fused) == 3
+
+
+def test_allreduce_grads_lands_fused_sums_in_each_trainable_grad():
+    params = model()
+    t = Trainer(params, 'sgd', kvstore=store(), update_on_kvstore=False)
+    params[1].requires_grad_(False)
+    loss(params, 0).backward()
+    expected = [p.grad.clone() if p.grad is not None else None for p in params]
+    t.allreduce_grads()                   # one worker: the sum is its own gradient
+    for p, grad in zip(params, expected):
+        assert (p.grad is None) if grad is None else torch.equal(p.grad, grad)
+
+
+@pytest.mark.parametrize('save_fuse, load_fuse, load_uok', [
+    (True, False, True), (True, True, False), (False, True, True), (True, True, True)])
+def test_state_files_are_per_parameter_whoever_fused(tmp_path, save_fuse, load_fuse, load_uok):
+    name, kwargs = OPTIMIZERS[1]
+    params = model()
+    t = Trainer(params, name, dict(kwargs), kvstore=store(), fuse=save_fuse)
+    train(params, t, 3)
+    t.save_states(tmp_path / 's')
+    saved = states.read_file(tmp_path / 's')
+    assert [key for key, _, _ in saved['keys']] == list(range(7))
+    assert saved['optimizer']['lr_mult'] == {4: 0.5, 6: 0.5}     # no fused key's
+    at3 = [p.detach().clone() for p in params]
+    train(params, t, 2, start=3)
+    # another job resumes from the weights and the file of step 3
+    again = model()
+    with torch.no_grad():
+        for p, w in zip(again, at3):
+            p.copy_(w)
+    t2 = Trainer(again, name, dict(kwargs), kvstore=store(), update_on_kvstore=load_uok,
+                 fuse=load_fuse)
+    t2.load_states(tmp_path / 's')
+    train(again, t2, 2, start=3)
+    for a, b in zip(again, params):
+        assert torch.equal(a, b)
+
+
+def test_a_file_missing_some_members_starts_their_key_afresh(caplog):
+    merged = {'format': states.FILE_FORMAT, 'num_update': 3, 'keys': [
+        [0, 3, {'m': {'dtype': 'float32', 'shape': [2], 'data': bytes(8)}}]]}
+    fused = {9: [(0, 0, 2), (1, 2, 5)]}
+    assert states.fuse(merged, fused)['keys'] == []
+    assert 'left out' in caplog.text
+    whole = {'m': {'dtype': 'float32', 'shape': [5], 'data': bytes(range(20))}}
+    split = states.unfuse({**merged, 'keys': [[9, 4, whole]]}, fused)
+    assert [(k, c, w['m']['shape']) for k, c, w in split['keys']] == [(0, 4, [2]), (1, 4, [3])]
+    assert states.fuse(split, fused)['keys'] == [[9, 4, whole]]
+    with pytest.raises(kvps.ConfigError, match='not a kvps optimizer-state file'):
+        states.fuse([1, 2], fused)
