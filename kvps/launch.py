@@ -5,7 +5,9 @@ Planning is pure (arguments -> process specs); running and supervising generic s
 """
 
 import argparse
+import math
 import os
+import re
 import sys
 import tempfile
 
@@ -59,9 +61,13 @@ def _servers(text):
 
 
 def _grace(text):
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f'{text!r}: must be >= 0')
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    # inf would make every wait for a stopped child endless (the launcher must never hang)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f'{text!r}: must be a finite number >= 0')
     return value
 
 
@@ -71,10 +77,18 @@ def _count(text):
     return int(text)
 
 
+_ENV_NAME = re.compile(r'[A-Za-z_][A-Za-z0-9_]*')
+
+
 def _assignment(text):
     name, sep, value = text.partition('=')
-    if not sep or not name or not name.replace('_', 'A').isalnum():
+    if not sep:
         raise argparse.ArgumentTypeError(f'{text!r}: expected NAME=VALUE')
+    # a shell could never export such a name, and most tools would not see it
+    if not _ENV_NAME.fullmatch(name):
+        raise argparse.ArgumentTypeError(
+            f'{name!r}: expected NAME=VALUE with NAME a valid variable name '
+            '(letters, digits and _, not starting with a digit)')
     owned = {n for field in _CONTRACT for n in _BY_FIELD[field].names}
     if name in owned:
         raise argparse.ArgumentTypeError(f'{name} is set by the launcher for each process')
