@@ -27,6 +27,17 @@ class Node:
                 'pid': self.pid}
 
 
+def _registered_label(node):
+    rank = '' if node.rank_hint is None else f' {node.rank_hint}'
+    return f'{node.role}{rank} (host {node.host}, pid {node.pid})'
+
+
+def _listed(items, most=20):
+    """Items joined by commas, at most ``most`` of them (a big job's message stays readable)."""
+    more = f', and {len(items) - most} more' if len(items) > most else ''
+    return ', '.join(items[:most]) + more
+
+
 class Membership:
     """Who is in the job, with which rank, and who is waiting at which barrier."""
 
@@ -102,10 +113,30 @@ class Membership:
         return all(self.count(role) == want for role, want in self.want.items())
 
     def missing(self):
-        """A sentence naming how many of each role have not arrived."""
+        """A sentence naming how many of each role have not arrived, which ones where that
+        can be told, and who did arrive (so a user can tell who is missing)."""
         parts = [f'{want - self.count(role)} of {want} {role}s'
                  for role, want in self.want.items() if self.count(role) < want]
-        return ' and '.join(parts) + ' never registered' if parts else ''
+        if not parts:
+            return ''
+        named = [f'{role} {rank}' for role, rank in self.missing_ranks()]
+        came = [_registered_label(n) for n in self.nodes.values()]
+        return (' and '.join(parts) + ' never registered ('
+                + (f'missing: {_listed(named)}; ' if named else '')
+                + f'registered: {_listed(came) or "none"})')
+
+    def missing_ranks(self):
+        """``(role, rank)`` of every node that never registered, for the roles whose
+        registered nodes all asked for a rank (a launcher gives each one); in the others,
+        ranks follow arrival order, so who is missing has no rank yet."""
+        found = []
+        for role, want in self.want.items():
+            nodes = self.of_role(role)
+            if any(n.rank_hint is None for n in nodes):
+                continue
+            taken = {n.rank_hint for n in nodes}
+            found += [(role, rank) for rank in range(want) if rank not in taken]
+        return found
 
     def assign_ranks(self):
         """Requested ranks are kept; the rest fill the free ranks in order of arrival."""

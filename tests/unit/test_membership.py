@@ -66,7 +66,30 @@ def test_settings_every_node_must_share_are_compared_at_registration():
 def test_missing_names_what_never_came():
     m = Membership(3, 2)
     m.register(b'w0', 'worker', 'h', 0, None, 1, now=0)
-    assert m.missing() == '2 of 3 workers and 2 of 2 servers never registered'
+    # the missing workers would take their ranks in arrival order: only the count is known
+    assert m.missing() == ('2 of 3 workers and 2 of 2 servers never registered (missing: '
+                           'server 0, server 1; registered: worker (host h, pid 1))')
+    assert Membership(1, 1).missing() == ('1 of 1 workers and 1 of 1 servers never registered '
+                                          '(missing: worker 0, server 0; registered: none)')
+
+
+def test_missing_names_the_ranks_that_never_came_when_nodes_ask_for_ranks():
+    # a launcher gives every node its rank: the scheduler can tell which one is missing
+    m = Membership(3, 1)
+    m.register(b'w2', 'worker', 'h', 0, 2, 7, now=0)
+    m.register(b's0', 'server', 'g', 5000, 0, 8, now=0)
+    m.register(b'w0', 'worker', 'h', 0, 0, 9, now=0)
+    assert m.missing_ranks() == [('worker', 1)]
+    assert m.missing() == ('1 of 3 workers never registered (missing: worker 1; registered: '
+                           'worker 2 (host h, pid 7), server 0 (host g, pid 8), '
+                           'worker 0 (host h, pid 9))')
+    assert m.complete is False and Membership(2, 1).complete is False
+
+
+def test_a_big_jobs_missing_list_is_bounded():
+    text = Membership(50, 1).missing()
+    assert text.endswith('(missing: ' + ', '.join(f'worker {r}' for r in range(20))
+                         + ', and 31 more; registered: none)')
 
 
 def test_barrier_releases_everyone_once_all_arrive():
