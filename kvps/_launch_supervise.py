@@ -5,6 +5,7 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
+import json
 import os
 import queue
 import signal
@@ -146,7 +147,8 @@ class Supervisor:
     """
 
     def __init__(self, out=None, err=None, grace=5.0, tail_lines=TAIL_LINES, restarts=None,
-                 primary_role='worker', formed_file=None, unjoined_grace=UNJOINED_GRACE):
+                 primary_role='worker', formed_file=None, unjoined_grace=UNJOINED_GRACE,
+                 blame_file=None):
         self.out = out if out is not None else sys.stdout
         self.err = err if err is not None else sys.stderr
         self.grace = grace
@@ -163,6 +165,9 @@ class Supervisor:
         self.formed_file = formed_file
         self.unjoined_grace = unjoined_grace
         self._unjoined = None              # (first such child, when the others must be done)
+        # JSON {'blame': [[role, rank], ...], 'reason': ...}, written by the job's coordinator
+        # when a child ends the job without exiting first (found lost, never registered)
+        self.blame_file = blame_file
 
     # -- output --------------------------------------------------------------------------
 
@@ -242,8 +247,12 @@ class Supervisor:
             self.say(f'got {signal.Signals(what).name}; stopping all processes')
             return self.stop(128 + what)
         what.done = True
-        if what.returncode != 0 and not self._restart(what):
-            return self.fail(what)
+        if what.returncode != 0:
+            blamed = self._blamed()   # this exit may only be the job ending because of it
+            if blamed is not None:
+                return self.fail(*blamed)
+            if not self._restart(what):
+                return self.fail(what)
         if what.returncode == 0 and self._unjoined is None and self._left_unformed(what):
             self._unjoined = (what, time.monotonic() + self.unjoined_grace)
         return self.stopped
@@ -267,6 +276,24 @@ class Supervisor:
             self.fail(child, 'exited with exit code 0 without joining the job (it never '
                              'created a distributed kvstore), so the job can never start')
 
+    def _blamed(self):
+        """``(child, why)`` for the child the coordinator named in the blame file, if any."""
+        if self.blame_file is None:
+            return None
+        try:
+            with open(self.blame_file, encoding='utf-8') as f:
+                verdict = json.load(f)
+            named, reason = verdict['blame'], str(verdict['reason'])
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            self.say(f'ignored {self.blame_file}: {exc!r}')
+            return None
+        for child in reversed(self.children):   # a restarted spec's latest process
+            if [child.spec.role, child.spec.rank] in named:
+                return child, f'the scheduler ended the job: {reason}'
+        return None
+
     def _restart(self, child):
         """Start a failed child's spec again if its role has restarts left and the job is still
         running (some primary child is); return whether it did."""
@@ -286,7 +313,8 @@ class Supervisor:
         self._failure = (child, why)
         self.say(f'{child.name} (pid {child.pid}) failed first: {why}; '
                  f'stopping the other processes')
-        return self.stop(exit_code(child.returncode) or 1)
+        code = child.returncode   # None: still running (stopped, or never joined the job)
+        return self.stop((exit_code(code) if code is not None else 0) or 1)
 
     # -- waiting -------------------------------------------------------------------------
 

@@ -273,6 +273,13 @@ class Config:
         joined the job."""
         return None if not self.port_file else self.port_file + '.formed'
 
+    @property
+    def blame_file(self):
+        """The file the scheduler writes when a node ends the job (lost, failed, never
+        registered), naming it (beside the port file; None without one): the processes a
+        launcher sees exit first are only told to stop because of it."""
+        return None if not self.port_file else self.port_file + '.blame'
+
     def require_cluster(self):
         """Raise ConfigError naming every variable a distributed node still lacks."""
         needed = ['scheduler_host', 'scheduler_port', 'num_workers', 'num_servers']

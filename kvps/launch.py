@@ -206,7 +206,8 @@ def run(opts, environ=None, node_argv=NODE_ARGV, out=None, err=None):
             return 2
         supervisor = Supervisor(out=out, err=err, grace=opts.grace,
                                 restarts={'server': opts.restart_servers},
-                                formed_file=config.formed_file)
+                                formed_file=config.formed_file,
+                                blame_file=config.blame_file)
         with forwarding_signals(supervisor):
             try:
                 return _run_job(supervisor, opts, environ, scheduler, config, node_argv)

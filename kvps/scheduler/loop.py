@@ -1,5 +1,6 @@
 """The scheduler process: owns the ROUTER socket and drives Membership from a poll loop."""
 
+import json
 import logging
 import secrets
 import time
@@ -185,8 +186,10 @@ class Scheduler:
     def _tick(self, now):
         if not self.members.ranked:
             if now - self.started > self.config.connect_timeout:
-                self._end(1, f'registration timed out after {self.config.connect_timeout:.0f} s: '
-                             f'{self.members.missing()} (KVPS_CONNECT_TIMEOUT)')
+                reason = (f'registration timed out after {self.config.connect_timeout:.0f} s: '
+                          f'{self.members.missing()} (KVPS_CONNECT_TIMEOUT)')
+                self._blame(self.members.missing_ranks(), reason)
+                self._end(1, reason)
             return
         for lost in self.members.silent(now, self.config.heartbeat_timeout):
             reason = (f'{lost.describe()} is lost: no heartbeat for '
@@ -215,12 +218,25 @@ class Scheduler:
 
     def _lose(self, lost, reason):
         """A peer is gone for good: tell everyone who, and end the job."""
+        self._blame([(lost.role, lost.rank)], reason)
         for node in self.members.nodes.values():
             if node is not lost:
                 self._send(node.identity, {'op': P.PEER_LOST, 'id': 0, 'role': lost.role,
                                            'rank': lost.rank, 'host': lost.host,
                                            'reason': reason})
         self._end(1, reason)
+
+    def _blame(self, nodes, reason):
+        """Name the ``(role, rank)`` nodes that end the job to a launcher, before anyone is
+        told: the processes it sees exit first are the ones we stop, not the cause (a
+        stopped server, a worker that never registered, does not exit at all)."""
+        if not self.config.blame_file:
+            return
+        try:
+            write_atomically(self.config.blame_file,
+                             json.dumps({'blame': [list(n) for n in nodes], 'reason': reason}))
+        except OSError as exc:   # the launcher's directory is gone: nobody reads it anyway
+            log.warning('could not write %s: %s', self.config.blame_file, exc)
 
     def _end(self, code, reason):
         if code:

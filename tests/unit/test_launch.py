@@ -388,6 +388,69 @@ def test_workers_that_joined_may_finish_at_any_pace(tmp_path):
     assert_gone(pids)
 
 
+def _blaming(path, blame, reason):
+    """Code that names ``blame`` ([role, rank] pairs) in the blame file, then exits 1, as the
+    scheduler does when it ends the job because of a node."""
+    return f'''
+        import json, os, time
+        time.sleep(0.3)
+        with open({str(path)!r} + '.tmp', 'w') as f:
+            json.dump({{'blame': {blame!r}, 'reason': {reason!r}}}, f)
+        os.replace({str(path)!r} + '.tmp', {str(path)!r})
+        raise SystemExit(1)
+    '''
+
+
+def _exits_after(path):
+    return f'''
+        import os, time
+        while not os.path.exists({str(path)!r}):
+            time.sleep(0.01)
+        raise SystemExit(1)   # told by the scheduler that the job is over
+    '''
+
+
+def test_the_node_the_scheduler_blames_is_named_not_the_first_to_exit(tmp_path):
+    """A stopped server never exits: its peers, told the job is over, do; the scheduler's
+    reason is the root cause."""
+    blame = tmp_path / 'blame'
+    rc, _, err, pids = supervise([
+        py('scheduler', None, _blaming(blame, [['server', 1]], 'server 1 is lost: no heartbeat')),
+        py('server', 0, _exits_after(blame)),
+        py('server', 1, 'import time; print("stuck", flush=True); time.sleep(60)'),
+        py('worker', 0, _exits_after(blame)),
+    ], blame_file=str(blame), restarts={'server': 2})
+    assert rc == 1 and 'restarting' not in err   # the job is over: nothing to restart
+    assert re.search(r'^kvps.launch: server 1 \(pid \d+\) failed first: the scheduler ended '
+                     r'the job: server 1 is lost: no heartbeat; stopping', err, re.M), err
+    assert '[server 1] stuck' in err and 'worker 0' not in err and 'server 0' not in err
+    assert_gone(pids)
+
+
+def test_a_worker_that_never_registered_is_named(tmp_path):
+    blame = tmp_path / 'blame'
+    rc, _, err, pids = supervise([
+        py('scheduler', None, _blaming(blame, [['worker', 1]], '1 of 2 workers never registered')),
+        py('worker', 0, _exits_after(blame)),
+        py('worker', 1, 'import time; time.sleep(60)'),
+    ], blame_file=str(blame))
+    assert rc == 1
+    assert re.search(r'worker 1 \(pid \d+\) failed first: the scheduler ended the job: 1 of 2 '
+                     r'workers never registered', err), err
+    assert 'worker 0' not in err
+    assert_gone(pids)
+
+
+def test_a_blame_naming_no_child_leaves_the_first_failure_blamed(tmp_path):
+    blame = tmp_path / 'blame'
+    rc, _, err, pids = supervise([
+        py('scheduler', None, 'import time; time.sleep(60)'),
+        py('worker', 0, _blaming(blame, [], 'a worker never registered')),
+    ], blame_file=str(blame))
+    assert rc == 1 and re.search(r'worker 0 \(pid \d+\) failed first: exit code 1', err), err
+    assert_gone(pids)
+
+
 def test_command_that_cannot_start():
     out, err = io.StringIO(), io.StringIO()
     rc = run_specs([py('server', 0, 'import time; time.sleep(60)'),
