@@ -330,9 +330,8 @@ class Supervisor:
                 return None
             if self.poll(_POLL) is not None:
                 return None
-        self.say(f'{child.name} (pid {child.pid}) did not write its port file within '
-                 f'{timeout:g} s (--connect-timeout)')
-        self.stop(1)
+        # as a failure: its output (what it was stuck on) is shown after the teardown
+        self.fail(child, f'did not write its port file within {timeout:g} s (--connect-timeout)')
         return None
 
     def supervise(self, shutdown_timeout):

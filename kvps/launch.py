@@ -8,6 +8,7 @@ import argparse
 import math
 import os
 import re
+import socket
 import sys
 import tempfile
 
@@ -60,6 +61,20 @@ def _servers(text):
         raise argparse.ArgumentTypeError(f'{text!r}: need at least one server') from None
 
 
+def _host(text):
+    """--host, resolved here, on the host where the scheduler binds it: a name that does not
+    resolve would only make the scheduler retry for the whole --connect-timeout while the
+    launcher waits for its port, and then say nothing of why."""
+    host = _checked('scheduler_host')(text)
+    try:
+        socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:   # gaierror is an OSError; idna refuses some names
+        raise argparse.ArgumentTypeError(
+            f'{host!r}: cannot resolve it to an IPv4 address on this host, where the scheduler '
+            f'binds it ({exc})') from None
+    return host
+
+
 def _grace(text):
     try:
         value = float(text)
@@ -106,7 +121,7 @@ def build_parser():
                    type=_checked('num_workers', convert=True), metavar='W')
     p.add_argument('-s', '--num-servers', dest='num_servers', required=True, type=_servers,
                    metavar='S')
-    p.add_argument('--host', default=DEFAULT_HOST, type=_checked('scheduler_host'),
+    p.add_argument('--host', default=DEFAULT_HOST, type=_host,
                    help=f'address the scheduler binds and everyone dials (default {DEFAULT_HOST})')
     for field in _PASSED_DOWN:
         var = _BY_FIELD[field]

@@ -30,7 +30,9 @@ FAKE_NODE = textwrap.dedent('''
     if role == 'scheduler':
         if os.environ.get('FAKE_SCHEDULER_FAIL'):
             print('scheduler: cannot bind'); sys.exit(int(os.environ['FAKE_SCHEDULER_FAIL']))
-        if not os.environ.get('FAKE_SCHEDULER_SILENT'):
+        if os.environ.get('FAKE_SCHEDULER_SILENT'):
+            print('scheduler: still resolving', flush=True)
+        else:
             s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
             path = os.environ['KVPS_PORT_FILE']
             with open(path + '.tmp', 'w') as f:
@@ -111,6 +113,9 @@ def test_parse_command_forms():
     (['-s', '1', 'cmd'], '-n/--num-workers'),
     (['-n', '1', '-s', '1', '--timeout', '-1', 'cmd'], 'must be > 0'),
     (['-n', '1', '-s', '1', '--connect-timeout', 'soon', 'cmd'], "'soon'"),
+    (['-n', '1', '-s', '1', '--host', 'no-such-host.invalid', 'cmd'],
+     "'no-such-host.invalid': cannot resolve it to an IPv4 address on this host"),
+    (['-n', '1', '-s', '1', '--host', '::1', 'cmd'], 'cannot resolve it to an IPv4 address'),
     (['-n', '1', '-s', '1', '--grace', '-2', 'cmd'], 'must be a finite number >= 0'),
     (['-n', '1', '-s', '1', '--grace', 'inf', 'cmd'], 'must be a finite number >= 0'),
     (['-n', '1', '-s', '1', '--grace', 'nan', 'cmd'], 'must be a finite number >= 0'),
@@ -557,4 +562,17 @@ def test_scheduler_that_never_writes_its_port(fake_node):
                           '--env', 'FAKE_SCHEDULER_SLEEP=60'),
                     node_argv=fake_node, out=io.StringIO(), err=err)
     assert rc == 1 and time.monotonic() - start < 5
-    assert 'did not write its port file within 0.5 s' in err.getvalue()
+    assert re.search(r'scheduler \(pid \d+\) failed first: did not write its port file within '
+                     r'0.5 s', err.getvalue())
+    # what it was stuck on is shown
+    assert '[scheduler] scheduler: still resolving' in err.getvalue(), err.getvalue()
+
+
+def test_an_unresolvable_host_is_refused_before_anything_starts():
+    # else the scheduler retries DNS for the whole --connect-timeout (120 s by default) while
+    # the launcher waits for its port and finally says only that it never came
+    proc = subprocess.run([sys.executable, '-m', 'kvps.launch', '-n', '1', '-s', '1', '--host',
+                           'no-such-host.invalid', '--', sys.executable, '-c', 'pass'],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "argument --host: 'no-such-host.invalid': cannot resolve" in proc.stderr
