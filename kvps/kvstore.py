@@ -83,10 +83,12 @@ def _worker_logging(level):
 def _leave_job_at_exit(client):
     """Python ignores exceptions in atexit hooks; a worker that could not leave the job cleanly
     (pushes lost, scheduler gone) must not exit 0 as if nothing happened. A worker exiting on
-    an uncaught exception does not leave cleanly at all: told it had finished, the others'
-    rounds would fail at once, and they, not it, would look like the first failure."""
-    if getattr(sys, 'last_exc', None) or getattr(sys, 'last_value', None):
-        client.abandon()   # its exit (seen by the launcher) or its silence names it
+    an uncaught exception does not finish (told it had finished, the others' rounds would fail
+    at once, and they, not it, would look like the first failure): it aborts the job, which
+    ends at once naming it and its exception (by hand, no launcher sees its exit)."""
+    exc = getattr(sys, 'last_exc', None) or getattr(sys, 'last_value', None)
+    if exc is not None:
+        client.abandon(_uncaught(exc))   # the job ends now, naming it and why
         return
     try:
         client.close()
@@ -95,6 +97,12 @@ def _leave_job_at_exit(client):
         sys.stderr.flush()
         sys.stdout.flush()
         os._exit(1)
+
+
+def _uncaught(exc):
+    """What the scheduler tells the others about a worker dying of ``exc``."""
+    text = str(exc)
+    return f'uncaught {type(exc).__name__}' + (f': {text}' if text else '')
 
 
 class KVStore:

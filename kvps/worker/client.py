@@ -294,11 +294,16 @@ class DistClient:
         finally:
             self.io.stop(5.0)
 
-    def abandon(self):
-        """Stop without a word to the job: this process is failing."""
+    def abandon(self, reason=None):
+        """Stop without finishing: this process is failing. With a ``reason``, the scheduler
+        is told (best effort, bounded), so the job ends now with it instead of the other
+        workers waiting for this one until its silence is noticed."""
         if not self.closed:
             self.closed = True
-            self.io.stop(1.0)
+            if reason is None:
+                self.io.stop(1.0)
+            else:
+                self.io.abort(reason, 2.0)   # its link lingers up to 2 s to deliver it
 
     # -- helpers --------------------------------------------------------------------------
     def _send_init(self, key, flat, shape, dtype, device):

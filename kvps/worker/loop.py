@@ -44,6 +44,7 @@ class WorkerIO(threading.Thread):
         # Scheduler requests (barrier, finish) are few and keyed by their own sequence numbers.
         self._scheduler_requests = {}
         self._stopping = False
+        self._abort_reason = None   # set when this process is failing: told to the scheduler
         self._servers = {}          # node name ('server N') -> Dealer
         self._by_socket = {}        # Dealer -> node name, to say where a bad reply came from
         self._lost = set()          # servers the job waits for: requests to them are held
@@ -67,6 +68,12 @@ class WorkerIO(threading.Thread):
         self.waker.wake()
         self.join(timeout)
 
+    def abort(self, reason, timeout):
+        """Stop, telling the scheduler first that this process is failing and why: the job
+        ends at once with that reason instead of the others waiting for us to go silent."""
+        self._abort_reason = reason
+        self.stop(timeout)
+
     # -- the thread -------------------------------------------------------------------------
     def run(self):
         try:
@@ -88,6 +95,8 @@ class WorkerIO(threading.Thread):
             log.exception('worker I/O thread failed')
             self._die(exc if isinstance(exc, KVPSError) else KVPSError(f'I/O thread: {exc!r}'))
         finally:
+            if self._abort_reason is not None and self.fatal is None:   # else the job is over
+                self._link.abort(self._abort_reason)   # closing the link delivers it
             self._close()
 
     def _staging(self):

@@ -2,6 +2,7 @@
 
 import glob
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -310,6 +311,39 @@ def test_lost_scheduler_is_named(by_hand):
     code, out = by_hand.finish(worker)
     assert code == 7, out
     assert 'scheduler' in out
+
+
+RAISING_BY_HAND = '''
+from kvps.errors import PeerLostError
+kv = kvps.create('dist_sync')
+kv.init(0, np.zeros(2))
+if kv.rank == 1:
+    raise RuntimeError('boom in worker 1')
+try:
+    for step in range(100000):
+        kv.push(0, np.ones(2))
+        kv.pull(0, out=np.zeros(2))
+except PeerLostError as exc:
+    report(error=str(exc), role=exc.role, rank=exc.rank)
+    sys.exit(7)
+'''
+
+
+def test_a_worker_failing_by_hand_ends_the_job_with_its_reason(by_hand):
+    # No launcher sees its exit: it tells the scheduler why it fails (ABORT), so the others
+    # learn it at once, not a lost heartbeat later (or a round timing out with no reason).
+    sched, env = by_hand.scheduler(num_workers=2, num_servers=1)
+    server = by_hand('server', env)
+    workers = [by_hand('worker', env, script=RAISING_BY_HAND, rank=r) for r in range(2)]
+    code, out = by_hand.finish(workers[1])
+    assert code == 1 and 'RuntimeError: boom in worker 1' in out, out
+    code, out = by_hand.finish(workers[0])
+    assert code == 7, out
+    report = json.loads(out.split('RESULT ', 1)[1].splitlines()[0])
+    assert (report['role'], report['rank']) == ('worker', 1)
+    assert re.match(r'worker 1 \(host 127.0.0.1, pid \d+\) failed: uncaught RuntimeError: boom '
+                    r'in worker 1$', report['error']), report
+    assert sched.wait(30) == 1 and server.wait(30) != 0   # the job ends everywhere
 
 
 HAND_SCRIPT = '''
