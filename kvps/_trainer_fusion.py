@@ -18,8 +18,12 @@ class FusedKey:
     a push's gradients are gathered, and where summed gradients land when workers update.
     """
 
-    def __init__(self, key, members):
+    def __init__(self, key, members, plain=True):
         self.key, self.members = key, members
+        # Workers updating: one pass over the packed key, its state kept under its key (its
+        # members' multipliers are 1, which the optimizer gives a key it has no entry for);
+        # False once the state is split into the members'
+        self.updated_whole = plain
         self.sizes = [p.tensor.numel() for p in members]
         first = members[0].tensor.detach()
         self.weight = first.new_empty(sum(self.sizes))
@@ -111,7 +115,10 @@ class Layout:
         next_key = max(p.key for p in params) + 1
         for members in groups:
             if len(members) > 1:       # one parameter alone keeps its own key
-                self._add(FusedKey(next_key, members))
+                p = members[0]
+                plain = (optimizer.lr_mult.get(p.key, 1.0) == optimizer.wd_mult.get(p.key, 1.0)
+                         == 1.0)
+                self._add(FusedKey(next_key, members, plain))
                 next_key += 1
 
     def _add(self, fused):
@@ -124,6 +131,13 @@ class Layout:
         self.fused.remove(fused)
         for p in fused.members:
             del self.by_member[p.key]
+
+    def updated_whole(self):
+        """The fused keys whose optimizer state (workers updating) is under their own key."""
+        return [f for f in self.fused if f.updated_whole]
+
+    def sizes(self):
+        return {f.key: f.weight.numel() for f in self.fused}
 
     def ranges(self, fused=None):
         """{fused key: [(member key, start, stop)]} of ``fused`` (default: every fused key)."""

@@ -94,14 +94,22 @@ def no_server_states(what):
         'worker then holds the optimizer state itself')
 
 
-def save_local_states(updater, fname, sizes):
-    """A local Updater's state (flat per key, as servers keep it) in the store's file format."""
-    merged = states.merge([updater.get_states(dump_optimizer=True)], _whole(sizes))
-    states.write_file(fname, merged)
+def save_local_states(updater, fname, sizes, fused):
+    """A local Updater's state (flat per key, as servers keep it) in the store's file format,
+    per parameter (``fused``: {fused key: its members' ranges} for state kept per fused key;
+    ``sizes``: elements per parameter)."""
+    merged = states.merge([updater.get_states(dump_optimizer=True)],
+                          _whole({**sizes, **_fused_sizes(fused)}))
+    states.write_file(fname, states.unfuse(merged, fused))
 
 
-def load_local_states(updater, fname, sizes):
-    """Restore a local Updater from any optimizer-state file, checking it fits the params."""
+def _fused_sizes(fused):
+    return {key: ranges[-1][2] for key, ranges in fused.items()}
+
+
+def load_local_states(updater, fname, sizes, fused):
+    """Restore a local Updater from any optimizer-state file, checking it fits the params
+    (``sizes``), with the members of ``fused`` keys joined (see save_local_states)."""
     merged = states.read_file(fname)
     if not isinstance(merged, dict) or merged.get('format') != states.FILE_FORMAT:
         raise ValueError(f'{fname}: not a kvps optimizer-state file')
@@ -115,7 +123,16 @@ def load_local_states(updater, fname, sizes):
                 raise ValueError(f'{fname}: state {name!r} of key {key!r} holds {count} '
                                  f'elements; the parameter has {sizes[key]} (saved for other '
                                  'parameters?)')
-    updater.set_states(states.split(merged, 1, _whole(sizes))[0])
+    merged = states.fuse(merged, fused)
+    updater.set_states(states.split(merged, 1, _whole({**sizes, **_fused_sizes(fused)}))[0])
+
+
+def split_local_state(updater, sizes, fused):
+    """A local Updater's state under the ``fused`` keys moved to their members (exactly: every
+    update kvps runs on the workers is elementwise); ``sizes``: elements of every key."""
+    whole = _whole(sizes)
+    merged = states.unfuse(states.merge([updater.get_states()], whole), fused)
+    updater.set_states(states.split(merged, 1, whole)[0])
 
 
 def read_optimizer(fname):

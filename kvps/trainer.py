@@ -8,7 +8,7 @@ from . import optimizer as opt_mod
 from ._trainer_fusion import (FusedKey, Layout, PushBucket, pull_weights, split_partly_frozen,
                               weights_of)
 from ._trainer_kv import (load_local_states, load_server_states, read_optimizer, resolve,
-                          save_local_states, save_server_states)
+                          save_local_states, save_server_states, split_local_state)
 from ._trainer_params import check_devices, check_same_everywhere, collect, merge_mults
 from .devices import kernel_view
 from .errors import ConfigError, DuplicateInitError, ParameterMismatchError, StaleGradientError
@@ -67,6 +67,9 @@ class Trainer:
                               self._can_fuse(fuse))
         for fused in self._layout.fused:   # workers update members on views of the sum
             self._summed.update((p.key, view) for p, view in zip(fused.members, fused.grad_views))
+            # a whole pass per fused key needs every member updated at every step: so in
+            # distributed mode (not alone, where stale parameters are skipped)
+            fused.updated_whole &= self._distributed and not self._update_on_kvstore
         if self._kv is not None:
             self._set_compression(compression_params)
             self._init_store()
@@ -187,7 +190,7 @@ class Trainer:
             save_server_states(self._kv, fname, self._layout)
         else:  # local updates, or servers that have not updated anything yet
             updater = self._updater or Updater(self._optimizer)
-            save_local_states(updater, fname, self._sizes())
+            save_local_states(updater, fname, self._sizes(), self._local_ranges())
 
     def load_states(self, fname):
         """Restore what save_states wrote (collective when the servers run the optimizer)."""
@@ -203,7 +206,7 @@ class Trainer:
             # kind of optimizer again keeps the state just loaded)
             self._batch_size_known = False
         else:
-            load_local_states(self._updater, fname, self._sizes())
+            load_local_states(self._updater, fname, self._sizes(), self._local_ranges())
             self._optimizer = self._updater.optimizer
 
     # -- internals: setup ------------------------------------------------------------------
@@ -368,11 +371,31 @@ class Trainer:
             self._seen_grads[p.key] = p.tensor.grad
         return p.tensor.grad
 
+    def _local_ranges(self):
+        """{fused key: its members' ranges} where the local optimizer state is per fused key."""
+        return self._layout.ranges(self._layout.updated_whole()) if self._updater else {}
+
     def _update(self, ignore_stale_grad):
         """Local update with the servers' kernels, in place on views of the tensors: numpy for
-        CPU parameters, cupy (through DLPack, no copy) for CUDA ones."""
-        items = []
+        CPU parameters, cupy (through DLPack, no copy) for CUDA ones; a fused key's members
+        in one pass over the packed key (one kernel call instead of one per member)."""
+        items, whole, done = [], [], set()
+        for fused in self._layout.updated_whole():
+            trainable = fused.trainable_count()
+            if 0 < trainable < len(fused.members):   # partly frozen: per member from now on
+                self._split_local_state(fused)
+                continue
+            done.update(p.key for p in fused.members)
+            if trainable:
+                if self._reduced == 'grads':   # the sums allreduce_grads left (maybe clipped)
+                    fused.arrived = {p.key: p.tensor.grad for p in fused.members}
+                    fused.gather_grads(_dense)
+                items.append((fused.key, 0, kernel_view(fused.gather_weights()),
+                              kernel_view(fused.grad, read_only=True)))
+                whole.append(fused)
         for p in self._trainable:
+            if p.key in done:
+                continue
             grad = self._summed[p.key] if self._reduced == 'buffers' else p.tensor.grad
             # Distributed: every worker updates every parameter with the same summed gradient,
             # so workers stay identical even when their stale parameters differ.
@@ -384,6 +407,15 @@ class Trainer:
                           kernel_view(_dense(grad), read_only=True)))
         if items:
             self._updater.update_many(items)
+        for fused in whole:
+            fused.scatter_weights()
+
+    def _split_local_state(self, fused):
+        """``fused``'s members are updated one by one from now on, each with its share of
+        the state the fused key had."""
+        split_local_state(self._updater, {**self._sizes(), **self._layout.sizes()},
+                          self._layout.ranges([fused]))
+        fused.updated_whole = False
 
     def _end_step(self):
         if self._kv is not None and self._update_on_kvstore:

@@ -102,15 +102,19 @@ def fused_and_alone(name, kwargs, uok, freeze=None):
 @pytest.mark.parametrize('name, kwargs', OPTIMIZERS)
 @pytest.mark.parametrize('uok', [True, False])
 def test_fused_training_is_bit_for_bit_unfused_training(name, kwargs, uok):
-    (fused, _), (alone, _) = fused_and_alone(name, kwargs, uok)
+    (fused, t), (alone, _) = fused_and_alone(name, kwargs, uok)
     for a, b in zip(fused, alone):
         assert torch.equal(a, b)
+    if not uok:   # workers update a fused key in one pass when its multipliers are 1
+        assert [f.updated_whole for f in t._layout.fused] == [True, True, False]
+        assert {key for key, _, _ in t._updater.get_states()['states']} == {5, 8, 9, 4, 6}
 
 
 def gan(params, step):
-    """Alternate halves, as README's GAN recipe does: the split runs through fused key 10."""
+    """Alternate halves, as README's GAN recipe does: the split runs through fused keys 8
+    ([0, 1]) and 10 ([4, 6])."""
     for i, p in enumerate(params[:7]):
-        p.requires_grad_((i < 5) == (step % 2 == 0))
+        p.requires_grad_((i in (0, 4)) == (step % 2 == 0))
 
 
 @pytest.mark.parametrize('name, kwargs', OPTIMIZERS[:2])
@@ -120,10 +124,11 @@ def test_partly_frozen_fused_keys_train_exactly_as_separate_keys(name, kwargs, u
     for a, b in zip(fused, alone):
         assert torch.equal(a, b)
     if uok:   # the servers update whole keys: the split ones were given keys of their own
-        assert [[p.key for p in f.members] for f in t._layout.fused] == [[0, 1], [2, 3]]
-        assert {4, 6} <= set(keys_of(t))
-    else:     # workers update each parameter: zeros for the frozen ones keep them fused
-        assert len(t._layout.fused) == 3
+        assert [[p.key for p in f.members] for f in t._layout.fused] == [[2, 3]]
+        assert {0, 1, 4, 6} <= set(keys_of(t))
+    else:     # the workers' sums keep them fused (zeros for the frozen); the update of the
+        # split one runs per member, with the state it had under the fused key
+        assert [f.updated_whole for f in t._layout.fused] == [False, True, False]
 
 
 def test_allreduce_grads_lands_fused_sums_in_each_trainable_grad():
@@ -137,12 +142,16 @@ def test_allreduce_grads_lands_fused_sums_in_each_trainable_grad():
         assert (p.grad is None) if grad is None else torch.equal(p.grad, grad)
 
 
-@pytest.mark.parametrize('save_fuse, load_fuse, load_uok', [
-    (True, False, True), (True, True, False), (False, True, True), (True, True, True)])
-def test_state_files_are_per_parameter_whoever_fused(tmp_path, save_fuse, load_fuse, load_uok):
+@pytest.mark.parametrize('save_fuse, save_uok, load_fuse, load_uok', [
+    (True, True, False, True), (True, True, True, False), (False, True, True, True),
+    (True, True, True, True), (True, False, True, True), (True, False, False, False),
+    (True, False, True, False), (False, False, True, False)])
+def test_state_files_are_per_parameter_whoever_fused(tmp_path, save_fuse, save_uok, load_fuse,
+                                                     load_uok):
     name, kwargs = OPTIMIZERS[1]
     params = model()
-    t = Trainer(params, name, dict(kwargs), kvstore=store(), fuse=save_fuse)
+    t = Trainer(params, name, dict(kwargs), kvstore=store(), update_on_kvstore=save_uok,
+                fuse=save_fuse)
     train(params, t, 3)
     t.save_states(tmp_path / 's')
     saved = states.read_file(tmp_path / 's')
