@@ -92,14 +92,16 @@ class Layout:
     its key. Every worker builds the same layout from the same (checked) parameter table.
     """
 
-    def __init__(self, params, optimizer, cap, enabled):
+    def __init__(self, params, optimizer, cap, enabled, whole_updates):
+        """``whole_updates``: workers update a fused key in one pass where its multipliers
+        allow (see FusedKey.updated_whole)."""
         self.fused = []         # FusedKey, in the order of their first members
         self.by_member = {}     # param key -> its FusedKey
         if enabled and cap > 0:
-            self._build(params, optimizer, cap)
+            self._build(params, optimizer, cap, whole_updates)
 
-    def _build(self, params, optimizer, cap):
-        open_keys, groups = {}, []
+    def _build(self, params, optimizer, cap, whole_updates):
+        open_keys, groups = {}, []   # groups: (kind, members)
         for p in params:
             nbytes = p.tensor.numel() * p.tensor.element_size()
             if not (p.trainable and p.tensor.device.type == 'cpu' and nbytes < FUSE_BELOW_BYTES):
@@ -109,15 +111,13 @@ class Layout:
             group = open_keys.get(kind)
             if group is None or group[0] + nbytes > cap:
                 group = open_keys[kind] = [0, []]
-                groups.append(group[1])
+                groups.append((kind, group[1]))
             group[0] += nbytes
             group[1].append(p)
         next_key = max(p.key for p in params) + 1
-        for members in groups:
+        for (_, lr_mult, wd_mult), members in groups:
             if len(members) > 1:       # one parameter alone keeps its own key
-                p = members[0]
-                plain = (optimizer.lr_mult.get(p.key, 1.0) == optimizer.wd_mult.get(p.key, 1.0)
-                         == 1.0)
+                plain = whole_updates and lr_mult == wd_mult == 1.0
                 self._add(FusedKey(next_key, members, plain))
                 next_key += 1
 
@@ -135,9 +135,6 @@ class Layout:
     def updated_whole(self):
         """The fused keys whose optimizer state (workers updating) is under their own key."""
         return [f for f in self.fused if f.updated_whole]
-
-    def sizes(self):
-        return {f.key: f.weight.numel() for f in self.fused}
 
     def ranges(self, fused=None):
         """{fused key: [(member key, start, stop)]} of ``fused`` (default: every fused key)."""

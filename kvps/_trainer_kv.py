@@ -98,13 +98,15 @@ def save_local_states(updater, fname, sizes, fused):
     """A local Updater's state (flat per key, as servers keep it) in the store's file format,
     per parameter (``fused``: {fused key: its members' ranges} for state kept per fused key;
     ``sizes``: elements per parameter)."""
-    merged = states.merge([updater.get_states(dump_optimizer=True)],
-                          _whole({**sizes, **_fused_sizes(fused)}))
+    merged = states.merge([updater.get_states(dump_optimizer=True)], _local_parts(sizes, fused))
     states.write_file(fname, states.unfuse(merged, fused))
 
 
-def _fused_sizes(fused):
-    return {key: ranges[-1][2] for key, ranges in fused.items()}
+def _local_parts(sizes, fused):
+    """The parts_of function of a local Updater's keys: the parameters' (``sizes``) and the
+    fused keys' (``fused``: their members' ranges), each one whole part."""
+    every = {**sizes, **{key: ranges[-1][2] for key, ranges in fused.items()}}
+    return lambda key: [(0, 0, 0, every[key])]
 
 
 def load_local_states(updater, fname, sizes, fused):
@@ -124,15 +126,17 @@ def load_local_states(updater, fname, sizes, fused):
                                  f'elements; the parameter has {sizes[key]} (saved for other '
                                  'parameters?)')
     merged = states.fuse(merged, fused)
-    updater.set_states(states.split(merged, 1, _whole({**sizes, **_fused_sizes(fused)}))[0])
+    updater.set_states(states.split(merged, 1, _local_parts(sizes, fused))[0])
 
 
-def split_local_state(updater, sizes, fused):
-    """A local Updater's state under the ``fused`` keys moved to their members (exactly: every
-    update kvps runs on the workers is elementwise); ``sizes``: elements of every key."""
-    whole = _whole(sizes)
-    merged = states.unfuse(states.merge([updater.get_states()], whole), fused)
-    updater.set_states(states.split(merged, 1, whole)[0])
+def split_local_state(updater, sizes, fused, key):
+    """A local Updater's state under fused key ``key`` moved to its members (exactly: every
+    update kvps runs on the workers is elementwise); ``sizes`` and ``fused`` as
+    save_local_states takes them."""
+    parts_of = _local_parts(sizes, fused)
+    merged = states.merge([updater.get_states()], parts_of)
+    merged = states.unfuse(merged, {key: fused[key]})
+    updater.set_states(states.split(merged, 1, parts_of)[0])
 
 
 def read_optimizer(fname):
@@ -144,7 +148,3 @@ def read_optimizer(fname):
     optimizer = Optimizer.from_spec(spec)
     optimizer.num_update = int(merged.get('num_update', optimizer.begin_num_update))
     return optimizer
-
-
-def _whole(sizes):
-    return lambda key: [(0, 0, 0, sizes[key])]

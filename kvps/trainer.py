@@ -63,13 +63,12 @@ class Trainer:
         self._summed = {}          # key -> where step() pulls a summed gradient (workers update)
         self._seen_grads = {}
         self._bucket = PushBucket(self._kv, bucket_bytes) if self._kv is not None else None
-        self._layout = Layout(self._params, self._optimizer, bucket_bytes,
-                              self._can_fuse(fuse))
+        # A whole pass per fused key on the workers needs every member updated at every
+        # step: so in distributed mode (not alone, where stale parameters are skipped).
+        self._layout = Layout(self._params, self._optimizer, bucket_bytes, self._can_fuse(fuse),
+                              whole_updates=self._distributed and not self._update_on_kvstore)
         for fused in self._layout.fused:   # workers update members on views of the sum
             self._summed.update((p.key, view) for p, view in zip(fused.members, fused.grad_views))
-            # a whole pass per fused key needs every member updated at every step: so in
-            # distributed mode (not alone, where stale parameters are skipped)
-            fused.updated_whole &= self._distributed and not self._update_on_kvstore
         if self._kv is not None:
             self._set_compression(compression_params)
             self._init_store()
@@ -198,7 +197,7 @@ class Trainer:
         if self._kv is not None and self._update_on_kvstore:
             optimizer = read_optimizer(fname) or self._optimizer
             if not self._server_has_optimizer:
-                self._kv.set_optimizer(self._layout.server_spec(optimizer.to_spec()))
+                self._send_optimizer(optimizer)
                 self._server_has_optimizer = True
             load_server_states(self._kv, fname, self._layout)
             self._optimizer = optimizer
@@ -230,9 +229,6 @@ class Trainer:
                 'trains those requiring grad at each step, so freeze the other model with '
                 'requires_grad_(False), and lr_mult/wd_mult attributes on parameters set their '
                 'own rates') from None
-        self._pull_weights(entries)
-
-    def _pull_weights(self, entries):
         pull_weights(self._kv, entries)
 
     def _set_compression(self, compression_params):
@@ -264,7 +260,7 @@ class Trainer:
         self._batch_size_known = True
         if self._kv is not None and self._update_on_kvstore:
             if not self._server_has_optimizer:   # collective: the first step
-                self._kv.set_optimizer(self._layout.server_spec(self._optimizer.to_spec()))
+                self._send_optimizer(self._optimizer)
                 self._server_has_optimizer = True
             elif changed:
                 self._reinstall_optimizer()
@@ -272,7 +268,12 @@ class Trainer:
     def _reinstall_optimizer(self):
         """Give the servers the current hyper-parameters; the same kind of optimizer keeps its
         per-key state there (collective)."""
-        self._kv.set_optimizer(self._layout.server_spec(self._optimizer.to_spec()))
+        self._send_optimizer(self._optimizer)
+
+    def _send_optimizer(self, optimizer):
+        """Install ``optimizer`` on the servers (collective), its per-key multipliers
+        extended to the fused keys."""
+        self._kv.set_optimizer(self._layout.server_spec(optimizer.to_spec()))
 
     def _dissolve_mixed(self):
         """Fused keys now partly frozen are split (collective); their members' gradients, if
@@ -337,7 +338,7 @@ class Trainer:
         # awaited, first layers first (the next forward needs them first).
         entries = self._layout.store_keys(self._trainable)
         if entries and self._update_on_kvstore:
-            self._pull_weights(entries)
+            pull_weights(self._kv, entries)
         elif entries:
             self._kv.pull([key for _, key, _ in entries],
                           out=[self._pull_target(entry, into_grads) for _, _, entry in entries])
@@ -413,8 +414,7 @@ class Trainer:
     def _split_local_state(self, fused):
         """``fused``'s members are updated one by one from now on, each with its share of
         the state the fused key had."""
-        split_local_state(self._updater, {**self._sizes(), **self._layout.sizes()},
-                          self._layout.ranges([fused]))
+        split_local_state(self._updater, self._sizes(), self._local_ranges(), fused.key)
         fused.updated_whole = False
 
     def _end_step(self):
