@@ -82,7 +82,8 @@ class Entry:
         """``(weight, lease)`` for a pull reply: the weight itself, not a copy. Replies leave
         the process after later updates may run, so writers copy a lent buffer first
         (copy-on-write): a pull costs no copy unless an update overtakes its send."""
-        self.weight_leases = [l for l in self.weight_leases if not l.done]
+        if self.weight_leases:
+            self.weight_leases = [l for l in self.weight_leases if not l.done]
         lease = Lease()
         self.weight_leases.append(lease)
         return self.weight, lease
@@ -254,11 +255,13 @@ class Shard:
         them, and merge the pushes queued for the next round."""
         replies = [_reply(t, failure) for t in entry.held]
         entry.held, entry.merged = [], set()
-        replies += self._answer_deferred(entry)
-        ready = [q for q in entry.queued if q[1] == entry.version]
-        entry.queued = [q for q in entry.queued if q[1] != entry.version]
-        for worker, _, data, token, step in ready:
-            self._merge(entry, worker, data, token, step)
+        if entry.deferred:
+            replies += self._answer_deferred(entry)
+        if entry.queued:   # (most rounds have none: every worker pushes once per round)
+            ready = [q for q in entry.queued if q[1] == entry.version]
+            entry.queued = [q for q in entry.queued if q[1] != entry.version]
+            for worker, _, data, token, step in ready:
+                self._merge(entry, worker, data, token, step)
         return replies
 
     # -- updates of many keys together (multi-tensor apply) -------------------------------

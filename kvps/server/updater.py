@@ -34,6 +34,8 @@ class Updater:
         self._opt = optimizer
         self._states = {}   # (key, part) -> {state name: array}
         self._counts = {}   # (key, part) -> updates applied
+        # (key, part) -> (id of its state, weight dtype, shape, kernels) last checked to fit
+        self._fits = {}
         self._num_update = optimizer.begin_num_update
 
     @property
@@ -81,37 +83,51 @@ class Updater:
         host arrays to be summed (a sync round's last pushes: the numpy kernels add them
         block by block, in the pass of the update), each checked alike."""
         kernels = kernels_for(weight)
-        if isinstance(grad, tuple):
+        if common.storage_name(weight) not in common.WEIGHT_DTYPES:
+            raise DTypeError(f'key {key!r}: weight dtype {weight.dtype} is not supported; '
+                             'use float16, float32, float64 or bfloat16 (uint16 storage)')
+        if type(weight) is np.ndarray and (not weight.flags.c_contiguous
+                                           or not weight.flags.writeable):
+            raise ShapeError(f'key {key!r}: the stored weight must be a writable '
+                             'C-contiguous array')
+        if type(grad) is tuple:
             grad = tuple(self._checked_grad(key, part, weight, kernels, g) for g in grad)
         else:
             grad = self._checked_grad(key, part, weight, kernels, grad)
         return grad, self._state_for(key, part, weight, kernels)
 
-    def _checked_grad(self, key, part, weight, kernels, grad):
+    @staticmethod
+    def _checked_grad(key, part, weight, kernels, grad):
         """``grad`` (made contiguous if need be) once it fits ``weight``; else the error."""
-        if kernels_for(grad) is not kernels:
+        if type(grad) is not type(weight) and kernels_for(grad) is not kernels:
             raise DTypeError(f'key {key!r}: weight and grad live on different devices '
                              f'({type(weight).__module__} vs {type(grad).__module__})')
-        for label, arr in (('weight', weight), ('grad', grad)):
-            if common.storage_name(arr) not in common.WEIGHT_DTYPES:
-                raise DTypeError(f'key {key!r}: {label} dtype {arr.dtype} is not supported; '
-                                 'use float16, float32, float64 or bfloat16 (uint16 storage)')
-        if tuple(grad.shape) != tuple(weight.shape):
+        if common.storage_name(grad) not in common.WEIGHT_DTYPES:
+            raise DTypeError(f'key {key!r}: grad dtype {grad.dtype} is not supported; '
+                             'use float16, float32, float64 or bfloat16 (uint16 storage)')
+        if grad.shape != weight.shape and tuple(grad.shape) != tuple(weight.shape):
             raise ShapeError(f'key {key!r} part {part}: grad shape {tuple(grad.shape)} does not '
                              f'match the stored weight shape {tuple(weight.shape)}')
-        if isinstance(weight, np.ndarray):
-            if not weight.flags.c_contiguous or not weight.flags.writeable:
-                raise ShapeError(f'key {key!r}: the stored weight must be a writable '
-                                 'C-contiguous array')
-            if not grad.flags.c_contiguous:
-                grad = np.ascontiguousarray(grad)
+        if type(grad) is np.ndarray and not grad.flags.c_contiguous:
+            grad = np.ascontiguousarray(grad)
         return grad
 
     def _state_for(self, key, part, weight, kernels):
+        """The key's state, made on its first update; checked against the weight the first
+        time they meet (a state restored by set_states may not fit; a weight may have moved
+        to another device), not at every update."""
         state = self._states.get((key, part))
         if state is None:
             state = self._states[(key, part)] = self._new_state(weight, kernels)
+        elif self._fits.get((key, part)) != (id(state), weight.dtype, weight.shape, kernels):
+            self._fit(key, part, state, weight, kernels)
+        else:
             return state
+        self._fits[(key, part)] = (id(state), weight.dtype, weight.shape, kernels)
+        return state
+
+    def _fit(self, key, part, state, weight, kernels):
+        """Check ``state`` against ``weight``, moving it to the weight's device if need be."""
         mp = self._wants_master(weight)
         if mp != ('weight32' in state):
             raise DTypeError(f'key {key!r} part {part}: weight dtype {weight.dtype} does not '
@@ -127,7 +143,6 @@ class Updater:
                                  f'differs from its optimizer state {name!r} ({arr.dtype})')
             if kernels_for(arr) is not kernels:  # restored by set_states, or device moved
                 state[name] = kernels.from_host(kernels_for(arr).to_host(arr), weight)
-        return state
 
     def _wants_master(self, weight):
         return self._opt.multi_precision and common.storage_name(weight) in _LOW_PRECISION
@@ -192,6 +207,7 @@ class Updater:
             raise ConfigError(f'set_states: malformed state dict ({exc})') from None
         _check_state_names(opt, restored)
         self._opt, self._counts, self._states = opt, counts, restored
+        self._fits = {}
         self._num_update = opt.num_update = num_update
 
 

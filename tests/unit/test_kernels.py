@@ -349,3 +349,83 @@ def test_multi_apply_runs_every_call_in_order():
              for _ in range(2) for w in ws]  # a fresh grad per call: kernels clobber grads
     multi_apply(calls)
     assert all((w == 4.0).all() for w in ws)
+
+
+def _packable_calls(name, states, hyper, sizes, wdtype, master, seed, lrs=(0.1,), parts=False):
+    """One call per size of ``name``'s kernel with fresh random arrays: weights (with an fp32
+    master copy when ``master``), states, a grad (two read-only parts when ``parts``), and
+    lrs taken in turn (each lr its own pack)."""
+    rng = np.random.default_rng(seed)
+    live = allocated(name, states, hyper)
+    calls = []
+    cdt = np.float64 if wdtype == np.float64 else np.float32
+
+    def values(n, dtype):   # bfloat16 as its bits (uint16), rounded from float32
+        f32 = rng.standard_normal(n).astype(np.float32)
+        return K.f32_to_bf16(f32) if dtype == np.uint16 else f32.astype(dtype)
+    for i, n in enumerate(sizes):
+        w32 = rng.standard_normal(n).astype(np.float32)
+        w = values(n, wdtype)
+        grads = [values(n, cdt if parts else wdtype) for _ in range(2)]
+        for g in grads:
+            g.flags.writeable = not parts
+        grad = tuple(grads) if parts else grads[0]
+        sdt = np.float32 if master else wdtype   # plausible states: var >= mean ** 2
+        st = [None if s not in live else values(n, sdt) / 8 if s == 'mean' else
+              np.abs(values(n, sdt)) + np.ones(1, sdt) for s in states]
+        kwargs = dict(lr=lrs[i % len(lrs)], wd=0.01, rescale_grad=0.5, clip_gradient=2.0,
+                      weight32=w32 if master else None, **hyper)
+        if name in NEEDS_T:
+            kwargs['t'] = 3
+        calls.append((name + '_update', (w, grad, *st), kwargs))
+    return calls
+
+
+def _outputs(calls):
+    return [[a.copy() for a in (args[0], *args[2:], kw['weight32']) if a is not None]
+            for _, args, kw in calls]
+
+
+@pytest.mark.parametrize('wdtype,master,parts', [(np.float32, False, False),
+                                                 (np.float32, False, True),
+                                                 (np.float64, False, True),
+                                                 (np.float16, True, False),
+                                                 (np.uint16, True, False)],
+                         ids=['f32', 'f32-parts', 'f64-parts', 'f16-master', 'bf16-master'])
+@pytest.mark.parametrize('name,states,hyper', CASES,
+                         ids=[f'{c[0]}-{i}' for i, c in enumerate(CASES)])
+def test_small_keys_updated_together_match_key_by_key_bit_for_bit(name, states, hyper, wdtype,
+                                                                   master, parts):
+    """multi_update packs small keys of one rule and equal scalars into one pass (LAMB, big
+    keys and keys with other scalars run alone): every weight, state and master copy is
+    exactly what one call per key gives, and it holds again when scratch is reused."""
+    sizes = [1, 7, K.PACK_BELOW - 1, 300, K.PACK_BELOW + 5, 64, 3]
+    for seed in (1, 2):
+        together = _packable_calls(name, states, hyper, sizes, wdtype, master, seed,
+                                   lrs=(0.1, 0.05), parts=parts)
+        alone = _packable_calls(name, states, hyper, sizes, wdtype, master, seed,
+                                lrs=(0.1, 0.05), parts=parts)
+        K.multi_update(together)
+        for call in alone:
+            K.multi_update([call])
+        for got, want in zip(_outputs(together), _outputs(alone)):
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(g, w)
+
+
+def test_a_key_given_twice_is_updated_twice_in_order():
+    w = np.zeros(5, np.float32)
+    calls = [('sgd_update', (w, np.full(5, v, np.float32), None),
+              dict(lr=1.0, wd=0.0, rescale_grad=1.0, clip_gradient=None, weight32=None))
+             for v in (1.0, 2.0)]
+    K.multi_update(calls + [('sgd_update', (np.zeros(3, np.float32), np.ones(3, np.float32),
+                                            None), calls[0][2])])
+    np.testing.assert_array_equal(w, np.full(5, -3.0, np.float32))
+
+
+def test_a_bad_key_among_small_ones_fails_with_its_own_error():
+    good = ('sgd_update', (np.zeros(4, np.float32), np.ones(4, np.float32), None),
+            dict(lr=1.0, wd=0.0, rescale_grad=1.0, clip_gradient=None, weight32=None))
+    bad = ('sgd_update', (np.zeros(4, np.float32), np.ones(5, np.float32), None), good[2])
+    with pytest.raises(ShapeError):
+        K.multi_update([good, bad])
