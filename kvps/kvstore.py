@@ -357,8 +357,15 @@ class KVStore:
         if not isinstance(value, (list, tuple)) or len(value) != len(key):
             raise ValueError('a list of keys needs a list of values of the same length')
         grouped = {}
+        check_key, as_list, ndarray = self._check_key, self._as_list, np.ndarray
         for k, v in zip(key, value):
-            grouped.setdefault(self._check_key(k), []).extend(self._as_list(v))
+            k = check_key(k)
+            values = [v] if type(v) is ndarray else as_list(v)   # (the common case first)
+            had = grouped.get(k)
+            if had is None:
+                grouped[k] = values
+            else:
+                had.extend(values)
         return list(grouped.items())
 
     @staticmethod
@@ -372,6 +379,8 @@ class KVStore:
     def _check_key(self, key):
         """The key as a plain int or str (numpy integers from ``np.arange``, IntEnum and str
         subclasses are taken by value; bool, float and the rest are refused)."""
+        if type(key) is int and self._key_kind is int and _KEY_MIN <= key < _KEY_END:
+            return key   # the common case, answered first: this runs for every key of a call
         if isinstance(key, bool) or not isinstance(key, (int, str, np.integer)):
             raise KeyTypeError(f'keys must be int or str, got {type(key).__name__}')
         key = str.__str__(key) if isinstance(key, str) else operator.index(key)
