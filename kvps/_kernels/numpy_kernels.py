@@ -435,10 +435,10 @@ def from_host(array, like):
     return np.ascontiguousarray(array)
 
 
-# Keys below this many elements are packed with others of the same rule and scalars into
+# Keys of at most this many elements are packed with others of the same rule and scalars into
 # one pass: a kernel call costs tens of microseconds of Python, more than copying such a key
 # in and out (a block's worth of float32 is 128 KiB).
-PACK_BELOW = 4096
+PACK_UP_TO = 4096
 PACK_ELEMENTS = 1 << 19   # per pass: bounds the scratch memory packing keeps (per thread)
 # Rules whose every output element depends on the same element of the inputs only: packing
 # keys side by side changes no bit of their results. (LAMB reads each weight's norms.)
@@ -482,7 +482,7 @@ def _pack_kind(name, args, kwargs):
     """What a call must share with others to be packed with them (None: run it alone): the
     rule, every scalar, and the dtype of every array."""
     weight = args[0]
-    if name not in ELEMENTWISE or not 0 < weight.size < PACK_BELOW:
+    if name not in ELEMENTWISE or not 0 < weight.size <= PACK_UP_TO:
         return None
     shape, dtypes = weight.shape, []
     for arr in (*args, kwargs.get('weight32')):

@@ -399,7 +399,7 @@ def test_small_keys_updated_together_match_key_by_key_bit_for_bit(name, states, 
     """multi_update packs small keys of one rule and equal scalars into one pass (LAMB, big
     keys and keys with other scalars run alone): every weight, state and master copy is
     exactly what one call per key gives, and it holds again when scratch is reused."""
-    sizes = [1, 7, K.PACK_BELOW - 1, 300, K.PACK_BELOW + 5, 64, 3]
+    sizes = [1, 7, K.PACK_UP_TO, 300, K.PACK_UP_TO + 1, 64, 3]
     for seed in (1, 2):
         together = _packable_calls(name, states, hyper, sizes, wdtype, master, seed,
                                    lrs=(0.1, 0.05), parts=parts)
