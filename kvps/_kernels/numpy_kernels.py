@@ -437,7 +437,7 @@ def from_host(array, like):
 
 # Keys of at most this many elements are packed with others of the same rule and scalars into
 # one pass: a kernel call costs tens of microseconds of Python, more than copying such a key
-# in and out (a block's worth of float32 is 128 KiB).
+# in and back out; for much bigger keys the copies cost more than the calls they save.
 PACK_UP_TO = 4096
 PACK_ELEMENTS = 1 << 19   # per pass: bounds the scratch memory packing keeps (per thread)
 # Rules whose every output element depends on the same element of the inputs only: packing
