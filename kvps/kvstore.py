@@ -135,8 +135,12 @@ class KVStore:
         return self._backend.num_workers
 
     def is_capable(self, capability):
-        """MXNet's capability query: kvps stores can all run optimizers on the servers."""
-        return capability.lower() in CAPABILITIES
+        """MXNet's capability query: kvps stores can all run optimizers on the servers. As in
+        MXNet, a capability it does not know is a ValueError (not False: a misspelled name
+        must not read as "unsupported")."""
+        if capability.lower() not in CAPABILITIES:
+            raise ValueError(f'Unknown capability: {capability}')
+        return True
 
     # -- the data API ---------------------------------------------------------------------
     def init(self, key, value):

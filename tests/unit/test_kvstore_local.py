@@ -39,7 +39,14 @@ def test_local_and_device_echo_their_type_and_are_single_worker():
     for name in ('local', 'device'):
         kv = kvps.kvstore.create(name)
         assert (kv.type, kv.rank, kv.num_workers) == (name, 0, 1)
-        assert kv.is_capable('optimizer') and not kv.is_capable('sparse')
+        assert kv.is_capable('optimizer') and kv.is_capable('OPTIMIZER')
+
+
+def test_an_unknown_capability_is_a_value_error_as_in_mxnet():
+    kv = kvps.create('local')
+    for name in ('sparse', 'no_such_capability'):
+        with pytest.raises(ValueError, match=f'Unknown capability: {name}'):
+            kv.is_capable(name)
 
 
 def test_push_replaces_with_the_sum_of_a_value_list():
