@@ -38,6 +38,14 @@ def resolve(kvstore, requested):
     return kv, update
 
 
+def check_compression(kvstore, compression_params):
+    """compression_params with a type name that cannot compress: the store's own error at
+    construction (a 'local' name makes no store here, so nothing else would refuse them and
+    they would be ignored without a word)."""
+    if compression_params and isinstance(kvstore, str):
+        kvstore_mod.check_compression_type(kvstore)
+
+
 def _store(kvstore):
     if kvstore is None:
         return None

@@ -39,6 +39,18 @@ def parse_type(name):
     return 'dist' in words, 'async' not in words, 'device' in words
 
 
+def check_compression_type(name):
+    """Refuse gradient compression on a store type that cannot have it. MXNet's rule: only
+    'device' and 'dist*' stores compress (what they send between devices or machines); a
+    'local' store has nothing to send."""
+    distributed, _, device = parse_type(name)
+    if not (distributed or device):
+        raise ConfigError(f'gradient compression is not supported for a {name!r} store (as in '
+                          "MXNet): only 'device' and 'dist*' stores compress pushes ('device', "
+                          "'local_allreduce_device', 'dist_sync', 'dist_async', "
+                          "'dist_sync_device', ...)")
+
+
 def create(name='local'):
     """Create a KVStore: 'local'/'device' in this process, 'dist_*' across the job."""
     distributed, sync, _ = parse_type(name)
@@ -181,7 +193,9 @@ class KVStore:
         """Compress pushed gradients, as MXNet does: ``{'type': '2bit', 'threshold': 0.5}``
         sends each element as +threshold, -threshold or 0 and keeps the difference on this
         worker for later pushes (``None`` or type 'none': off). Pulls stay exact. Every worker
-        should set the same; see kvps.compression."""
+        should set the same; see kvps.compression. 'device' and 'dist*' stores only, as in
+        MXNet: any other type raises ConfigError."""
+        check_compression_type(self._type)
         self._codec = compression.parse(compression_params, self._residuals)
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True):

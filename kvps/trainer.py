@@ -7,8 +7,9 @@ import weakref
 from . import optimizer as opt_mod
 from ._trainer_fusion import (FusedKey, Layout, PushBucket, pull_weights, split_partly_frozen,
                               weights_of)
-from ._trainer_kv import (load_local_states, load_server_states, read_optimizer, resolve,
-                          save_local_states, save_server_states, split_local_state)
+from ._trainer_kv import (check_compression, load_local_states, load_server_states,
+                          read_optimizer, resolve, save_local_states, save_server_states,
+                          split_local_state)
 from ._trainer_params import check_devices, check_same_everywhere, collect, merge_mults
 from .devices import kernel_view
 from .errors import ConfigError, DuplicateInitError, ParameterMismatchError, StaleGradientError
@@ -53,6 +54,7 @@ class Trainer:
         self._optimizer = _make_optimizer(optimizer, optimizer_params)
         merge_mults(self._optimizer, self._params)
         self._scale = self._optimizer.rescale_grad
+        check_compression(kvstore, compression_params)
         self._kv, self._update_on_kvstore = resolve(kvstore, update_on_kvstore)
         check_devices(self._params, self._kv, self._update_on_kvstore)
         self._distributed = self._kv is not None and 'dist' in self._kv.type

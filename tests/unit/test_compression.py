@@ -7,7 +7,7 @@ import pytest
 import kvps
 from kvps import compression
 from kvps import protocol as P
-from kvps.errors import DTypeError, ProtocolError
+from kvps.errors import ConfigError, DTypeError, ProtocolError
 
 
 def reference(grads, t):
@@ -108,7 +108,7 @@ def test_the_unused_code_decodes_to_zero():
 
 
 def test_a_store_pushes_compressed_values_and_pulls_exact_ones():
-    kv = kvps.create('local')
+    kv = kvps.create('device')
     kv.init([0, 1], [np.zeros(4, np.float32), np.zeros(3)])
     kv.set_optimizer(kvps.optimizer.create('test', rescale_grad=1.0))   # w += g
     kv.set_gradient_compression({'type': '2bit', 'threshold': 0.5})
@@ -128,7 +128,7 @@ def test_a_store_pushes_compressed_values_and_pulls_exact_ones():
 def test_setting_compression_again_keeps_what_was_not_sent():
     """MXNet's residual buffers outlive set_gradient_compression: a second call (same
     threshold or not), or turning it off and on, loses nothing held back."""
-    kv = kvps.create('local')
+    kv = kvps.create('device')
     kv.init(0, np.zeros(2, np.float32))
     kv.set_optimizer(kvps.optimizer.create('test', rescale_grad=1.0))   # w += g
     out = np.zeros(2, np.float32)
@@ -185,7 +185,7 @@ def test_a_threshold_a_key_cannot_hold_is_refused():
 
 
 def test_integer_keys_are_not_compressed():
-    kv = kvps.create('local')
+    kv = kvps.create('device')
     kv.init(0, np.zeros(4, np.int32))
     kv.set_gradient_compression({'type': '2bit'})
     with pytest.raises(DTypeError, match='2bit.*int32'):
@@ -194,7 +194,7 @@ def test_integer_keys_are_not_compressed():
 
 def test_a_store_compresses_bfloat16_pushes():
     torch = pytest.importorskip('torch')
-    kv = kvps.create('local')
+    kv = kvps.create('device')
     kv.init(0, torch.zeros(4, dtype=torch.bfloat16))
     kv.set_optimizer(kvps.optimizer.create('test', rescale_grad=1.0))   # w += g
     kv.set_gradient_compression({'type': '2bit', 'threshold': 0.5})
@@ -217,3 +217,18 @@ def test_2bit_is_a_push_dtype_only():
     P.decode(frames)
     with pytest.raises(ProtocolError, match='need 6'):
         P.decode(P.encode(push, [bytes(20)]))
+
+
+@pytest.mark.parametrize('name', ['local', 'local_update_cpu', 'local_allreduce_cpu'])
+def test_a_store_type_without_compression_refuses_it_as_mxnet_does(name):
+    """MXNet compresses on 'device' and 'dist*' stores only; elsewhere the params were taken
+    and did nothing."""
+    kv = kvps.create(name)
+    with pytest.raises(ConfigError, match=f"not supported for a '{name}' store.*'device'"):
+        kv.set_gradient_compression({'type': '2bit', 'threshold': 0.5})
+
+
+@pytest.mark.parametrize('name', ['device', 'local_allreduce_device', 'dist_sync',
+                                  'dist_async', 'dist_sync_device'])
+def test_device_and_dist_types_may_compress(name):
+    kvps.kvstore.check_compression_type(name)   # no error

@@ -13,6 +13,7 @@ from kvps.kvstore import KVStore  # noqa: E402
 from kvps.local import LocalBackend  # noqa: E402
 from kvps.optimizer import create as create_optimizer  # noqa: E402
 from kvps import StaleGradientError, Trainer  # noqa: E402
+from kvps.errors import ConfigError  # noqa: E402
 
 
 def param(value, shape=(10,)):
@@ -554,6 +555,15 @@ def test_compression_params_reach_the_store():
     with pytest.raises(ValueError, match='not supported'):
         Trainer([param(0)], 'sgd', kvstore=fake_store('dist_sync'),
                 compression_params={'type': 'topk'})
+
+
+@pytest.mark.parametrize('kvstore', ['local', 'local_update_cpu', 'store'])
+def test_compression_params_on_a_store_type_without_compression_are_refused(kvstore):
+    """A 'local' name makes no store, so the params were dropped without a word; a 'local'
+    store object took them and did nothing. Both refuse them at construction."""
+    kv = kvps.create('local') if kvstore == 'store' else kvstore
+    with pytest.raises(ConfigError, match="not supported for a 'local.*' store"):
+        Trainer([param(0)], 'sgd', kvstore=kv, compression_params={'type': '2bit'})
 
 
 def test_compression_params_warn_when_a_custom_store_cannot_compress():
