@@ -1,7 +1,7 @@
 """Array payloads between a worker and the servers on its host go through shared memory (pushes
 through the worker's segment, pulls out of the servers' arenas): exact values in dist_sync and
 dist_async, with it off, with segments too small for every payload (the rest takes the
-socket), in a container-sized /dev/shm, and nothing left in /dev/shm."""
+socket), in a container-sized /dev/shm, and nothing of the job left in /dev/shm."""
 
 import glob
 import subprocess
@@ -59,13 +59,14 @@ kv.barrier()
 outs = [np.zeros(SHAPES[k], DTYPES[k]) for k in keys]
 kv.pull(keys, out=outs)
 want = 1 + sum((r + 1) * (s + 1) for r in range(kv.num_workers) for s in range(STEPS))
-report(rank=kv.rank, pid=os.getpid(), rounds=seen, final=all((o == want).all() for o in outs),
+job_pids = sorted(n['pid'] for n in io.welcome['nodes'])   # every worker and server
+report(rank=kv.rank, pid=os.getpid(), job_pids=job_pids, rounds=seen,
+       final=all((o == want).all() for o in outs),
        attached=sorted(io.staging.attached) if io.staging else None, linked=linked, **counts)
 '''
 
 
 def run(job, mode, env=None, wrapper=()):
-    before = set(glob.glob('/dev/shm/kvps-*'))
     result = job(SCRIPT, workers=2, servers=2, wrapper=wrapper,
                  env={'MODE': mode, 'KVPS_BIGARRAY_BOUND': '100000', **(env or {})})
     assert result.returncode == 0, result.output
@@ -74,7 +75,12 @@ def run(job, mode, env=None, wrapper=()):
     for res in results.values():
         assert res['final'] and all(res['rounds']), res
         assert not glob.glob(f'/dev/shm/kvps-{res["pid"]}-*'), 'segment left in /dev/shm'
-    assert set(glob.glob('/dev/shm/kvps-*')) <= before, 'a server left its arena in /dev/shm'
+    # Segments are named kvps-<pid>-<hex>: only this job's workers' and servers' count, as
+    # other kvps jobs may run on the box meanwhile (their segments come and go).
+    job_pids = results[0]['job_pids']
+    assert len(job_pids) == 4 and results[1]['job_pids'] == job_pids, results
+    left = [path for pid in job_pids for path in glob.glob(f'/dev/shm/kvps-{pid}-*')]
+    assert not left, f'a worker or server left its segment in /dev/shm: {left}'
     return results
 
 
