@@ -212,12 +212,17 @@ def resolve(host, timeout_s):
         raise ConfigError(f'scheduler host {host!r} is an IPv6 address; kvps speaks IPv4: give '
                           'an IPv4 address or a name that has one')
     deadline = time.monotonic() + timeout_s
+    warned = False
     while True:
         try:
             return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
         except socket.gaierror as exc:
             if time.monotonic() >= deadline:
                 raise ConfigError(f'cannot resolve scheduler host {host!r}: {exc}') from None
+            if not warned:   # once: a misspelled name must not look like a silent hang
+                log.warning('cannot resolve scheduler host %r yet (%s); retrying until '
+                            'KVPS_CONNECT_TIMEOUT (%g s) runs out', host, exc, timeout_s)
+                warned = True
             time.sleep(0.5)
 
 

@@ -1,11 +1,14 @@
 """The transport: a tracked message is done only when zmq has let go of every frame that it did
-not copy, whatever the order of big and small frames; ports come from the OS; IPv6 is named."""
+not copy, whatever the order of big and small frames; ports come from the OS; IPv6 is named;
+a scheduler host not (yet) in DNS is said once, then retried quietly."""
 
+import logging
 import socket
 
 import numpy as np
 import pytest
 
+from kvps import transport
 from kvps.errors import ConfigError
 from kvps.transport import Dealer, Router, Socket, new_context, resolve
 
@@ -60,3 +63,56 @@ def test_port_zero_is_the_operating_systems_choice():
 def test_an_ipv6_scheduler_address_is_refused_at_once():
     with pytest.raises(ConfigError, match='IPv6'):
         resolve('::1', timeout_s=60)
+
+
+class FakeClock:
+    """time for resolve(): sleep advances the clock, so retries take no real time."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+def failing_dns(monkeypatch, failures):
+    """getaddrinfo fails ``failures`` times (as for a name not yet in DNS), then answers."""
+    calls = []
+
+    def getaddrinfo(host, *args):
+        calls.append(host)
+        if len(calls) <= failures:
+            raise socket.gaierror(socket.EAI_NONAME, 'Name or service not known')
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, '', ('10.0.0.7', 0))]
+    monkeypatch.setattr(transport.socket, 'getaddrinfo', getaddrinfo)
+    monkeypatch.setattr(transport, 'time', FakeClock())
+    return calls
+
+
+def test_an_unresolvable_scheduler_host_is_reported_once_while_retrying(monkeypatch, caplog):
+    calls = failing_dns(monkeypatch, failures=5)
+    with caplog.at_level(logging.WARNING, logger='kvps.transport'):
+        assert resolve('sched.example', timeout_s=120) == '10.0.0.7'
+    assert len(calls) == 6
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "'sched.example'" in record.getMessage()
+    assert 'Name or service not known' in record.getMessage()
+    assert 'KVPS_CONNECT_TIMEOUT (120 s)' in record.getMessage()
+
+
+def test_giving_up_on_dns_raises_after_the_one_warning(monkeypatch, caplog):
+    calls = failing_dns(monkeypatch, failures=10 ** 6)
+    with caplog.at_level(logging.WARNING, logger='kvps.transport'):
+        with pytest.raises(ConfigError, match="cannot resolve scheduler host 'sched.example'"):
+            resolve('sched.example', timeout_s=3)
+    assert len(calls) > 2 and len(caplog.records) == 1
+
+
+def test_a_resolvable_host_logs_nothing(caplog):
+    with caplog.at_level(logging.WARNING, logger='kvps.transport'):
+        assert resolve('127.0.0.1', timeout_s=1) == '127.0.0.1'
+    assert not caplog.records
