@@ -89,6 +89,35 @@ def job(tmp_path):
 
 
 @pytest.fixture
+def running(tmp_path):
+    """running(script, workers, servers) -> Popen of kvps.launch, left running for the test to
+    act on (stdout piped, text); ``running.processes()``: the live processes of the job,
+    launcher included. Anything of it still alive at the end is killed."""
+    tag = uuid.uuid4().hex
+    procs = []
+
+    def start(script, workers=2, servers=1):
+        path = tmp_path / f'job_{uuid.uuid4().hex[:6]}.py'
+        path.write_text(PRELUDE + textwrap.dedent(script))
+        env = {**os.environ, **FAST, 'KVPS_TEST_TAG': tag, 'PYTHONUNBUFFERED': '1'}
+        proc = subprocess.Popen([sys.executable, '-m', 'kvps.launch', '-n', str(workers), '-s',
+                                 str(servers), '--', sys.executable, str(path)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                cwd=tmp_path)
+        procs.append(proc)
+        return proc
+
+    start.processes = lambda: processes_tagged(tag)
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+    assert_no_leftovers(tag, wait_s=5)
+
+
+@pytest.fixture
 def by_hand(tmp_path):
     """Start roles one process each, as a cluster operator would; every process is killed
     at the end of the test."""
