@@ -91,7 +91,8 @@ VARS = (
     Var('role', ('KVPS_ROLE', 'DMLC_ROLE'), _role, None,
         'This process\'s role: worker, server or scheduler.'),
     Var('scheduler_host', ('KVPS_SCHEDULER_HOST', 'DMLC_PS_ROOT_URI'), _text, None,
-        'IP or hostname of the scheduler (resolved with retry).'),
+        'IP or hostname of the scheduler (resolved with retry until `KVPS_CONNECT_TIMEOUT`; '
+        'the first failure is logged once as a warning).'),
     Var('scheduler_port', ('KVPS_SCHEDULER_PORT', 'DMLC_PS_ROOT_PORT'), _port, None,
         'TCP port of the scheduler (0 on the scheduler: the OS picks one).'),
     Var('num_workers', ('KVPS_NUM_WORKERS', 'DMLC_NUM_WORKER'), _positive_int, None,
