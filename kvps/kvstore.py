@@ -375,10 +375,10 @@ class KVStore:
         if not isinstance(value, (list, tuple)) or len(value) != len(key):
             raise ValueError('a list of keys needs a list of values of the same length')
         grouped = {}
-        check_key, as_list, ndarray = self._check_key, self._as_list, np.ndarray
+        check_key, as_list = self._check_key, self._as_list
         for k, v in zip(key, value):
             k = check_key(k)
-            values = [v] if type(v) is ndarray else as_list(v)   # (the common case first)
+            values = as_list(v)
             had = grouped.get(k)
             if had is None:
                 grouped[k] = values
@@ -388,6 +388,8 @@ class KVStore:
 
     @staticmethod
     def _as_list(value):
+        if type(value) is np.ndarray:   # the common case, answered first: runs for every key
+            return [value]
         values = list(value) if isinstance(value, (list, tuple)) else [value]
         if not values or not all(devices.is_value(v) for v in values):
             raise TypeError('values must be numpy arrays, torch tensors or cupy arrays (or lists '

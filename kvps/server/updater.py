@@ -83,9 +83,7 @@ class Updater:
         host arrays to be summed (a sync round's last pushes: the numpy kernels add them
         block by block, in the pass of the update), each checked alike."""
         kernels = kernels_for(weight)
-        if common.storage_name(weight) not in common.WEIGHT_DTYPES:
-            raise DTypeError(f'key {key!r}: weight dtype {weight.dtype} is not supported; '
-                             'use float16, float32, float64 or bfloat16 (uint16 storage)')
+        _check_dtype(key, 'weight', weight)
         if type(weight) is np.ndarray and (not weight.flags.c_contiguous
                                            or not weight.flags.writeable):
             raise ShapeError(f'key {key!r}: the stored weight must be a writable '
@@ -102,9 +100,7 @@ class Updater:
         if type(grad) is not type(weight) and kernels_for(grad) is not kernels:
             raise DTypeError(f'key {key!r}: weight and grad live on different devices '
                              f'({type(weight).__module__} vs {type(grad).__module__})')
-        if common.storage_name(grad) not in common.WEIGHT_DTYPES:
-            raise DTypeError(f'key {key!r}: grad dtype {grad.dtype} is not supported; '
-                             'use float16, float32, float64 or bfloat16 (uint16 storage)')
+        _check_dtype(key, 'grad', grad)
         if grad.shape != weight.shape and tuple(grad.shape) != tuple(weight.shape):
             raise ShapeError(f'key {key!r} part {part}: grad shape {tuple(grad.shape)} does not '
                              f'match the stored weight shape {tuple(weight.shape)}')
@@ -119,11 +115,10 @@ class Updater:
         state = self._states.get((key, part))
         if state is None:
             state = self._states[(key, part)] = self._new_state(weight, kernels)
-        elif self._fits.get((key, part)) != (id(state), weight.dtype, weight.shape, kernels):
+        fit = (id(state), weight.dtype, weight.shape, kernels)
+        if self._fits.get((key, part)) != fit:
             self._fit(key, part, state, weight, kernels)
-        else:
-            return state
-        self._fits[(key, part)] = (id(state), weight.dtype, weight.shape, kernels)
+            self._fits[(key, part)] = fit
         return state
 
     def _fit(self, key, part, state, weight, kernels):
@@ -209,6 +204,12 @@ class Updater:
         self._opt, self._counts, self._states = opt, counts, restored
         self._fits = {}
         self._num_update = opt.num_update = num_update
+
+
+def _check_dtype(key, label, array):
+    if common.storage_name(array) not in common.WEIGHT_DTYPES:
+        raise DTypeError(f'key {key!r}: {label} dtype {array.dtype} is not supported; '
+                         'use float16, float32, float64 or bfloat16 (uint16 storage)')
 
 
 def _check_state_names(opt, restored):

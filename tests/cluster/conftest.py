@@ -109,12 +109,7 @@ def running(tmp_path):
 
     start.processes = lambda: processes_tagged(tag)
     yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
-        proc.stdout.close()
-    assert_no_leftovers(tag, wait_s=5)
+    _stop_all(procs, tag)
 
 
 @pytest.fixture
@@ -155,12 +150,20 @@ def by_hand(tmp_path):
     start.scheduler = scheduler
     start.finish = finish
     yield start
+    _stop_all(procs, tag, nodes=True)
+
+
+def _stop_all(procs, tag, nodes=False):
+    """Kill what is still alive of ``procs`` and check nothing of job ``tag`` is left.
+    ``nodes``: they are kvps nodes themselves, whose shared memory a launcher would remove
+    once they are killed; done here as it would."""
     for proc in procs:
         if proc.poll() is None:
             proc.kill()
         proc.wait(10)
         proc.stdout.close()
-        remove_leftovers(proc.pid)   # what a launcher does: a killed node's shared memory
+        if nodes:
+            remove_leftovers(proc.pid)
     assert_no_leftovers(tag, wait_s=5)
 
 
