@@ -393,12 +393,16 @@ def test_workers_that_joined_may_finish_at_any_pace(tmp_path):
     assert_gone(pids)
 
 
-def _blaming(path, blame, reason):
+def _blaming(path, blame, reason, after=None):
     """Code that names ``blame`` ([role, rank] pairs) in the blame file, then exits 1, as the
-    scheduler does when it ends the job because of a node."""
+    scheduler does when it ends the job because of a node; once file ``after`` exists, if
+    given (a sleep alone lost the race to a slow-starting node on a loaded machine)."""
     return f'''
         import json, os, time
         time.sleep(0.3)
+        after = {after if after is None else str(after)!r}
+        while after is not None and not os.path.exists(after):
+            time.sleep(0.01)
         with open({str(path)!r} + '.tmp', 'w') as f:
             json.dump({{'blame': {blame!r}, 'reason': {reason!r}}}, f)
         os.replace({str(path)!r} + '.tmp', {str(path)!r})
@@ -418,11 +422,13 @@ def _exits_after(path):
 def test_the_node_the_scheduler_blames_is_named_not_the_first_to_exit(tmp_path):
     """A stopped server never exits: its peers, told the job is over, do; the scheduler's
     reason is the root cause."""
-    blame = tmp_path / 'blame'
+    blame, printed = tmp_path / 'blame', tmp_path / 'printed'
     rc, _, err, pids = supervise([
-        py('scheduler', None, _blaming(blame, [['server', 1]], 'server 1 is lost: no heartbeat')),
+        py('scheduler', None, _blaming(blame, [['server', 1]], 'server 1 is lost: no heartbeat',
+                                       after=printed)),
         py('server', 0, _exits_after(blame)),
-        py('server', 1, 'import time; print("stuck", flush=True); time.sleep(60)'),
+        py('server', 1, f'import pathlib, time; print("stuck", flush=True); '
+                        f'pathlib.Path({str(printed)!r}).touch(); time.sleep(60)'),
         py('worker', 0, _exits_after(blame)),
     ], blame_file=str(blame), restarts={'server': 2})
     assert rc == 1 and 'restarting' not in err   # the job is over: nothing to restart
