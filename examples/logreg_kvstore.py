@@ -55,7 +55,9 @@ def load_split():
     x_train, x_test, y_train, y_test = train_test_split(
         data.data, data.target, test_size=0.25, random_state=0, stratify=data.target)
     mean, std = x_train.mean(axis=0), x_train.std(axis=0)
-    scale = lambda x: ((x - mean) / std).astype(np.float32)   # noqa: E731
+
+    def scale(x):
+        return ((x - mean) / std).astype(np.float32)
     return scale(x_train), scale(x_test), y_train.astype(np.float32), y_test
 
 
