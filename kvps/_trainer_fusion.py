@@ -1,5 +1,6 @@
 """How the Trainer's gradients travel: small parameters fused back to back into shared store keys (as DDP's buckets and Horovod's fusion buffer pack tensors), and pushes bucketed while backward runs."""
 
+import hashlib
 import logging
 
 from . import states
@@ -85,11 +86,13 @@ class FusedKey:
 class Layout:
     """Which of the Trainer's parameters share fused keys, and under which keys.
 
-    Fused are the parameters trainable at creation, on the CPU, under FUSE_BELOW_BYTES, in
-    groups of one dtype and one lr_mult/wd_mult (an update is then the same elementwise pass
+    Fused are the parameters trainable at creation under FUSE_BELOW_BYTES, in groups of one
+    device, one dtype and one lr_mult/wd_mult (an update is then the same elementwise pass
     over the packed key as over each member), up to ``cap`` bytes per key. Fused keys take
     the ints after the parameters' positions; every other parameter keeps its position as
-    its key. Every worker builds the same layout from the same (checked) parameter table.
+    its key. Workers whose parameters lie on different devices (rank r on GPU r, or one on
+    the CPU) get the same layout as long as each splits them over devices alike; the
+    Trainer checks that every worker's ``digest`` equals rank 0's.
     """
 
     def __init__(self, params, optimizer, cap, enabled, whole_updates):
@@ -104,9 +107,10 @@ class Layout:
         open_keys, groups = {}, []   # groups: (kind, members)
         for p in params:
             nbytes = p.tensor.numel() * p.tensor.element_size()
-            if not (p.trainable and p.tensor.device.type == 'cpu' and nbytes < FUSE_BELOW_BYTES):
+            if not (p.trainable and nbytes < FUSE_BELOW_BYTES):
                 continue
-            kind = (p.tensor.dtype, optimizer.lr_mult.get(p.key, 1.0),
+            # One device per fused key: its members are packed with one torch.cat
+            kind = (p.tensor.device, p.tensor.dtype, optimizer.lr_mult.get(p.key, 1.0),
                     optimizer.wd_mult.get(p.key, 1.0))
             group = open_keys.get(kind)
             if group is None or group[0] + nbytes > cap:
@@ -115,11 +119,16 @@ class Layout:
             group[0] += nbytes
             group[1].append(p)
         next_key = max(p.key for p in params) + 1
-        for (_, lr_mult, wd_mult), members in groups:
+        for (_, _, lr_mult, wd_mult), members in groups:
             if len(members) > 1:       # one parameter alone keeps its own key
                 plain = whole_updates and lr_mult == wd_mult == 1.0
                 self._add(FusedKey(next_key, members, plain))
                 next_key += 1
+
+    def digest(self):
+        """What must be the same on every worker: which parameters share which key."""
+        return hashlib.sha256(repr(sorted(
+            (f.key, [p.key for p in f.members]) for f in self.fused)).encode()).digest()
 
     def _add(self, fused):
         self.fused.append(fused)

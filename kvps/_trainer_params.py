@@ -91,10 +91,22 @@ def digest(params):
     return hashlib.sha256(text.encode()).digest()
 
 
-def check_same_everywhere(kv, params):
-    """Collective: raise ParameterMismatchError on every worker unless every worker's table
-    equals rank 0's (the store's agree collective compares their digests at a barrier, in
-    sync and async stores alike, so no worker waits for a peer that left)."""
+def check_same_everywhere(kv, params, layout_digest):
+    """Collective: raise ParameterMismatchError on every worker unless every worker's table,
+    and then its layout of store keys (``layout_digest``), equals rank 0's (the store's
+    agree collective compares digests at a barrier, in sync and async stores alike, so no
+    worker waits for a peer that left)."""
+    _check_table(kv, params)
+    differs = kv.agree(layout_digest)
+    if differs:
+        raise ParameterMismatchError(
+            f'the Trainers of rank(s) {", ".join(map(str, differs))} pack parameters into '
+            f"shared store keys differently from rank 0's (this is rank {kv.rank}): give every "
+            "worker's Trainer the same fuse and bucket_bytes, and spread the parameters over "
+            'devices alike on every worker (all on one device, or split the same way)')
+
+
+def _check_table(kv, params):
     differs = kv.agree(digest(params))
     if kv.rank in differs:
         raise ParameterMismatchError(_mismatch_message(kv.rank, params))

@@ -32,8 +32,8 @@ class Trainer:
     ``overlap`` (kvps): in distributed mode, send gradients while backward runs, in buckets
     of about ``bucket_bytes`` (the last one when backward ends), as DDP does; turn off to
     accumulate several backward passes before ``step``. ``fuse`` (kvps): with a store,
-    pack CPU parameters under 512 KiB into shared keys of up to ``bucket_bytes`` (one dtype
-    and lr_mult/wd_mult each), as DDP and Horovod fuse small tensors: a key costs more than
+    pack parameters under 512 KiB into shared keys of up to ``bucket_bytes`` (one device,
+    dtype and lr_mult/wd_mult each), as DDP and Horovod fuse small tensors: a key costs more than
     its bytes, and a model's many biases and norms would otherwise set the pace. Updates
     are the same elementwise passes, so results are identical; such parameters have no key
     of their own in the store while fused (``fuse=False``: every parameter's key is its
@@ -213,7 +213,7 @@ class Trainer:
     # -- internals: setup ------------------------------------------------------------------
     def _init_store(self):
         """Prove the workers agree on the parameters, then broadcast rank 0's weights."""
-        check_same_everywhere(self._kv, self._params)
+        check_same_everywhere(self._kv, self._params, self._layout.digest())
         if self._update_on_kvstore and self._optimizer.whole_tensor:
             keep_whole = getattr(self._kv, '_keep_keys_whole', None)   # a kvps store's
             if keep_whole is not None:

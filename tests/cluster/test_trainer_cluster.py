@@ -172,6 +172,28 @@ def test_workers_with_different_parameters_get_a_clear_error(job, mode):
     assert '2 worker(s) of this job (ranks 1, 2)' in found[0]['message']
 
 
+@pytest.mark.timeout(120)
+def test_workers_fusing_parameters_differently_get_a_clear_error(job):
+    """Same parameters, but rank 1 keeps one key per parameter (fuse=False): its store keys
+    would differ from rank 0's, so every worker is told why before any key is sent."""
+    result = job(script('''
+        kv = kvps.create('dist_sync')
+        params = [torch.nn.Parameter(torch.ones(n)) for n in (4, 3, 2)]
+        try:
+            Trainer(params, 'sgd', kvstore=kv, fuse=kv.rank != 1)
+            report(error=None)
+        except kvps.KVPSError as exc:
+            report(error=type(exc).__name__, message=str(exc))
+    '''), workers=2, servers=1, timeout=90)
+    assert result.returncode == 0, result.output
+    found = result.results()
+    assert sorted(found) == [0, 1], result.output
+    for values in found.values():
+        assert values['error'] == 'ParameterMismatchError', found
+        assert 'rank(s) 1 pack parameters into shared store keys' in values['message'], found
+        assert 'the same fuse and bucket_bytes' in values['message'], found
+
+
 GAN_FREEZING = '''
     kv = kvps.create(MODE)
     torch.manual_seed(0)

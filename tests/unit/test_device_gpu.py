@@ -111,6 +111,8 @@ def _train(device, kvstore, update_on_kvstore):
     kv = KVStore(kvstore, LocalBackend()) if kvstore else None
     trainer = kvps.Trainer([w, b], 'sgd', {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 0.01},
                            kvstore=kv, update_on_kvstore=update_on_kvstore)
+    # with a store, w and b share one fused key on their device (packed by torch.cat there)
+    assert [len(f.members) for f in trainer._layout.fused] == ([2] if kv is not None else [])
     for _ in range(3):
         cw, cb = torch.randn(5, 7, generator=gen), torch.randn(7, generator=gen)
         trainer.zero_grad()

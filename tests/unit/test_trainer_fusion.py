@@ -66,6 +66,27 @@ def test_layout_groups_by_dtype_and_multiplier_and_leaves_the_rest_alone():
     assert torch.equal(packed, torch.cat([params[i].detach().reshape(-1) for i in (4, 6)]))
 
 
+def test_a_fused_key_holds_parameters_of_one_device():
+    """CUDA parameters are fused as CPU ones are, one device per key (torch.cat packs them);
+    the meta device stands in for a GPU here: Layout reads only sizes, dtypes and devices."""
+    from kvps._trainer_fusion import Layout
+    from kvps._trainer_params import Param
+    devices = ['cpu', 'meta', 'cpu', 'meta', 'meta']
+    params = [Param(i, f'p{i}', torch.nn.Parameter(torch.ones(4, device=d)))
+              for i, d in enumerate(devices)]
+    layout = Layout(params, kvps.optimizer.create('sgd'), 1 << 20, True, False)
+    assert [(f.key, [p.key for p in f.members], f.weight.device.type) for f in layout.fused] \
+        == [(5, [0, 2], 'cpu'), (6, [1, 3, 4], 'meta')]
+    # what every worker must agree on: which parameters share which key, not the devices
+    on_cpu = [Param(i, f'p{i}', torch.nn.Parameter(torch.ones(4))) for i in range(5)]
+    assert layout.digest() != Layout(on_cpu, kvps.optimizer.create('sgd'), 1 << 20, True,
+                                     False).digest()
+    moved = [Param(p.key, p.name, torch.nn.Parameter(torch.ones(4, device=d)))
+             for p, d in zip(params, ['meta', 'cpu', 'meta', 'cpu', 'cpu'])]
+    assert Layout(moved, kvps.optimizer.create('sgd'), 1 << 20, True, False).digest() \
+        == layout.digest()
+
+
 def test_the_cap_splits_keys_and_nothing_is_fused_without_a_cap_or_with_fuse_false():
     params = [torch.nn.Parameter(torch.zeros(256)) for _ in range(5)]     # 1 KiB each
     t = Trainer(params, 'sgd', kvstore=store(), bucket_bytes=2048)
