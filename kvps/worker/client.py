@@ -1,7 +1,9 @@
 """The distributed backend of a KVStore on a worker: splits keys, pipelines requests, waits.
 
 Pushes return as soon as their messages are queued; errors they meet are raised by the next
-call that waits (pull, barrier, close). Pulls and barriers block, bounded by KVPS_TIMEOUT.
+call that waits (pull, barrier, close), in whichever thread makes it. Pulls and barriers block,
+bounded by KVPS_TIMEOUT. API threads may call at once: what they share here (the push window,
+push counts, barrier numbers) changes under locks never held while waiting.
 """
 
 import collections
@@ -16,7 +18,7 @@ from ..arrays import writable_flat
 from ..errors import ConfigError, KVPSError, ProtocolError, RemoteError
 from ..optimizer import needs_whole_tensors
 from .loop import SCHEDULER, WorkerIO, server_name
-from .pending import Operation, Request
+from .pending import Operation, PushWindow, Request
 from .sharding import Placement
 
 
@@ -43,10 +45,9 @@ class DistClient:
         self.num_workers = welcome['num_workers']
         self.num_servers = welcome['num_servers']
         self.placement = Placement(self.num_servers, config.bigarray_bound)
-        self._inflight = collections.deque()   # (push Operation, bytes) not yet known complete
-        self._inflight_bytes = 0
+        self._window = PushWindow(config.max_inflight_bytes)
         self._errors = collections.deque()     # errors of pushes, raised at the next wait
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()   # push counts, barrier numbers, closing
         self._barrier_seq = 0
         self._pushes = {}         # key -> pushes made of it (sync: the lr scheduler's step)
         self._step = 0            # the most of any key
@@ -158,7 +159,7 @@ class DistClient:
         step = self._count_pushes(items)
         nbytes = sum(sum(p.nbytes for p in flat) if dtype == P.TWO_BIT else flat.nbytes
                      for _, flat, dtype in items)
-        self._make_room(nbytes)
+        self._window.make_room(nbytes, self.config.timeout, self._round_hint)
         staging = self.io.staging
         parts = []   # (key, part, its payload, dtype, its offset in shared memory or None)
         for key, part, flat, dtype in self._parts_of(items):
@@ -177,9 +178,7 @@ class DistClient:
             if step:
                 header['step'] = step
             self._submit(server, header, frames, Request(op, node, keep=keep))
-        with self._lock:
-            self._inflight.append((op, nbytes))
-            self._inflight_bytes += nbytes
+        self._window.add(op, nbytes)
 
     def _count_pushes(self, items):
         """The step a sync push carries (None in async): servers each hold some of the keys,
@@ -189,26 +188,12 @@ class DistClient:
         if not self.sync:
             return None
         pushes = self._pushes
-        for key, _, _ in items:
-            count = pushes[key] = pushes.get(key, 0) + 1
-            if count > self._step:
-                self._step = count
-        return self._step
-
-    def _make_room(self, nbytes):
-        """Back-pressure: while this worker's unacknowledged pushes hold more than
-        KVPS_MAX_INFLIGHT_BYTES, wait for the oldest. Each server's queue is then bounded by
-        workers x window, whatever the pace of the servers."""
-        limit = self.config.max_inflight_bytes
-        while True:
-            with self._lock:
-                while self._inflight and self._inflight[0][0].done.is_set():
-                    self._inflight_bytes -= self._inflight.popleft()[1]
-                if not self._inflight or self._inflight_bytes + nbytes <= limit:
-                    return
-                oldest = self._inflight[0][0]
-            if not oldest.done.wait(self.config.timeout):
-                raise oldest.timed_out(self.config.timeout, self._round_hint)
+        with self._lock:   # threads pushing at once must not lose a count or lower the step
+            for key, _, _ in items:
+                count = pushes[key] = pushes.get(key, 0) + 1
+                if count > self._step:
+                    self._step = count
+            return self._step
 
     def pull(self, items):
         """Fill each ``out`` of ``items`` ([(key, out, dtype)]) with the key's value once this
@@ -256,8 +241,10 @@ class DistClient:
         """Return when every worker is here and this worker's pushes are all applied: the
         ranks whose ``digest`` (bytes) differs from rank 0's, [] when all agree."""
         self.wait_pushes()
-        self._barrier_seq += 1
-        header = {'op': P.BARRIER, 'id': self._barrier_seq, 'seq': self._barrier_seq}
+        with self._lock:   # one number per barrier, whichever threads call at once
+            self._barrier_seq += 1
+            seq = self._barrier_seq
+        header = {'op': P.BARRIER, 'id': seq, 'seq': seq}
         if digest is not None:
             header['digest'] = bytes(digest)
         differs = []
@@ -269,22 +256,19 @@ class DistClient:
         return differs
 
     def wait_pushes(self):
-        """Block until every push so far is acknowledged; raise the first error met."""
-        while True:
-            with self._lock:
-                if not self._inflight:
-                    break
-                op, nbytes = self._inflight.popleft()
-                self._inflight_bytes -= nbytes
-            if not op.done.wait(self.config.timeout):   # its error is in _errors: not raised here
-                raise op.timed_out(self.config.timeout, self._round_hint)
+        """Block until every push so far, of any thread, is acknowledged; raise the first
+        error met."""
+        self._window.wait_all(self.config.timeout, self._round_hint)
         self._raise_pending_errors()
 
     def close(self):
-        """Flush, tell the scheduler this worker is done, stop the I/O thread. Idempotent."""
-        if self.closed:
-            return
-        self.closed = True
+        """Flush, tell the scheduler this worker is done, stop the I/O thread. Idempotent.
+        Not meant to race with calls from other threads: one still under way when the I/O
+        thread stops raises StoreClosedError (a later one does on entry)."""
+        with self._lock:   # two threads closing at once would send two FINISHes
+            if self.closed:
+                return
+            self.closed = True
         try:
             if self.io.fatal is None:
                 self.wait_pushes()
@@ -339,9 +323,13 @@ class DistClient:
 
     def _raise_pending_errors(self):
         if self._errors:
-            exc = self._errors.popleft()
-            self._errors.clear()
-            raise exc
+            try:
+                exc = self._errors.popleft()
+            except IndexError:   # another thread has just taken it to raise
+                exc = None
+            if exc is not None:
+                self._errors.clear()
+                raise exc
         if self.io.fatal is not None:
             raise self.io.fatal
 

@@ -1,5 +1,6 @@
 """Pure request bookkeeping: what each API call waits for, and matching replies to requests."""
 
+import collections
 import threading
 
 from .. import protocol as P
@@ -58,6 +59,58 @@ class Request:
     def __init__(self, op, node, on_data=None, keep=()):
         self.op, self.node, self.on_data, self.keep = op, node, on_data, keep
         self.message = None
+
+
+class PushWindow:
+    """A worker's pushes not yet known complete and their bytes: the back-pressure window,
+    shared by every API thread that pushes."""
+
+    def __init__(self, limit):
+        self.limit = limit           # KVPS_MAX_INFLIGHT_BYTES
+        self.nbytes = 0
+        self._ops = collections.deque()   # (Operation, bytes, the thread that pushed), in order
+        self._lock = threading.Lock()
+
+    def add(self, op, nbytes):
+        with self._lock:
+            self._ops.append((op, nbytes, threading.get_ident()))
+            self.nbytes += nbytes
+
+    def make_room(self, nbytes, timeout, hint=''):
+        """Return once a push of ``nbytes`` fits, waiting meanwhile for the oldest push of the
+        calling thread; a thread with none in flight goes on. Waiting for another thread's
+        push could deadlock in dist_sync: its round may need a push that the matching thread
+        of another worker holds back, waiting in turn for one of ours. A server's queue is
+        then bounded by workers x (window + one push per pushing thread)."""
+        me = threading.get_ident()
+        while True:
+            with self._lock:
+                self._retire()
+                if self.nbytes + nbytes <= self.limit:
+                    return
+                oldest = next((op for op, _, owner in self._ops
+                               if owner == me and not op.done.is_set()), None)
+            if oldest is None:
+                return
+            if not oldest.done.wait(timeout):
+                raise oldest.timed_out(timeout, hint)
+
+    def wait_all(self, timeout, hint=''):
+        """Block until every push added so far, by any thread, is complete. They stay in the
+        window while waited for: a barrier another thread makes meanwhile waits for them too."""
+        with self._lock:
+            ops = [op for op, _, _ in self._ops]
+        for op in ops:
+            if not op.done.wait(timeout):
+                raise op.timed_out(timeout, hint)
+        with self._lock:
+            self._retire()
+
+    def _retire(self):
+        """Drop the completed pushes at the head (under ``_lock``)."""
+        ops = self._ops
+        while ops and ops[0][0].done.is_set():
+            self.nbytes -= ops.popleft()[1]
 
 
 class PendingTable:
