@@ -12,7 +12,7 @@ import threading
 import time
 
 from .. import protocol as P
-from ..errors import KVPSError, PeerLostError
+from ..errors import KVPSError, PeerLostError, StoreClosedError
 from ..link import SchedulerLink, decode_or_log
 from ..transport import Dealer, Poller, Waker, guard_from, new_context
 from .pending import Operation, PendingTable, Request
@@ -59,6 +59,9 @@ class WorkerIO(threading.Thread):
             request.op.fail(self.fatal)
             return
         self._queue.append((node, header, buffers, request))
+        if self.fatal is not None:   # the thread ended after the check above: none will send it
+            self._fail_queued()
+            return
         if not self._wake_pending:   # one wake-up per batch, not one per message
             self._wake_pending = True
             self.waker.wake()
@@ -97,7 +100,29 @@ class WorkerIO(threading.Thread):
         finally:
             if self._abort_reason is not None and self.fatal is None:   # else the job is over
                 self._link.abort(self._abort_reason)   # closing the link delivers it
+            self._end()
             self._close()
+
+    def _end(self):
+        """Fail what is still waiting when the thread stops: a call another API thread made
+        while this worker was closing would otherwise wait for KVPS_TIMEOUT for an answer that
+        can no longer come."""
+        if self.fatal is None:
+            self.fatal = StoreClosedError('this worker has left the job (kv.close() or '
+                                          'interpreter exit): a call made while it was closing '
+                                          'cannot complete')
+        self._fail_everything()
+        self._fail_queued()
+
+    def _fail_queued(self):
+        """Fail every queued request (the thread is gone). Any thread: popleft hands each
+        one to exactly one caller."""
+        while True:
+            try:
+                request = self._queue.popleft()[3]
+            except IndexError:
+                return
+            request.op.fail(self.fatal)
 
     def _staging(self):
         """A segment when a server shares this host (by address): others could never map it,
@@ -262,6 +287,10 @@ class WorkerIO(threading.Thread):
         if self.fatal is None:
             log.error('%s', exc)
             self.fatal = exc
+        self._fail_everything()
+
+    def _fail_everything(self):
+        """Fail every request sent and unanswered with ``self.fatal``."""
         self._pending.fail_all(self.fatal)
         for request in self._scheduler_requests.values():
             request.op.fail(self.fatal)
