@@ -118,7 +118,17 @@ def _uncaught(exc):
 
 
 class KVStore:
-    """Keys to arrays, shared by every worker of the job (MXNet's KVStore interface)."""
+    """Keys to arrays, shared by every worker of the job (MXNet's KVStore interface).
+
+    The threads of a process may share a store, as ps-lite's KVWorker allows: push and pull
+    may be called from several threads at once (a pull waiting on a server does not hold
+    back another thread's push). Give each thread its own keys: in dist_sync every worker must
+    push a key once per round, and a compressed key's residual is not shared between
+    pushes made at once. The collective calls (init, set_optimizer, load_optimizer_states,
+    barrier) must come in the same order on every worker, so make them from one thread. A
+    push's error is raised by the next call that waits, in whichever thread. close() is not
+    meant to race with other calls: a call still under way, or made after it, raises
+    StoreClosedError."""
 
     OPTIMIZER = 'optimizer'    # MXNet's name of the one capability (is_capable)
 
@@ -130,6 +140,7 @@ class KVStore:
         # membership sees the keys any of them initialized, as the servers do
         self._meta = backend.keys
         self._key_kind = None
+        self._kind_lock = threading.Lock()   # the first keys of two threads settle one kind
         self._codec = None         # gradient compression of pushes (set_gradient_compression)
         self._residuals = {}       # what compressed pushes have not sent yet, per key part
 
@@ -180,10 +191,11 @@ class KVStore:
             shape, dtype = self._known(k)
             for v in values:
                 arrays.check_like(v, shape, dtype, k, 'pushed value')
-        if self._codec is not None:
+        codec = self._codec   # read once: another thread may turn compression off meanwhile
+        if codec is not None:
             for k, _ in pairs:
                 compression.check_compressible(k, self._meta[k][1])
-            self._backend.push([(k, self._encoded(k, values), self._codec.name)
+            self._backend.push([(k, self._encoded(codec, k, values), codec.name)
                                 for k, values in pairs])
             return
         copies = self._host_copies(pairs, stage=True)
@@ -330,17 +342,17 @@ class KVStore:
         self.close()
 
     # -- values ---------------------------------------------------------------------------
-    def _encoded(self, key, values):
+    def _encoded(self, codec, key, values):
         """One compressed payload per part of the key (as the backend splits it), each in
         the memory the backend sends from when it has some."""
         grad = self._host_copies([(key, values)])[0]
         parts = self._parts(key)
-        sizes = [compression.nbytes(self._codec.name, stop - start)
+        sizes = [compression.nbytes(codec.name, stop - start)
                  for _, _, start, stop in parts]
         payloads = []
         for (_, part, start, stop), size, out in zip(parts, sizes, self._backend.stage(sizes)):
             out = np.empty(size, np.uint8) if out is None else out
-            payloads.append(self._codec.encode(key, part, grad[start:stop], out))
+            payloads.append(codec.encode(key, part, grad[start:stop], out))
         return payloads
 
     def _on_gpu(self, key, values):
@@ -411,8 +423,10 @@ class KVStore:
                                f'one of {len(key)}: {key[:40]!r}...')
         kind = type(key)
         if self._key_kind is None:
-            self._key_kind = kind
-        elif kind is not self._key_kind:
+            with self._kind_lock:
+                if self._key_kind is None:
+                    self._key_kind = kind
+        if kind is not self._key_kind:
             raise KeyTypeError(f'this store uses {self._key_kind.__name__} keys; got '
                                f'{kind.__name__} key {key!r} (one kind per store)')
         return key
