@@ -375,6 +375,41 @@ def test_a_store_shared_by_threads_applies_every_push_once():
     assert [o.tolist() for o in outs] == [[-float(pushes)] * 8] * len(keys)
 
 
+def test_pulls_from_one_thread_see_whole_pushes_of_another():
+    # An evaluation thread pulls the weights while the training thread pushes: each pull is
+    # the value after some number of whole pushes, never one half-updated, never going back.
+    import threading
+    kv = kvps.create('local')
+    kv.init([0, 1], [np.zeros(4096, np.float32), np.full(3, 7.0, np.float32)])
+    kv.set_optimizer(kvps.optimizer.create('sgd', learning_rate=1.0))
+    pushes, pushing, seen = 300, threading.Event(), []
+
+    def train():
+        grad = np.ones(4096, np.float32)
+        for _ in range(pushes):
+            kv.push(0, grad)
+        pushing.clear()
+
+    def evaluate():
+        w, other = np.empty(4096, np.float32), np.empty(3, np.float32)
+        while pushing.is_set() or not seen:
+            kv.pull([0, 1], out=[w, other])
+            seen.append((float(w[0]), bool((w == w[0]).all()), other.tolist()))
+
+    pushing.set()
+    threads = [threading.Thread(target=train), threading.Thread(target=evaluate)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    firsts = [first for first, _, _ in seen]
+    assert all(whole and other == [7.0] * 3 for _, whole, other in seen)
+    assert firsts == sorted(firsts, reverse=True) and all(f.is_integer() for f in firsts)
+    w = np.empty(4096, np.float32)
+    kv.pull(0, out=w)
+    assert w.tolist() == [-float(pushes)] * 4096
+
+
 @pytest.mark.parametrize('name', ['sgd', 'nag', 'adam', 'adamw', 'rmsprop', 'adagrad', 'ftrl',
                                   'signum', 'lamb'])
 def test_an_empty_key_takes_every_optimizer(name):
