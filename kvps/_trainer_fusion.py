@@ -2,6 +2,7 @@
 
 import hashlib
 import logging
+import threading
 
 from . import states
 
@@ -234,26 +235,32 @@ class PushBucket:
         self._kv, self._cap = kv, cap
         self._keys, self._values, self._bytes = [], [], 0
         self._callback_queued = False
+        # Hooks of parameters on several GPUs run on autograd's per-device threads at once
+        self._lock = threading.Lock()
 
     def add(self, key, value):
-        self._keys.append(key)
-        self._values.append(value)
-        self._bytes += value.numel() * value.element_size()
-        if self._bytes >= self._cap:
+        with self._lock:
+            self._keys.append(key)
+            self._values.append(value)
+            self._bytes += value.numel() * value.element_size()
+            full = self._bytes >= self._cap
+        if full:
             self.flush()
 
     def flush(self):
-        self._callback_queued = False
-        if self._keys:
+        with self._lock:   # taken whole, so each gradient leaves in exactly one push
+            self._callback_queued = False
             keys, values = self._keys, self._values
             self._keys, self._values, self._bytes = [], [], 0
+        if keys:
             self._kv.push(keys, values)
 
     def flush_when_backward_ends(self):
         """Called from a gradient hook: send what is left once this backward pass is over
         (autograd's end-of-pass callback, the one DDP uses)."""
-        if self._callback_queued or not self._keys:
-            return
+        with self._lock:
+            if self._callback_queued or not self._keys:
+                return
+            self._callback_queued = True
         import torch
         torch.autograd.Variable._execution_engine.queue_callback(self.flush)
-        self._callback_queued = True

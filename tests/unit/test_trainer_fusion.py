@@ -205,3 +205,38 @@ def test_a_file_missing_some_members_starts_their_key_afresh(caplog):
     assert states.fuse(split, fused)['keys'] == [[9, 4, whole]]
     with pytest.raises(kvps.ConfigError, match='not a kvps optimizer-state file'):
         states.fuse([1, 2], fused)
+
+
+def test_gradients_bucketed_from_several_threads_each_leave_once():
+    """Hooks of parameters on several GPUs run on one autograd thread per device: every
+    gradient they add leaves in exactly one push."""
+    import sys
+    import threading
+    from kvps._trainer_fusion import PushBucket
+
+    class Recording:
+        def __init__(self):
+            self.pushed = []
+
+        def push(self, keys, values):
+            self.pushed.extend(keys)
+    kv = Recording()
+    bucket = PushBucket(kv, cap=64)   # 4 gradients of 16 bytes fill it
+    start = threading.Barrier(4)
+
+    def hook_thread(first):
+        start.wait()
+        for key in range(first, first + 500):
+            bucket.add(key, torch.ones(4))
+    threads = [threading.Thread(target=hook_thread, args=(i * 500,)) for i in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)   # switch threads often: between any two bytecodes
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    bucket.flush()
+    assert sorted(kv.pushed) == list(range(2000))
