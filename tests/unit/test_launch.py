@@ -72,6 +72,30 @@ def py(role, rank, code, **env):
                     dict(os.environ, PYTHONUNBUFFERED='1', **env))
 
 
+def _once(path, then):
+    """Code that runs the statements ``then`` once file ``path`` exists."""
+    return (f'import os, time\nwhile not os.path.exists({str(path)!r}):\n    time.sleep(0.01)\n'
+            + textwrap.dedent(then))
+
+
+def _writes_pid(path):
+    """Code that writes its pid to file ``path`` (whole: through a rename), then exits 0."""
+    return (f'import os, pathlib\ntmp = pathlib.Path({str(path)!r} + ".tmp")\n'
+            f'tmp.write_text(str(os.getpid())); tmp.replace({str(path)!r})')
+
+
+def _after_reaped(path, then):
+    """Code that runs the statement ``then`` once the process whose pid file ``path`` holds is
+    gone, reaped by the supervisor: its exit reached the supervisor first. (A fixed sleep
+    before ``then`` lost that race to a slow-starting process on a loaded machine.)"""
+    return _once(path, f'''
+        pid = open({str(path)!r}).read()
+        while os.path.exists('/proc/' + pid):   # a zombie keeps its entry until it is reaped
+            time.sleep(0.01)
+        {then}
+    ''')
+
+
 def supervise(specs, grace=1.0, shutdown_timeout=10.0, restarts=None, **options):
     """Run specs in-process; returns (exit code, stdout text, stderr text, child pids)."""
     out, err = io.StringIO(), io.StringIO()
@@ -313,10 +337,11 @@ def test_a_failed_server_is_restarted_until_its_budget_is_spent(tmp_path):
     assert_gone(pids)
 
 
-def test_a_server_failing_after_the_workers_finished_is_not_restarted():
+def test_a_server_failing_after_the_workers_finished_is_not_restarted(tmp_path):
+    worker = tmp_path / 'worker.pid'
     rc, _, err, pids = supervise([
-        py('server', 0, 'import time; time.sleep(0.5); raise SystemExit(4)'),
-        py('worker', 0, 'pass'),
+        py('server', 0, _after_reaped(worker, 'raise SystemExit(4)')),
+        py('worker', 0, _writes_pid(worker)),
     ], restarts={'server': 2})
     assert rc == 4 and 'restarting' not in err
     assert_gone(pids)
@@ -411,12 +436,7 @@ def _blaming(path, blame, reason, after=None):
 
 
 def _exits_after(path):
-    return f'''
-        import os, time
-        while not os.path.exists({str(path)!r}):
-            time.sleep(0.01)
-        raise SystemExit(1)   # told by the scheduler that the job is over
-    '''
+    return _once(path, 'raise SystemExit(1)   # told by the scheduler that the job is over')
 
 
 def test_the_node_the_scheduler_blames_is_named_not_the_first_to_exit(tmp_path):
