@@ -364,11 +364,12 @@ def test_child_ignoring_sigterm_is_killed_after_the_grace():
     assert_gone(pids)
 
 
-def test_server_that_outlives_the_workers_is_reported_and_killed():
+def test_server_that_outlives_the_workers_is_reported_and_killed(tmp_path):
+    server_1 = tmp_path / 'server1.pid'   # exits on its own, before the worker finishes
     rc, _, err, pids = supervise([
         py('server', 0, 'import time; time.sleep(60)'),
-        py('server', 1, 'import time; time.sleep(0.1)'),
-        py('worker', 0, 'pass'),
+        py('server', 1, _writes_pid(server_1)),
+        py('worker', 0, _after_reaped(server_1, 'pass')),
     ], shutdown_timeout=0.5)
     assert rc == 1
     assert 'kvps.launch: server 0 did not exit within 0.5 s after all workers finished' in err
