@@ -347,21 +347,25 @@ def test_a_server_failing_after_the_workers_finished_is_not_restarted(tmp_path):
     assert_gone(pids)
 
 
-def test_child_ignoring_sigterm_is_killed_after_the_grace():
+def test_child_ignoring_sigterm_is_killed_after_the_grace(tmp_path):
+    # The worker fails once the server ignores SIGTERM: a slow-starting server would have
+    # died of it, before printing, had the worker failed after a fixed sleep.
+    ready = tmp_path / 'ready'
     start = time.monotonic()
     rc, out, err, pids = supervise([
-        py('server', 0, '''
-            import signal, time
+        py('server', 0, f'''
+            import pathlib, signal, time
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             print('ready', flush=True)
+            pathlib.Path({str(ready)!r}).touch()
             time.sleep(60)
         '''),
-        py('worker', 0, 'import time; time.sleep(0.5); raise SystemExit(4)'),
+        py('worker', 0, _once(ready, 'time.sleep(0.5); raise SystemExit(4)')),
     ], grace=0.6)
     elapsed = time.monotonic() - start
-    assert rc == 4 and '[server 0] ready' in out
-    assert 1.1 <= elapsed < 5
-    assert_gone(pids)
+    assert rc == 4 and '[server 0] ready' in out and 'survived SIGKILL' not in err
+    assert elapsed >= 1.1   # the worker's 0.5 s, then the grace: no SIGKILL before it
+    assert_gone(pids)       # killed, not left to its 60 s sleep
 
 
 def test_server_that_outlives_the_workers_is_reported_and_killed(tmp_path):
