@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from kvps import launch
+from kvps import _launch_supervise, launch
 from kvps._launch_supervise import ProcSpec, Supervisor, run_specs
 from kvps.config import Config
 
@@ -32,6 +32,8 @@ FAKE_NODE = textwrap.dedent('''
             print('scheduler: cannot bind'); sys.exit(int(os.environ['FAKE_SCHEDULER_FAIL']))
         if os.environ.get('FAKE_SCHEDULER_SILENT'):
             print('scheduler: still resolving', flush=True)
+            if os.environ.get('FAKE_PRINTED'):   # a file, once that line is out
+                open(os.environ['FAKE_PRINTED'], 'w').close()
         else:
             s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
             path = os.environ['KVPS_PORT_FILE']
@@ -586,13 +588,37 @@ def test_scheduler_that_exits_cleanly_without_a_port(fake_node):
     assert rc == 1 and 'exited with exit code 0 before writing its port file' in err.getvalue()
 
 
-def test_scheduler_that_never_writes_its_port(fake_node):
+class _ClockFrom:
+    """The launcher's ``time``, whose monotonic clock stands still until file ``path`` exists:
+    the bounds it counts start there. ``started``: when that was, on the real clock."""
+
+    def __init__(self, path):
+        self.path, self.started, self._held = path, None, None
+
+    def __getattr__(self, name):   # sleep and the rest: the real ones
+        return getattr(time, name)
+
+    def monotonic(self):
+        now = time.monotonic()
+        if self.started is None:
+            self._held = self._held or now
+            if not os.path.exists(self.path):
+                return self._held
+            self.started = now
+        return now - (self.started - self._held)
+
+
+def test_scheduler_that_never_writes_its_port(fake_node, tmp_path, monkeypatch):
+    # The 0.5 s bound counts from the scheduler's first line: a slow-starting scheduler on a
+    # loaded machine had not printed it 0.5 s after it was spawned ('printed nothing').
+    printed = tmp_path / 'printed'
+    clock = _ClockFrom(printed)
+    monkeypatch.setattr(_launch_supervise, 'time', clock)
     err = io.StringIO()
-    start = time.monotonic()
     rc = launch.run(_opts('--connect-timeout', '0.5', '--env', 'FAKE_SCHEDULER_SILENT=1',
-                          '--env', 'FAKE_SCHEDULER_SLEEP=60'),
+                          '--env', 'FAKE_SCHEDULER_SLEEP=60', '--env', f'FAKE_PRINTED={printed}'),
                     node_argv=fake_node, out=io.StringIO(), err=err)
-    assert rc == 1 and time.monotonic() - start < 5
+    assert rc == 1 and time.monotonic() - clock.started < 5
     assert re.search(r'scheduler \(pid \d+\) failed first: did not write its port file within '
                      r'0.5 s', err.getvalue())
     # what it was stuck on is shown
