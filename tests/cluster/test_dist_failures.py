@@ -225,10 +225,24 @@ def test_a_worker_that_fails_is_the_one_blamed(job, how, code):
         assert ('boom in worker 1' if how == 'raise' else 'worker 1 leaves') in result.stderr
 
 
-def test_missing_server_is_named_within_the_connect_bound(by_hand):
-    _, env = by_hand.scheduler(num_workers=1, num_servers=1,
-                               extra={'KVPS_CONNECT_TIMEOUT': '3'})
-    worker = by_hand('worker', env, script='kvps.create("dist_sync")\n')
+def test_missing_server_is_named_within_the_connect_bound(by_hand, tmp_path):
+    # The scheduler's 3 s bound starts with it: the worker is up before it and joins once told
+    # the port, else a worker slow to start on a loaded box came after the scheduler had
+    # given up, and timed out on its own without hearing why.
+    port = tmp_path / 'port'
+    bound = {'KVPS_CONNECT_TIMEOUT': '3'}
+    worker = by_hand('worker', {'DMLC_PS_ROOT_URI': '127.0.0.1', 'DMLC_NUM_WORKER': '1',
+                                'DMLC_NUM_SERVER': '1', 'PORT': str(port), **bound}, script='''
+        print('READY', flush=True)
+        while not os.path.exists(os.environ['PORT']):
+            time.sleep(0.01)
+        os.environ['DMLC_PS_ROOT_PORT'] = open(os.environ['PORT']).read()
+        kvps.create("dist_sync")
+    ''')
+    _wait_ready(worker)
+    _, env = by_hand.scheduler(num_workers=1, num_servers=1, extra=bound)
+    (tmp_path / 'port.tmp').write_text(env['DMLC_PS_ROOT_PORT'])
+    (tmp_path / 'port.tmp').replace(port)
     code, out = by_hand.finish(worker)
     assert code != 0
     assert '1 of 1 servers never registered' in out
