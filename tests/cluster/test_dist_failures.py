@@ -408,6 +408,9 @@ def test_a_stalled_server_holds_pushes_back_instead_of_queueing_them(by_hand, tm
     os.kill(server.pid, signal.SIGSTOP)
     try:
         go.write_text('')
+        deadline = time.monotonic() + 30    # its first push (a loaded box may take a while)
+        while not (count.exists() and count.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.02)
         time.sleep(2)                       # the worker pushes as fast as the window allows
         assert count.read_text() == '1'     # one push in flight, the second one waits
     finally:
