@@ -517,7 +517,9 @@ def test_fuzzed_server_and_scheduler_keep_serving_exact_values(by_hand, tmp_path
     assert server.text.count('rejected a message from') == (
         server_in.expected['reject'] + server_in.expected['reject-reply'])
     # The fuzz reaches both sides: plenty refused at decoding, plenty past it to a handler.
-    floor = SERVER_MESSAGES // 6
+    # (A coverage floor, not a behaviour: the draws shift when unrelated code loads first,
+    # 261-276 answered messages of 1600 were seen, so 1/6 = 266 was a coin toss.)
+    floor = SERVER_MESSAGES // 8
     assert server_in.expected['reject'] > floor and server_in.expected['reply'] > floor
     assert scheduler.text.count('refused a message from') == \
         sched_out.expected['auth'] + sched_in.expected['auth']
