@@ -51,6 +51,19 @@ def test_quantization_follows_the_rule_and_loses_nothing(n):
     np.testing.assert_allclose(sum(got) + residual, sum(grads), rtol=1e-5, atol=1e-5)
 
 
+def test_float64_gradients_keep_a_float64_residual_as_mxnet_does():
+    """MXNet's residual has the gradient's dtype. 0.5 - 2**-30 is below a 0.5 threshold, so
+    nothing is sent; a float32 residual rounds it up to 0.5 and sends +0.5 at once, and what
+    is held back is no longer what was pushed minus what was sent."""
+    codec = compression.parse({'type': '2bit', 'threshold': 0.5})
+    below = 0.5 - 2.0 ** -30
+    got = send(codec, [[below, -below, 0.25]] * 3, dtype=np.float64)
+    assert [g.tolist() for g in got] == [[0.0, 0.0, 0.0], [0.5, -0.5, 0.5],
+                                         [0.5, -0.5, 0.0]]
+    held = codec._residuals[('k', 0)]
+    assert held.tolist() == [3 * below - 1.0, 1.0 - 3 * below, 0.25]
+
+
 def test_each_key_part_keeps_its_own_residual():
     codec = compression.parse({'type': '2BIT', 'threshold': 1.0})
     for key in ('a', 'b'):
