@@ -27,7 +27,8 @@ DECODABLE = ('float16', 'bfloat16', 'float32', 'float64')
 
 
 class TwoBit:
-    """One store's 2-bit codec: the threshold and a float32 residual per (key, part)."""
+    """One store's 2-bit codec: the threshold and a residual per (key, part) (float64 for
+    float64 gradients, float32 for the others)."""
 
     name = TWO_BIT
 
@@ -43,14 +44,17 @@ class TwoBit:
         ``grad`` holds bfloat16 bits (kvps's storage of bfloat16)."""
         kind = dtype_name(grad)
         t = sent_threshold(self.threshold, kind)
+        # float64 gradients keep a float64 residual, as MXNet's (the gradient's dtype): in
+        # float32 an element just below t would round up to t and be sent
+        wide = np.float64 if kind == 'float64' else np.float32
         residual = self._residuals.get((key, part))
         if residual is None or residual.size != grad.size:
-            residual = self._residuals[(key, part)] = np.zeros(grad.size, np.float32)
+            residual = self._residuals[(key, part)] = np.zeros(grad.size, wide)
         np.add(residual, bf16_to_f32(grad) if kind == 'bfloat16' else grad, out=residual,
                casting='unsafe')
         plus, minus = residual >= t, residual <= -t
         sign = plus.view(np.int8) - minus.view(np.int8)
-        np.subtract(residual, np.multiply(sign, t, dtype=np.float32), out=residual)
+        np.subtract(residual, np.multiply(sign, t, dtype=wide), out=residual)
         # codes (0, 2 = -t, 3 = +t) in bytes, then four bytes folded into one: element 4j+k
         # sits at bit 8k of little-endian word j and moves to bits 2k of byte j
         codes = np.zeros(-(-grad.size // 4) * 4, np.uint8)
