@@ -45,6 +45,30 @@ def test_device_types_sum_several_host_values_exactly(name):
     assert (a == 7).all() and (b == 0.75).all()
 
 
+def _strided_and_odd_shapes(kv):
+    """Transposed views as values and targets, 0-d and empty keys, torch and numpy mixed;
+    returns what every target holds after two pushes."""
+    kv.init([0, 1, 2], [torch.zeros(2, 3, dtype=torch.float64), torch.tensor(0.0),
+                        np.zeros((0, 3), np.float32)])
+    for _ in range(2):
+        kv.push([0, 1, 2], [[torch.arange(6.0, dtype=torch.float64).reshape(3, 2).t(),
+                             np.arange(6.0).reshape(3, 2).T],
+                            [np.array(0.5, np.float32), torch.tensor(0.25)],
+                            [torch.zeros(0, 3), np.zeros((0, 3), np.float32)]])
+    grid = [torch.zeros(3, 2, dtype=torch.float64).t(), np.zeros((3, 2)).T]
+    scalar, empty = [torch.tensor(-1.0), np.array(-1.0, np.float32)], torch.zeros(0, 3)
+    kv.pull([0, 1, 2], out=[grid, scalar, empty])
+    return [np.asarray(g).tolist() for g in grid], [float(s) for s in scalar], empty.shape
+
+
+@pytest.mark.parametrize('name', ['dist_sync_device', 'dist_async_device'])
+def test_device_types_agree_with_local_on_strided_0d_and_empty_values(name):
+    want = ([[[0.0, 4.0, 8.0], [2.0, 6.0, 10.0]]] * 2, [0.75, 0.75], (0, 3))
+    assert _strided_and_odd_shapes(kvps.create('local')) == want
+    assert _strided_and_odd_shapes(kvps.create('device')) == want
+    assert _strided_and_odd_shapes(KVStore(name, LocalBackend())) == want
+
+
 class InitRecorder(LocalBackend):
     """Records what each init asked of the servers' placement."""
 
