@@ -276,6 +276,21 @@ def test_device_path_sums_bfloat16_and_lands_everywhere(monkeypatch, recording_b
     assert all((t == 6.25).all() for t in targets) and len(landed) == 1
 
 
+def test_device_path_refuses_a_read_only_host_target_before_writing(monkeypatch):
+    """A pull with GPU targets also copies into the host targets beside them: a read-only
+    one (an array over immutable bytes) must be refused as the host path refuses it, not
+    written through torch.from_numpy."""
+    send_host_tensors_down_the_gpu_path(monkeypatch)
+    kv = KVStore('dist_async_device', LocalBackend())
+    kv.init(0, torch.zeros(2))
+    kv.push(0, torch.ones(2))
+    frozen = np.frombuffer(bytes(8), np.float32)
+    on_device = torch.zeros(2)
+    with pytest.raises(ValueError, match='read-only'):
+        kv.pull(0, out=[on_device, frozen])
+    assert frozen.tolist() == [0.0, 0.0] and on_device.tolist() == [0.0, 0.0]
+
+
 def test_trainer_through_the_device_path_matches_the_host_path(monkeypatch):
     def train():
         gen = torch.Generator().manual_seed(0)
