@@ -72,7 +72,12 @@ def host_sum(values):
 
 def pull_buffer(targets):
     """A fresh host buffer for the backend to pull one key into: pinned when a target is on a
-    GPU, so that the copies to the devices can run asynchronously."""
+    GPU, so that the copies to the devices can run asynchronously. Host targets beside GPU
+    ones are checked as the host path checks them (ValueError), before anything is pulled:
+    torch would write into a read-only array."""
+    for target in targets:
+        if not on_gpu(target):
+            arrays.writable(target)
     views = [as_torch(t) for t in targets]
     return _host_buffer(views[0].numel(), views[0].dtype, any(v.is_cuda for v in views))
 
