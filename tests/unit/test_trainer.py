@@ -369,6 +369,39 @@ def test_what_backward_did_not_send_leaves_in_one_push_at_step():
     assert store.pushes == [[0, 1, 2]] and all(torch.all(p == -1) for p in params)
 
 
+
+def _train_one_unused_after_the_first_step(kvstore, uok, fuse, split=False):
+    used, unused = param(0, (3,)), param(1, (3,))
+    t = Trainer([used, unused], 'sgd', {'learning_rate': 1.0, 'momentum': 0.5, 'wd': 0.1},
+                kvstore=kvstore, update_on_kvstore=uok, fuse=fuse)
+    for step in range(3):
+        t.zero_grad()
+        (used.sum() + (unused.sum() if step == 0 else 0)).backward()
+        if split:
+            t.allreduce_grads()
+            assert (unused.grad is None) == (step > 0)   # not made up from the store
+            t.update(1, ignore_stale_grad=True)
+        else:
+            t.step(1, ignore_stale_grad=True)
+    return used.detach(), unused.detach()
+
+
+@pytest.mark.parametrize('name', ['local', 'device'])
+@pytest.mark.parametrize('uok', [True, False])
+@pytest.mark.parametrize('fuse', [True, False])
+def test_a_store_in_this_process_skips_stale_parameters_as_no_store_does(name, uok, fuse):
+    """Alone, ignore_stale_grad=True skips a parameter backward left alone: its momentum and
+    weight decay must not move it, with a 'local' store whoever updates, fused or not."""
+    expected = _train_one_unused_after_the_first_step(None, None, True)
+    assert torch.allclose(expected[1], torch.full((3,), -0.1))   # moved at the first step only
+    found = _train_one_unused_after_the_first_step(kvps.create(name), uok, fuse)
+    assert all(torch.equal(a, b) for a, b in zip(found, expected)), (found, expected)
+    if not uok:
+        found = _train_one_unused_after_the_first_step(kvps.create(name), uok, fuse,
+                                                      split=True)
+        assert all(torch.equal(a, b) for a, b in zip(found, expected)), (found, expected)
+
+
 # -- learning rate -------------------------------------------------------------------------
 
 @pytest.mark.parametrize('kvstore, uok', [(None, None), ('local', True), ('local', False)])
