@@ -86,9 +86,11 @@ class Trainer:
     def _can_fuse(self, fuse):
         """Fused keys need a kvps store (its state calls translate them to parameters), and
         an update that is elementwise when the servers run it (not LAMB's whole-tensor
-        norms)."""
+        norms), by servers of a distributed store."""
         if not fuse or self._kv is None or not hasattr(self._kv, '_get_optimizer_states'):
             return False
+        if self._update_on_kvstore and not self._distributed:
+            return False   # alone a stale parameter is skipped: a shared key would move it
         return not (self._update_on_kvstore and self._optimizer.whole_tensor)
 
     def _hook_trainable(self):
@@ -329,7 +331,10 @@ class Trainer:
         to it without zero_grad accumulates as with torch.optim (not onto the sum)."""
         if self._kv is None:
             return
-        for p in self._trainable:
+        # Alone, a stale parameter (ignore_stale_grad) is skipped, as without a store: not
+        # pushed (a store that updates would move it) nor pulled (into .grad).
+        reduced = [p for p in self._trainable if self._distributed or self._is_fresh(p)]
+        for p in reduced:
             if p.key not in self._pushed:
                 self._push(p, p.tensor.grad)
         for fused in self._layout.fused:   # some members frozen (workers update): zeros for them
@@ -338,23 +343,23 @@ class Trainer:
         self._bucket.flush()
         # One pipelined pull for every parameter: all requests leave before any answer is
         # awaited, first layers first (the next forward needs them first).
-        entries = self._layout.store_keys(self._trainable)
+        entries = self._layout.store_keys(reduced)
         if entries and self._update_on_kvstore:
             pull_weights(self._kv, entries)
         elif entries:
             self._kv.pull([key for _, key, _ in entries],
                           out=[self._pull_target(entry, into_grads) for _, _, entry in entries])
             if into_grads:
-                self._land_fused_grads(entries)
+                self._land_fused_grads(entries, {p.key for p in reduced})
         self._reduced = 'grads' if into_grads else 'buffers'
 
-    def _land_fused_grads(self, entries):
-        """allreduce_grads: summed gradients of fused keys into their trainable members'
-        ``.grad``, as Gluon leaves them."""
+    def _land_fused_grads(self, entries, reduced):
+        """allreduce_grads: summed gradients of fused keys into the ``.grad`` of their members
+        reduced (keys in ``reduced``), as Gluon leaves them."""
         for _, _, entry in entries:
             if isinstance(entry, FusedKey):
                 for p, view in zip(entry.members, entry.grad_views):
-                    if p.trainable:
+                    if p.key in reduced:
                         self._grad_target(p).copy_(view)
 
     def _pull_target(self, p, into_grads):
@@ -399,7 +404,7 @@ class Trainer:
         for p in self._trainable:
             if p.key in done:
                 continue
-            grad = self._summed[p.key] if self._reduced == 'buffers' else p.tensor.grad
+            grad = self._summed.get(p.key) if self._reduced == 'buffers' else p.tensor.grad
             # Distributed: every worker updates every parameter with the same summed gradient,
             # so workers stay identical even when their stale parameters differ.
             if grad is None or not (self._distributed or self._is_fresh(p)):
