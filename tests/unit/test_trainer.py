@@ -224,6 +224,24 @@ def test_allreduce_then_update_equals_step():
     assert torch.equal(a, b)
 
 
+
+@pytest.mark.parametrize('kvstore', ['local', 'dist_sync'])
+def test_step_after_allreduce_grads_is_refused_not_blind_to_clipping(kvstore):
+    """Gluon's clipping pattern is allreduce_grads(), clip .grad, update(). A step() in place
+    of update() would reduce again and apply the unclipped sum: it must say so instead."""
+    x = param(0, (3,))
+    t = Trainer([x], 'sgd', {'learning_rate': 1.0}, kvstore=fake_store(kvstore),
+                update_on_kvstore=False)
+    backward(x, coeff=4.0)
+    t.allreduce_grads()
+    x.grad.mul_(0.25)                              # clipped
+    with pytest.raises(RuntimeError, match='apply them with update'):
+        t.step(1)
+    assert torch.all(x == 0)
+    t.update(1)                                    # the clipped gradient is applied
+    assert torch.all(x == -1)
+
+
 def test_allreduce_and_update_refused_when_servers_update():
     x = param(0)
     t = Trainer([x], 'sgd', kvstore=kvps.create('local'), update_on_kvstore=True)
