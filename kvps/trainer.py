@@ -140,6 +140,11 @@ class Trainer:
     # -- training --------------------------------------------------------------------------
     def step(self, batch_size, ignore_stale_grad=False):
         """One update: gradients normalized by 1/batch_size, summed over workers, applied."""
+        if self._reduced == 'grads':   # refused alike on every worker, before any collective
+            raise RuntimeError(
+                'allreduce_grads() has already summed this step\'s gradients into each .grad: '
+                'apply them with update(batch_size). step() would reduce them again and '
+                'ignore what was done to .grad in between (clipping, say)')
         self._hook_trainable()
         self._rescale(batch_size)
         if self._update_on_kvstore:
