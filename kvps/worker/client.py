@@ -74,7 +74,7 @@ class DistClient:
         self._require_whole_keys(spec)
         self._by_rank_0('set_optimizer', lambda: self._wait_all([
             self._request(s, 'set_optimizer', {'op': P.SET_OPTIMIZER, 'spec': spec})
-            for s in range(self.num_servers)]))
+            for s in range(self.num_servers)]), after_pushes=True)
 
     def get_states(self, dump_optimizer):
         """Every server's updater state, once this worker's pushes are applied."""
@@ -97,13 +97,18 @@ class DistClient:
         self._by_rank_0('load_optimizer_states', lambda: self._wait_all([
             self._request(s, 'load_optimizer_states', {'op': P.SET_STATES},
                           (msgpack.packb(states, use_bin_type=True),))
-            for s, states in enumerate(per_server)]))
+            for s, states in enumerate(per_server)]), after_pushes=True)
 
-    def _by_rank_0(self, what, send):
+    def _by_rank_0(self, what, send, after_pushes=False):
         """A collective that rank 0 carries out alone (``send``: its requests to the servers,
         waited for), then a barrier at which rank 0 tells whether the servers took it: their
         refusal is raised on every rank, so that no worker goes on as if it had happened and
-        the next barriers stay in step."""
+        the next barriers stay in step. ``after_pushes``: rank 0 sends only once every
+        worker's earlier pushes are applied (a barrier first), so that they meet the state
+        they were pushed for: else, in async, a worker still behind would have its last
+        gradients applied by an optimizer set after them (at a new learning rate)."""
+        if after_pushes:
+            self.barrier()
         failure = None
         if self.rank == 0:
             try:
