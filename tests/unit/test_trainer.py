@@ -491,6 +491,28 @@ def test_save_load_states_round_trip(tmp_path, save_uok, load_uok):
     t2.load_states(tmp_path / 'b.states')
 
 
+
+@pytest.mark.parametrize('uok', [True, False])
+def test_a_store_file_without_its_optimizer_resumes_the_schedule_at_its_count(tmp_path, uok):
+    """kv.save_optimizer_states(fname) leaves the optimizer out but keeps the update count:
+    loaded by a Trainer, learning_rate follows the schedule from that count, whoever
+    updates (the servers do)."""
+    sched = {'name': 'factor', 'params': {'step': 2, 'factor': 0.5}}
+    opt = {'learning_rate': 1.0, 'momentum': 0.5, 'lr_scheduler': sched}
+    x = param(0, (3,))
+    t = Trainer([x], 'sgd', opt, kvstore=fake_store('dist_sync'), update_on_kvstore=True)
+    for _ in range(5):
+        t.zero_grad()
+        backward(x)
+        t.step(1)
+    assert t.learning_rate == 0.25
+    t.kvstore.save_optimizer_states(tmp_path / 's')
+    y = param(0, (3,))
+    t2 = Trainer([y], 'sgd', opt, kvstore=fake_store('dist_sync'), update_on_kvstore=uok)
+    t2.load_states(tmp_path / 's')
+    assert (t2.optimizer.num_update, t2.learning_rate) == (5, 0.25)
+
+
 def test_load_states_refuses_other_parameters_and_garbage(tmp_path):
     x = param(0)
     t = Trainer([x], 'sgd', {'momentum': 0.5})
