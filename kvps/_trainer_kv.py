@@ -147,12 +147,12 @@ def split_local_state(updater, sizes, fused, key):
     updater.set_states(states.split(merged, 1, parts_of)[0])
 
 
-def read_optimizer(fname):
-    """The optimizer saved in a state file (None when it was saved without one)."""
+def read_optimizer(fname, default):
+    """The optimizer saved in a state file (a copy of ``default`` when it was saved without
+    one), at the file's update count, as the servers that load the file take it."""
     merged = states.read_file(fname)
     spec = merged.get('optimizer') if isinstance(merged, dict) else None
-    if spec is None:
-        return None
-    optimizer = Optimizer.from_spec(spec)
-    optimizer.num_update = int(merged.get('num_update', optimizer.begin_num_update))
+    optimizer = Optimizer.from_spec(default.to_spec() if spec is None else spec)
+    if isinstance(merged, dict):
+        optimizer.num_update = int(merged.get('num_update', optimizer.begin_num_update))
     return optimizer

@@ -204,7 +204,7 @@ class Trainer:
         """Restore what save_states wrote (collective when the servers run the optimizer)."""
         fname = os.fspath(fname)
         if self._kv is not None and self._update_on_kvstore:
-            optimizer = read_optimizer(fname) or self._optimizer
+            optimizer = read_optimizer(fname, self._optimizer)
             if not self._server_has_optimizer:
                 self._send_optimizer(optimizer)
                 self._server_has_optimizer = True
