@@ -648,3 +648,48 @@ def test_compression_params_warn_when_a_custom_store_cannot_compress():
         push = pull = init
     with pytest.warns(UserWarning, match='set_gradient_compression'):
         Trainer._set_compression(types.SimpleNamespace(_kv=Bare()), {'type': '2bit'})
+
+
+# -- multi-precision -------------------------------------------------------------------------
+
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize('kvstore, uok', [(None, None), ('dist_sync', True),
+                                          ('dist_sync', False)])
+def test_multi_precision_weights_are_the_rounded_float32_master(dtype, kvstore, uok, tmp_path):
+    """float16/bfloat16 parameters with multi_precision: each step is torch's SGD on a float32
+    master copy, rounded once into the parameter, whoever updates, with fused keys split by
+    freezing mid-training and a state file round trip (the master travels with it)."""
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(5, generator=g) for _ in range(4)]
+    opt = {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 0.01, 'multi_precision': True}
+
+    def make():
+        params = [torch.nn.Parameter(w.to(dtype)) for w in start]
+        kv = fake_store(kvstore) if kvstore else None
+        return params, Trainer(params, 'sgd', opt, kvstore=kv, update_on_kvstore=uok)
+
+    params, trainer = make()
+    master = [torch.nn.Parameter(w.to(dtype).float()) for w in start]
+    reference = torch.optim.SGD(master, lr=0.1, momentum=0.9, weight_decay=0.01)
+    for step in range(6):
+        if step == 3:                       # resume from the file in a new Trainer
+            trainer.save_states(tmp_path / 's')
+            weights = [p.detach().clone() for p in params]
+            params, trainer = make()
+            with torch.no_grad():
+                for p, w in zip(params, weights):
+                    p.copy_(w)
+            trainer.load_states(tmp_path / 's')
+        for p in params:                    # the second parameter is frozen at steps 2-3
+            p.requires_grad_(not (2 <= step < 4 and p is params[1]))
+        g = torch.Generator().manual_seed(100 + step)
+        trainer.zero_grad()
+        sum((torch.randn(5, generator=g).to(dtype) * p * p).sum()
+            for p in params if p.requires_grad).backward()
+        trainer.step(1)
+        reference.zero_grad()
+        for p, m in zip(params, master):
+            m.grad = p.grad.float() if p.requires_grad else None
+        reference.step()
+    for p, m in zip(params, master):
+        assert p.dtype == dtype and torch.equal(p.detach(), m.detach().to(dtype))
