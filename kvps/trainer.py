@@ -32,9 +32,10 @@ class Trainer:
     ``overlap`` (kvps): in distributed mode, send gradients while backward runs, in buckets
     of about ``bucket_bytes`` (the last one when backward ends), as DDP does; turn off to
     accumulate several backward passes before ``step``. ``fuse`` (kvps): with a store
-    (distributed, or updating nothing), pack parameters under 512 KiB into shared keys of up to ``bucket_bytes`` (one device,
-    dtype and lr_mult/wd_mult each), as DDP and Horovod fuse small tensors: a key costs more than
-    its bytes, and a model's many biases and norms would otherwise set the pace. Updates
+    (distributed, or updating nothing), pack parameters under 512 KiB into shared keys of up
+    to ``bucket_bytes`` (one device, dtype and lr_mult/wd_mult each), as DDP and Horovod fuse
+    small tensors: a key costs more than its bytes, and a model's many biases and norms
+    would otherwise set the pace. Updates
     are the same elementwise passes, so results are identical; such parameters have no key
     of their own in the store while fused (``fuse=False``: every parameter's key is its
     position, as in Gluon).
