@@ -1,0 +1,44 @@
+"""Server checkpoints in real jobs: a checkpoint that cannot be written ends the job with
+its reason, and the previous checkpoint stays loadable."""
+
+import pytest
+
+from kvps.server.checkpoint import Checkpointer
+from kvps.server.shard import Shard
+
+pytestmark = pytest.mark.cluster
+
+# The worker puts a directory where server 0's checkpoint file was (as a disk that fails
+# would), so the write after the next update cannot replace it.
+UNWRITABLE = '''
+kv = kvps.create('dist_sync')
+kv.init(0, np.zeros(4, dtype=np.float32))
+path = os.path.join(os.environ['KVPS_CHECKPOINT_DIR'], 'server-0-of-1.kvps')
+os.rename(path, path + '.kept')
+os.makedirs(path)
+try:
+    kv.push(0, np.ones(4, dtype=np.float32))
+    kv.pull(0, out=np.zeros(4, dtype=np.float32))
+    report(error=None)
+except kvps.errors.KVPSError as exc:
+    report(error=str(exc))
+'''
+
+
+def test_a_checkpoint_that_cannot_be_written_ends_the_job_with_its_reason(by_hand, tmp_path):
+    # Started by hand (as a cluster operator would), nobody reads the server's traceback: the
+    # workers must learn why, at once, not as a lost heartbeat KVPS_HEARTBEAT_TIMEOUT later.
+    ckpt = tmp_path / 'ckpt'
+    _, env = by_hand.scheduler(1, 1, extra={'KVPS_CHECKPOINT_DIR': str(ckpt),
+                                            'KVPS_CHECKPOINT_EVERY': '1'})
+    server = by_hand('server', env)
+    code, out = by_hand.finish(by_hand('worker', env, script=UNWRITABLE))
+    assert 'server 0' in out and 'checkpoint' in out and 'Is a directory' in out, out
+    assert 'no heartbeat' not in out, out
+    assert by_hand.finish(server)[0] != 0
+    # The update was never acknowledged, and the checkpoint before it is whole.
+    (ckpt / 'server-0-of-1.kvps').rmdir()
+    (ckpt / 'server-0-of-1.kvps.kept').rename(ckpt / 'server-0-of-1.kvps')
+    resumed = Shard(1)
+    assert Checkpointer(str(ckpt), 0, 1).load(resumed)
+    assert resumed.entries[(0, 0)].weight.tolist() == [0.0] * 4
