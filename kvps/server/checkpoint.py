@@ -100,5 +100,11 @@ class Checkpointer:
                             (self.seconds and now - self._last_time >= self.seconds))
 
     def write(self, shard, now):
-        write_atomically(self.path, snapshot(shard, self.job))
+        """Write the checkpoint; ConfigError if the file system refuses (the previous file
+        is left whole)."""
+        try:
+            write_atomically(self.path, snapshot(shard, self.job))
+        except OSError as exc:
+            raise ConfigError(f'cannot write the checkpoint {self.path}: {exc}; the previous '
+                              'checkpoint is kept, and nothing since it is acknowledged') from None
         self._last_updates, self._last_time = shard.updates, now

@@ -120,6 +120,9 @@ class Server:
                 self._tick()
                 self._flush()
             self._checkpoint()   # a clean or aborted end keeps every applied round
+        except KVPSError as exc:   # (a checkpoint write failed) the job learns why at once
+            self.link.abort(f'{exc}')
+            raise
         finally:
             self.regions.close()
             self._close_sockets()

@@ -99,3 +99,22 @@ def test_rebase_counts_the_rounds_a_checkpoint_missed():
     restore(restored, snapshot(shard), rounds=True)
     lost = restored.rebase({W0: [['w', 0, 5], [7, 1, 0]]}, [W0])
     assert lost == {('w', 0): 2} and restored.entries[('w', 0)].version == 5
+
+
+def test_a_failed_write_keeps_the_previous_checkpoint_and_says_why(tmp_path, monkeypatch):
+    checkpointer = Checkpointer(str(tmp_path), 0, 1, every=1)
+    shard = trained_shard()
+    checkpointer.write(shard, now=0)
+    kept = shard.entries[('w', 0)].weight.tolist()
+    shard.push(None, W0, 'w', 0, 'float32', True, buf([1, 1, 1, 1]))
+
+    def crash(src, dst):   # the write dies before its rename (disk full, a crash)
+        raise OSError(28, 'No space left on device')
+    monkeypatch.setattr('os.replace', crash)
+    with pytest.raises(ConfigError, match='cannot write the checkpoint .*No space left'):
+        checkpointer.write(shard, now=1)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['server-0-of-1.kvps']   # no temp left
+    resumed = Shard(1)
+    assert checkpointer.load(resumed)
+    assert resumed.entries[('w', 0)].weight.tolist() == kept
