@@ -63,7 +63,7 @@ def test_due_by_updates_or_seconds_and_only_after_changes(tmp_path):
     assert not by_time.due(shard.updates, now=50)       # nothing changed since
     resumed = Shard(1)
     assert Checkpointer(str(tmp_path), 0, 1).load(resumed)
-    assert not Checkpointer(str(tmp_path), 1, 2).load(Shard(1))   # other rank: fresh start
+    assert not Checkpointer(str(tmp_path / 'new'), 0, 1).load(Shard(1))   # nothing: fresh start
 
 
 def test_round_counts_come_back_only_for_a_server_rejoining_its_job():
@@ -118,3 +118,15 @@ def test_a_failed_write_keeps_the_previous_checkpoint_and_says_why(tmp_path, mon
     resumed = Shard(1)
     assert checkpointer.load(resumed)
     assert resumed.entries[('w', 0)].weight.tolist() == kept
+
+
+def test_a_job_with_another_number_of_servers_is_refused_not_started_afresh(tmp_path):
+    # Keys are split and placed by the number of servers: a job of 3 finds no file of its
+    # own among a job of 2's, and would silently train from its init values.
+    for rank in range(2):
+        Checkpointer(str(tmp_path), rank, 2).write(trained_shard(), now=0)
+    for rank in range(3):
+        with pytest.raises(ConfigError, match=r'server-0-of-2.kvps, server-1-of-2.kvps.*'
+                                              r'3 servers'):
+            Checkpointer(str(tmp_path), rank, 3).load(Shard(1))
+    assert Checkpointer(str(tmp_path), 1, 2).load(Shard(1))   # the same size resumes
