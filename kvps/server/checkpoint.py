@@ -9,6 +9,7 @@ checkpoints.
 """
 
 import os
+import re
 
 import msgpack
 
@@ -75,6 +76,7 @@ class Checkpointer:
 
     def __init__(self, directory, rank, num_servers, every=0, seconds=0.0, now=0.0, job=None):
         os.makedirs(directory, exist_ok=True)
+        self.directory, self.num_servers = directory, num_servers
         self.path = path_for(directory, rank, num_servers)
         self.job = job
         self.every, self.seconds = every, seconds
@@ -88,11 +90,26 @@ class Checkpointer:
                 raise ConfigError(f'this server replaces a lost one but finds no checkpoint at '
                                   f'{self.path}: it has nothing to resume from (is '
                                   'KVPS_CHECKPOINT_DIR shared with the lost server\'s host?)')
+            self._refuse_other_sizes()
             return False
         with open(self.path, 'rb') as f:
             restore(shard, f.read(), rounds, self.job)
         self._last_updates = shard.updates
         return True
+
+    def _refuse_other_sizes(self):
+        """Keys are split and placed by the number of servers, so a job of another size
+        cannot resume from the directory; starting afresh there would look like a resume."""
+        others = sorted(name for name in os.listdir(self.directory)
+                        if re.fullmatch(r'server-\d+-of-(\d+)\.kvps', name)
+                        and not name.endswith(f'-of-{self.num_servers}.kvps'))
+        if others:
+            raise ConfigError(f'{self.directory} holds checkpoints of a job with another number '
+                              f'of servers ({", ".join(others)}), not of one with '
+                              f'{self.num_servers} servers: start the job with as many servers '
+                              'as wrote them (save_optimizer_states/load_optimizer_states move '
+                              'optimizer state between job sizes), or use another '
+                              'KVPS_CHECKPOINT_DIR')
 
     def due(self, updates, now):
         changed = updates > self._last_updates
