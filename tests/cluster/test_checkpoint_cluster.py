@@ -42,3 +42,32 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_job_with_its_reason(by_han
     resumed = Shard(1)
     assert Checkpointer(str(ckpt), 0, 1).load(resumed)
     assert resumed.entries[(0, 0)].weight.tolist() == [0.0] * 4
+
+
+# dist_async, keys 3 (split over both servers) and 5: each worker pushes gradients that are
+# exact in float32 and whose sum does not depend on the order the servers apply them in.
+ASYNC_RESUMED = '''
+kv = kvps.create('dist_async')
+shapes = {3: (40,), 5: (2, 3)}
+kv.init(list(shapes), [np.full(s, 100.0, np.float32) for s in shapes.values()])
+kv.set_optimizer(kvps.optimizer.create('test', rescale_grad=0.5))
+first = int(os.environ['FIRST'])
+for step in range(first, first + 3):
+    kv.push(list(shapes), [np.full(s, (kv.rank + 1) * (step + 1), np.float32)
+                           for s in shapes.values()])
+kv.barrier()
+outs = [np.zeros(s, np.float32) for s in shapes.values()]
+kv.pull(list(shapes), out=outs)
+report(values=[sorted(set(o.ravel().tolist())) for o in outs])
+'''
+
+
+def test_a_dist_async_job_resumed_from_its_directory_goes_on_as_if_it_never_stopped(
+        job, tmp_path):
+    env = {'KVPS_CHECKPOINT_DIR': str(tmp_path / 'ckpt'), 'KVPS_BIGARRAY_BOUND': '10'}
+    for first, steps in ((0, 3), (3, 6)):
+        result = job(ASYNC_RESUMED, workers=2, servers=2, env={**env, 'FIRST': str(first)})
+        assert result.returncode == 0, result.output
+        # 100 + 0.5 * sum over steps and both workers of (rank + 1) * (step + 1)
+        want = 100 + 0.5 * 3 * sum(range(1, steps + 1))
+        assert result.results() == {r: {'values': [[want], [want]]} for r in (0, 1)}
