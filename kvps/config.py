@@ -28,10 +28,19 @@ def _number(cast, ok, message):
     return parse
 
 
-_positive_float = _number(float, lambda v: v > 0, 'must be > 0')
-_nonneg_float = _number(float, lambda v: v >= 0, 'must be >= 0')
-_nonneg_int = _number(int, lambda v: v >= 0, 'must be >= 0')
-_positive_int = _number(int, lambda v: v >= 1, 'must be >= 1')
+# Longest wait in seconds (about 31 years): Python's waits refuse more than
+# threading.TIMEOUT_MAX (about 9.2e9 s) with an OverflowError, and a worker's start waits
+# for the connect bound plus twice the heartbeat interval. 'inf' would also never end.
+MAX_SECONDS = 1e9
+# Largest count or size: every one travels in msgpack headers, which hold 64-bit ints.
+MAX_INT = 2 ** 63 - 1
+
+_positive_float = _number(float, lambda v: 0 < v <= MAX_SECONDS,
+                          f'must be > 0 and at most {MAX_SECONDS:g} (seconds)')
+_nonneg_float = _number(float, lambda v: 0 <= v <= MAX_SECONDS,
+                        f'must be >= 0 and at most {MAX_SECONDS:g} (seconds)')
+_nonneg_int = _number(int, lambda v: 0 <= v <= MAX_INT, 'must be >= 0 and below 2**63')
+_positive_int = _number(int, lambda v: 1 <= v <= MAX_INT, 'must be >= 1 and below 2**63')
 
 
 def _flag(text):

@@ -32,10 +32,25 @@ def test_native_name_wins_over_alias_and_defaults_apply():
     ('KVPS_TIMEOUT', '-1'), ('DMLC_USE_KUBERNETES', 'maybe'), ('KVPS_SERVER_DEVICE', 'tpu'),
     ('DMLC_PS_ROOT_PORT', '-5'), ('DMLC_PS_ROOT_PORT', '70000'), ('KVPS_LOG_LEVEL', 'LOUD'),
     ('KVPS_LOG_LEVEL', '10'),
+    # else every wait fails deep inside with OverflowError, or a registration never ends
+    ('KVPS_TIMEOUT', 'inf'), ('KVPS_CONNECT_TIMEOUT', '1e12'), ('KVPS_HEARTBEAT_TIMEOUT', 'nan'),
+    ('KVPS_RECOVERY_TIMEOUT', 'inf'), ('KVPS_CHECKPOINT_SECONDS', 'inf'),
+    # else the registration fails in msgpack (OverflowError) instead of naming the variable
+    ('KVPS_BIGARRAY_BOUND', '1' + '0' * 30), ('KVPS_RANK', str(2 ** 64)),
 ])
 def test_bad_values_name_the_variable(name, value):
     with pytest.raises(ConfigError, match=name):
         Config.from_env({name: value})
+
+
+def test_the_longest_accepted_waits_are_ones_python_can_wait_for():
+    import threading
+    c = Config.from_env({'KVPS_TIMEOUT': '1e9', 'KVPS_CONNECT_TIMEOUT': '1e9',
+                         'KVPS_HEARTBEAT_INTERVAL': '9e8', 'KVPS_HEARTBEAT_TIMEOUT': '1e9',
+                         'KVPS_RECOVERY_TIMEOUT': '1e9', 'KVPS_CHECKPOINT_SECONDS': '1e9'})
+    # a worker's start waits the longest: the connect bound and then some
+    assert c.connect_timeout + 10 + 2 * c.heartbeat_interval < threading.TIMEOUT_MAX
+    assert c.timeout == c.recovery_timeout == 1e9
 
 
 def test_a_heartbeat_interval_must_be_below_the_timeout():
