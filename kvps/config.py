@@ -290,6 +290,19 @@ class Config:
         launcher sees exit first are only told to stop because of it."""
         return None if not self.port_file else self.port_file + '.blame'
 
+    def require_worker(self):
+        """Raise ConfigError unless this process may join the job as a worker (DMLC_ROLE
+        unset or worker). MXNet's launchers start the training script for every role, and
+        MXNet turns it into a server there; joining as a worker instead would take a real
+        worker's place and leave the job a server short."""
+        if self.role not in (None, 'worker'):
+            raise ConfigError(
+                f'DMLC_ROLE={self.role} (or KVPS_ROLE), but this process creates a distributed '
+                'store, which only workers do: start the scheduler and servers with '
+                '`python -m kvps.node` (kvps does not turn a training script into a '
+                'server as MXNet does) and the training script with DMLC_ROLE=worker')
+        return self
+
     def require_cluster(self):
         """Raise ConfigError naming every variable a distributed node still lacks."""
         needed = ['scheduler_host', 'scheduler_port', 'num_workers', 'num_servers']

@@ -29,7 +29,7 @@ class DistClient:
     """One worker's membership in a job; at most one per process."""
 
     def __init__(self, config, sync):
-        self.config = config.require_cluster()
+        self.config = config.require_worker().require_cluster()
         self.sync = sync
         keep_freed_memory(config.malloc_trim_bytes)
         self.io = WorkerIO(config)
