@@ -253,8 +253,14 @@ class Config:
         """The settings every node of ``role`` must share with the job's others, by variable
         name (sent at registration, compared by the scheduler): a worker alone with another
         bound places keys elsewhere ("not initialized" errors), a node alone signing
-        payloads has every message refused as forged."""
+        payloads has every message refused as forged. The job size is compared with the
+        scheduler's: a node started by hand with another one is refused at once, instead of
+        the job timing out on a node that 'never registered'."""
         shared = {'KVPS_AUTH_PAYLOAD': bool(self.auth_payload)}
+        for name, count in (('DMLC_NUM_WORKER', self.num_workers),
+                            ('DMLC_NUM_SERVER', self.num_servers)):
+            if count is not None:
+                shared[name] = count
         if role == 'worker':
             shared['KVPS_BIGARRAY_BOUND'] = self.bigarray_bound
         return shared

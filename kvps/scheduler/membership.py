@@ -49,7 +49,9 @@ class Membership:
         self._barrier = {}         # seq -> {worker identity arrived: its digest or None}
         self._last_digests = {}    # the digests of the last completed barrier
         self.barriers_done = 0
-        self._shared = {}          # setting name -> (value, the node that registered it first)
+        # setting name -> (value, who set it first): the job size is the scheduler's
+        self._shared = {'DMLC_NUM_WORKER': (num_workers, 'the scheduler'),
+                        'DMLC_NUM_SERVER': (num_servers, 'the scheduler')}
 
     # -- registration ------------------------------------------------------------------
     def register(self, identity, role, host, port, rank_hint, pid, now, shared=None):
@@ -71,10 +73,11 @@ class Membership:
 
     def _check_shared(self, role, pid, shared):
         for name, value in shared.items():
-            first, who = self._shared.setdefault(name, (value, f'{role} pid {pid}'))
+            first, who = self._shared.setdefault(
+                name, (value, f'the {role} pid {pid} that joined first'))
             if value != first:
-                raise ConfigError(f'{name}={value!r} here, but {name}={first!r} on the {who} '
-                                  'that joined first: every node of a job must have the same')
+                raise ConfigError(f'{name}={value!r} here, but {name}={first!r} on {who}: '
+                                  'every node of a job must have the same')
 
     def replace(self, identity, role, host, port, rank_hint, pid, now):
         """A server rejoins a running job with a rank (or takes the one lost server's rank);

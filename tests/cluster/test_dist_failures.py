@@ -251,6 +251,16 @@ def test_missing_server_is_named_within_the_connect_bound(by_hand, tmp_path):
     assert '1 of 1 servers never registered' in out
 
 
+def test_a_worker_started_with_another_job_size_is_refused_naming_it(by_hand):
+    # else it waited out KVPS_CONNECT_TIMEOUT and heard only that a worker never registered
+    _, env = by_hand.scheduler(num_workers=2, num_servers=1)
+    worker = by_hand('worker', {**env, 'DMLC_NUM_WORKER': '1'},
+                     script='kvps.create("dist_sync")\n')
+    code, out = by_hand.finish(worker)
+    assert code != 0
+    assert 'ConfigError: DMLC_NUM_WORKER=1 here, but DMLC_NUM_WORKER=2 on the scheduler' in out, out
+
+
 def test_absent_scheduler_is_a_timeout_naming_it(by_hand):
     env = {'DMLC_PS_ROOT_URI': '127.0.0.1', 'DMLC_PS_ROOT_PORT': '9',  # nothing listens
            'DMLC_NUM_WORKER': '1', 'DMLC_NUM_SERVER': '1', 'KVPS_CONNECT_TIMEOUT': '2'}

@@ -63,6 +63,23 @@ def test_settings_every_node_must_share_are_compared_at_registration():
     assert m.count('worker') == 2
 
 
+def test_a_node_whose_job_size_differs_from_the_schedulers_is_refused():
+    """A node started by hand with another DMLC_NUM_WORKER / DMLC_NUM_SERVER is told so at
+    once, not a connect timeout later as a node that 'never registered'."""
+    from kvps.config import Config
+    m = Membership(num_workers=2, num_servers=1)
+    sized = {'DMLC_NUM_WORKER': '2', 'DMLC_NUM_SERVER': '1'}
+    for role, wrong, match in [('worker', {'DMLC_NUM_WORKER': '1'},
+                                'DMLC_NUM_WORKER=1 here, but DMLC_NUM_WORKER=2 on the scheduler'),
+                               ('server', {'KVPS_NUM_SERVERS': '3'},
+                                'DMLC_NUM_SERVER=3 here, but DMLC_NUM_SERVER=1 on the scheduler')]:
+        shared = Config.from_env({**sized, **wrong}).shared_settings(role)
+        with pytest.raises(ConfigError, match=match):
+            m.register(b'x', role, 'h', 0, None, 1, 0, shared)
+    m.register(b's', 'server', 'h', 1, None, 2, 0, Config.from_env(sized).shared_settings('server'))
+    assert m.count('server') == 1 and m.count('worker') == 0
+
+
 def test_missing_names_what_never_came():
     m = Membership(3, 2)
     m.register(b'w0', 'worker', 'h', 0, None, 1, now=0)
