@@ -64,10 +64,11 @@ class Membership:
         if self.ranked or self.count(role) >= self.want[role]:
             raise ConfigError(f'the job already has its {self.want[role]} {role}(s)')
         if rank_hint is not None:
-            if not isinstance(rank_hint, int) or not 0 <= rank_hint < self.want[role]:
-                raise ConfigError(f'{role} rank {rank_hint} out of range 0..{self.want[role] - 1}')
-            if any(n.rank_hint == rank_hint for n in self.of_role(role)):
-                raise ConfigError(f'{role} rank {rank_hint} is already taken')
+            self._check_rank(role, rank_hint)
+            holder = next((n for n in self.of_role(role) if n.rank_hint == rank_hint), None)
+            if holder is not None:
+                raise ConfigError(f'KVPS_RANK={rank_hint}: {role} rank {rank_hint} is already '
+                                  f'taken by {_registered_label(holder)}')
         self._check_shared(role, pid, shared or {})
         self.nodes[identity] = Node(identity, role, host, port, pid, rank_hint, now)
 
@@ -89,14 +90,20 @@ class Membership:
         if identity in self.nodes:
             raise ConfigError('a node with this identity is already registered')
         rank = rank_hint if rank_hint is not None else self._only_lost_rank()
-        if not isinstance(rank, int) or not 0 <= rank < self.want['server']:
-            raise ConfigError(f'server rank {rank} out of range 0..{self.want["server"] - 1}')
+        self._check_rank(role, rank)
         old = next(n for n in self.of_role('server') if n.rank == rank)
         del self.nodes[old.identity]
         self.replaced.add(old.identity)
         node = Node(identity, role, host, port, pid, rank_hint, now, rank=rank)
         self.nodes[identity] = node
         return node, old
+
+    def _check_rank(self, role, rank):
+        want = self.want[role]
+        if not isinstance(rank, int) or not 0 <= rank < want:
+            variable = 'DMLC_NUM_WORKER' if role == 'worker' else 'DMLC_NUM_SERVER'
+            raise ConfigError(f'KVPS_RANK={rank} is out of range: the job has {want} {role}s '
+                              f'({variable}), ranks 0..{want - 1}')
 
     def _only_lost_rank(self):
         lost = [n.rank for n in self.of_role('server') if n.lost_since is not None]

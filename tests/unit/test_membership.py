@@ -30,8 +30,11 @@ def test_requested_ranks_are_kept():
 
 
 @pytest.mark.parametrize('role, hint, match', [
-    ('boss', None, 'expected worker or server'), ('worker', 5, 'out of range'),
-    ('worker', 0, 'already taken'),
+    ('boss', None, 'expected worker or server'),
+    # a rank set by hand (KVPS_RANK) is named with what it clashes with
+    ('worker', 5, r'KVPS_RANK=5 is out of range: the job has 2 workers \(DMLC_NUM_WORKER\), '
+                  r'ranks 0\.\.1'),
+    ('worker', 0, r'KVPS_RANK=0: worker rank 0 is already taken by worker 0 \(host h, pid 1\)'),
 ])
 def test_bad_registrations_are_refused(role, hint, match):
     m = Membership(2, 1)
