@@ -18,6 +18,11 @@ class SchedulerLink:
 
     def __init__(self, ctx, config, role):
         self.config, self.role = config, role
+        if not config.scheduler_port:   # else it would wait out the connect bound in vain
+            raise ConfigError(
+                f'DMLC_PS_ROOT_PORT=0 (or KVPS_SCHEDULER_PORT) on a {role}: port 0 (the OS '
+                'picks) means something only on the scheduler; give every other node the '
+                'port the scheduler bound (it writes it to KVPS_PORT_FILE)')
         self.scheduler_ip = resolve(config.scheduler_host, config.connect_timeout)
         self.host = advertised_host(config, self.scheduler_ip)
         self.socket = Dealer(ctx, f'{role}-{uuid.uuid4().hex[:12]}'.encode(),

@@ -48,6 +48,17 @@ def test_a_script_started_as_another_role_is_told_it_is_no_worker(monkeypatch, r
         kvps.kvstore.create('dist_sync')
 
 
+def test_a_worker_given_port_0_is_told_only_the_scheduler_takes_it(monkeypatch):
+    """Port 0 lets the scheduler's OS pick its port; a worker or server given it waited out
+    KVPS_CONNECT_TIMEOUT and then suspected the job's secret."""
+    for name, value in {'DMLC_ROLE': 'worker', 'DMLC_PS_ROOT_URI': '127.0.0.1',
+                        'DMLC_PS_ROOT_PORT': '0', 'DMLC_NUM_WORKER': '1',
+                        'DMLC_NUM_SERVER': '1', 'KVPS_CONNECT_TIMEOUT': '1'}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match='DMLC_PS_ROOT_PORT=0.*only on the scheduler'):
+        kvps.kvstore.create('dist_sync')
+
+
 def test_local_and_device_echo_their_type_and_are_single_worker():
     for name in ('local', 'device'):
         kv = kvps.kvstore.create(name)
