@@ -32,12 +32,22 @@ class Scheduler:
         host = resolve(config.scheduler_host, config.connect_timeout)
         self.port = self.router.bind(bind_host(config, host), config.scheduler_port or 0)
         if config.port_file:
-            write_atomically(config.port_file, str(self.port))
+            self._publish_port(config.port_file)
         self.exit_code = None
         self.started = time.monotonic()
         self.job = secrets.token_hex(8)   # names this run in server checkpoints
         self._finishing = {}      # identity -> when its FINISH takes effect
         log.info('scheduler listening on %s:%d', host, self.port)
+
+    def _publish_port(self, path):
+        """Write the bound port to KVPS_PORT_FILE, or fail naming it (and let the port go)."""
+        try:
+            write_atomically(path, str(self.port))
+        except OSError as exc:
+            self.router.close()
+            self.ctx.term()
+            raise ConfigError(f'KVPS_PORT_FILE={path!r}: cannot write the scheduler\'s port '
+                              f'there: {exc.strerror or exc}') from None
 
     def run(self):
         """Serve until the job ends; return the process exit code."""

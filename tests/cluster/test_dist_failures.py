@@ -261,6 +261,17 @@ def test_a_worker_started_with_another_job_size_is_refused_naming_it(by_hand):
     assert 'ConfigError: DMLC_NUM_WORKER=1 here, but DMLC_NUM_WORKER=2 on the scheduler' in out, out
 
 
+def test_a_port_file_that_cannot_be_written_is_named(by_hand, tmp_path):
+    # else a FileNotFoundError traceback named only a temporary file beside it
+    scheduler = by_hand('scheduler', {
+        'DMLC_PS_ROOT_URI': '127.0.0.1', 'DMLC_PS_ROOT_PORT': '0', 'DMLC_NUM_WORKER': '1',
+        'DMLC_NUM_SERVER': '1', 'KVPS_PORT_FILE': str(tmp_path / 'no_such_dir' / 'port')})
+    code, out = by_hand.finish(scheduler)
+    assert code == 1 and 'Traceback' not in out, out
+    assert re.search(r"scheduler failed: KVPS_PORT_FILE='[^']*no_such_dir/port': cannot write "
+                     r"the scheduler's port there: .*No such file", out), out
+
+
 def test_absent_scheduler_is_a_timeout_naming_it(by_hand):
     env = {'DMLC_PS_ROOT_URI': '127.0.0.1', 'DMLC_PS_ROOT_PORT': '9',  # nothing listens
            'DMLC_NUM_WORKER': '1', 'DMLC_NUM_SERVER': '1', 'KVPS_CONNECT_TIMEOUT': '2'}
