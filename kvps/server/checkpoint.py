@@ -75,7 +75,11 @@ class Checkpointer:
     """Decides when a checkpoint is due and writes it."""
 
     def __init__(self, directory, rank, num_servers, every=0, seconds=0.0, now=0.0, job=None):
-        os.makedirs(directory, exist_ok=True)
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:   # a KVPSError: the server tells the job why it cannot serve
+            raise ConfigError(f'KVPS_CHECKPOINT_DIR={directory!r}: cannot create it: '
+                              f'{exc.strerror or exc}') from None
         self.directory, self.num_servers = directory, num_servers
         self.path = path_for(directory, rank, num_servers)
         self.job = job

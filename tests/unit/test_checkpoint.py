@@ -130,3 +130,13 @@ def test_a_job_with_another_number_of_servers_is_refused_not_started_afresh(tmp_
                                               r'3 servers'):
             Checkpointer(str(tmp_path), rank, 3).load(Shard(1))
     assert Checkpointer(str(tmp_path), 1, 2).load(Shard(1))   # the same size resumes
+
+
+def test_a_checkpoint_dir_that_cannot_be_made_is_named(tmp_path):
+    """A server failing with ConfigError tells the job why (ABORT) at once; an OSError was a
+    traceback on the server, and the workers heard only of a lost heartbeat later."""
+    taken = tmp_path / 'a_file'
+    taken.write_text('')
+    with pytest.raises(ConfigError, match=f"KVPS_CHECKPOINT_DIR='{taken}/sub': cannot create "
+                                          'it: Not a directory'):
+        Checkpointer(str(taken / 'sub'), 0, 1)
