@@ -298,15 +298,15 @@ class Config:
 
     def require_worker(self):
         """Raise ConfigError unless this process may join the job as a worker (DMLC_ROLE
-        unset or worker). MXNet's launchers start the training script for every role, and
-        MXNet turns it into a server there; joining as a worker instead would take a real
-        worker's place and leave the job a server short."""
+        unset or worker). A scheduler or server process runs its role at ``import kvps`` (as
+        MXNet's does) and never gets here, unless its role was set after that import; joining
+        as a worker then would take a real worker's place and leave the job a node short."""
         if self.role not in (None, 'worker'):
             raise ConfigError(
                 f'DMLC_ROLE={self.role} (or KVPS_ROLE), but this process creates a distributed '
-                'store, which only workers do: start the scheduler and servers with '
-                '`python -m kvps.node` (kvps does not turn a training script into a '
-                'server as MXNet does) and the training script with DMLC_ROLE=worker')
+                'store, which only workers do. A scheduler or server runs its role when kvps '
+                'is imported (or with `python -m kvps.node`): was the role set after '
+                '`import kvps`? Start the training script with DMLC_ROLE=worker')
         return self
 
     def require_cluster(self):

@@ -37,14 +37,14 @@ def test_dist_without_environment_says_how_to_start():
 
 @pytest.mark.parametrize('role', ['server', 'scheduler'])
 def test_a_script_started_as_another_role_is_told_it_is_no_worker(monkeypatch, role):
-    """MXNet's launchers start the training script for every role and MXNet turns it into
-    the server there; kvps runs servers with `python -m kvps.node`. Registering such a
-    process as a worker would take a real worker's place and leave the job a server short."""
+    """A scheduler or server runs its role at `import kvps`; one whose role was set after
+    that import (as here) must not register as a worker: it would take a real worker's
+    place and leave the job a node short."""
     for name, value in {'DMLC_ROLE': role, 'DMLC_PS_ROOT_URI': '127.0.0.1',
                         'DMLC_PS_ROOT_PORT': '9', 'DMLC_NUM_WORKER': '1',
                         'DMLC_NUM_SERVER': '1', 'KVPS_CONNECT_TIMEOUT': '1'}.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(ConfigError, match=f"DMLC_ROLE={role}.*python -m kvps.node"):
+    with pytest.raises(ConfigError, match=f"DMLC_ROLE={role}.*only workers do.*python -m kvps.node"):
         kvps.kvstore.create('dist_sync')
 
 
