@@ -35,10 +35,9 @@ class Trainer:
     (distributed, or updating nothing), pack parameters under 512 KiB into shared keys of up
     to ``bucket_bytes`` (one device, dtype and lr_mult/wd_mult each), as DDP and Horovod fuse
     small tensors: a key costs more than its bytes, and a model's many biases and norms
-    would otherwise set the pace. Updates
-    are the same elementwise passes, so results are identical; such parameters have no key
-    of their own in the store while fused (``fuse=False``: every parameter's key is its
-    position, as in Gluon).
+    would otherwise set the pace. Updates are the same elementwise passes, so results are
+    identical; such parameters have no key of their own in the store while fused
+    (``fuse=False``: every parameter's key is its position, as in Gluon).
 
     Parameters may live on CUDA devices when the store is a device store ('dist_sync_device',
     'dist_async_device') or there is none: gradients and weights then pass through pinned host
@@ -306,6 +305,12 @@ class Trainer:
         # A gradient assigned by hand (p.grad = ...) counts as fresh, as one from backward does.
         return p.key in self._fresh or (grad is not None and grad is not self._seen_grads.get(p.key))
 
+    def _takes_part(self, p):
+        """Whether ``p`` is reduced and updated this step: in distributed mode every
+        parameter is (workers stay identical); alone, only fresh ones (a stale one is skipped
+        under ignore_stale_grad, as torch.optim skips a missing gradient)."""
+        return self._distributed or self._is_fresh(p)
+
     def _on_grad(self, p):
         """Autograd has accumulated p's gradient: send it now when overlapping."""
         if self._armed:
@@ -339,7 +344,7 @@ class Trainer:
             return
         # Alone, a stale parameter (ignore_stale_grad) is skipped, as without a store: not
         # pushed (a store that updates would move it) nor pulled (into .grad).
-        reduced = [p for p in self._trainable if self._distributed or self._is_fresh(p)]
+        reduced = [p for p in self._trainable if self._takes_part(p)]
         for p in reduced:
             if p.key not in self._pushed:
                 self._push(p, p.tensor.grad)
@@ -413,7 +418,7 @@ class Trainer:
             grad = self._summed.get(p.key) if self._reduced == 'buffers' else p.tensor.grad
             # Distributed: every worker updates every parameter with the same summed gradient,
             # so workers stay identical even when their stale parameters differ.
-            if grad is None or not (self._distributed or self._is_fresh(p)):
+            if grad is None or not self._takes_part(p):
                 continue
             # Flat views: the state then has the servers' layout, so files load either way.
             # The gradient stays as backward (or allreduce_grads) left it, as with torch.optim.

@@ -24,6 +24,9 @@ def path_for(directory, rank, num_servers):
     return os.path.join(directory, f'server-{rank}-of-{num_servers}.kvps')
 
 
+_FILE_NAME = re.compile(r'server-(\d+)-of-(\d+)\.kvps')   # path_for's names: rank, servers
+
+
 def snapshot(shard, job=None):
     """The shard's weights and optimizer state as bytes; ``job``: the run writing it."""
     entries = [[e.key, e.part, e.dtype, list(e.shape), e.sync,
@@ -104,9 +107,9 @@ class Checkpointer:
     def _refuse_other_sizes(self):
         """Keys are split and placed by the number of servers, so a job of another size
         cannot resume from the directory; starting afresh there would look like a resume."""
-        others = sorted(name for name in os.listdir(self.directory)
-                        if re.fullmatch(r'server-\d+-of-(\d+)\.kvps', name)
-                        and not name.endswith(f'-of-{self.num_servers}.kvps'))
+        named = [(name, _FILE_NAME.fullmatch(name)) for name in os.listdir(self.directory)]
+        others = sorted(name for name, match in named
+                        if match and int(match.group(2)) != self.num_servers)
         if others:
             raise ConfigError(f'{self.directory} holds checkpoints of a job with another number '
                               f'of servers ({", ".join(others)}), not of one with '
