@@ -429,17 +429,15 @@ def _blaming(path, blame, reason, after=None):
     """Code that names ``blame`` ([role, rank] pairs) in the blame file, then exits 1, as the
     scheduler does when it ends the job because of a node; once file ``after`` exists, if
     given (a sleep alone lost the race to a slow-starting node on a loaded machine)."""
-    return f'''
+    code = f'''
         import json, os, time
         time.sleep(0.3)
-        after = {after if after is None else str(after)!r}
-        while after is not None and not os.path.exists(after):
-            time.sleep(0.01)
         with open({str(path)!r} + '.tmp', 'w') as f:
             json.dump({{'blame': {blame!r}, 'reason': {reason!r}}}, f)
         os.replace({str(path)!r} + '.tmp', {str(path)!r})
         raise SystemExit(1)
     '''
+    return code if after is None else _once(after, code)
 
 
 def _exits_after(path):
