@@ -9,7 +9,8 @@ Mirrors the peers' MXNet benchmark step for step so that the figures compare:
   3. correctness rounds with round-dependent values, checked against the expected sum (no
      optimizer) or w0 - lr * sum (SGD);
   4. warm-up rounds, a barrier, then --rounds timed rounds; one round = kv.push(keys, values)
-     then kv.pull(keys, out=outs) (the pull returns once the round's result is in ``outs``);
+     then kv.pull(keys, out=outs) (the pull returns once the round's result is in ``outs``),
+     or with --pushpull one kv.pushpull(keys, values, out=outs);
   5. writes <out>/worker<rank>.json: per-round times, median, push+pull GB/s per worker, and
      (rank 0) the CPU seconds every thread of every node of the job spent in the timed window.
 
@@ -38,6 +39,9 @@ def parse_args():
     p.add_argument('--lr', type=float, default=0.1)
     p.add_argument('--out', required=True, help='directory for worker<rank>.json')
     p.add_argument('--tag', default='', help='KVPS_BENCH_TAG of this job (for CPU accounting)')
+    p.add_argument('--pushpull', action='store_true',
+                   help='one kv.pushpull(keys, values, out=outs) per round instead of push '
+                        'then pull (pull requests follow the pushes closely)')
     return p.parse_args()
 
 
@@ -67,9 +71,13 @@ def main():
 
     def one_round(vals):
         t0 = time.perf_counter()
-        kv.push(keys, vals)
-        t1 = time.perf_counter()
-        kv.pull(keys, out=outs)
+        if args.pushpull:
+            kv.pushpull(keys, vals, out=outs)
+            t1 = t0   # one call: its time counts as the pull's
+        else:
+            kv.push(keys, vals)
+            t1 = time.perf_counter()
+            kv.pull(keys, out=outs)
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1
 
@@ -112,7 +120,7 @@ def main():
 
     med = statistics.median(times)
     rec = {
-        'system': 'kvps-dist_sync', 'kvps_version': kvps.__version__, 'pid': os.getpid(),
+        'system': 'kvps-dist_sync', 'pushpull': args.pushpull, 'kvps_version': kvps.__version__, 'pid': os.getpid(),
         'rank': rank, 'num_workers': nworkers,
         'num_servers': int(os.environ.get('DMLC_NUM_SERVER', '0')),
         'keys': args.keys, 'floats_per_key': n, 'total_bytes': actual_bytes,

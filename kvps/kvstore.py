@@ -186,8 +186,13 @@ class KVStore:
     def push(self, key, value, priority=0):
         """Send values (a list per key is summed first); returns without waiting."""
         self._open()
+        self._backend.push(self._push_items(key, value))
+
+    def _push_items(self, key, value):
+        """What the backend sends for a push: every value checked before anything is sent,
+        then kvps-owned copies (compressed when compression is on)."""
         pairs = self._pairs(key, value)
-        for k, values in pairs:   # every value is checked before anything is sent
+        for k, values in pairs:
             shape, dtype = self._known(k)
             for v in values:
                 arrays.check_like(v, shape, dtype, k, 'pushed value')
@@ -195,11 +200,9 @@ class KVStore:
         if codec is not None:
             for k, _ in pairs:
                 compression.check_compressible(k, self._meta[k][1])
-            self._backend.push([(k, self._encoded(codec, k, values), codec.name)
-                                for k, values in pairs])
-            return
+            return [(k, self._encoded(codec, k, values), codec.name) for k, values in pairs]
         copies = self._host_copies(pairs, stage=True)
-        self._backend.push([(k, copy, self._meta[k][1]) for (k, _), copy in zip(pairs, copies)])
+        return [(k, copy, self._meta[k][1]) for (k, _), copy in zip(pairs, copies)]
 
     def set_gradient_compression(self, compression_params):
         """Compress pushed gradients, as MXNet does: ``{'type': '2bit', 'threshold': 0.5}``
@@ -215,17 +218,27 @@ class KVStore:
         if out is None:
             raise TypeError('pull needs out= (the arrays to write into)')
         self._open()
+        pairs, hosts, items = self._pull_items(key, out)
+        self._backend.pull(items)
+        self._land(pairs, hosts)
+
+    def _pull_items(self, key, out):
+        """``(pairs, host buffers, backend items)`` for a pull into ``out``, every target
+        checked first. GPU targets are pulled into a pinned host buffer and copied onto each
+        device from there; host targets are pulled into the first one, which feeds the rest."""
         pairs = self._pairs(key, out)
         for k, targets in pairs:
             shape, dtype = self._known(k)
             for t in targets:
                 arrays.check_like(t, shape, dtype, k, 'pull target')
-        # GPU targets are pulled into a pinned host buffer and copied onto each device from
-        # there; host targets are pulled into the first one, which then feeds the rest.
         hosts = [devices.pull_buffer(targets) if self._on_gpu(k, targets) else None
                  for k, targets in pairs]
-        self._backend.pull([(k, arrays.as_numpy(targets[0] if host is None else host),
-                             self._meta[k][1]) for (k, targets), host in zip(pairs, hosts)])
+        return pairs, hosts, [(k, arrays.as_numpy(targets[0] if host is None else host),
+                               self._meta[k][1]) for (k, targets), host in zip(pairs, hosts)]
+
+    @staticmethod
+    def _land(pairs, hosts):
+        """Copy what a pull wrote into its first target or host buffer onto the rest."""
         for (_, targets), host in zip(pairs, hosts):
             if host is not None:
                 devices.land(host, targets)
@@ -242,9 +255,15 @@ class KVStore:
             'whole key with kv.pull(key, out=...) and index the rows you need')
 
     def pushpull(self, key, value, out=None, priority=0):
-        """Push then pull; with ``out=None`` the result is written into ``value``."""
-        self.push(key, value, priority)
-        self.pull(key, value if out is None else out, priority)
+        """Push then pull; with ``out=None`` the result is written into ``value``. Every
+        value and target is checked before anything is sent; on a dist store each key's pull
+        request follows its push closely, so results come back while later keys are still
+        being pushed."""
+        self._open()
+        pairs, hosts, pulls = self._pull_items(key, value if out is None else out)
+        pushes = self._push_items(key, value)
+        self._backend.pushpull(pushes, pulls)
+        self._land(pairs, hosts)
 
     def broadcast(self, key, value, out, priority=0):
         """Initialize with rank 0's ``value`` and pull it into ``out`` on every worker."""

@@ -205,6 +205,40 @@ class DistClient:
         worker's pushes of it are applied. Every request leaves before any answer is awaited,
         and small parts share one message per server."""
         self._raise_pending_errors()
+        self._finish_pull(*self._send_pulls(items))
+
+    def pushpull(self, pushes, pulls):
+        """``push(pushes)`` then ``pull(pulls)`` (the same keys, in the same order), with each
+        wave's pull requests sent right behind its pushes rather than behind all of them: a
+        server answers a key's pull as soon as its round is complete, so results flow back
+        while later keys are still being pushed (both directions of a link busy at once)."""
+        self._raise_pending_errors()
+        sent = []
+        for start, stop in self._waves(pulls):
+            self.push(pushes[start:stop])
+            sent.append(self._send_pulls(pulls[start:stop]))
+        for op, finish in sent:
+            self._finish_pull(op, finish)
+
+    def _waves(self, items):
+        """``(start, stop)`` runs of ``items`` ([(key, out, dtype)]) of about WAVE_BYTES each
+        on the socket (parts through shared memory count nothing: they cost no link time,
+        and splitting them would only add messages)."""
+        staging, runs, start, held = self.io.staging, [], 0, 0
+        for i, (key, out, _) in enumerate(items):
+            for part in self.placement.parts(key):
+                nbytes = (part.stop - part.start) * out.itemsize
+                if staging is None or not staging.would_place(server_name(part.server), nbytes):
+                    held += nbytes
+            if held >= WAVE_BYTES:
+                runs.append((start, i + 1))
+                start, held = i + 1, 0
+        if start < len(items):
+            runs.append((start, len(items)))
+        return runs
+
+    def _send_pulls(self, items):
+        """Send the pull requests of ``items``; returns what ``_finish_pull`` waits on."""
         targets, finish = [], []
         for key, out, dtype in items:
             flat = writable_flat(out)
@@ -230,6 +264,9 @@ class DistClient:
                 for (key, part, _, _), block in zip(batch, blocks)]}
             self._submit(server, header, (),
                          Request(op, node, _copier(batch, blocks, staging, node), keep=blocks))
+        return op, finish
+
+    def _finish_pull(self, op, finish):
         op.wait(self.config.timeout, self._round_hint)
         for out, target in finish:
             np.copyto(out, target.reshape(out.shape))
@@ -340,6 +377,10 @@ class DistClient:
 
 
 FUSE_BYTES = 1 << 20   # socket bytes up to which parts share a message for the same server
+# Socket bytes a pushpull sends before the pull requests that follow them: small enough that
+# results start coming back early in a big model's push, big enough that small keys still
+# share messages.
+WAVE_BYTES = 1 << 20
 
 
 def _nbytes(item):

@@ -185,3 +185,45 @@ def test_compressed_pushes_deliver_what_the_2bit_rule_sends(job, store):
     assert sorted(results) == [0, 1]
     for res in results.values():
         assert res['head'] == [w[:5].tolist() for w in want] and res['digests'] == digests
+
+
+PUSHPULL_SCRIPT = '''
+kv = kvps.create('dist_sync')
+r, n = kv.rank, kv.num_workers
+# 12 keys of 512 KiB (6 MiB: more than one wave of pull requests behind pushes on the
+# socket), a small key, and a key split over both servers.
+sizes = [1 << 17] * 12 + [3, 5000]
+keys = list(range(len(sizes)))
+kv.init(keys, [np.full(s, 1.0, np.float32) for s in sizes])
+seen = []
+for step in range(3):
+    values = [np.full(s, (r + 1.0) * (step + 1) + k, np.float32) for k, s in zip(keys, sizes)]
+    if step == 1:   # results land in a separate out, the pushed values stay as they were
+        outs = [np.zeros(s, np.float32) for s in sizes]
+        kv.pushpull(keys, values, out=outs)
+        assert values[0][0] == (r + 1.0) * 2
+    else:           # out=None: the results land in the pushed arrays
+        kv.pushpull(keys, values)
+        outs = values
+    seen.append([[float(o.min()), float(o.max())] for o in outs])
+kv.set_optimizer(kvps.optimizer.create('sgd', learning_rate=0.5))
+w = [np.zeros(s, np.float32) for s in sizes]
+kv.pushpull(keys, [np.full(s, 1.0, np.float32) for s in sizes], out=w)
+seen.append([[float(o.min()), float(o.max())] for o in w])
+report(rank=r, seen=seen)
+'''
+
+
+@pytest.mark.parametrize('shm', ['0', '1'])
+def test_pushpull_returns_each_rounds_result_over_socket_and_shared_memory(job, shm):
+    result = job('import kvps.optimizer\n' + PUSHPULL_SCRIPT, 2, 2,
+                 env={'KVPS_SHM': shm, 'KVPS_BIGARRAY_BOUND': '4000'})
+    assert result.returncode == 0, result.output
+    results = result.results()
+    assert sorted(results) == [0, 1]
+    for res in results.values():
+        steps = res['seen']
+        for step in range(3):   # the round's sum: (1 + 2) * (step + 1) + 2 k
+            assert steps[step] == [[3.0 * (step + 1) + 2 * k] * 2 for k in range(14)]
+        # server SGD on the last sums: w - lr * (1 + 1)
+        assert steps[3] == [[3.0 * 3 + 2 * k - 1.0] * 2 for k in range(14)]

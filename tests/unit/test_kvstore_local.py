@@ -125,6 +125,24 @@ def test_pushpull_and_broadcast():
     assert out.tolist() == [5, 6]
 
 
+@pytest.mark.parametrize('bad', ['target', 'value'])
+def test_pushpull_checks_values_and_targets_before_anything_is_pushed(bad):
+    kv = kvps.create('local')
+    kv.init([0, 1], [np.zeros(2), np.zeros(3)])
+    values = [np.ones(2), np.ones(3)]
+    outs = [np.zeros(2), np.zeros(3)]
+    if bad == 'target':
+        outs[1] = np.zeros(4)
+    else:
+        values[1] = np.ones(4)
+    with pytest.raises(ValueError, match='key 1'):
+        kv.pushpull([0, 1], values, out=outs)
+    stored = [np.full(2, -1.0), np.full(3, -1.0)]
+    kv.pull([0, 1], out=stored)
+    assert [o.tolist() for o in stored] == [[0, 0], [0, 0, 0]]   # nothing was pushed
+    assert outs[0].tolist() == [0, 0]                            # nothing was written
+
+
 def test_non_contiguous_pull_target():
     kv = kvps.create('local')
     kv.init(0, np.zeros((3, 2)))
