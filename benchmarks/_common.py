@@ -63,10 +63,16 @@ def median(values):
 
 
 # -- peers -----------------------------------------------------------------------------------
+def peer_pythons():
+    """The interpreters the peers run under: {'mxnet': path, 'gloo': path}."""
+    return {'mxnet': Path(os.environ.get('MX_PY', ANCHORS / 'mxvenv/bin/python')),
+            'gloo': Path(os.environ.get('TORCH_PY', ANCHORS / 'torchvenv/bin/python'))}
+
+
 def peers_status():
     """Which peers can run here: {'mxnet': bool, 'gloo': bool, 'ceilings': bool, 'why': str}."""
-    mx_py = Path(os.environ.get('MX_PY', ANCHORS / 'mxvenv/bin/python'))
-    torch_py = Path(os.environ.get('TORCH_PY', ANCHORS / 'torchvenv/bin/python'))
+    pythons = peer_pythons()
+    mx_py, torch_py = pythons['mxnet'], pythons['gloo']
     have = {
         'mxnet': mx_py.exists() and (PEERS_DIR / 'run_mxnet_bench.sh').exists(),
         'gloo': torch_py.exists() and (PEERS_DIR / 'run_gloo_bench.sh').exists(),
@@ -198,7 +204,7 @@ def _private_cluster(workers, servers, worker_argv, env, out_dir, timeout):
     try:
         start('scheduler', node, {'DMLC_ROLE': 'scheduler', 'DMLC_PS_ROOT_PORT': '0',
                                   'KVPS_PORT_FILE': str(port_file)})
-        port = _wait_port(port_file, procs[0], 60)
+        port = wait_port(port_file, procs[0], 60)
         common = {'DMLC_PS_ROOT_PORT': str(port)}
         for j in range(servers):
             start(f'server{j}', node, dict(common, DMLC_ROLE='server', KVPS_RANK=str(j)))
@@ -224,7 +230,7 @@ def _private_cluster(workers, servers, worker_argv, env, out_dir, timeout):
     return rc, text, time.monotonic() - t0
 
 
-def _wait_port(path, proc, timeout):
+def wait_port(path, proc, timeout):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

@@ -175,8 +175,8 @@ def measure_gloo(args, cfg, mode, rounds, run_dir):
     return _peer_summary(run_dir, W, total, rc, log, wall)
 
 
-def _record(system, mode, cfg, opt, rounds, result):
-    W, S, keys, total = CONFIGS[cfg]
+def _record(system, mode, cfg, opt, rounds, result, shape=None):
+    W, S, keys, total = shape or CONFIGS[cfg]
     return {'kind': 'measurement', 'system': system, 'mode': mode, 'optimizer': opt,
             'config': cfg, 'workers': W, 'servers': S, 'keys': keys, 'total_bytes': total,
             'step_ms': result.pop('step_ms'), 'gbps_per_worker': result.pop('gbps_per_worker'),
@@ -188,8 +188,9 @@ def _launches(args, fn, *fargs, run_dir):
     return _median_of_launches(runs)
 
 
-def ratios(cfg, opt, kvps_rec, peers, ceilings):
-    W, S, keys, total = CONFIGS[cfg]
+def ratios(cfg, opt, kvps_rec, peers, ceilings, shape=None):
+    """kvps beside each peer for one configuration (``shape``: its (W, S, keys, bytes))."""
+    W, S, keys, total = shape or CONFIGS[cfg]
     line = {'kind': 'ratios', 'config': cfg, 'optimizer': opt, 'workers': W, 'servers': S,
             'keys': keys, 'total_bytes': total, 'kvps_step_ms': kvps_rec['step_ms'],
             'kvps_gbps_per_worker': kvps_rec['gbps_per_worker']}

@@ -1,0 +1,290 @@
+#!/usr/bin/env python
+"""Push+pull across emulated hosts: kvps, MXNet and gloo when each host's link is the limit.
+
+bench_pushpull.py runs every process on one loopback, where a parameter server moves twice
+a ring all-reduce's bytes through the one shared "network" and the CPU decides. A real
+cluster is bounded by each host's link instead. Here H hosts are network namespaces on one
+bridge, each behind a full-duplex link limited to --rate (tc tbf, both directions; see
+_netns.py). The workers are bench_pushpull.py's and the peers' own programs, with the same
+checks; the scheduler sits on host 0. Two layouts:
+
+  hN-*     N hosts, each running one worker and one server of kvps (a worker reaches its own
+           host's server through shared memory, as on a real machine) or of MXNet ps-lite,
+           or one gloo rank;
+  h4+4-*   BytePS's layout: 4 worker hosts and 4 more hosts (CPU machines) for the servers;
+           gloo runs on the 4 worker hosts (an all-reduce has no use for the others).
+
+``link_bound_ms`` is the least step time the links allow, per system: a ring all-reduce, and
+a parameter server with one server beside each worker, must carry 2 (N-1)/N of the model
+each way over every link; with servers on hosts of their own a worker's link carries the
+model once each way. ``of_link_bound``: the share of that bound a system reaches (1.0: the
+link is the only cost; TCP/IP headers alone take ~4%).
+
+  sudo python benchmarks/bench_hosts.py                       # 1 Gbit/s links, ~8 min
+  sudo python benchmarks/bench_hosts.py --configs h4-64mb --rate 2gbit --launches 3
+
+Needs root and iproute2; prints a 'skipped' line and exits 0 where it cannot run.
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+import _netns  # noqa: E402
+import bench_pushpull as PP  # noqa: E402
+from _common import MiB  # noqa: E402
+
+BENCH = 'hosts'
+CONFIGS = {  # name: (workers, servers, servers on hosts of their own, keys, total bytes)
+    'h2-4mb': (2, 2, False, 40, 4 * MiB), 'h2-64mb': (2, 2, False, 16, 64 * MiB),
+    'h4-4mb': (4, 4, False, 40, 4 * MiB), 'h4-64mb': (4, 4, False, 16, 64 * MiB),
+    # BytePS's layout: 4 more hosts (CPU machines) run the servers; gloo cannot use them
+    'h4+4-4mb': (4, 4, True, 40, 4 * MiB), 'h4+4-64mb': (4, 4, True, 16, 64 * MiB),
+}
+RATE_UNITS = {'kbit': 1e3 / 8, 'mbit': 1e6 / 8, 'gbit': 1e9 / 8}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--configs', default=','.join(CONFIGS), help=f'comma list of {", ".join(CONFIGS)}')
+    p.add_argument('--rate', default='1gbit', help='each host link, each way (tc rate: 500mbit, 2gbit)')
+    p.add_argument('--rounds', type=int, default=None, help='timed rounds (default 20 / 5 for 4 / 64 MiB)')
+    p.add_argument('--warmup', type=int, default=2)
+    p.add_argument('--optimizer', choices=['none', 'sgd', 'both'], default='none')
+    p.add_argument('--peers', default='mxnet,gloo', help="comma list of mxnet, gloo, or 'none'")
+    p.add_argument('--launches', type=int, default=1, help='fresh clusters per measurement')
+    p.add_argument('--timeout', type=int, default=300, help='seconds allowed per cluster run')
+    p.add_argument('--out', default=None, help='output directory (default /tmp/kvps-bench/...)')
+    args = p.parse_args(argv)
+    args.configs = [c.strip().lower() for c in args.configs.split(',') if c.strip()]
+    bad = [c for c in args.configs if c not in CONFIGS]
+    if bad:
+        p.error(f'unknown config(s) {bad}; known: {", ".join(CONFIGS)}')
+    match = re.fullmatch(r'(\d+(?:\.\d+)?)(kbit|mbit|gbit)', args.rate.lower())
+    if not match:
+        p.error(f'--rate {args.rate!r}: give a number and kbit, mbit or gbit (e.g. 1gbit)')
+    args.rate_bytes = float(match.group(1)) * RATE_UNITS[match.group(2)]
+    args.optimizers = ['none', 'sgd'] if args.optimizer == 'both' else [args.optimizer]
+    args.peers = set() if args.peers == 'none' else {x.strip() for x in args.peers.split(',')}
+    args.out = Path(args.out) if args.out else C.default_out_dir(BENCH)
+    return args
+
+
+def shape(cfg):
+    """The (W, S, keys, bytes) bench_pushpull's records and ratios take."""
+    workers, servers, _, keys, total = CONFIGS[cfg]
+    return workers, servers, keys, total
+
+
+def host_count(cfg):
+    workers, servers, apart = CONFIGS[cfg][:3]
+    return workers + servers if apart else workers
+
+
+def server_host(cfg, j):
+    workers, _, apart = CONFIGS[cfg][:3]
+    return workers + j if apart else j
+
+
+def rounds_for(args, total):
+    return args.rounds or (20 if total <= 8 * MiB else 5)
+
+
+def link_bound_ms(system, cfg, rate_bytes):
+    """The least step time a host's link allows: 2 (W-1)/W of the model each way for a ring
+    all-reduce and for servers beside the workers; with S = W servers on hosts of their own,
+    a worker's link carries the model once each way (push out, pull in)."""
+    workers, servers, apart, _, total = CONFIGS[cfg]
+    if apart and system != 'gloo':
+        share = max(1.0, workers / servers)
+    else:
+        share = 2 * (workers - 1) / workers
+    return share * total / rate_bytes * 1e3
+
+
+# -- processes on the hosts ------------------------------------------------------------------
+class Job:
+    """The processes of one cluster run, each inside its host, logging to ``out_dir``."""
+
+    def __init__(self, hosts, out_dir, env):
+        self.hosts, self.out_dir, self.env = hosts, Path(out_dir), env
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.procs, self.logs = [], []
+
+    def start(self, name, host, argv, **extra):
+        log = open(self.out_dir / f'{name}.log', 'w')
+        self.logs.append((name, log))
+        proc = subprocess.Popen(self.hosts.command(host, [str(a) for a in argv]),
+                                env=dict(self.env, **extra), cwd=C.REPO, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def free_port(self, host):
+        """A port the OS gives on ``host`` (for systems that need one fixed up front)."""
+        code = 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
+        done = subprocess.run(self.hosts.command(host, [sys.executable, '-c', code]),
+                              capture_output=True, text=True, check=True)
+        return int(done.stdout)
+
+    def finish(self, waited, timeout):
+        """Wait for ``waited`` (the workers), give the rest 30 s to end, stop what is left."""
+        rc = 0
+        deadline = time.monotonic() + timeout
+        try:
+            for proc in waited:
+                rc = rc or proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            for proc in self.procs:
+                proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            rc = rc or 124
+        finally:
+            for proc in self.procs:
+                if proc.poll() is None:
+                    C._stop_group(proc, grace=2.0)
+            for _, log in self.logs:
+                log.close()
+        return rc
+
+    def text(self):
+        return ''.join(f'[{name}] {line}' for name, _ in self.logs
+                       for line in (self.out_dir / f'{name}.log').read_text(errors='replace')
+                       .splitlines(keepends=True))
+
+
+def run_kvps(hosts, job, cfg, worker_argv):
+    workers, servers = shape(cfg)[:2]
+    common = {'DMLC_PS_ROOT_URI': hosts.address(0), 'DMLC_NUM_WORKER': str(workers),
+              'DMLC_NUM_SERVER': str(servers), 'KVPS_SECRET': os.urandom(16).hex()}
+    node = [C.PY, '-m', 'kvps.node']
+    port_file = job.out_dir / 'scheduler.port'
+    sched = job.start('scheduler', 0, node, **common, DMLC_ROLE='scheduler',
+                      DMLC_PS_ROOT_PORT='0', KVPS_PORT_FILE=str(port_file),
+                      DMLC_NODE_HOST=hosts.address(0))
+    common['DMLC_PS_ROOT_PORT'] = str(C.wait_port(port_file, sched, 60))
+    for j in range(servers):
+        at = server_host(cfg, j)
+        job.start(f'server{j}', at, node, **common, DMLC_ROLE='server', KVPS_RANK=str(j),
+                  DMLC_NODE_HOST=hosts.address(at))
+    return [job.start(f'worker_proc{i}', i, worker_argv, **common, DMLC_ROLE='worker',
+                      KVPS_RANK=str(i), DMLC_NODE_HOST=hosts.address(i))
+            for i in range(workers)]
+
+
+def run_mxnet(hosts, job, cfg, worker_argv):
+    workers, servers = shape(cfg)[:2]
+    common = {'DMLC_PS_ROOT_URI': hosts.address(0), 'DMLC_PS_ROOT_PORT': str(job.free_port(0)),
+              'DMLC_NUM_WORKER': str(workers), 'DMLC_NUM_SERVER': str(servers),
+              'DMLC_INTERFACE': 'eth0'}
+    job.start('scheduler', 0, worker_argv, **common, DMLC_ROLE='scheduler',
+              DMLC_NODE_HOST=hosts.address(0))
+    for j in range(servers):
+        at = server_host(cfg, j)
+        job.start(f'server{j}', at, worker_argv, **common, DMLC_ROLE='server',
+                  DMLC_NODE_HOST=hosts.address(at))
+    return [job.start(f'worker_proc{i}', i, worker_argv, **common, DMLC_ROLE='worker',
+                      DMLC_NODE_HOST=hosts.address(i)) for i in range(workers)]
+
+
+def run_gloo(hosts, job, cfg, worker_argv):
+    workers = shape(cfg)[0]   # an all-reduce has no use for the server hosts
+    common = {'MASTER_ADDR': hosts.address(0), 'MASTER_PORT': str(job.free_port(0)),
+              'WORLD_SIZE': str(workers), 'GLOO_SOCKET_IFNAME': 'eth0'}
+    return [job.start(f'rank{i}', i, worker_argv, **common, RANK=str(i), LOCAL_RANK=str(i))
+            for i in range(workers)]
+
+
+def worker_argv(system, cfg, opt, rounds, args, run_dir):
+    keys, total = CONFIGS[cfg][3:]
+    body = ['--keys', keys, '--total-bytes', total, '--rounds', rounds,
+            '--warmup', args.warmup, '--out', run_dir]
+    peers = C.peer_pythons()
+    if system in KVPS_SYSTEMS:
+        pushpull = ['--pushpull'] if system == 'kvps-pushpull' else []
+        return [C.PY, PP.WORKER, *body, '--optimizer', opt, *pushpull]
+    if system == 'mxnet':
+        return [peers['mxnet'], C.PEERS_DIR / 'mxnet_bench.py', *body, '--optimizer', opt,
+                '--lr', 0.1]
+    return [peers['gloo'], C.PEERS_DIR / 'gloo_bench.py', *body, '--mode', 'coalesced']
+
+
+# kvps as MXNet's benchmark steps (kv.push, then kv.pull), and with one kv.pushpull
+KVPS_SYSTEMS = ('kvps', 'kvps-pushpull')
+STARTERS = {'kvps': run_kvps, 'kvps-pushpull': run_kvps, 'mxnet': run_mxnet, 'gloo': run_gloo}
+
+
+def measure(args, hosts, system, cfg, opt, run_dir):
+    workers, _, _, total = shape(cfg)
+    rounds = rounds_for(args, total)
+    job = Job(hosts, run_dir, dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1'))
+    t0 = time.monotonic()
+    try:
+        waited = STARTERS[system](hosts, job, cfg, worker_argv(system, cfg, opt, rounds, args,
+                                                               run_dir))
+    except (RuntimeError, subprocess.CalledProcessError) as exc:
+        job.finish([], 0)
+        return {'step_ms': None, 'gbps_per_worker': None, 'correct': False, 'error': str(exc)}
+    rc = job.finish(waited, args.timeout)
+    return PP._peer_summary(run_dir, workers, total, rc, job.text(), time.monotonic() - t0)
+
+
+# -- main ------------------------------------------------------------------------------------
+def main(argv=None):
+    args = parse_args(argv)
+    out = C.JsonLines(args.out, BENCH)
+    why = _netns.unavailable()
+    if why:
+        out.emit({'kind': 'skipped', 'why': why})
+        return 0
+    _netns.remove_leftovers()
+    peers = C.peers_status()
+    systems = [*KVPS_SYSTEMS, *(s for s in ('mxnet', 'gloo') if s in args.peers and peers[s])]
+    out.emit({'kind': 'meta', 'configs': args.configs, 'rate': args.rate,
+              'optimizers': args.optimizers, 'systems': systems, 'launches': args.launches,
+              'cpus': os.cpu_count(), 'out_dir': str(args.out),
+              'notes': [f'peers {peers["why"]}'] if args.peers and peers['why'] else []})
+    for cfg in args.configs:
+        total = CONFIGS[cfg][-1]
+        with _netns.EmulatedHosts(host_count(cfg), args.rate) as hosts:
+            gloo = {}   # no optimizer in an all-reduce: measured once per config
+            for opt in args.optimizers:
+                recs = {}
+                for system in systems:
+                    if system == 'gloo' and gloo:
+                        recs.update(gloo)
+                        continue
+                    C.note(f'{cfg} at {args.rate}: {system} optimizer={opt}')
+                    res = PP._median_of_launches([
+                        measure(args, hosts, system, cfg, opt,
+                                args.out / cfg / f'{system}-{opt}' / f'launch{i}')
+                        for i in range(args.launches)])
+                    if res.get('step_ms'):
+                        bound = link_bound_ms(system, cfg, args.rate_bytes)
+                        res['of_link_bound'] = round(bound / res['step_ms'], 3)
+                    if system == 'gloo':
+                        rec = PP._record('gloo', 'allreduce_flat', cfg, None,
+                                         rounds_for(args, total), res, shape(cfg))
+                        gloo['gloo_flat'] = out.emit(dict(rec, servers=0))
+                        recs.update(gloo)
+                    else:
+                        recs[system] = out.emit(PP._record(system, 'dist_sync', cfg, opt,
+                                                           rounds_for(args, total), res,
+                                                           shape(cfg)))
+                bounds = {s: round(link_bound_ms(s, cfg, args.rate_bytes), 2) for s in systems}
+                peer_recs = {k: v for k, v in recs.items() if k not in KVPS_SYSTEMS}
+                for kvps_system in KVPS_SYSTEMS:
+                    line = PP.ratios(cfg, opt, recs[kvps_system], peer_recs, {}, shape(cfg))
+                    out.emit(dict(line, kvps_step=kvps_system, rate=args.rate,
+                                  link_bound_ms=bounds))
+    C.note(f'results in {out.path}')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
