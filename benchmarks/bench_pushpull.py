@@ -65,6 +65,9 @@ def parse_args(argv=None):
     p.add_argument('--profile', action='store_true',
                    help='after measuring, rerun kvps for each config under py-spy and '
                         'report where worker and server time goes')
+    p.add_argument('--pushpull', action='store_true',
+                   help='kvps rounds as one kv.pushpull each (default: push then pull, as '
+                        "MXNet's benchmark steps)")
     p.add_argument('--timeout', type=int, default=300, help='seconds allowed per cluster run')
     p.add_argument('--out', default=None, help='output directory (default /tmp/kvps-bench/...)')
     args = p.parse_args(argv)
@@ -128,7 +131,8 @@ def measure_kvps(args, cfg, opt, rounds, run_dir, wrap=()):
     tag = uuid.uuid4().hex[:12]
     argv = [C.PY, str(WORKER), '--keys', str(keys), '--total-bytes', str(total),
             '--rounds', str(rounds), '--warmup', str(args.warmup), '--optimizer', opt,
-            '--out', str(run_dir), '--tag', tag, '--check-rounds', '1' if args.quick else '2']
+            '--out', str(run_dir), '--tag', tag, '--check-rounds', '1' if args.quick else '2',
+            *(['--pushpull'] if args.pushpull else [])]
     rc, log, wall, launcher = C.run_kvps_job(W, S, argv, run_dir, args.timeout, tag, wrap)
     records = C.read_worker_records(run_dir, W)
     extra = {'launcher': launcher, 'rc': rc, 'wall_s': round(wall, 2)}
