@@ -114,16 +114,28 @@ def writable_flat(out):
     return arr.reshape(-1) if arr.flags.c_contiguous else None
 
 
-def writable(out):
+def writable(out, key=None):
     """A numpy view of pull target ``out``; ValueError if it is read-only or some of its
     elements share memory (an expanded or broadcast view: every write to one would land on
-    the others, and torch's own ``copy_`` refuses it too)."""
-    arr = as_numpy(out)
+    the others, and torch's own ``copy_`` refuses it too), DTypeError if it is not in host
+    memory. ``key``: named in the errors."""
+    named = '' if key is None else f'key {key!r}: '
+    try:
+        arr = as_numpy(out)
+    except DTypeError as exc:
+        raise DTypeError(named + str(exc)) from None
     if not arr.flags.writeable:
-        raise ValueError('pull target is read-only')
-    if not arr.flags.c_contiguous and any(
-            step == 0 and n > 1 for step, n in zip(arr.strides, arr.shape)):
-        raise ValueError(f'pull target of shape {arr.shape} has elements that share memory '
-                         f'(strides {arr.strides}: an expanded or broadcast view); pull into '
-                         'an array of its own (.clone() or .copy())')
+        raise ValueError(f'{named}pull target is read-only')
+    if not arr.flags.c_contiguous:
+        check_own_memory(arr.shape, arr.strides, key)
     return arr
+
+
+def check_own_memory(shape, strides, key=None):
+    """ValueError if a pull target of this layout has elements that share memory (a step of
+    0 along an axis of more than one element); strides in any unit."""
+    if any(step == 0 and n > 1 for step, n in zip(strides, shape)):
+        named = '' if key is None else f'key {key!r}: '
+        raise ValueError(f'{named}pull target of shape {tuple(shape)} has elements that share '
+                         f'memory (strides {tuple(strides)}: an expanded or broadcast view); '
+                         'pull into an array of its own (.clone() or .copy())')

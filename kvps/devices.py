@@ -70,14 +70,26 @@ def host_sum(values):
     return arrays.as_numpy(host)
 
 
+def check_targets(targets, key):
+    """Raise unless every pull target of ``key`` can be written (ValueError: read-only, or
+    elements that share memory; DTypeError: neither host memory nor a GPU), so that a pull
+    raises before it writes any target rather than after writing some of them. Returns
+    their numpy views, None for a GPU target."""
+    views = []
+    for target in targets:
+        if on_gpu(target):
+            view = as_torch(target)
+            arrays.check_own_memory(view.shape, view.stride(), key)
+            views.append(None)
+        else:
+            views.append(arrays.writable(target, key))
+    return views
+
+
 def pull_buffer(targets):
     """A fresh host buffer for the backend to pull one key into: pinned when a target is on a
-    GPU, so that the copies to the devices can run asynchronously. Host targets beside GPU
-    ones are checked as the host path checks them (ValueError), before anything is pulled:
-    torch would write into a read-only array."""
-    for target in targets:
-        if not on_gpu(target):
-            arrays.writable(target)
+    GPU, so that the copies to the devices can run asynchronously (targets checked with
+    ``check_targets`` first)."""
     views = [as_torch(t) for t in targets]
     return _host_buffer(views[0].numel(), views[0].dtype, any(v.is_cuda for v in views))
 

@@ -218,34 +218,41 @@ class KVStore:
         if out is None:
             raise TypeError('pull needs out= (the arrays to write into)')
         self._open()
-        pairs, hosts, items = self._pull_items(key, out)
+        landings, items = self._pull_items(key, out)
         self._backend.pull(items)
-        self._land(pairs, hosts)
+        self._land(landings)
 
     def _pull_items(self, key, out):
-        """``(pairs, host buffers, backend items)`` for a pull into ``out``, every target
-        checked first. GPU targets are pulled into a pinned host buffer and copied onto each
-        device from there; host targets are pulled into the first one, which feeds the rest."""
-        pairs = self._pairs(key, out)
-        for k, targets in pairs:
+        """``(landings, backend items)`` for a pull into ``out``, every target checked first
+        (a pull raises before it writes any of them). GPU targets are pulled into a pinned
+        host buffer and copied onto each device from there: landing ``(buffer, targets)``;
+        host targets are pulled into the first one, which feeds the rest: landing ``(None,
+        their numpy views)``."""
+        landings, items = [], []
+        for k, targets in self._pairs(key, out):
             shape, dtype = self._known(k)
             for t in targets:
                 arrays.check_like(t, shape, dtype, k, 'pull target')
-        hosts = [devices.pull_buffer(targets) if self._on_gpu(k, targets) else None
-                 for k, targets in pairs]
-        return pairs, hosts, [(k, arrays.as_numpy(targets[0] if host is None else host),
-                               self._meta[k][1]) for (k, targets), host in zip(pairs, hosts)]
+            gpu = self._on_gpu(k, targets)   # first: it names the device store types
+            views = devices.check_targets(targets, k)
+            if gpu:
+                host = devices.pull_buffer(targets)
+                landings.append((host, targets))
+                items.append((k, arrays.as_numpy(host), dtype))
+            else:
+                landings.append((None, views))
+                items.append((k, views[0], dtype))
+        return landings, items
 
     @staticmethod
-    def _land(pairs, hosts):
+    def _land(landings):
         """Copy what a pull wrote into its first target or host buffer onto the rest."""
-        for (_, targets), host in zip(pairs, hosts):
+        for host, targets in landings:
             if host is not None:
                 devices.land(host, targets)
             else:
-                first = arrays.as_numpy(targets[0])
-                for t in targets[1:]:
-                    arrays.writable(t)[...] = first
+                for view in targets[1:]:
+                    view[...] = targets[0]
 
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
         """MXNet's pull of some rows of a row_sparse key: not provided (say so clearly rather
@@ -260,10 +267,10 @@ class KVStore:
         request follows its push closely, so results come back while later keys are still
         being pushed."""
         self._open()
-        pairs, hosts, pulls = self._pull_items(key, value if out is None else out)
+        landings, pulls = self._pull_items(key, value if out is None else out)
         pushes = self._push_items(key, value)
         self._backend.pushpull(pushes, pulls)
-        self._land(pairs, hosts)
+        self._land(landings)
 
     def broadcast(self, key, value, out, priority=0):
         """Initialize with rank 0's ``value`` and pull it into ``out`` on every worker."""
