@@ -332,8 +332,14 @@ class KVStore:
 
     def load_optimizer_states(self, fname):
         """Load a file from save_optimizer_states into the servers (collective in dist
-        stores: every worker calls it; rank 0 sends)."""
-        self._set_optimizer_states(states.read_file(fname))
+        stores: every worker calls it; rank 0 sends). A file that does not fit the store
+        changes no server's state, and the error names it."""
+        merged = states.read_file(fname)
+        try:
+            self._set_optimizer_states(merged)
+        except (ConfigError, KeyNotInitializedError) as exc:
+            exc.args = (f'{fname}: {exc}',) + exc.args[1:]
+            raise
 
     def _get_optimizer_states(self, dump_optimizer=False):
         """The servers' optimizer state as whole keys (kvps.states' file contents)."""

@@ -47,7 +47,7 @@ class FunctionUpdater:
         raise ConfigError('the store runs a Python updater (set with _set_updater): it keeps '
                           'no optimizer state kvps can save')
 
-    set_states = get_states
+    set_states = checked_states = get_states
 
 
 def _serialized(method):

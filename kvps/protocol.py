@@ -50,7 +50,10 @@ PUSH = 'push'
 PULL = 'pull'
 SET_OPTIMIZER = 'set_optimizer'  # {spec}
 GET_STATES = 'get_states'    # {dump}: answered by STATES
-SET_STATES = 'set_states'    # + 1 buffer: the updater state dict, msgpack
+# + 1 buffer: the updater state dict, msgpack; installed at once, or with `stage` true only
+# checked and held until COMMIT_STATES (so that no server installs any if one refuses)
+SET_STATES = 'set_states'
+COMMIT_STATES = 'commit_states'
 # First message to a restarted server, unanswered: {keys: [[key, part, acked], ...]}, how many
 # of its pushes of each key part this worker has seen acknowledged
 RESUME = 'resume'
@@ -106,8 +109,8 @@ _FIELDS = {
 }
 OPS = frozenset([REGISTER, WELCOME, HEARTBEAT, HEARTBEAT_ACK, BARRIER, BARRIER_DONE, FINISH, ABORT,
                  SHUTDOWN, PEER_LOST, SERVER_LOST, SERVER_BACK, INIT, CHECK, PUSH, PULL,
-                 SET_OPTIMIZER, GET_STATES, SET_STATES, RESUME, ATTACH, ACK, DATA, ERROR,
-                 STATES])
+                 SET_OPTIMIZER, GET_STATES, SET_STATES, COMMIT_STATES, RESUME, ATTACH, ACK,
+                 DATA, ERROR, STATES])
 
 # dtype names on the wire -> numpy storage dtype. bfloat16 travels as its raw 16-bit pattern.
 DTYPES = {
@@ -174,8 +177,9 @@ def validate_header(header):
         value = header.get(name)
         if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
             raise ProtocolError(f'{op}: field {name!r} missing or of wrong type')
-    if not isinstance(header.get('device', False), bool):
-        raise ProtocolError(f'{op}: device must be true or false')
+    for flag in ('device', 'stage'):
+        if not isinstance(header.get(flag, False), bool):
+            raise ProtocolError(f'{op}: {flag} must be true or false')
     if 'key' in header:
         check_key(header['key'])
     if 'dtype' in header:

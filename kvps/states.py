@@ -12,7 +12,7 @@ import msgpack
 
 from .atomic import write_atomically
 from .errors import ConfigError
-from .server.updater import STATE_FORMAT
+from .server.updater import STATE_FORMAT, STATE_ITEMSIZE
 
 FILE_FORMAT = 'kvps.optimizer_states/1'
 
@@ -60,7 +60,9 @@ def split(merged, num_servers, parts_of):
     out = [{'format': STATE_FORMAT, 'num_update': merged['num_update'], 'counts': [],
             'states': []} for _ in range(num_servers)]
     for key, count, whole in merged['keys']:
-        for server, part, start, stop in parts_of(key):
+        parts = parts_of(key)
+        _check_whole(key, whole, max((stop for _, _, _, stop in parts), default=0))
+        for server, part, start, stop in parts:
             out[server]['counts'].append([key, part, count])
             out[server]['states'].append(
                 [key, part, {name: _slice(blob, start, stop) for name, blob in whole.items()}])
@@ -116,6 +118,25 @@ def fuse(merged, fused):
 def _check_format(merged):
     if not isinstance(merged, dict) or merged.get('format') != FILE_FORMAT:
         raise ConfigError(f'not a kvps optimizer-state file (format {FILE_FORMAT!r} expected)')
+
+
+def _check_whole(key, whole, size):
+    """ConfigError naming ``key`` unless each of its state arrays holds ``size`` elements
+    (the key's) in bytes of its dtype: a state of another key would be cut to fit, or
+    split at the wrong bytes."""
+    if not isinstance(whole, dict):
+        raise ConfigError(f'key {key!r}: its optimizer state is not a map of arrays')
+    for name, blob in whole.items():
+        try:
+            count, nbytes = _count(blob), len(blob['data'])
+            itemsize = STATE_ITEMSIZE.get(blob['dtype'])
+        except (KeyError, TypeError) as exc:
+            raise ConfigError(f'key {key!r}: optimizer state {name!r} is malformed '
+                              f'({exc!r})') from None
+        if itemsize is None or count != size or nbytes != size * itemsize:
+            raise ConfigError(f'key {key!r}: optimizer state {name!r} holds {count} '
+                              f'{blob["dtype"]} elements in {nbytes} bytes, but the key has '
+                              f'{size} elements: the state was saved for another key')
 
 
 def _concat(blobs):

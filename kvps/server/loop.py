@@ -21,7 +21,8 @@ from .shard import Shard
 log = logging.getLogger('kvps.server')
 
 BURST = 64   # requests handled between two checkpoint decisions / reply flushes
-_DURABLE = (P.INIT, P.SET_OPTIMIZER, P.SET_STATES)   # acknowledged only once checkpointed
+# acknowledged only once checkpointed
+_DURABLE = (P.INIT, P.SET_OPTIMIZER, P.SET_STATES, P.COMMIT_STATES)
 
 
 class Recovery:
@@ -324,12 +325,17 @@ class Server:
             raise ProtocolError(f'set_states: undecodable state: {exc!r}') from None
         if not isinstance(states, dict):
             raise ConfigError('set_states: the state must be a map')
-        self.shard.set_states(states)
+        self.shard.set_states(states, stage=h.get('stage', False))
+        return [('ack', token, None)]
+
+    def _commit_states(self, token, h, buffers):
+        self.shard.commit_states()
         return [('ack', token, None)]
 
     _HANDLERS = {P.INIT: _init, P.CHECK: _check, P.PUSH: _push, P.PULL: _pull,
                  P.SET_OPTIMIZER: _set_optimizer, P.GET_STATES: _get_states,
-                 P.SET_STATES: _set_states, P.ATTACH: _attach}
+                 P.SET_STATES: _set_states, P.COMMIT_STATES: _commit_states,
+                 P.ATTACH: _attach}
 
     def _reply_all(self, replies):
         self._outbox += replies

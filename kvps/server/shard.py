@@ -117,6 +117,7 @@ class Shard:
         self.updater = updater
         self.placements = placements or Placements(HostArrays())   # host or a CUDA device
         self.entries = {}          # (key, part) -> Entry
+        self._staged = None        # (updater, checked states) awaiting commit_states
         self.finished = {}         # worker -> pushes it made per key, frozen at finish
         self.updates = 0           # updates applied over all keys (drives checkpoints)
         self._due = None           # while gathering: (key, part) -> Entry whose update waits
@@ -451,11 +452,34 @@ class Shard:
             raise ConfigError('no optimizer is set on the servers: there is no state to save')
         return self.updater.get_states(dump_optimizer)
 
-    def set_states(self, states):
-        if self.updater is None:
+    def set_states(self, states, stage=False):
+        """Install ``states`` (an updater state dict), or with ``stage`` only check and hold
+        them for commit_states: a job's servers all check theirs before any installs, so a
+        load that one of them refuses changes none. Nothing changes before all is checked
+        (the optimizer a file brings included)."""
+        updater = self.updater
+        if updater is None:
             if 'optimizer' not in states:
                 raise ConfigError('set an optimizer before loading optimizer states (or load a '
                                   'file saved with dump_optimizer=True)')
-            self.set_optimizer(states['optimizer'])
-        self.updater.set_states(states)
+            from .updater import Updater  # the optimizer stack loads only when one is used
+            updater = Updater(states['optimizer'])
+        staged = updater, updater.checked_states(states)
+        self._staged = None
+        if stage:
+            self._staged = staged
+        else:
+            self._install(*staged)
+
+    def commit_states(self):
+        """Install the states held by ``set_states(..., stage=True)``."""
+        if self._staged is None:
+            raise ConfigError('commit_states: no optimizer states are staged on this server '
+                              '(it restarted since, or they were installed already)')
+        staged, self._staged = self._staged, None
+        self._install(*staged)
+
+    def _install(self, updater, checked):
+        updater.install(checked)
+        self.updater = updater
 

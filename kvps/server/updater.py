@@ -10,6 +10,7 @@ STATE_FORMAT = 'kvps.updater.states/1'
 _LOW_PRECISION = ('float16', 'uint16')  # uint16 storage is bfloat16
 _STATE_DTYPES = {'float16': np.float16, 'float32': np.float32, 'float64': np.float64,
                  'bfloat16': np.uint16}
+STATE_ITEMSIZE = {name: np.dtype(t).itemsize for name, t in _STATE_DTYPES.items()}
 
 
 class Updater:
@@ -189,21 +190,39 @@ class Updater:
 
     def set_states(self, states):
         """Restore what get_states returned (the optimizer too, when it was dumped)."""
+        self.install(self.checked_states(states))
+
+    def checked_states(self, states):
+        """What ``install`` takes for ``states`` (as get_states returns), every part checked
+        and nothing changed yet: ConfigError (naming the key) if any of it does not fit."""
         if not isinstance(states, dict) or states.get('format') != STATE_FORMAT:
             raise ConfigError(f'set_states: not a kvps updater state dict (format '
                               f'{STATE_FORMAT!r} expected)')
         opt = Optimizer.from_spec(states['optimizer']) if 'optimizer' in states else self._opt
         try:
             counts = {(k, int(p)): int(c) for k, p, c in states['counts']}
-            restored = {(k, int(p)): {str(n): _unpack(a) for n, a in st.items()}
-                        for k, p, st in states['states']}
+            restored = dict(_unpacked_state(*item) for item in states['states'])
             num_update = int(states['num_update'])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ConfigError(f'set_states: malformed state dict ({exc})') from None
         _check_state_names(opt, restored)
-        self._opt, self._counts, self._states = opt, counts, restored
+        return opt, counts, restored, num_update
+
+    def install(self, checked):
+        """Take ``checked`` (from checked_states) in place of every key's state and count."""
+        opt, self._counts, self._states, num_update = checked
+        self._opt = opt
         self._fits = {}
         self._num_update = opt.num_update = num_update
+
+
+def _unpacked_state(key, part, state):
+    """``((key, part), {name: array})`` of one saved state; the error names the key."""
+    try:
+        return (key, int(part)), {str(n): _unpack(a) for n, a in state.items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ConfigError(f'set_states: key {key!r} part {part}: malformed optimizer state '
+                          f'({exc})') from None
 
 
 def _check_dtype(key, label, array):

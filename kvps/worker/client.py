@@ -91,13 +91,20 @@ class DistClient:
         return blobs
 
     def set_states(self, per_server):
-        """Rank 0 loads each server's share; everyone returns when all servers have it."""
+        """Rank 0 loads each server's share; everyone returns when all servers have it. Every
+        server checks its share before any installs it: a share one server refuses changes
+        no server's state."""
         if per_server and 'optimizer' in per_server[0]:
             self._require_whole_keys(per_server[0]['optimizer'])
-        self._by_rank_0('load_optimizer_states', lambda: self._wait_all([
-            self._request(s, 'load_optimizer_states', {'op': P.SET_STATES},
-                          (msgpack.packb(states, use_bin_type=True),))
-            for s, states in enumerate(per_server)]), after_pushes=True)
+
+        def send():
+            what = 'load_optimizer_states'
+            self._wait_all([self._request(s, what, {'op': P.SET_STATES, 'stage': True},
+                                          (msgpack.packb(states, use_bin_type=True),))
+                            for s, states in enumerate(per_server)])
+            self._wait_all([self._request(s, what, {'op': P.COMMIT_STATES})
+                            for s in range(len(per_server))])
+        self._by_rank_0('load_optimizer_states', send, after_pushes=True)
 
     def _by_rank_0(self, what, send, after_pushes=False):
         """A collective that rank 0 carries out alone (``send``: its requests to the servers,

@@ -307,6 +307,25 @@ def test_optimizer_state_errors(tmp_path):
         kv.load_optimizer_states(tmp_path / 'junk')
 
 
+def test_a_file_that_does_not_fit_the_key_changes_nothing_and_is_named(tmp_path):
+    """A state of another size would be cut to fit; a refused file must not leave its
+    optimizer installed either (the store had none: pushes still replace the value)."""
+    saver = kvps.create('local')
+    saver.init(0, np.zeros(3))
+    saver.set_optimizer(kvps.optimizer.create('sgd', momentum=0.9))
+    saver.push(0, np.ones(3))
+    saver.save_optimizer_states(tmp_path / 's', dump_optimizer=True)
+    kv = kvps.create('local')
+    kv.init(0, np.zeros(2))
+    with pytest.raises(ConfigError, match=r"^.*s: key 0: optimizer state 'mom' holds 3 "
+                                          r'float64 elements in 24 bytes, but the key has 2'):
+        kv.load_optimizer_states(tmp_path / 's')
+    kv.push(0, np.full(2, 5.0))
+    out = np.zeros(2)
+    kv.pull(0, out=out)
+    assert out.tolist() == [5.0, 5.0]
+
+
 @pytest.mark.parametrize('saved, loaded', [
     ({'name': 'adam'}, {'name': 'sgd', 'momentum': 0.9}),
     ({'name': 'sgd'}, {'name': 'sgd', 'momentum': 0.9}),      # no state, then momentum

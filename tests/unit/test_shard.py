@@ -490,3 +490,24 @@ def test_a_rounds_lr_step_is_its_own_pushes_not_a_fast_workers_later_ones():
     assert data_of(shard.pull('q', W1, 'k', 0))['q'] == [-0.5]          # lr 1.0 * 0.5 ** 1
     shard.push('b1', W1, 'k', 0, 'float32', True, buf(1.0), step=4)
     assert shard.updater.num_update == 9                                 # the queued step
+
+
+def test_refused_states_leave_the_shard_as_it_was_and_staged_ones_wait_for_commit():
+    shard = Shard(1)
+    mom = {'dtype': 'float32', 'shape': [2], 'data': bytes(8)}
+    states = {'format': 'kvps.updater.states/1', 'num_update': 3, 'counts': [[0, 0, 3]],
+              'optimizer': create('sgd', momentum=0.9).to_spec(),
+              'states': [[0, 0, {'mean': mom}]]}
+    with pytest.raises(ConfigError, match="key 0 part 0 holds optimizer state.*'mean'"):
+        shard.set_states(states)
+    assert shard.updater is None            # the file's optimizer was not installed either
+    states['states'] = [[0, 0, {'mom': {**mom, 'data': bytes(5)}}]]
+    with pytest.raises(ConfigError, match=r'key 0 part 0: malformed optimizer state'):
+        shard.set_states(states)
+    states['states'] = [[0, 0, {'mom': mom}]]
+    shard.set_states(states, stage=True)
+    assert shard.updater is None
+    shard.commit_states()
+    assert shard.updater.num_update == 3 and shard.updater.get_states()['counts'] == [[0, 0, 3]]
+    with pytest.raises(ConfigError, match='no optimizer states are staged'):
+        shard.commit_states()
