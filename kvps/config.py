@@ -171,6 +171,11 @@ VARS = (
 _BY_FIELD = {v.field: v for v in VARS}
 
 
+def variable(field):
+    """The variables that set Config field ``field``, as error messages name them."""
+    return ' or '.join(_BY_FIELD[field].names)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Settings of one kvps process; build with `Config.from_env()` or `Config(**fields)`."""

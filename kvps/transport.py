@@ -10,6 +10,7 @@ import time
 import zmq
 
 from .auth import TO_DEALER, TO_ROUTER, Guard
+from .config import variable
 from .errors import AuthError, ConfigError, TransportError
 
 log = logging.getLogger('kvps.transport')
@@ -209,8 +210,9 @@ def _bracket(host):
 def resolve(host, timeout_s):
     """IP address of ``host``, retrying DNS until ``timeout_s`` (services appear late on k8s)."""
     if ':' in host:   # an IPv6 literal: retrying cannot help
-        raise ConfigError(f'scheduler host {host!r} is an IPv6 address; kvps speaks IPv4: give '
-                          'an IPv4 address or a name that has one')
+        raise ConfigError(f'scheduler host {host!r} ({variable("scheduler_host")}) is an IPv6 '
+                          'address; kvps speaks IPv4: give an IPv4 address or a name that has '
+                          'one')
     deadline = time.monotonic() + timeout_s
     warned = False
     while True:
@@ -218,7 +220,8 @@ def resolve(host, timeout_s):
             return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
         except socket.gaierror as exc:
             if time.monotonic() >= deadline:
-                raise ConfigError(f'cannot resolve scheduler host {host!r}: {exc}') from None
+                raise ConfigError(f'cannot resolve scheduler host {host!r} '
+                                  f'({variable("scheduler_host")}): {exc}') from None
             if not warned:   # once: a misspelled name must not look like a silent hang
                 log.warning('cannot resolve scheduler host %r yet (%s); retrying until '
                             'KVPS_CONNECT_TIMEOUT (%g s) runs out', host, exc, timeout_s)
@@ -233,14 +236,15 @@ def interface_address(name):
             packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
                                  struct.pack('256s', name[:15].encode()))
         except OSError as exc:
-            raise ConfigError(f'interface {name!r} has no IPv4 address: {exc}') from None
+            raise ConfigError(f'interface {name!r} ({variable("interface")}) has no IPv4 '
+                              f'address: {exc}') from None
     return socket.inet_ntoa(packed[20:24])
 
 
 def advertised_host(config, scheduler_ip):
     """The address this node tells peers to reach it at."""
     if config.node_host:
-        return config.node_host
+        return _checked_node_host(config.node_host, config.use_kubernetes)
     if config.interface:
         return interface_address(config.interface)
     if scheduler_ip.startswith('127.') or config.scheduler_host in _LOOPBACK_NAMES:
@@ -249,6 +253,20 @@ def advertised_host(config, scheduler_ip):
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((scheduler_ip, config.scheduler_port or 9))
         return s.getsockname()[0]
+
+
+def _checked_node_host(host, use_kubernetes):
+    """``host`` (KVPS_NODE_HOST) once it can be an address: without Kubernetes the node binds
+    it, so it must resolve here (under Kubernetes it names a Service, which may not yet)."""
+    try:
+        if any(c.isspace() for c in host):
+            raise ValueError('an address has no spaces')
+        if not use_kubernetes:
+            socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except (ValueError, socket.gaierror) as exc:
+        raise ConfigError(f'{variable("node_host")}={host!r}: not an address this node can '
+                          f'bind ({exc})') from None
+    return host
 
 
 def bind_host(config, advertised):

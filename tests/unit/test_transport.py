@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from kvps import transport
+from kvps.config import Config
 from kvps.errors import ConfigError
-from kvps.transport import Dealer, Router, Socket, new_context, resolve
+from kvps.transport import (Dealer, Router, Socket, advertised_host, interface_address,
+                            new_context, resolve)
 
 BIG = 1 << 20      # above the copy threshold: sent in place, so tracked
 SMALL = 1 << 10    # below it: copied at send time
@@ -116,3 +118,23 @@ def test_a_resolvable_host_logs_nothing(caplog):
     with caplog.at_level(logging.WARNING, logger='kvps.transport'):
         assert resolve('127.0.0.1', timeout_s=1) == '127.0.0.1'
     assert not caplog.records
+
+
+@pytest.mark.parametrize('host, why', [('a b', 'no spaces'),
+                                       ('no-such-host.invalid', 'not known|resolution')])
+def test_a_bad_node_host_is_refused_naming_its_variable(host, why):
+    config = Config(node_host=host, scheduler_host='127.0.0.1', scheduler_port=9)
+    with pytest.raises(ConfigError, match=rf"^KVPS_NODE_HOST or DMLC_NODE_HOST='{host}': "
+                                          rf'not an address this node can bind \(.*({why})'):
+        advertised_host(config, '127.0.0.1')
+    service = Config(node_host='no-such-host.invalid', use_kubernetes=True)
+    assert advertised_host(service, '10.0.0.1') == 'no-such-host.invalid'   # a Service name
+
+
+def test_resolve_and_interface_errors_name_their_variables(monkeypatch):
+    failing_dns(monkeypatch, failures=10 ** 6)
+    with pytest.raises(ConfigError, match=r'DMLC_PS_ROOT_URI'):
+        resolve('sched.example', timeout_s=0.01)
+    with pytest.raises(ConfigError, match=r"interface 'nosuch0' \(KVPS_INTERFACE or "
+                                          r'DMLC_INTERFACE\) has no IPv4 address'):
+        interface_address('nosuch0')
