@@ -354,6 +354,11 @@ class KVStore:
             self._known(key)
         self._backend.set_states(states.split(merged, self._backend.num_servers, self._parts))
 
+    def _balance_keys(self, total):
+        """A model of ``total`` elements is about to be initialized (the Trainer's): split
+        its keys finely enough that every server carries about the same bytes."""
+        self._backend.balance_keys(total)
+
     def _keep_keys_whole(self):
         """Place keys initialized from now on on one server each, whatever their size: for an
         optimizer that reads each weight whole (LAMB), which will be set after init."""

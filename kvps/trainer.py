@@ -221,6 +221,9 @@ class Trainer:
     def _init_store(self):
         """Prove the workers agree on the parameters, then broadcast rank 0's weights."""
         check_same_everywhere(self._kv, self._params, self._layout.digest())
+        balance = getattr(self._kv, '_balance_keys', None)   # a kvps store's
+        if balance is not None:
+            balance(sum(p.tensor.numel() for p in self._params))
         if self._update_on_kvstore and self._optimizer.whole_tensor:
             keep_whole = getattr(self._kv, '_keep_keys_whole', None)   # a kvps store's
             if keep_whole is not None:

@@ -133,6 +133,10 @@ class DistClient:
             raise RemoteError(f'{what} failed: the servers refused it on rank 0, which raised '
                               'their reason', remote_type='CollectiveRefused', node='rank 0')
 
+    def balance_keys(self, total):
+        """A model of ``total`` elements is about to be initialized: see Placement.balance."""
+        self.placement.balance(total)
+
     def keep_keys_whole(self):
         """Keys initialized from now on go to one server each (see _require_whole_keys)."""
         self.placement.keep_whole = True

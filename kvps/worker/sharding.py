@@ -10,6 +10,11 @@ import dataclasses
 import numpy as np
 
 
+# Keys below this many elements stay whole when a model is balanced: splitting them would
+# cost more messages than the balance saves.
+BALANCE_FLOOR = 1 << 16
+
+
 @dataclasses.dataclass(frozen=True)
 class Part:
     """Elements [start, stop) of a key's flattened array, held by ``server``."""
@@ -28,6 +33,16 @@ class Placement:
         self.load = [0] * num_servers          # bytes placed on each server
         self._parts = {}
         self.keep_whole = False   # place later keys on one server each, whatever their size
+
+    def balance(self, total):
+        """About to place a model of ``total`` elements: split keys from total / (2 S)
+        elements on (never above the bound set, nor below BALANCE_FLOOR). A whole key then
+        weighs at most half a server's share, so the greedy placement keeps every server's
+        bytes, and so its link's load, within 1.5x of even; with MXNet's bound alone, a model
+        of a few big tensors (three of 3-4 MB on four servers) put one tensor whole on some
+        server and the job ran at that server's pace."""
+        if self.num_servers > 1:
+            self.bound = min(self.bound, max(BALANCE_FLOOR, total // (2 * self.num_servers)))
 
     def place(self, key, size, itemsize):
         """Assign ``key`` (``size`` elements) to servers; return its parts."""

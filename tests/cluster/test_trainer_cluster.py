@@ -27,6 +27,30 @@ def script(body, **consts):
 
 
 @pytest.mark.timeout(120)
+def test_a_tensor_of_most_of_the_model_is_split_over_the_servers_and_steps_exactly(job):
+    """Under MXNet's bound (1e6 elements) a 300,000-element weight would sit whole on one
+    server, which would carry 2x the other's bytes; the Trainer splits it."""
+    result = job(script('''
+        kv = kvps.create('dist_sync')
+        w = torch.nn.Parameter(torch.ones(600, 500))
+        b = torch.nn.Parameter(torch.ones(500))
+        trainer = Trainer([w, b], 'sgd', {'learning_rate': 1.0}, kvstore=kv)
+        for _ in range(2):
+            trainer.zero_grad()
+            ((kv.rank + 1) * (w.sum() + b.sum())).backward()
+            trainer.step(1)
+        report(w=sorted(set(w.detach().flatten().tolist())), b=sorted(set(b.tolist())),
+               servers=sorted({s for s, _, _, _ in kv._parts(0)}), b_parts=len(kv._parts(1)))
+    '''), workers=2, servers=2, timeout=90)
+    assert result.returncode == 0, result.output
+    found = result.results()
+    assert sorted(found) == [0, 1], result.output
+    for values in found.values():
+        assert values['w'] == values['b'] == [1.0 - 2 * 3]   # two steps of the sum 1 + 2
+        assert values['servers'] == [0, 1] and values['b_parts'] == 1
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize('workers', [2, 3])
 def test_step_sums_every_workers_gradient(job, workers):
     """MXNet's test_gluon_trainer_step: x = ones(10, 1), loss (rank+1)*x, sgd lr 1, step(1)."""

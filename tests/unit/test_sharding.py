@@ -27,6 +27,35 @@ def test_small_keys_balance_bytes_not_counts():
     assert placement.load == [4000, 280]
 
 
+def test_a_balanced_model_of_few_big_tensors_loads_no_server_above_one_and_a_half_shares():
+    # the 'wide' MLP: 784x1024, two 1024x1024, 1024x10 and its biases, on four servers
+    sizes = [802816, 1048576, 1048576, 10240, 3082]
+    total = sum(sizes)
+    mxnet = Placement(4, 10**6)   # the 784x1024 tensor stays whole: one server gets 1.8x a share
+    for key, n in enumerate(sizes):
+        mxnet.place(key, n, 4)
+    assert max(mxnet.load) > 1.8 * sum(mxnet.load) / 4
+    balanced = Placement(4, 10**6)
+    balanced.balance(total)
+    assert balanced.bound == total // 8
+    for key, n in enumerate(sizes):
+        balanced.place(key, n, 4)
+    assert [len(balanced.parts(k)) for k in range(5)] == [4, 4, 4, 1, 1]
+    assert max(balanced.load) <= 1.5 * sum(balanced.load) / 4
+
+
+def test_balancing_never_raises_the_bound_nor_splits_small_models_or_one_server():
+    placement = Placement(2, 1000)
+    placement.balance(10**9)
+    assert placement.bound == 1000                     # the configured bound stays the cap
+    placement = Placement(2, 10**6)
+    placement.balance(100_000)
+    assert placement.bound == 1 << 16                  # tiny keys are never split
+    placement = Placement(1, 10**6)
+    placement.balance(10**8)
+    assert placement.bound == 10**6                    # one server: nothing to balance
+
+
 def test_placement_is_deterministic_and_remembered():
     def run():
         p = Placement(3, 50)
