@@ -229,19 +229,22 @@ class PushBucket:
     tensors cost a few messages instead of one each, and a gradient still leaves before
     backward returns, so code run between backward and step never changes what was sent."""
 
-    def __init__(self, kv, cap):
+    def __init__(self, kv, cap, after_push=None):
+        """``after_push(keys, entries)`` runs right after each push leaves."""
         if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
             raise ValueError(f'bucket_bytes must be an int >= 0, got {cap!r}')
-        self._kv, self._cap = kv, cap
-        self._keys, self._values, self._bytes = [], [], 0
+        self._kv, self._cap, self._after_push = kv, cap, after_push
+        self._keys, self._values, self._entries, self._bytes = [], [], [], 0
         self._callback_queued = False
         # Hooks of parameters on several GPUs run on autograd's per-device threads at once
         self._lock = threading.Lock()
 
-    def add(self, key, value):
+    def add(self, key, value, entry):
+        """Hold ``value`` for ``key`` (``entry``: its parameter or fused key)."""
         with self._lock:
             self._keys.append(key)
             self._values.append(value)
+            self._entries.append(entry)
             self._bytes += value.numel() * value.element_size()
             full = self._bytes >= self._cap
         if full:
@@ -250,10 +253,12 @@ class PushBucket:
     def flush(self):
         with self._lock:   # taken whole, so each gradient leaves in exactly one push
             self._callback_queued = False
-            keys, values = self._keys, self._values
-            self._keys, self._values, self._bytes = [], [], 0
+            keys, values, entries = self._keys, self._values, self._entries
+            self._keys, self._values, self._entries, self._bytes = [], [], [], 0
         if keys:
             self._kv.push(keys, values)
+            if self._after_push is not None:
+                self._after_push(keys, entries)
 
     def flush_when_backward_ends(self):
         """Called from a gradient hook: send what is left once this backward pass is over

@@ -222,6 +222,19 @@ class KVStore:
         self._backend.pull(items)
         self._land(landings)
 
+    def _pull_begin(self, key, out):
+        """Send a pull's requests now; returns a function that waits for the answers (and
+        lands them on GPUs). The Trainer pulls a key right behind its push this way, so its
+        result comes back while backward still runs."""
+        self._open()
+        landings, items = self._pull_items(key, out)
+        wait = self._backend.pull_begin(items)
+
+        def landed():
+            wait()
+            self._land(landings)
+        return landed
+
     def _pull_items(self, key, out):
         """``(landings, backend items)`` for a pull into ``out``, every target checked first
         (a pull raises before it writes any of them). GPU targets are pulled into a pinned

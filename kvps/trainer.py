@@ -11,6 +11,7 @@ from ._trainer_kv import (check_compression, load_local_states, load_server_stat
                           read_optimizer, resolve, save_local_states, save_server_states,
                           split_local_state)
 from ._trainer_params import check_devices, check_same_everywhere, collect, merge_mults
+from ._trainer_pulls import EarlyPulls
 from .devices import kernel_view
 from .errors import ConfigError, DuplicateInitError, ParameterMismatchError, StaleGradientError
 from .server.updater import Updater
@@ -64,7 +65,11 @@ class Trainer:
         self._fresh, self._pushed, self._reduced = set(), set(), False
         self._summed = {}          # key -> where step() pulls a summed gradient (workers update)
         self._seen_grads = {}
-        self._bucket = PushBucket(self._kv, bucket_bytes) if self._kv is not None else None
+        self._bucket = self._early = None
+        if self._kv is not None:
+            self._bucket = PushBucket(self._kv, bucket_bytes, self._pull_early)
+            self._early = EarlyPulls(self._kv, self._update_on_kvstore,
+                                     lambda p: self._pull_target(p, into_grads=False))
         # A whole pass per fused key on the workers needs every member updated at every
         # step: so in distributed mode (not alone, where stale parameters are skipped).
         self._layout = Layout(self._params, self._optimizer, bucket_bytes, self._can_fuse(fuse),
@@ -334,9 +339,14 @@ class Trainer:
         fused = self._layout.by_member.get(p.key)
         if fused is None:
             value = _dense(grad) if grad is not None else p.tensor.new_zeros(p.tensor.shape)
-            self._bucket.add(p.key, value)
+            self._bucket.add(p.key, value, p)
         elif fused.arrive(p, grad):   # a fused key leaves once all its members' gradients are in
-            self._bucket.add(fused.key, fused.gather_grads(_dense))
+            self._bucket.add(fused.key, fused.gather_grads(_dense), fused)
+
+    def _pull_early(self, keys, entries):
+        """Right behind a push (see _trainer_pulls): in distributed mode with overlap."""
+        if self._overlap:
+            self._early.start(keys, entries)
 
     def _allreduce_grads(self, into_grads):
         """Send what backward has not sent yet; pull weights (servers update) or summed
@@ -353,19 +363,38 @@ class Trainer:
                 self._push(p, p.tensor.grad)
         for fused in self._layout.fused:   # some members frozen (workers update): zeros for them
             if fused.arrived:
-                self._bucket.add(fused.key, fused.gather_grads(_dense))
+                self._bucket.add(fused.key, fused.gather_grads(_dense), fused)
         self._bucket.flush()
-        # One pipelined pull for every parameter: all requests leave before any answer is
-        # awaited, first layers first (the next forward needs them first).
         entries = self._layout.store_keys(reduced)
-        if entries and self._update_on_kvstore:
-            pull_weights(self._kv, entries)
-        elif entries:
-            self._kv.pull([key for _, key, _ in entries],
-                          out=[self._pull_target(entry, into_grads) for _, _, entry in entries])
-            if into_grads:
-                self._land_fused_grads(entries, {p.key for p in reduced})
+        # Keys pulled right behind their pushes (overlap) are waited for; one pipelined pull
+        # for the rest: all requests leave before any answer is awaited, first layers first
+        # (the next forward needs them first).
+        started = self._early.started()
+        late = [(key, entry) for _, key, entry in entries if key not in started]
+        if late:
+            self._kv.pull([key for key, _ in late],
+                          out=[self._late_target(entry, into_grads) for _, entry in late])
+        self._settle(entries, self._early.finish(), into_grads)
+        if into_grads:
+            self._land_fused_grads(entries, {p.key for p in reduced})
         self._reduced = 'grads' if into_grads else 'buffers'
+
+    def _late_target(self, entry, into_grads):
+        if self._update_on_kvstore:
+            return weights_of(entry)
+        return self._pull_target(entry, into_grads)
+
+    def _settle(self, entries, early, into_grads):
+        """Put what the pulls brought where step's caller sees it: fused keys' packed weights
+        into their members, early pulls' buffers into a parameter's weights or ``.grad``."""
+        for _, key, entry in entries:
+            if isinstance(entry, FusedKey):
+                if self._update_on_kvstore:
+                    entry.scatter_weights()
+            elif key in early and self._update_on_kvstore:
+                entry.tensor.detach().copy_(self._early.staged(key))
+            elif key in early and into_grads:
+                self._grad_target(entry).copy_(self._summed[key])
 
     def _land_fused_grads(self, entries, reduced):
         """allreduce_grads: summed gradients of fused keys into the ``.grad`` of their members

@@ -216,7 +216,12 @@ class DistClient:
         worker's pushes of it are applied. Every request leaves before any answer is awaited,
         and small parts share one message per server."""
         self._raise_pending_errors()
-        self._finish_pull(*self._send_pulls(items))
+        self.pull_begin(items)()
+
+    def pull_begin(self, items):
+        """Send the pull requests of ``items`` now; returns the wait for their answers."""
+        sent = self._send_pulls(items)
+        return lambda: self._finish_pull(*sent)
 
     def pushpull(self, pushes, pulls):
         """``push(pushes)`` then ``pull(pulls)`` (the same keys, in the same order), with each
@@ -224,12 +229,12 @@ class DistClient:
         server answers a key's pull as soon as its round is complete, so results flow back
         while later keys are still being pushed (both directions of a link busy at once)."""
         self._raise_pending_errors()
-        sent = []
+        waits = []
         for start, stop in self._waves(pulls):
             self.push(pushes[start:stop])
-            sent.append(self._send_pulls(pulls[start:stop]))
-        for op, finish in sent:
-            self._finish_pull(op, finish)
+            waits.append(self.pull_begin(pulls[start:stop]))
+        for wait in waits:
+            wait()
 
     def _waves(self, items):
         """``(start, stop)`` runs of ``items`` ([(key, out, dtype)]) of about WAVE_BYTES each

@@ -364,6 +364,45 @@ def test_gradients_leave_in_buckets_and_the_last_one_before_backward_returns():
     assert len(store.pushes) == 3 and all(torch.all(p == -1) for p in params)
 
 
+class PullLog(PushLog):
+    """PushLog that also records the pulls a Trainer sends right behind its pushes."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def push(self, key, value, priority=0):
+        self.calls.append(('push', sorted(key)))
+        super().push(key, value, priority)
+
+    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+        self.calls.append(('pull at step', sorted(key)))
+        super().pull(key, out, priority)
+
+    def _pull_begin(self, key, out):
+        self.calls.append(('pull', sorted(key)))
+        return super()._pull_begin(key, out)
+
+
+@pytest.mark.parametrize('servers_update', [True, False])
+def test_each_bucket_is_pulled_right_behind_its_push_and_lands_only_at_step(servers_update):
+    params = [param(0, (256,)) for _ in range(3)]             # 1 KiB each
+    store = PullLog()
+    t = Trainer(params, 'sgd', {'learning_rate': 1.0}, kvstore=store, fuse=False,
+                update_on_kvstore=servers_update, bucket_bytes=2048)
+    backward(*params)
+    t.step(1)                # servers update: they get the optimizer here; overlap from now on
+    t.zero_grad()
+    store.calls.clear()
+    backward(*params, coeff=2.0)
+    assert store.calls == [('push', [1, 2]), ('pull', [1, 2]), ('push', [0]), ('pull', [0])]
+    # nothing landed in the parameters or their gradients before step()
+    assert all(torch.all(p == -1) and torch.all(p.grad == 2) for p in params)
+    t.step(1)
+    assert store.calls[4:] == []                               # step only waited
+    assert all(torch.all(p == -3) for p in params)
+
+
 def test_a_bucket_size_of_zero_sends_each_gradient_alone_and_bad_sizes_are_refused():
     params = [param(0) for _ in range(3)]
     store = PushLog()

@@ -227,7 +227,7 @@ def test_gradients_bucketed_from_several_threads_each_leave_once():
     def hook_thread(first):
         start.wait()
         for key in range(first, first + 500):
-            bucket.add(key, torch.ones(4))
+            bucket.add(key, torch.ones(4), None)
     threads = [threading.Thread(target=hook_thread, args=(i * 500,)) for i in range(4)]
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)   # switch threads often: between any two bytecodes
