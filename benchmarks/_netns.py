@@ -11,6 +11,7 @@ Needs root,
 iproute2 (``ip``, ``tc``) and a kernel with namespaces, veth, bridge and tbf.
 """
 
+import json
 import os
 import shutil
 import signal
@@ -120,6 +121,17 @@ class EmulatedHosts:
             stdin=subprocess.DEVNULL, start_new_session=True)
         self.holders.append(holder)
         self.holder_pids.append(_wait_for_sleep(holder))
+
+    def drops(self):
+        """Packets the links have dropped so far (queues full: several senders at once into
+        one host), summed over both directions of every link."""
+        total = 0
+        for i, ns in enumerate(self.namespaces):
+            for prefix, device in (([], f'{self.tag}v{i}'), (['ip', 'netns', 'exec', ns], 'eth0')):
+                shown = subprocess.run([*prefix, 'tc', '-s', '-j', 'qdisc', 'show', 'dev', device],
+                                       capture_output=True, text=True, check=True)
+                total += sum(q.get('drops', 0) for q in json.loads(shown.stdout))
+        return total
 
     def _limit(self, prefix, device):
         # burst: a few of the 64 KiB segments veth passes with GSO; the queue absorbs

@@ -20,8 +20,15 @@ each way over every link; with servers on hosts of their own a worker's link car
 model once each way. ``of_link_bound``: the share of that bound a system reaches (1.0: the
 link is the only cost; TCP/IP headers alone take ~4%).
 
+With --training, each layout instead times training steps of bench_training.py's models:
+kvps.Trainer (server SGD; workers updating) beside torch DDP over gloo on the worker hosts.
+Every measurement carries ``link_drops``, the packets the links' queues dropped during it.
+All hosts share this box's cores: a run at a rate no link reaches (--rate 40gbit) shows
+what the CPU alone costs.
+
   sudo python benchmarks/bench_hosts.py                       # 1 Gbit/s links, ~8 min
   sudo python benchmarks/bench_hosts.py --configs h4-64mb --rate 2gbit --launches 3
+  sudo python benchmarks/bench_hosts.py --training wide,deep --configs h4-64mb,h4+4-64mb
 
 Needs root and iproute2; prints a 'skipped' line and exits 0 where it cannot run.
 """
@@ -37,9 +44,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 import _netns  # noqa: E402
 import bench_pushpull as PP  # noqa: E402
+import training_worker  # noqa: E402
 from _common import MiB  # noqa: E402
 
 BENCH = 'hosts'
+TRAINING_WORKER = training_worker.__file__
 CONFIGS = {  # name: (workers, servers, servers on hosts of their own, keys, total bytes)
     'h2-4mb': (2, 2, False, 40, 4 * MiB), 'h2-64mb': (2, 2, False, 16, 64 * MiB),
     'h4-4mb': (4, 4, False, 40, 4 * MiB), 'h4-64mb': (4, 4, False, 16, 64 * MiB),
@@ -58,6 +67,11 @@ def parse_args(argv=None):
     p.add_argument('--optimizer', choices=['none', 'sgd', 'both'], default='none')
     p.add_argument('--peers', default='mxnet,gloo', help="comma list of mxnet, gloo, or 'none'")
     p.add_argument('--launches', type=int, default=1, help='fresh clusters per measurement')
+    p.add_argument('--training', default=None, metavar='MODELS',
+                   help='time training steps instead (comma list of bench_training.py\'s '
+                        'models: wide, deep, narrow): kvps.Trainer with server SGD and with '
+                        'workers updating, beside torch DDP over gloo; the configs\' layouts '
+                        'are used, their sizes are the models\'')
     p.add_argument('--timeout', type=int, default=300, help='seconds allowed per cluster run')
     p.add_argument('--out', default=None, help='output directory (default /tmp/kvps-bench/...)')
     args = p.parse_args(argv)
@@ -70,6 +84,10 @@ def parse_args(argv=None):
         p.error(f'--rate {args.rate!r}: give a number and kbit, mbit or gbit (e.g. 1gbit)')
     args.rate_bytes = float(match.group(1)) * RATE_UNITS[match.group(2)]
     args.optimizers = ['none', 'sgd'] if args.optimizer == 'both' else [args.optimizer]
+    args.training = [m.strip() for m in args.training.split(',')] if args.training else None
+    unknown = [m for m in args.training or () if m not in training_worker.MODELS]
+    if unknown:
+        p.error(f'unknown model(s) {unknown}; known: {", ".join(training_worker.MODELS)}')
     args.peers = set() if args.peers == 'none' else {x.strip() for x in args.peers.split(',')}
     args.out = Path(args.out) if args.out else C.default_out_dir(BENCH)
     return args
@@ -200,6 +218,14 @@ def run_gloo(hosts, job, cfg, worker_argv):
             for i in range(workers)]
 
 
+def run_ddp(hosts, job, cfg, worker_argv):
+    workers = shape(cfg)[0]   # like gloo: the server hosts stay idle
+    common = {'WORLD_SIZE': str(workers), 'GLOO_SOCKET_IFNAME': 'eth0',
+              'KVPS_BENCH_RENDEZVOUS': str(job.out_dir / 'rendezvous')}
+    return [job.start(f'rank{i}', i, worker_argv, **common, RANK=str(i))
+            for i in range(workers)]
+
+
 def worker_argv(system, cfg, opt, rounds, args, run_dir):
     keys, total = CONFIGS[cfg][3:]
     body = ['--keys', keys, '--total-bytes', total, '--rounds', rounds,
@@ -223,7 +249,7 @@ def measure(args, hosts, system, cfg, opt, run_dir):
     workers, _, _, total = shape(cfg)
     rounds = rounds_for(args, total)
     job = Job(hosts, run_dir, dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1'))
-    t0 = time.monotonic()
+    t0, drops = time.monotonic(), hosts.drops()
     try:
         waited = STARTERS[system](hosts, job, cfg, worker_argv(system, cfg, opt, rounds, args,
                                                                run_dir))
@@ -231,7 +257,47 @@ def measure(args, hosts, system, cfg, opt, run_dir):
         job.finish([], 0)
         return {'step_ms': None, 'gbps_per_worker': None, 'correct': False, 'error': str(exc)}
     rc = job.finish(waited, args.timeout)
-    return PP._peer_summary(run_dir, workers, total, rc, job.text(), time.monotonic() - t0)
+    result = PP._peer_summary(run_dir, workers, total, rc, job.text(), time.monotonic() - t0)
+    return dict(result, link_drops=hosts.drops() - drops)
+
+
+# -- training --------------------------------------------------------------------------
+TRAINING_SYSTEMS = {'kvps': run_kvps, 'kvps-local': run_kvps, 'ddp': run_ddp}
+
+
+def measure_training(args, hosts, system, cfg, model, run_dir):
+    """Median over workers of each worker's median step (ms), or an error."""
+    argv = [C.PY, TRAINING_WORKER, '--system', system, '--model', model,
+            '--steps', args.rounds or 10, '--out', run_dir]
+    job = Job(hosts, run_dir, dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1'))
+    drops = hosts.drops()
+    rc = job.finish(TRAINING_SYSTEMS[system](hosts, job, cfg, argv), args.timeout)
+    records = C.read_worker_records(run_dir, shape(cfg)[0])
+    if rc != 0 or len(records) < shape(cfg)[0]:
+        return {'step_ms': None, 'rc': rc, 'error': job.text()[-1500:]}
+    return {'step_ms': C.median([r['ms_step_median'] for r in records]),
+            'params': records[0]['params'], 'tensors': records[0]['tensors'],
+            'link_drops': hosts.drops() - drops}
+
+
+def training(args, out, cfg, hosts):
+    for model in args.training:
+        steps = {}
+        for system in TRAINING_SYSTEMS:
+            C.note(f'{cfg} at {args.rate}: training {model} through {system}')
+            runs = [measure_training(args, hosts, system, cfg, model,
+                                     args.out / cfg / f'{model}-{system}' / f'launch{i}')
+                    for i in range(args.launches)]
+            res = PP._median_of_launches(runs)
+            steps[system] = res.get('step_ms')
+            workers, servers = shape(cfg)[:2]
+            out.emit({'kind': 'training', 'config': cfg, 'model': model, 'system': system,
+                      'workers': workers, 'servers': 0 if system == 'ddp' else servers,
+                      'rate': args.rate, **res})
+        ddp = steps.get('ddp')
+        out.emit({'kind': 'training_ratios', 'config': cfg, 'model': model, 'rate': args.rate,
+                  **{f'{s}_over_ddp': round(steps[s] / ddp, 3) if steps[s] and ddp else None
+                     for s in ('kvps', 'kvps-local')}})
 
 
 # -- main ------------------------------------------------------------------------------------
@@ -245,45 +311,53 @@ def main(argv=None):
     _netns.remove_leftovers()
     peers = C.peers_status()
     systems = [*KVPS_SYSTEMS, *(s for s in ('mxnet', 'gloo') if s in args.peers and peers[s])]
+    if args.training:
+        systems = list(TRAINING_SYSTEMS)
     out.emit({'kind': 'meta', 'configs': args.configs, 'rate': args.rate,
               'optimizers': args.optimizers, 'systems': systems, 'launches': args.launches,
-              'cpus': os.cpu_count(), 'out_dir': str(args.out),
+              'training': args.training, 'cpus': os.cpu_count(), 'out_dir': str(args.out),
               'notes': [f'peers {peers["why"]}'] if args.peers and peers['why'] else []})
     for cfg in args.configs:
-        total = CONFIGS[cfg][-1]
         with _netns.EmulatedHosts(host_count(cfg), args.rate) as hosts:
-            gloo = {}   # no optimizer in an all-reduce: measured once per config
-            for opt in args.optimizers:
-                recs = {}
-                for system in systems:
-                    if system == 'gloo' and gloo:
-                        recs.update(gloo)
-                        continue
-                    C.note(f'{cfg} at {args.rate}: {system} optimizer={opt}')
-                    res = PP._median_of_launches([
-                        measure(args, hosts, system, cfg, opt,
-                                args.out / cfg / f'{system}-{opt}' / f'launch{i}')
-                        for i in range(args.launches)])
-                    if res.get('step_ms'):
-                        bound = link_bound_ms(system, cfg, args.rate_bytes)
-                        res['of_link_bound'] = round(bound / res['step_ms'], 3)
-                    if system == 'gloo':
-                        rec = PP._record('gloo', 'allreduce_flat', cfg, None,
-                                         rounds_for(args, total), res, shape(cfg))
-                        gloo['gloo_flat'] = out.emit(dict(rec, servers=0))
-                        recs.update(gloo)
-                    else:
-                        recs[system] = out.emit(PP._record(system, 'dist_sync', cfg, opt,
-                                                           rounds_for(args, total), res,
-                                                           shape(cfg)))
-                bounds = {s: round(link_bound_ms(s, cfg, args.rate_bytes), 2) for s in systems}
-                peer_recs = {k: v for k, v in recs.items() if k not in KVPS_SYSTEMS}
-                for kvps_system in KVPS_SYSTEMS:
-                    line = PP.ratios(cfg, opt, recs[kvps_system], peer_recs, {}, shape(cfg))
-                    out.emit(dict(line, kvps_step=kvps_system, rate=args.rate,
-                                  link_bound_ms=bounds))
+            if args.training:
+                training(args, out, cfg, hosts)
+            else:
+                pushpull(args, out, cfg, hosts, systems)
     C.note(f'results in {out.path}')
     return 0
+
+
+def pushpull(args, out, cfg, hosts, systems):
+    """Every system's push+pull rounds on ``hosts``, then a ratios line per kvps step."""
+    total = CONFIGS[cfg][-1]
+    gloo = {}   # no optimizer in an all-reduce: measured once per config
+    for opt in args.optimizers:
+        recs = {}
+        for system in systems:
+            if system == 'gloo' and gloo:
+                recs.update(gloo)
+                continue
+            C.note(f'{cfg} at {args.rate}: {system} optimizer={opt}')
+            res = PP._median_of_launches([
+                measure(args, hosts, system, cfg, opt,
+                        args.out / cfg / f'{system}-{opt}' / f'launch{i}')
+                for i in range(args.launches)])
+            if res.get('step_ms'):
+                bound = link_bound_ms(system, cfg, args.rate_bytes)
+                res['of_link_bound'] = round(bound / res['step_ms'], 3)
+            if system == 'gloo':
+                rec = PP._record('gloo', 'allreduce_flat', cfg, None,
+                                 rounds_for(args, total), res, shape(cfg))
+                gloo['gloo_flat'] = out.emit(dict(rec, servers=0))
+                recs.update(gloo)
+            else:
+                recs[system] = out.emit(PP._record(system, 'dist_sync', cfg, opt,
+                                                   rounds_for(args, total), res, shape(cfg)))
+        bounds = {s: round(link_bound_ms(s, cfg, args.rate_bytes), 2) for s in systems}
+        peer_recs = {k: v for k, v in recs.items() if k not in KVPS_SYSTEMS}
+        for kvps_system in KVPS_SYSTEMS:
+            line = PP.ratios(cfg, opt, recs[kvps_system], peer_recs, {}, shape(cfg))
+            out.emit(dict(line, kvps_step=kvps_system, rate=args.rate, link_bound_ms=bounds))
 
 
 if __name__ == '__main__':
