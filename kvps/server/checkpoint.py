@@ -15,9 +15,11 @@ import msgpack
 
 from ..atomic import write_atomically
 from ..errors import ConfigError
-# /2 added version and push counts, /3 the device wish, /4 the job that wrote it
-FORMAT = 'kvps.server_checkpoint/4'
-READABLE = ('kvps.server_checkpoint/2', 'kvps.server_checkpoint/3', FORMAT)
+# /2 added version and push counts, /3 the device wish, /4 the job that wrote it, /5 whether
+# that job resumed it from an earlier job's file
+FORMAT = 'kvps.server_checkpoint/5'
+READABLE = ('kvps.server_checkpoint/2', 'kvps.server_checkpoint/3', 'kvps.server_checkpoint/4',
+            FORMAT)
 
 
 def path_for(directory, rank, num_servers):
@@ -27,14 +29,36 @@ def path_for(directory, rank, num_servers):
 _FILE_NAME = re.compile(r'server-(\d+)-of-(\d+)\.kvps')   # path_for's names: rank, servers
 
 
-def snapshot(shard, job=None):
-    """The shard's weights and optimizer state as bytes; ``job``: the run writing it."""
+def snapshot(shard, job=None, resumed=False):
+    """The shard's weights and optimizer state as bytes; ``job``: the run writing it,
+    ``resumed``: whether that run started from an earlier run's file."""
     entries = [[e.key, e.part, e.dtype, list(e.shape), e.sync,
                 e.arrays.to_host(e.weight).tobytes(), e.version, _applied_pushes(e), e.device]
                for e in shard.entries.values()]
     updater = shard.updater.get_states(dump_optimizer=True) if shard.updater else None
-    return msgpack.packb({'format': FORMAT, 'job': job, 'entries': entries,
+    # The header comes first, so that _header reads it without the weights.
+    return msgpack.packb({'format': FORMAT, 'job': job, 'resumed': resumed, 'entries': entries,
                           'updater': updater}, use_bin_type=True)
+
+
+def _header(path):
+    """The job that wrote the checkpoint at ``path`` and whether it resumed it, read without
+    the weights; (None, True) for a file older than /5 or one that cannot be read: from an
+    earlier job."""
+    header = {}
+    try:
+        with open(path, 'rb') as f:
+            unpacker = msgpack.Unpacker(f, raw=False)
+            for _ in range(unpacker.read_map_header()):
+                name = unpacker.unpack()
+                if name not in ('format', 'job', 'resumed'):
+                    break
+                header[name] = unpacker.unpack()
+    except (OSError, ValueError, msgpack.UnpackException):
+        pass
+    if header.get('format') != FORMAT:
+        return None, True
+    return header.get('job'), header.get('resumed')
 
 
 def _applied_pushes(entry):
@@ -85,7 +109,8 @@ class Checkpointer:
                               f'{exc.strerror or exc}') from None
         self.directory, self.num_servers = directory, num_servers
         self.path = path_for(directory, rank, num_servers)
-        self.job = job
+        self.rank, self.job = rank, job
+        self.resumed = False   # this job started from the file (an earlier job's)
         self.every, self.seconds = every, seconds
         self._last_updates, self._last_time = 0, now
 
@@ -98,9 +123,12 @@ class Checkpointer:
                                   f'{self.path}: it has nothing to resume from (is '
                                   'KVPS_CHECKPOINT_DIR shared with the lost server\'s host?)')
             self._refuse_other_sizes()
+            self._refuse_half_resume()
             return False
         with open(self.path, 'rb') as f:
             restore(shard, f.read(), rounds, self.job)
+        # A replacement goes on with the job's own file; a new job marks it as resumed.
+        self.resumed = not rounds or _header(self.path)[1]
         self._last_updates = shard.updates
         return True
 
@@ -118,6 +146,25 @@ class Checkpointer:
                               'optimizer state between job sizes), or use another '
                               'KVPS_CHECKPOINT_DIR')
 
+    def _refuse_half_resume(self):
+        """This server has no file, but the other servers of an earlier job of this size left
+        theirs: they would resume their keys while this server's keys started afresh. Files
+        this job wrote before this server got here are no earlier job's, unless resumed."""
+        earlier = []
+        for rank in range(self.num_servers):
+            path = path_for(self.directory, rank, self.num_servers)
+            if rank != self.rank and os.path.exists(path):
+                job, resumed = _header(path)
+                if job != self.job or resumed:
+                    earlier.append(os.path.basename(path))
+        if earlier:
+            raise ConfigError(f'{self.directory} holds checkpoints of an earlier job with '
+                              f'{self.num_servers} servers ({", ".join(earlier)}) but none for '
+                              f'server {self.rank} ({os.path.basename(self.path)} is missing): '
+                              'its keys would start afresh while the other servers resume '
+                              "theirs; restore that server's file, or start afresh in another "
+                              '(or an emptied) KVPS_CHECKPOINT_DIR')
+
     def due(self, updates, now):
         changed = updates > self._last_updates
         return changed and ((self.every and updates - self._last_updates >= self.every) or
@@ -127,7 +174,7 @@ class Checkpointer:
         """Write the checkpoint; ConfigError if the file system refuses (the previous file
         is left whole)."""
         try:
-            write_atomically(self.path, snapshot(shard, self.job))
+            write_atomically(self.path, snapshot(shard, self.job, self.resumed))
         except OSError as exc:
             raise ConfigError(f'cannot write the checkpoint {self.path}: {exc}; the previous '
                               'checkpoint is kept, and nothing since it is acknowledged') from None

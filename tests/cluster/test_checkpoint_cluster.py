@@ -71,3 +71,37 @@ def test_a_dist_async_job_resumed_from_its_directory_goes_on_as_if_it_never_stop
         # 100 + 0.5 * sum over steps and both workers of (rank + 1) * (step + 1)
         want = 100 + 0.5 * 3 * sum(range(1, steps + 1))
         assert result.results() == {r: {'values': [[want], [want]]} for r in (0, 1)}
+
+
+# Keys 0 and 1, equal in size: each lands on the server with the least load so far, so the
+# init order decides which server holds which (KEYS=0,1: key 0 on server 0, key 1 on server 1).
+INIT_IN_ORDER = '''
+kv = kvps.create('dist_sync')
+keys = [int(k) for k in os.environ['KEYS'].split(',')]
+kv.init(keys, [np.full(4, float(os.environ['VALUE']), np.float32) for _ in keys])
+outs = [np.zeros(4, np.float32) for _ in keys]
+kv.pull(keys, out=outs)
+report(values=[[k, o.tolist()] for k, o in zip(keys, outs)])
+'''
+
+
+def _checkpointed_job(job, ckpt):
+    """A finished 2-server job that checkpointed keys 0 and 1 at 5.0 in ``ckpt``."""
+    env = {'KVPS_CHECKPOINT_DIR': str(ckpt), 'KEYS': '0,1', 'VALUE': '5'}
+    result = job(INIT_IN_ORDER, workers=1, servers=2, env=env)
+    assert result.returncode == 0, result.output
+    assert sorted(p.name for p in ckpt.iterdir()) == ['server-0-of-2.kvps', 'server-1-of-2.kvps']
+    return env
+
+
+def test_a_job_missing_one_servers_checkpoint_refuses_to_resume_half_of_it(job, tmp_path):
+    # Server 0 would resume key 0 at 5.0 while server 1 started key 1 afresh at 0.0.
+    ckpt = tmp_path / 'ckpt'
+    env = _checkpointed_job(job, ckpt)
+    (ckpt / 'server-1-of-2.kvps').unlink()
+    result = job(INIT_IN_ORDER, workers=1, servers=2, env={**env, 'VALUE': '0'})
+    assert result.returncode != 0, result.output
+    assert 'server 1' in result.output and str(ckpt) in result.output, result.output
+    assert 'server-0-of-2.kvps' in result.output, result.output
+    assert 'values' not in (result.results().get(0) or {}), result.output
+

@@ -132,6 +132,27 @@ def test_a_job_with_another_number_of_servers_is_refused_not_started_afresh(tmp_
     assert Checkpointer(str(tmp_path), 1, 2).load(Shard(1))   # the same size resumes
 
 
+def test_a_server_without_its_file_is_refused_only_among_an_earlier_jobs_files(tmp_path):
+    def server(rank, job):
+        return Checkpointer(str(tmp_path), rank, 2, job=job)
+
+    def refuses_server_1():
+        with pytest.raises(ConfigError, match=rf'{tmp_path} holds checkpoints of an earlier '
+                                              r'job with 2 servers \(server-0-of-2.kvps\) but '
+                                              r'none for server 1'):
+            server(1, 'now').load(Shard(1))
+    # Server 0 of this job wrote its file before server 1 looked: nothing to resume from.
+    server(0, 'now').write(trained_shard(), now=0)
+    assert not server(1, 'now').load(Shard(1))
+    # An earlier job's file, and the same file once this job resumed and rewrote it.
+    server(0, 'before').write(trained_shard(), now=0)
+    refuses_server_1()
+    resuming, shard = server(0, 'now'), Shard(1)
+    assert resuming.load(shard)
+    resuming.write(shard, now=0)
+    refuses_server_1()
+
+
 def test_a_checkpoint_dir_that_cannot_be_made_is_named(tmp_path):
     """A server failing with ConfigError tells the job why (ABORT) at once; an OSError was a
     traceback on the server, and the workers heard only of a lost heartbeat later."""
