@@ -65,6 +65,7 @@ class Server:
         self.regions = self._regions(config, welcome)
         self._outbox = []            # replies, sent once the checkpoint that covers them is written
         self._unsaved = False        # an init or optimizer change that no checkpoint holds yet
+        self._resuming = False       # a new job resuming from an earlier job's checkpoint
         self.checkpointer = self._resume_from_checkpoint(welcome)
         self.recovery = None
         if welcome.get('restarted'):
@@ -102,7 +103,7 @@ class Server:
                      checkpointer.path)
             # A new job counts rounds from 0: rewrite the file at once, so that a server
             # replacing this one never reads the previous job's counts.
-            self._unsaved = not restarted
+            self._unsaved = self._resuming = not restarted
         return checkpointer
 
     def run(self):
@@ -261,8 +262,26 @@ class Server:
             self._handle(identity, header, buffers)
 
     def _init(self, token, h, buffers):
+        if self._resuming:
+            self._refuse_misplaced_init(h['key'], h['part'])
         return self.shard.init(token, h['key'], h['part'], h['dtype'], h['shape'], h['sync'],
                                buffers[0], h.get('device', False))
+
+    def _refuse_misplaced_init(self, key, part):
+        """A key lands on the server with the least load so far, so a job that inits its
+        keys in another order or number than the checkpointed one sends them to servers that
+        do not hold them: they would start afresh while the checkpoint's sit unused."""
+        if (key, part) in self.shard.entries:
+            return
+        unclaimed = list(dict.fromkeys(e.key for e in self.shard.entries.values() if e.restored))
+        if unclaimed:
+            raise ConfigError(
+                f'{self.name} is asked to init key {key!r}, which its checkpoint '
+                f'{self.checkpointer.path} does not hold, while the keys it does hold '
+                f'({", ".join(map(repr, unclaimed))}) were never initialized: the keys were '
+                "initialized in another order or number than the checkpointed job's (or split "
+                'by another KVPS_BIGARRAY_BOUND); init them as that job did, or start afresh in '
+                'another KVPS_CHECKPOINT_DIR')
 
     def _check(self, token, h, buffers):
         return self.shard.check(token, h['key'], h['dtype'], h['shape'])

@@ -105,3 +105,17 @@ def test_a_job_missing_one_servers_checkpoint_refuses_to_resume_half_of_it(job, 
     assert 'server-0-of-2.kvps' in result.output, result.output
     assert 'values' not in (result.results().get(0) or {}), result.output
 
+
+def test_a_job_that_inits_its_keys_in_another_order_refuses_to_resume(job, tmp_path):
+    # Key 1 now lands on server 0, which holds key 0 from the checkpoint: nothing would resume.
+    ckpt = tmp_path / 'ckpt'
+    env = _checkpointed_job(job, ckpt)
+    result = job(INIT_IN_ORDER, workers=1, servers=2, env={**env, 'KEYS': '1,0', 'VALUE': '0'})
+    assert result.returncode != 0, result.output
+    assert 'server 0' in result.output and str(ckpt) in result.output, result.output
+    assert 'key 1' in result.output and 'another order' in result.output, result.output
+    assert 'values' not in (result.results().get(0) or {}), result.output
+    # The refused job kept the checkpoint: the original order still resumes it.
+    result = job(INIT_IN_ORDER, workers=1, servers=2, env={**env, 'VALUE': '0'})
+    assert result.returncode == 0, result.output
+    assert result.results() == {0: {'values': [[0, [5.0] * 4], [1, [5.0] * 4]]}}
