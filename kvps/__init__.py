@@ -6,11 +6,12 @@ from .errors import (AuthError, ConfigError, DTypeError, DuplicateInitError, Key
                      RemoteError, RequestTimeout, ShapeError, StaleGradientError,
                      StoreClosedError, TransportError)
 from .kvstore import KVStore, create
+from .rows import RowSparse
 from .trainer import Trainer
 
 __version__ = '0.1.0'
 
-__all__ = ['create', 'KVStore', 'Trainer', 'kvstore', 'optimizer', '__version__',
+__all__ = ['create', 'KVStore', 'Trainer', 'RowSparse', 'kvstore', 'optimizer', '__version__',
            'KVPSError', 'ConfigError', 'ProtocolError', 'TransportError', 'RequestTimeout',
            'PeerLostError', 'RemoteError', 'AuthError', 'KeyNotInitializedError',
            'DuplicateInitError', 'ShapeError', 'DTypeError', 'KeyTypeError',

@@ -4,7 +4,7 @@ import hashlib
 import logging
 import threading
 
-from . import states
+from . import rows, states
 
 log = logging.getLogger('kvps')
 
@@ -223,6 +223,14 @@ def weights_of(entry, gather=False):
     return entry.tensor
 
 
+def _nbytes(value):
+    """Bytes a pushed value sends: a sparse gradient, those of its rows."""
+    if type(value) is rows.RowSparse or value.is_sparse:
+        values = value.values if type(value) is rows.RowSparse else value._values()
+        return values.numel() * values.element_size()
+    return value.numel() * value.element_size()
+
+
 class PushBucket:
     """Gradients waiting to leave in one push (one message per server for their small parts),
     sent once they hold ``cap`` bytes, when backward ends, or at ``step``: many small
@@ -245,7 +253,7 @@ class PushBucket:
             self._keys.append(key)
             self._values.append(value)
             self._entries.append(entry)
-            self._bytes += value.numel() * value.element_size()
+            self._bytes += _nbytes(value)
             full = self._bytes >= self._cap
         if full:
             self.flush()

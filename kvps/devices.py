@@ -107,6 +107,20 @@ def land(host, targets):
     _synchronize(written)
 
 
+def put_rows(target, ids, table):
+    """Write rows ``ids`` of a host ``table`` (rows x width, bfloat16 as uint16) into
+    ``target`` (any array or tensor of the key's shape, on a GPU or strided on the host)."""
+    torch = _torch()
+    view = as_torch(target)
+    picked = torch.from_numpy(table[ids].view(np.int16) if table.dtype == np.uint16
+                              else table[ids])
+    if view.dtype == torch.bfloat16:
+        picked = picked.view(torch.bfloat16)
+    index = torch.from_numpy(ids).to(view.device)
+    view[index] = picked.reshape(len(ids), *view.shape[1:]).to(view.device)
+    _synchronize([view.device])
+
+
 def _host_buffer(numel, dtype, pinned):
     # A fresh buffer per push and per pull, never one kept per key: the worker client sends a
     # pushed buffer without copying and may hold it until the servers acknowledge the push, so

@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 
-from . import arrays, compression, devices, states
+from . import _store_rows, arrays, compression, devices, rows, states
 from .config import LOG_FORMAT, Config
 from .errors import (ConfigError, DuplicateInitError, KeyNotInitializedError, KeyTypeError,
                      KVPSError, StoreClosedError)
@@ -192,10 +192,22 @@ class KVStore:
         """What the backend sends for a push: every value checked before anything is sent,
         then kvps-owned copies (compressed when compression is on)."""
         pairs = self._pairs(key, value)
+        sparse = {}
         for k, values in pairs:
             shape, dtype = self._known(k)
             for v in values:
-                arrays.check_like(v, shape, dtype, k, 'pushed value')
+                if rows.is_row_sparse(v):
+                    sparse[k] = True    # checked as its rows are read
+                else:
+                    arrays.check_like(v, shape, dtype, k, 'pushed value')
+        if sparse:   # some rows travel alone (never compressed), the rest as below
+            items = [_store_rows.push_item(self, k, values) if k in sparse else None
+                     for k, values in pairs]
+            dense = iter(self._push_items_dense([p for p in pairs if p[0] not in sparse]))
+            return [item or next(dense) for item in items]
+        return self._push_items_dense(pairs)
+
+    def _push_items_dense(self, pairs):
         codec = self._codec   # read once: another thread may turn compression off meanwhile
         if codec is not None:
             for k, _ in pairs:
@@ -245,6 +257,9 @@ class KVStore:
         for k, targets in self._pairs(key, out):
             shape, dtype = self._known(k)
             for t in targets:
+                if rows.is_row_sparse(t):
+                    raise TypeError(f'key {k!r}: pull into dense arrays or tensors (row-sparse '
+                                    'values are for push; row_sparse_pull pulls some rows)')
                 arrays.check_like(t, shape, dtype, k, 'pull target')
             gpu = self._on_gpu(k, targets)   # first: it names the device store types
             views = devices.check_targets(targets, k)
@@ -268,11 +283,23 @@ class KVStore:
                     view[...] = targets[0]
 
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
-        """MXNet's pull of some rows of a row_sparse key: not provided (say so clearly rather
-        than fail with an AttributeError)."""
-        raise NotImplementedError(
-            'row_sparse_pull: kvps stores dense arrays only (no row_sparse storage); pull the '
-            'whole key with kv.pull(key, out=...) and index the rows you need')
+        """Write rows ``row_ids`` of the key's current value into those rows of ``out`` (an
+        array or tensor of the key's shape; its other rows are left as they are), after this
+        worker's pushes, as MXNet's: an embedding's worker pulls the rows its next batch
+        reads. A list of keys takes a list of ``out`` and of ``row_ids``; a key with several
+        targets, one row_ids per target (or one for all). Ids may repeat and come in any
+        order."""
+        if out is None:
+            raise TypeError('row_sparse_pull needs out= (the arrays to write rows into)')
+        self._open()
+        _store_rows.pull(self, key, out, row_ids)
+
+    def _pull_changed(self, key, out, marks):
+        """Write into ``out`` (contiguous, host memory) the rows of ``key`` that changed since
+        the last such pull with the same ``marks`` (a dict the caller keeps; empty: every
+        row): the Trainer's pull of an embedding that its servers update row by row."""
+        self._open()
+        _store_rows.pull(self, key, out, marks=marks)
 
     def pushpull(self, key, value, out=None, priority=0):
         """Push then pull; with ``out=None`` the result is written into ``value``. Every
@@ -453,9 +480,9 @@ class KVStore:
         if type(value) is np.ndarray:   # the common case, answered first: runs for every key
             return [value]
         values = list(value) if isinstance(value, (list, tuple)) else [value]
-        if not values or not all(devices.is_value(v) for v in values):
-            raise TypeError('values must be numpy arrays, torch tensors or cupy arrays (or lists '
-                            'of them)')
+        if not values or not all(devices.is_value(v) or rows.is_row_sparse(v) for v in values):
+            raise TypeError('values must be numpy arrays, torch tensors or cupy arrays, or '
+                            'kvps.RowSparse rows (or lists of them)')
         return values
 
     def _check_key(self, key):

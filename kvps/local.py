@@ -5,9 +5,10 @@ import threading
 
 import numpy as np
 
+from . import rows
 from .arrays import writable_flat
 from .errors import ConfigError
-from .protocol import TWO_BIT
+from .protocol import PUSH_CODECS
 from .server.shard import Shard
 
 _ME = b'local'
@@ -89,7 +90,7 @@ class LocalBackend:
         def push_each():   # updates together, as a server does for one message
             replies = []
             for key, flat, dtype in items:
-                data = flat[0] if dtype == TWO_BIT else flat   # compressed: one part
+                data = flat[0] if dtype in PUSH_CODECS else flat   # encoded: one part
                 replies += self.shard.push(None, _ME, key, 0, dtype, True,
                                            memoryview(data).cast('B'))
             return replies
@@ -120,6 +121,18 @@ class LocalBackend:
             else:
                 np.copyto(out, value.reshape(out.shape))
             lease.released = True
+
+    @_serialized
+    def pull_rows(self, items):
+        """As DistClient.pull_rows: some rows of each key into its table."""
+        for key, table, ids, marks in items:
+            since = marks.get(0) if ids is None else None
+            asked = None if ids is None else memoryview(ids).cast('B')
+            (_, _, (epoch, count, payload)), = self.shard.pull(None, _ME, key, 0, (asked, since))
+            got, values = rows.decode(payload, table.shape[1], table.dtype, table.shape[0])
+            table[got] = values
+            if ids is None:
+                marks[0] = [epoch, count]
 
     @_serialized
     def set_optimizer(self, spec):

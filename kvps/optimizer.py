@@ -227,7 +227,8 @@ class _MomentumState:
 @register
 class SGD(_MomentumState, Optimizer):
     """mom = momentum*mom - lr*g; w += mom, with g = clip(rescale*grad) + wd*w (MXNet).
-    nesterov=True gives NAG's rule; lazy_update only matters for sparse grads (ignored)."""
+    nesterov=True gives NAG's rule; lazy_update (as MXNet's): pushed rows (kvps.RowSparse)
+    update only those rows and their momentum, and wd reaches a row only with a gradient."""
     name = 'sgd'
     hyper = {'momentum': ('float', 0.0), 'lazy_update': ('bool', True),
              'nesterov': ('bool', False)}
@@ -246,7 +247,8 @@ class NAG(SGD):
 @register
 class Adam(Optimizer):
     """MXNet Adam: g = clip(rescale*grad) + wd*w; m, v moving averages of g and g^2;
-    w -= lr*sqrt(1-b2^t)/(1-b1^t) * m/(sqrt(v)+eps) (epsilon not bias-corrected, unlike torch)."""
+    w -= lr*sqrt(1-b2^t)/(1-b1^t) * m/(sqrt(v)+eps) (epsilon not bias-corrected, unlike torch).
+    lazy_update as SGD's (t counts the key's updates, as in MXNet's lazy Adam)."""
     name = 'adam'
     default_lr = 0.001
     hyper = {'beta1': ('float', 0.9), 'beta2': ('float', 0.999), 'epsilon': ('float', 1e-8),

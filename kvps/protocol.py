@@ -13,7 +13,7 @@ import numpy as np
 from .errors import ProtocolError
 
 # Node <-> scheduler.
-VERSION = 6                  # bumped on any change of the wire format; checked at REGISTER
+VERSION = 7                  # bumped on any change of the wire format; checked at REGISTER
 REGISTER = 'register'        # node -> scheduler: {role, host, port, rank, pid, version}
 # scheduler -> node: {rank, num_workers, num_servers, servers, nodes, recovery_timeout, job (a
 # token naming this run, kept in server checkpoints)}; to a server that replaces a lost one
@@ -44,6 +44,15 @@ CHECK = 'check'              # {key, dtype, shape}: verify a non-root worker's v
 # included; a round's update counts at least that many for the lr scheduler, as one server
 # holding every key would (MXNet's num_update: the max of every key's update count)
 PUSH = 'push'
+# A PUSH item of dtype ROWS carries some rows of the key (kvps.rows), `n` bytes of them.
+# {key, part, [ids], [since]}: some rows of a key part, answered by ROWS once this worker's
+# pushes of it are applied (as PULL): with `ids` true, the rows whose ids (int64, from the
+# part's first row) the one data frame lists; with `since` ([epoch, count] of an earlier ROWS
+# reply), every row changed after it; with neither, every row
+PULL_ROWS = 'pull_rows'
+# The answer to PULL_ROWS: {epoch, count} + 1 buffer, the rows (kvps.rows); `since` =
+# [epoch, count] in a later PULL_ROWS asks for the rows changed after this answer
+ROWS = 'row_data'
 # {keys: [[key, part, at], ...]}: `at` (an int, or None for a data frame) asks for the value to
 # be written into the worker's segment at that offset. `seen` (an int, only from a worker that
 # mapped this server's arena) also allows answers from the arena
@@ -74,7 +83,7 @@ STATES = 'states'            # + 1 buffer: the server's updater state dict, msgp
 
 # How many raw buffers follow the header for each op; ops not listed carry none, and
 # multi-key ops (PUSH, DATA) carry one per key that is not in shared memory.
-_BUFFERS = {INIT: 1, SET_STATES: 1, STATES: 1}
+_BUFFERS = {INIT: 1, SET_STATES: 1, STATES: 1, ROWS: 1}
 _MULTI = {PUSH: 6, PULL: 3, DATA: 6, RESUME: 3}   # op -> length of each 'keys' item
 _SIZED = (PUSH, DATA)        # their items start [key, part, dtype, n]: one buffer each
 _COUNTS = {PUSH: ('part', None, 'n', 'at', 'seq'), PULL: ('part', 'at'),
@@ -105,12 +114,14 @@ _FIELDS = {
     SERVER_LOST: {'rank': int, 'reason': str},
     SERVER_BACK: {'rank': int, 'host': str, 'port': int},
     RESUME: {'keys': list},
+    PULL_ROWS: {'key': _KEY, 'part': int},
+    ROWS: {'epoch': int, 'count': int},
     ATTACH: {'name': str, 'nonce': bytes, 'size': int},
 }
 OPS = frozenset([REGISTER, WELCOME, HEARTBEAT, HEARTBEAT_ACK, BARRIER, BARRIER_DONE, FINISH, ABORT,
                  SHUTDOWN, PEER_LOST, SERVER_LOST, SERVER_BACK, INIT, CHECK, PUSH, PULL,
                  SET_OPTIMIZER, GET_STATES, SET_STATES, COMMIT_STATES, RESUME, ATTACH, ACK,
-                 DATA, ERROR, STATES])
+                 DATA, ERROR, STATES, PULL_ROWS, ROWS])
 
 # dtype names on the wire -> numpy storage dtype. bfloat16 travels as its raw 16-bit pattern.
 DTYPES = {
@@ -122,6 +133,9 @@ ITEMSIZE = {name: np.dtype(t).itemsize for name, t in DTYPES.items()}
 # Compressed gradients (kvps.compression), a PUSH item dtype only: a float32 threshold, then
 # four 2-bit codes per byte.
 TWO_BIT = '2bit'
+# Some rows of a key (kvps.rows), a PUSH item dtype only: `n` counts bytes.
+ROW_SPARSE = 'rows'
+PUSH_CODECS = (TWO_BIT, ROW_SPARSE)
 MAX_HEADER_BYTES = 1 << 20   # headers are small maps; a bigger one is hostile or broken
 MAX_KEY_CHARS = 1024
 
@@ -177,14 +191,19 @@ def validate_header(header):
         value = header.get(name)
         if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
             raise ProtocolError(f'{op}: field {name!r} missing or of wrong type')
-    for flag in ('device', 'stage'):
+    since = header.get('since')
+    if since is not None and not (type(since) is list and len(since) == 2
+                                  and all(_natural(v) for v in since)):
+        raise ProtocolError(f'{op}: since must be [epoch, count], two ints >= 0')
+    for flag in ('device', 'stage', 'ids'):
         if not isinstance(header.get(flag, False), bool):
             raise ProtocolError(f'{op}: {flag} must be true or false')
     if 'key' in header:
         check_key(header['key'])
     if 'dtype' in header:
         _check_dtype(op, header['dtype'])
-    for name in ('n', 'part', 'rank', 'port', 'size', 'seen', 'lease', 'pid', 'fd', 'step'):
+    for name in ('n', 'part', 'rank', 'port', 'size', 'seen', 'lease', 'pid', 'fd', 'step',
+                 'epoch', 'count'):
         value = header.get(name)
         if name in header and not _natural(value) and not (name == 'rank' and value is None):
             raise ProtocolError(f'{op}: {name} must be an int >= 0')
@@ -232,7 +251,7 @@ def _check_items(op, items):
         if type(key) is not int and not (type(key) is str and len(key) <= MAX_KEY_CHARS):
             check_key(key)
         if sized and (type(item[2]) is not str or item[2] not in DTYPES) \
-                and not (op == PUSH and item[2] == TWO_BIT):
+                and not (op == PUSH and item[2] in PUSH_CODECS):
             _check_dtype(op, item[2])
         for index, name, nullable in counts:
             value = item[index]
@@ -255,7 +274,7 @@ def _check_buffers(header, buffers, max_message_bytes):
         if item[AT[op]] is None and (op != DATA or item[LENT] is None)]   # the rest: in shm
     if 'dtype' in header and op in _BUFFERS:
         sized = [[header.get('key'), 0, header['dtype'], header['n']]]
-    want = len(sized) if sized else _BUFFERS.get(op, 0)
+    want = len(sized) if sized else _BUFFERS.get(op, int(header.get('ids', False)))
     if len(buffers) != want:
         raise ProtocolError(f'{op}: expected {want} data frame(s), got {len(buffers)}')
     total = sum(b.nbytes for b in buffers)
@@ -272,6 +291,8 @@ def nbytes(dtype_name, n):
     """Bytes of ``n`` elements of a wire dtype."""
     if dtype_name == TWO_BIT:
         return 4 + (n + 3) // 4
+    if dtype_name == ROW_SPARSE:
+        return n
     return n * ITEMSIZE[dtype_name]
 
 

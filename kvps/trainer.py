@@ -4,7 +4,9 @@ import os
 import warnings
 import weakref
 
-from . import optimizer as opt_mod
+import numpy as np
+
+from . import optimizer as opt_mod, rows
 from ._trainer_fusion import (FusedKey, Layout, PushBucket, pull_weights, split_partly_frozen,
                               weights_of)
 from ._trainer_kv import (check_compression, load_local_states, load_server_states,
@@ -65,6 +67,10 @@ class Trainer:
         self._fresh, self._pushed, self._reduced = set(), set(), False
         self._summed = {}          # key -> where step() pulls a summed gradient (workers update)
         self._seen_grads = {}
+        # Parameters whose gradients come sparse (nn.Embedding(sparse=True)) push their rows
+        # alone; when the servers update, they pull back only the rows changed since
+        # (``_row_marks``: what each one saw last).
+        self._row_keys, self._row_marks = set(), {}
         self._bucket = self._early = None
         if self._kv is not None:
             self._bucket = PushBucket(self._kv, bucket_bytes, self._pull_early)
@@ -338,15 +344,36 @@ class Trainer:
         self._pushed.add(p.key)
         fused = self._layout.by_member.get(p.key)
         if fused is None:
-            value = _dense(grad) if grad is not None else p.tensor.new_zeros(p.tensor.shape)
-            self._bucket.add(p.key, value, p)
+            self._bucket.add(p.key, self._push_value(p, grad), p)
         elif fused.arrive(p, grad):   # a fused key leaves once all its members' gradients are in
             self._bucket.add(fused.key, fused.gather_grads(_dense), fused)
+
+    def _push_value(self, p, grad):
+        """What a parameter of its own pushes: a sparse gradient's rows alone (to a kvps store,
+        for a host parameter), else the dense gradient (zeros for none: rows, none of them)."""
+        if grad is None:
+            return rows.RowSparse(np.empty(0, np.int64), p.tensor.new_zeros(
+                (0, *p.tensor.shape[1:]))) if p.key in self._row_keys else \
+                p.tensor.new_zeros(p.tensor.shape)
+        if _is_dense(grad):
+            self._row_keys.discard(p.key)
+            return grad
+        if hasattr(self._kv, '_pull_changed') and p.tensor.device.type == 'cpu' \
+                and p.tensor.is_contiguous() and grad.sparse_dim() == 1:
+            self._row_keys.add(p.key)
+            return grad
+        return _dense(grad)
+
+    def _pulls_rows(self, key):
+        """Whether step() pulls only the rows of ``key`` its servers changed."""
+        return self._update_on_kvstore and key in self._row_keys
 
     def _pull_early(self, keys, entries):
         """Right behind a push (see _trainer_pulls): in distributed mode with overlap."""
         if self._overlap:
-            self._early.start(keys, entries)
+            pairs = [(k, e) for k, e in zip(keys, entries) if not self._pulls_rows(k)]
+            if pairs:
+                self._early.start(*map(list, zip(*pairs)))
 
     def _allreduce_grads(self, into_grads):
         """Send what backward has not sent yet; pull weights (servers update) or summed
@@ -370,10 +397,16 @@ class Trainer:
         # for the rest: all requests leave before any answer is awaited, first layers first
         # (the next forward needs them first).
         started = self._early.started()
-        late = [(key, entry) for _, key, entry in entries if key not in started]
+        late = [(key, entry) for _, key, entry in entries
+                if key not in started and not self._pulls_rows(key)]
         if late:
             self._kv.pull([key for key, _ in late],
                           out=[self._late_target(entry, into_grads) for _, entry in late])
+        by_rows = [(key, entry) for _, key, entry in entries if self._pulls_rows(key)]
+        if by_rows:
+            self._kv._pull_changed([key for key, _ in by_rows],
+                                   [entry.tensor.detach() for _, entry in by_rows],
+                                   self._row_marks)
         self._settle(entries, self._early.finish(), into_grads)
         if into_grads:
             self._land_fused_grads(entries, {p.key for p in reduced})

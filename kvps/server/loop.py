@@ -311,6 +311,10 @@ class Server:
         return self._each_key(token, P.PULL, h['keys'], [None] * len(h['keys']), pull_one,
                               self.regions.saw(token[0], h))
 
+    def _pull_rows(self, token, h, buffers):
+        asked = (buffers[0] if h.get('ids') else None), h.get('since')
+        return self.shard.pull(token, token[0], h['key'], h['part'], asked)
+
     def _each_key(self, token, op, items, buffers, handle, reader=None):
         """Run ``handle`` per key of a multi-key message; one key's error does not stop the
         others, and the answers are gathered in a Batch (``reader``: the worker reads the
@@ -352,6 +356,7 @@ class Server:
         return [('ack', token, None)]
 
     _HANDLERS = {P.INIT: _init, P.CHECK: _check, P.PUSH: _push, P.PULL: _pull,
+                 P.PULL_ROWS: _pull_rows,
                  P.SET_OPTIMIZER: _set_optimizer, P.GET_STATES: _get_states,
                  P.SET_STATES: _set_states, P.COMMIT_STATES: _commit_states,
                  P.ATTACH: _attach}
@@ -371,6 +376,10 @@ class Server:
             frames = P.encode(P.error_header(req_id, payload, self.name, tb))
         elif kind == 'states':
             frames = P.encode({'op': P.STATES, 'id': req_id}, [payload])
+        elif kind == 'rows':
+            epoch, count, data = payload
+            frames = P.encode({'op': P.ROWS, 'id': req_id, 'epoch': epoch, 'count': count},
+                              [data])
         else:
             frames = P.encode({'op': P.ACK, 'id': req_id, **(payload or {})})
         self._send(identity, frames)

@@ -13,12 +13,15 @@ from a worker is answered once the round of that worker's latest push has comple
 """
 
 import dataclasses
+import os
 
 from .. import compression
 from ..errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInitializedError,
                       KVPSError, ShapeError)
-from ..protocol import TWO_BIT, identity_label
+from ..protocol import ROW_SPARSE, TWO_BIT, identity_label
+from . import row_store
 from .placement import HostArrays, Placements
+from .row_store import RowGrad
 
 
 class Lease:
@@ -63,7 +66,10 @@ class Entry:
     merged: set = dataclasses.field(default_factory=set)     # workers in the open round
     held: list = dataclasses.field(default_factory=list)     # tokens acked at round end
     queued: list = dataclasses.field(default_factory=list)   # (worker, round, data, token, step)
-    deferred: list = dataclasses.field(default_factory=list)  # (round needed, token)
+    rows: list = dataclasses.field(default_factory=list)     # the open round's row pushes
+    # (round needed, token, rows asked: None for the whole value, else (ids, since))
+    deferred: list = dataclasses.field(default_factory=list)
+    rowlog: row_store.RowLog = dataclasses.field(default_factory=row_store.RowLog)
     weight_leases: list = dataclasses.field(default_factory=list)
     merge_leases: list = dataclasses.field(default_factory=list)
     restored: bool = False                # from a checkpoint, not yet claimed by an init
@@ -122,6 +128,9 @@ class Shard:
         self.updates = 0           # updates applied over all keys (drives checkpoints)
         self._due = None           # while gathering: (key, part) -> Entry whose update waits
         self._released = []        # while gathering: replies the applied updates freed
+        # Names this shard's row change counts (kvps.server.row_store): a worker's count from
+        # another shard (before a restart) asks for every row.
+        self.epoch = int.from_bytes(os.urandom(7), 'little')
 
     # -- init -----------------------------------------------------------------------------
     def init(self, token, key, part, dtype, shape, sync, data, device=False):
@@ -173,13 +182,15 @@ class Shard:
             compression.check_compressible(key, entry.dtype)
             data = memoryview(compression.decode(data, entry.n, entry.dtype)).cast('B')
             dtype = entry.dtype
+        elif dtype == ROW_SPARSE:   # some rows: merged and applied as rows (row_store)
+            data, dtype = row_store.decode_push(entry, data), entry.dtype
         self._check_push(entry, dtype, sync, data)
         count = entry.pushed.get(worker, 0)
         if seq is not None and seq < count:
             return self._acknowledge_again(entry, seq, token)
         if not entry.sync:
             entry.pushed[worker] = count + 1 if seq is None else seq + 1
-            if not self._gather(entry):
+            if not self._gather(entry, type(data) is RowGrad):
                 return [_reply(token, self._apply(entry, data))]
             entry.summed = entry.arrays.received(data, entry.dtype)   # applied by together
             entry.held.append(token)
@@ -205,7 +216,7 @@ class Shard:
     def _check_push(self, entry, dtype, sync, data):
         if dtype != entry.dtype:
             raise DTypeError(f'key {entry.key!r}: pushed {dtype}, initialized as {entry.dtype}')
-        if len(data) != entry.n * entry.weight.itemsize:
+        if type(data) is not RowGrad and len(data) != entry.n * entry.weight.itemsize:
             raise ShapeError(f'key {entry.key!r} part {entry.part}: pushed '
                              f'{len(data) // entry.weight.itemsize} elements, expected {entry.n}')
         if sync != entry.sync:
@@ -228,24 +239,48 @@ class Shard:
         adds them in its own pass, so the merge buffer is neither written nor read back.
         bfloat16 pushes are summed in float32, rounded once where the sum becomes the weight
         (an optimizer takes the float32 sum as it is)."""
-        grad = entry.arrays.received(data, entry.dtype)
+        if type(data) is RowGrad:
+            entry.rows.append(data)
+        else:
+            self._add_to_round(entry, entry.arrays.received(data, entry.dtype),
+                               last=len(entry.merged) + 1 == self.num_workers)
+        entry.merged.add(worker)
+        entry.held.append(token)
+        entry.step = max(entry.step, step)
+
+    def _add_to_round(self, entry, grad, last=False):
+        """Add a dense ``grad`` to the open round's sum (``last``: no push follows it)."""
         if entry.summed is None:
             entry.summed = grad
-        elif self.updater is not None and entry.dtype in entry.arrays.sums_in_update \
-                and len(entry.merged) + 1 == self.num_workers:
+        elif self.updater is not None and entry.dtype in entry.arrays.sums_in_update and last:
             entry.summed = (entry.summed, grad)
         elif entry.summed is entry.merge:
             entry.arrays.add(entry.merge, grad, out=entry.merge)
         else:
             entry.summed = entry.arrays.add(entry.summed, grad, out=entry.writable_merge())
-        entry.merged.add(worker)
-        entry.held.append(token)
-        entry.step = max(entry.step, step)
+
+    def _round_gradient(self, entry):
+        """The closing round's gradient: a RowGrad when only rows were pushed; else dense,
+        with any pushed rows added in (their zeros count as elsewhere)."""
+        pieces, entry.rows = entry.rows, []
+        if not pieces:
+            return entry.take_summed()
+        grad = row_store.summed(entry, pieces)
+        if entry.summed is None:
+            return grad
+        if type(entry.summed) is tuple:
+            first, second = entry.summed
+            entry.summed = None
+            self._add_to_round(entry, first)
+            self._add_to_round(entry, second)
+        self._add_to_round(entry, row_store.dense(entry, grad))
+        return entry.take_summed()
 
     def _close_rounds(self, entry):
         """Apply every round that is now complete; answer what waited on it."""
         replies = []
-        while len(entry.merged) == self.num_workers and not self._gather(entry):
+        while len(entry.merged) == self.num_workers and not self._gather(entry,
+                                                                              bool(entry.rows)):
             failure = self._apply(entry)
             replies += self._finish_round(entry, failure)
         return replies
@@ -283,13 +318,16 @@ class Shard:
                 self._due, self._released = None, []
         return replies + released
 
-    def _gather(self, entry):
+    def _gather(self, entry, rows=False):
         """Leave ``entry``'s update to the end of ``together`` if updates are gathered; a key
-        met again first has the updates gathered so far applied (its order is kept)."""
+        met again first has the updates gathered so far applied (its order is kept). Row
+        updates (``rows``) run at once, after those."""
         if self._due is None or self.updater is None:
             return False
         if (entry.key, entry.part) in self._due:
             self._apply_due()
+        if rows:
+            return False
         self._due[(entry.key, entry.part)] = entry
         return True
 
@@ -327,19 +365,32 @@ class Shard:
                 failed[index] = exc
         return failed
 
-    def _count_update(self, entry, failure):
+    def _count_update(self, entry, failure, ids=None):
         """A round (sync) or push (async) is over, updated or failed: a failed one is not
-        retried (its pushers get the error), so the key goes on with the next."""
+        retried (its pushers get the error), so the key goes on with the next. ``ids``: the
+        only rows it changed (a row update)."""
         entry.version += 1
         entry.step = 0
         if failure is None:
             self.updates += 1
+            if ids is None:
+                entry.rowlog.changed_all()
+            else:
+                entry.rowlog.changed_rows(ids, row_store.num_rows(entry))
 
     def _apply(self, entry, data=None):
         """Run the update with one push's ``data`` (async) or, without it, the round's sum
         (sync); with no optimizer the value is replaced. Returns the exception that failed
         the update (the weight is then unchanged), or None."""
-        grad = entry.take_summed() if data is None else entry.arrays.received(data, entry.dtype)
+        if data is None:
+            grad = self._round_gradient(entry)
+        else:
+            grad = data if type(data) is RowGrad else entry.arrays.received(data, entry.dtype)
+        if type(grad) is RowGrad:
+            if not getattr(self.updater, 'updates_rows', False):
+                grad = row_store.dense(entry, grad)   # replaced by it, or a dense update
+            else:
+                return self._apply_rows(entry, grad)
         failure = None
         if self.updater is not None:
             failure = self._run_updates([(entry.key, entry.part, entry.writable_weight(),
@@ -353,19 +404,41 @@ class Shard:
         self._count_update(entry, failure)
         return failure
 
+    def _apply_rows(self, entry, grad):
+        """Run the optimizer on the rows of ``grad`` only (MXNet's lazy update)."""
+        failure = None
+        try:
+            self.updater.update_rows(entry.key, entry.part, entry.writable_weight(), grad.ids,
+                                     grad.rows, row_store.width(entry))
+        except Exception as exc:   # the pushers get it; the key goes on
+            failure = exc
+        self._count_update(entry, failure, grad.ids)
+        return failure
+
     # -- pull -----------------------------------------------------------------------------
-    def pull(self, token, worker, key, part):
+    def pull(self, token, worker, key, part, rows=None):
+        """The value of a key part once ``worker``'s pushes of it are applied; ``rows``:
+        only some rows, ``(ids, since)`` as row_store.answer takes them (a 'rows' reply)."""
         entry = self._entry(key, part)
+        if rows is not None:
+            row_store.width(entry)   # a key split inside its rows says so now
+            if rows[0] is not None:
+                rows = row_store.requested(entry, rows[0]), None
         needed = entry.pushed.get(worker, 0) if entry.sync else 0
         if needed > entry.version:
-            entry.deferred.append((needed, token))
+            entry.deferred.append((needed, token, rows))
             return []
-        return [('data', token, (entry, *self._lend(entry)))]
+        return [self._answer(entry, token, rows)]
+
+    def _answer(self, entry, token, rows):
+        if rows is None:
+            return 'data', token, (entry, *self._lend(entry))
+        return 'rows', token, row_store.answer(entry, self.epoch, *rows)
 
     def _answer_deferred(self, entry):
-        ready = [t for need, t in entry.deferred if need <= entry.version]
-        entry.deferred = [(need, t) for need, t in entry.deferred if need > entry.version]
-        return [('data', t, (entry, *self._lend(entry))) for t in ready]
+        ready = [(t, rows) for need, t, rows in entry.deferred if need <= entry.version]
+        entry.deferred = [d for d in entry.deferred if d[0] > entry.version]
+        return [self._answer(entry, t, rows) for t, rows in ready]
 
     def _lend(self, entry):
         """``(host array, lease)`` for a pull reply: the weight itself on the host, a fresh
@@ -393,11 +466,11 @@ class Shard:
         doomed = []
         if entry.version >= made and entry.merged:
             doomed += entry.held
-            entry.held, entry.merged, entry.summed = [], set(), None
+            entry.held, entry.merged, entry.summed, entry.rows = [], set(), None, []
         doomed += [q[3] for q in entry.queued if q[1] >= made]
         entry.queued = [q for q in entry.queued if q[1] < made]
-        doomed += [t for need, t in entry.deferred if need > made]
-        entry.deferred = [(need, t) for need, t in entry.deferred if need <= made]
+        doomed += [d[1] for d in entry.deferred if d[0] > made]
+        entry.deferred = [d for d in entry.deferred if d[0] <= made]
         exc = KVPSError(f'a sync round of key {entry.key!r} can never complete: '
                         f'{identity_label(worker)} finished after {made} pushes of it')
         return [('error', t, exc) for t in doomed]

@@ -78,6 +78,30 @@ class Updater:
                  for (key, _, weight, _), (grad, state), count in zip(items, checked, counts)]
         multi_apply(calls)
 
+    @property
+    def updates_rows(self):
+        """Whether pushed rows are updated alone (MXNet's lazy_update, on by default for sgd
+        and adam); else the server applies them as the dense gradient they stand for."""
+        return getattr(self._opt, 'lazy_update', False) and not self._opt.whole_tensor
+
+    def update_rows(self, key, part, weight, ids, grad, width):
+        """MXNet's lazy update: only rows ``ids`` (sorted, unique) of ``weight`` (flat, rows
+        of ``width``) and of its optimizer state change, by ``grad`` (len(ids) x width); wd,
+        momentum and moments of the other rows wait until a gradient reaches them. The
+        key's update count ticks as for any update."""
+        _check_dtype(key, 'weight', weight)
+        _check_dtype(key, 'grad', grad)
+        state = self._state_for(key, part, weight, kernels_for(weight))
+        count = self._tick(key, part)
+        self._opt.num_update = self._num_update
+        picked = {name: array.reshape(-1, width)[ids] for name, array in state.items()}
+        rows = weight.reshape(-1, width)[ids]
+        multi_apply([self._call(key, rows.reshape(-1), grad.reshape(-1),
+                                {n: a.reshape(-1) for n, a in picked.items()}, count)])
+        weight.reshape(-1, width)[ids] = rows
+        for name, array in state.items():
+            array.reshape(-1, width)[ids] = picked[name]
+
     # -- per update --------------------------------------------------------------------------
     def _check(self, key, part, weight, grad):
         """``(grad, state)`` for one update, both checked. ``grad``: an array, or a tuple of

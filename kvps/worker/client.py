@@ -12,7 +12,7 @@ import threading
 import msgpack
 import numpy as np
 
-from .. import protocol as P
+from .. import protocol as P, rows
 from ..allocator import keep_freed_memory
 from ..arrays import writable_flat
 from ..errors import ConfigError, KVPSError, ProtocolError, RemoteError
@@ -58,8 +58,8 @@ class DistClient:
     def init(self, items, device=False):
         """``items``: [(key, flat array, shape, dtype name)]. Rank 0's values win. ``device``:
         a device-side store asks servers to keep these keys on their GPUs if they have one."""
-        for key, flat, _, _ in items:
-            self.placement.place(key, flat.size, flat.itemsize)
+        for key, flat, shape, _ in items:
+            self.placement.place(key, flat.size, flat.itemsize, rows.width_of(shape))
         self._by_rank_0('init', lambda: self._wait_all([
             self._send_init(key, flat, shape, dtype, device) for key, flat, shape, dtype in items]))
         if self.rank != 0:
@@ -173,7 +173,7 @@ class DistClient:
         server; do not wait."""
         self._raise_pending_errors()
         step = self._count_pushes(items)
-        nbytes = sum(sum(p.nbytes for p in flat) if dtype == P.TWO_BIT else flat.nbytes
+        nbytes = sum(sum(p.nbytes for p in flat) if dtype in P.PUSH_CODECS else flat.nbytes
                      for _, flat, dtype in items)
         self._window.make_room(nbytes, self.config.timeout, self._round_hint)
         staging = self.io.staging
@@ -188,7 +188,8 @@ class DistClient:
             node = server_name(server)
             keys, frames, keep = [], [], []
             for key, part, data, dtype, at in batch:
-                keys.append([key, part.part, dtype, part.stop - part.start, at])
+                n = data.nbytes if dtype == P.ROW_SPARSE else part.stop - part.start
+                keys.append([key, part.part, dtype, n, at])
                 (frames if at is None else keep).append(data)
             header = {'op': P.PUSH, 'sync': self.sync, 'keys': keys}
             if step:
@@ -288,6 +289,32 @@ class DistClient:
             np.copyto(out, target.reshape(out.shape))
         # A push whose round failed on a server (its update raised) was answered before this
         # pull: the pull after it raises that error, as a local store's push does.
+        self._raise_pending_errors()
+
+    def pull_rows(self, items):
+        """Fill some rows of each ``(key, table, ids, marks)``: ``table`` a writable 2-D
+        (rows x width) numpy view of the key, ``ids`` sorted unique row ids, or None for the
+        rows changed since ``marks`` (a dict, part -> [epoch, count], updated from the
+        answers; empty: every row). Answered after this worker's pushes, as a pull is."""
+        self._raise_pending_errors()
+        ops = []
+        for key, table, ids, marks in items:
+            width = table.shape[1]
+            for part in self.placement.parts(key):
+                header = {'op': P.PULL_ROWS, 'key': key, 'part': part.part}
+                first, buffers = part.start // width, ()
+                if ids is not None:
+                    local = rows.split(ids, None, [first, part.stop // width])[0][0]
+                    if not local.size:
+                        continue
+                    header['ids'], buffers = True, (local,)
+                elif marks.get(part.part) is not None:
+                    header['since'] = marks[part.part]
+                ops.append(self._request(part.server, f'pull of rows of key {key!r}', header,
+                                         buffers, _row_writer(table[first:part.stop // width],
+                                                              marks, part.part)))
+        for op in ops:
+            op.wait(self.config.timeout, self._round_hint)
         self._raise_pending_errors()
 
     def _parts_of(self, items):
@@ -427,7 +454,7 @@ def fuse(parts, wire_bytes=_nbytes):
 def payload(part, array, dtype):
     """What one part of an item carries: its slice of the flat array, or, for a compressed
     push, its own encoded payload (``array`` is then the list of them, one per part)."""
-    return array[part.part] if dtype == P.TWO_BIT else array[part.start:part.stop]
+    return array[part.part] if dtype in P.PUSH_CODECS else array[part.start:part.stop]
 
 
 def _copier(batch, blocks, staging, node):
@@ -458,6 +485,17 @@ def _copier(batch, blocks, staging, node):
                                     'worker did not give')
             np.copyto(target[part.start:part.stop], P.as_array(source, dtype))
     return on_data
+
+
+def _row_writer(table, marks, part):
+    """The reply handler that writes pulled rows into ``table`` (a part's rows), and notes
+    the part's change count in ``marks`` (a dict, or None)."""
+    def on_rows(header, buffers):
+        ids, values = rows.decode(buffers[0], table.shape[1], table.dtype, table.shape[0])
+        table[ids] = values
+        if marks is not None:
+            marks[part] = [header['epoch'], header['count']]
+    return on_rows
 
 
 def _describe(what, items):

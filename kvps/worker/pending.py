@@ -140,7 +140,7 @@ class PendingTable:
                                         header.get('traceback', ''), header.get('node', '')))
             return
         try:
-            if op in (P.DATA, P.STATES, P.ACK) and request.on_data is not None:
+            if op in (P.DATA, P.STATES, P.ACK, P.ROWS) and request.on_data is not None:
                 request.on_data(header, buffers)
         except Exception as exc:  # a bad reply fails the call; it must not kill the I/O thread
             request.op.fail(exc)

@@ -44,13 +44,16 @@ class Placement:
         if self.num_servers > 1:
             self.bound = min(self.bound, max(BALANCE_FLOOR, total // (2 * self.num_servers)))
 
-    def place(self, key, size, itemsize):
-        """Assign ``key`` (``size`` elements) to servers; return its parts."""
+    def place(self, key, size, itemsize, width=1):
+        """Assign ``key`` (``size`` elements, rows of ``width``) to servers; return its parts.
+        A split key is cut between rows where it has a row for every server, so that each
+        row lies on one server (pushes and pulls of some rows, kvps.rows)."""
         if key in self._parts:
             return self._parts[key]
         if size >= self.bound and self.num_servers > 1 and not self.keep_whole:   # as MXNet
             pieces = min(self.num_servers, size)
-            edges = np.linspace(0, size, pieces + 1).astype(np.int64)
+            unit = width if size // width >= pieces else 1
+            edges = np.linspace(0, size // unit, pieces + 1).astype(np.int64) * unit
             # Rotate the start so that uneven remainders do not always land on server 0.
             first = int(np.argmin(self.load))
             parts = [Part((first + i) % self.num_servers, i, int(edges[i]), int(edges[i + 1]))

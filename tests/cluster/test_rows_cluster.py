@@ -1,0 +1,110 @@
+"""Rows across a real job: pushes of some rows summed by split servers, pulls of some rows and of the rows changed, and the Trainer's sparse embeddings."""
+
+import pytest
+
+pytestmark = pytest.mark.cluster
+
+# 'emb' (9 rows of 2) is split between the two servers at a row (bound 10 elements); 'wide'
+# (1 row of 40) has fewer rows than servers, so it is split inside its row and its rows
+# travel dense. Worker r pushes rows r, 8 - r and 4, valued r + 1, twice; lazy sgd, lr 1.
+SYNC_ROWS = '''
+kv = kvps.create('dist_sync')
+r = kv.rank
+kv.init('emb', np.zeros((9, 2), np.float32))
+kv.init('wide', np.zeros((1, 40), np.float32))
+kv.set_optimizer(kvps.optimizer.create('sgd', learning_rate=1.0, wd=0.5))
+marks, seen = {}, np.full((9, 2), 5, np.float32)
+kv._pull_changed('emb', seen, marks)
+for _ in range(2):
+    kv.push('emb', kvps.RowSparse([r, 8 - r, 4], np.full((3, 2), r + 1, np.float32)))
+kv.push('wide', kvps.RowSparse([0], np.ones((1, 40), np.float32)))
+full = np.zeros((9, 2), np.float32)
+kv.pull('emb', out=full)
+some = np.full((9, 2), 9, np.float32)
+kv.row_sparse_pull('emb', out=some, row_ids=[8, 0, 3])
+wide = np.zeros((1, 40), np.float32)
+kv.row_sparse_pull('wide', out=wide, row_ids=[0])
+seen[:] = 5
+kv._pull_changed('emb', seen, marks)
+report(parts=[list(p) for p in kv._parts('emb')], full=full[:, 0].tolist(),
+       some=some[:, 0].tolist(), wide=sorted(set(wide[0].tolist())), seen=seen[:, 0].tolist())
+'''
+
+
+def test_rows_pushed_to_split_servers_are_summed_updated_lazily_and_pulled_by_row(job):
+    result = job(SYNC_ROWS, workers=2, servers=2, env={'KVPS_BIGARRAY_BOUND': '10'})
+    assert result.returncode == 0, result.output
+    # Rows 0..3 on one server, 4..8 on the other; each row's value after two rounds of
+    # w -= 1 * (g + 0.5 w): g = 1 (rows 0, 8), 2 (rows 1, 7), 3 (row 4): w1 = -g, w2 = -1.5 g.
+    full = [-1.5, -3.0, 0.0, 0.0, -4.5, 0.0, 0.0, -3.0, -1.5]
+    for rank in (0, 1):
+        got = result.results()[rank]
+        assert [p[2:] for p in got['parts']] == [[0, 8], [8, 18]]
+        assert got['full'] == full
+        assert got['some'] == [-1.5, 9, 9, 0.0, 9, 9, 9, 9, -1.5]
+        assert got['wide'] == [-2.0]                       # dense: pushed whole, both workers
+        assert got['seen'] == [v if v else 5 for v in full]   # rows never changed: not sent
+
+
+ASYNC_ROWS = '''
+kv = kvps.create('dist_async')
+r = kv.rank
+kv.init(0, np.zeros((6, 3), np.float32))
+kv.set_optimizer(kvps.optimizer.create('sgd', learning_rate=1.0))
+for step in range(5):
+    kv.push(0, kvps.RowSparse([r, 5, r], np.ones((3, 3), np.float32)))
+kv.barrier()
+out = np.zeros((6, 3), np.float32)
+kv.row_sparse_pull(0, out=out, row_ids=[0, 1, 5])
+report(rows=out[:, 0].tolist())
+'''
+
+
+def test_async_row_pushes_are_each_applied_and_none_lost(job):
+    result = job(ASYNC_ROWS, workers=2, servers=2)
+    assert result.returncode == 0, result.output
+    # each push: rows r (twice: 2) and 5 (1); five pushes per worker
+    assert result.results() == {r: {'rows': [-10.0, -10.0, 0, 0, 0, -10.0]} for r in (0, 1)}
+
+
+# Two models in one Trainer, the same but for sparse=True: the sparse one's rows travel
+# alone and come back by the rows changed; with plain sgd (lazy or not, the same rule) both
+# train alike. 40000 x 4 floats: above the size the Trainer fuses.
+TRAINER_ROWS = '''
+import torch
+kv = kvps.create('dist_sync')
+
+class Bag(torch.nn.Module):
+    def __init__(self, sparse):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(40000, 4, sparse=sparse)
+        self.out = torch.nn.Linear(4, 1)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids).mean(1)).pow(2).mean()
+
+models = torch.nn.ModuleList([Bag(True), Bag(False)])
+start = models[0].emb.weight.detach().clone()
+trainer = kvps.Trainer(models.named_parameters(), 'sgd', {'learning_rate': 0.5}, kvstore=kv)
+for step in range(4):
+    ids = torch.randint(0, 40000, (8, 3), generator=torch.Generator().manual_seed(
+        10 * step + kv.rank))
+    (models[0](ids) + models[1](ids)).backward()
+    trainer.step(8)
+    trainer.zero_grad()
+sparse, dense = (m.emb.weight.detach() for m in models)
+report(rows=sorted(trainer._row_keys), close=bool(torch.allclose(sparse, dense, atol=1e-6)),
+       out=bool(torch.allclose(models[0].out.weight, models[1].out.weight, atol=1e-6)),
+       moved=int((sparse != start).any(1).sum()), checksum=float(sparse.double().sum()))
+'''
+
+
+def test_a_trainers_sparse_embedding_trains_as_the_dense_one_through_its_rows(job):
+    result = job(TRAINER_ROWS, workers=2, servers=2, timeout=180)
+    assert result.returncode == 0, result.output
+    got = result.results()
+    for rank in (0, 1):
+        assert got[rank]['rows'] == [0] and got[rank]['close'] and got[rank]['out'], got
+        assert 0 < got[rank]['moved'] <= 4 * 2 * 8 * 3   # the rows the batches read
+    assert got[0]['checksum'] == got[1]['checksum']     # every worker holds the same weights
