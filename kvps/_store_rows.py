@@ -43,6 +43,11 @@ def pull(store, key, out, row_ids=None, marks=None):
     """Write rows ``row_ids`` of each key into its ``out`` (MXNet's row_sparse_pull); with
     ``marks`` instead (a dict per key, kept by the caller between calls), the rows changed
     since the last such pull. Everything is checked before anything is asked."""
+    pull_begin(store, key, out, row_ids, marks)()
+
+
+def pull_begin(store, key, out, row_ids=None, marks=None):
+    """``pull``'s requests sent now; returns the wait for their answers."""
     if isinstance(key, (list, tuple)):
         keys, outs = key, out
         ids = row_ids if marks is None else [None] * len(key)
@@ -64,10 +69,15 @@ def pull(store, key, out, row_ids=None, marks=None):
             asked.append((k, table, landing[1], None if marks is None else marks.setdefault(k, {})))
             landings.append(landing)
     store._open()
-    store._backend.pull_rows([item for item in asked if not _pulled_whole(store, *item)])
-    for target, ids_pulled, table in landings:
-        if target is not None:
-            devices.put_rows(target, ids_pulled, table)
+    wait = store._backend.pull_rows_begin(
+        [item for item in asked if not _pulled_whole(store, *item)])
+
+    def landed():
+        wait()
+        for target, ids_pulled, table in landings:
+            if target is not None:
+                devices.put_rows(target, ids_pulled, table)
+    return landed
 
 
 def _one_per_target(row_ids):

@@ -297,9 +297,10 @@ class KVStore:
     def _pull_changed(self, key, out, marks):
         """Write into ``out`` (contiguous, host memory) the rows of ``key`` that changed since
         the last such pull with the same ``marks`` (a dict the caller keeps; empty: every
-        row): the Trainer's pull of an embedding that its servers update row by row."""
+        row): the Trainer's pull of an embedding that its servers update row by row. Sends
+        the requests and returns the wait for their answers."""
         self._open()
-        _store_rows.pull(self, key, out, marks=marks)
+        return _store_rows.pull_begin(self, key, out, marks=marks)
 
     def pushpull(self, key, value, out=None, priority=0):
         """Push then pull; with ``out=None`` the result is written into ``value``. Every

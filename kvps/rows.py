@@ -10,6 +10,8 @@ int64, counted from the part's first row, sorted and unique, then their values, 
 in the key's dtype (bfloat16 as its 16 bits).
 """
 
+import functools
+
 import numpy as np
 
 from . import arrays
@@ -41,8 +43,9 @@ def is_row_sparse(value):
                                         str(value.layout) == 'torch.sparse_coo')
 
 
+@functools.lru_cache(maxsize=4096)
 def width_of(shape):
-    """Elements per row of a key of ``shape``."""
+    """Elements per row of a key of ``shape`` (a tuple)."""
     return int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
 
 
@@ -98,15 +101,25 @@ def coalesce(ids, rows, dtype):
 
 def sum_at(rows, starts, dtype):
     """Rows summed over the runs that begin at ``starts`` (bfloat16 bits summed in float32
-    and rounded once)."""
-    if not rows.shape[0]:
-        return rows.copy()
+    and rounded once), each run added in order, first row to last."""
     if len(starts) == rows.shape[0]:
         return np.array(rows, copy=True, order='C')
-    if dtype == 'bfloat16':
+    wide = dtype == 'bfloat16'
+    if wide:
         from ._kernels import common
-        return common.f32_to_bf16(np.add.reduceat(common.bf16_to_f32(rows), starts, axis=0))
-    return np.add.reduceat(rows, starts, axis=0)
+        rows = common.bf16_to_f32(rows)
+    out = rows[starts]   # a copy: each run's first row
+    # The rest, in rounds: each run's next row at a time (np.add.reduceat along rows costs
+    # ten times this). Most runs are short: a few rounds.
+    later = np.ones(rows.shape[0], bool)
+    later[starts] = False
+    rest = np.flatnonzero(later)
+    run = np.searchsorted(starts, rest, side='right') - 1
+    while rest.size:
+        first = np.r_[True, run[1:] != run[:-1]]
+        out[run[first]] += rows[rest[first]]
+        rest, run = rest[~first], run[~first]
+    return common.f32_to_bf16(out) if wide else out
 
 
 def union_sum(pieces, width, dtype):
@@ -131,6 +144,16 @@ def encode(ids, rows):
     out = np.empty(ids.nbytes + rows.nbytes, np.uint8)
     out[:ids.nbytes] = ids.astype(ROW_ID, copy=False).view(np.uint8)
     out[ids.nbytes:] = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
+    return out
+
+
+def encode_rows_of(table, ids):
+    """The wire payload of rows ``ids`` of a host ``table`` (rows x width), gathered straight
+    into it."""
+    out = np.empty(ids.nbytes + len(ids) * table.shape[1] * table.itemsize, np.uint8)
+    out[:ids.nbytes] = ids.astype(ROW_ID, copy=False).view(np.uint8)
+    np.take(table, ids, axis=0,
+            out=out[ids.nbytes:].view(table.dtype).reshape(len(ids), table.shape[1]))
     return out
 
 

@@ -397,16 +397,17 @@ class Trainer:
         # for the rest: all requests leave before any answer is awaited, first layers first
         # (the next forward needs them first).
         started = self._early.started()
+        by_rows = [(key, entry) for _, key, entry in entries if self._pulls_rows(key)]
+        rows_landed = self._kv._pull_changed(
+            [key for key, _ in by_rows], [entry.tensor.detach() for _, entry in by_rows],
+            self._row_marks) if by_rows else None
         late = [(key, entry) for _, key, entry in entries
                 if key not in started and not self._pulls_rows(key)]
         if late:
             self._kv.pull([key for key, _ in late],
                           out=[self._late_target(entry, into_grads) for _, entry in late])
-        by_rows = [(key, entry) for _, key, entry in entries if self._pulls_rows(key)]
-        if by_rows:
-            self._kv._pull_changed([key for key, _ in by_rows],
-                                   [entry.tensor.detach() for _, entry in by_rows],
-                                   self._row_marks)
+        if rows_landed is not None:
+            rows_landed()
         self._settle(entries, self._early.finish(), into_grads)
         if into_grads:
             self._land_fused_grads(entries, {p.key for p in reduced})

@@ -104,5 +104,7 @@ def answer(entry, epoch, ids=None, since=None):
         count = since[1] if since is not None and since[0] == epoch else 0
         ids = entry.rowlog.since(count, num_rows(entry))
     table = entry.weight.reshape(-1, width(entry))
+    if entry.arrays.name == 'cpu':
+        return epoch, entry.rowlog.count, rows.encode_rows_of(table, ids)
     picked = entry.arrays.to_host(table[entry.arrays.xp.asarray(ids)])
     return epoch, entry.rowlog.count, rows.encode(ids, picked)

@@ -296,6 +296,10 @@ class DistClient:
         (rows x width) numpy view of the key, ``ids`` sorted unique row ids, or None for the
         rows changed since ``marks`` (a dict, part -> [epoch, count], updated from the
         answers; empty: every row). Answered after this worker's pushes, as a pull is."""
+        self.pull_rows_begin(items)()
+
+    def pull_rows_begin(self, items):
+        """Send the requests of ``pull_rows(items)`` now; returns the wait for the answers."""
         self._raise_pending_errors()
         ops = []
         for key, table, ids, marks in items:
@@ -313,9 +317,12 @@ class DistClient:
                 ops.append(self._request(part.server, f'pull of rows of key {key!r}', header,
                                          buffers, _row_writer(table[first:part.stop // width],
                                                               marks, part.part)))
-        for op in ops:
-            op.wait(self.config.timeout, self._round_hint)
-        self._raise_pending_errors()
+
+        def wait():
+            for op in ops:
+                op.wait(self.config.timeout, self._round_hint)
+            self._raise_pending_errors()
+        return wait
 
     def _parts_of(self, items):
         """``(key, part, array, dtype)`` for every part of every item, in order."""

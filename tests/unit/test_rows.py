@@ -208,17 +208,17 @@ def test_pulling_the_rows_changed_brings_every_row_once_then_only_those_changed(
     kv.init(0, np.zeros((4, 2), np.float32))
     kv.set_optimizer(kvps.optimizer.create('sgd', learning_rate=1.0))
     marks, table = {}, np.full((4, 2), 7, np.float32)
-    kv._pull_changed(0, table, marks)
+    kv._pull_changed(0, table, marks)()
     assert not table.any()                                   # first look: every row
     kv.push(0, rs([2], [[1, 1]]))
     table[:] = 7
-    kv._pull_changed(0, table, marks)
+    kv._pull_changed(0, table, marks)()
     assert table.tolist() == [[7, 7], [7, 7], [-1, -1], [7, 7]]
     table[:] = 7
-    kv._pull_changed(0, table, marks)
+    kv._pull_changed(0, table, marks)()
     assert (table == 7).all()                                # nothing changed since
     kv.push(0, np.ones((4, 2), np.float32))                  # a dense update: every row
-    kv._pull_changed(0, table, marks)
+    kv._pull_changed(0, table, marks)()
     assert table.tolist() == [[-1, -1], [-1, -1], [-2, -2], [-1, -1]]
 
 
