@@ -5,10 +5,13 @@ What a user compares before adopting kvps: the time of one synchronous data-para
 Systems: `kvps` (Trainer, SGD on the servers), `kvps-local` (Trainer with
 update_on_kvstore=False: gradients summed through the servers, SGD on each worker) and
 `ddp` (DistributedDataParallel over gloo, the all-reduce torch users run). Models: `wide`
-(784-1024-1024-1024-10, 8 tensors, 11.6 MB) and `deep` (40 layers of 256, 82 tensors,
-11 MB) and `narrow` (200 layers of 64, 402 tensors, 3.5 MB: a transformer's many small
-weights, biases and norms). One JSON line per (model, system) and a ratio line per model (kvps ms / DDP ms:
-below 1, kvps is faster). Every process runs torch with one thread.
+(784-1024-1024-1024-10, 8 tensors, 11.6 MB), `deep` (40 layers of 256, 82 tensors, 11 MB),
+`narrow` (200 layers of 64, 402 tensors, 3.5 MB: a transformer's many small weights, biases
+and norms), `embed` (a 200000 x 64 embedding table, 51 MB, 16 rows read per sample, then a
+classifier) and `embed-sparse` (the same with nn.Embedding(sparse=True): kvps pushes the
+rows read and pulls the rows changed, DDP all-reduces the sparse gradients). One JSON line
+per (model, system) and a ratio line per model (kvps ms / DDP ms: below 1, kvps is faster).
+Every process runs torch with one thread.
 
     python benchmarks/bench_training.py                  # W=2 S=1, both models, ~2 min
     python benchmarks/bench_training.py --workers 4 --servers 2 --models wide

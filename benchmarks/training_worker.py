@@ -23,12 +23,17 @@ MODELS = {   # name -> layer widths: 'wide' has few big tensors, 'deep' and 'nar
     'deep': [784] + [256] * 40 + [10],
     'narrow': [784] + [64] * 200 + [10],
 }
+# An embedding table (rows x width, 51 MB) read 16 rows per sample, mean-pooled, then a
+# classifier: a recommender's or a language model's input layer. 'embed-sparse' is the same
+# with nn.Embedding(sparse=True): gradients of the rows read only.
+EMBED_ROWS, EMBED_WIDTH, EMBED_TOKENS = 200_000, 64, 16
+EMBEDS = {'embed': False, 'embed-sparse': True}
 
 
 def parse_args():
     p = argparse.ArgumentParser()
     p.add_argument('--system', choices=['kvps', 'kvps-local', 'ddp'], required=True)
-    p.add_argument('--model', choices=sorted(MODELS), default='wide')
+    p.add_argument('--model', choices=sorted([*MODELS, *EMBEDS]), default='wide')
     p.add_argument('--batch', type=int, default=64, help='samples per worker and step')
     p.add_argument('--steps', type=int, default=20)
     p.add_argument('--warmup', type=int, default=3)
@@ -37,11 +42,34 @@ def parse_args():
 
 
 def build(name, torch):
+    if name in EMBEDS:
+        return Bag(torch, EMBEDS[name])
     widths = MODELS[name]
     layers = []
     for fan_in, fan_out in zip(widths, widths[1:]):
         layers += [torch.nn.Linear(fan_in, fan_out), torch.nn.ReLU()]
     return torch.nn.Sequential(*layers[:-1])
+
+
+def Bag(torch, sparse):
+    class Bag(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(EMBED_ROWS, EMBED_WIDTH, sparse=sparse)
+            self.out = torch.nn.Linear(EMBED_WIDTH, 10)
+
+        def forward(self, ids):
+            return self.out(self.emb(ids).mean(1))
+    return Bag()
+
+
+def inputs(args, gen, torch):
+    """One batch of this worker's (the same every step)."""
+    if args.model in EMBEDS:
+        x = torch.randint(0, EMBED_ROWS, (args.batch, EMBED_TOKENS), generator=gen)
+    else:
+        x = torch.randn(args.batch, MODELS[args.model][0], generator=gen)
+    return x, torch.randint(0, 10, (args.batch,), generator=gen)
 
 
 def ddp_step_fn(args, model, torch):
@@ -82,8 +110,7 @@ def main():
     make = ddp_step_fn if args.system == 'ddp' else kvps_step_fn
     step, rank, barrier = make(args, model, torch)
     gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch, MODELS[args.model][0], generator=gen)
-    y = torch.randint(0, 10, (args.batch,), generator=gen)
+    x, y = inputs(args, gen, torch)
     for _ in range(args.warmup):
         step(x, y)
     barrier()
