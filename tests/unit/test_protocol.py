@@ -74,6 +74,22 @@ def test_round_trip_keeps_header_and_shares_the_buffer():
     ([msgpack.packb({'op': 'barrier', 'id': 1, 'seq': 1, 'digest': b'x' * 65})],
      'digest must be at most 64 bytes'),
     ([b'\x00' * (P.MAX_HEADER_BYTES + 1)], 'exceeds'),
+    ([msgpack.packb({'op': 'pull_rows', 'id': 1, 'part': 0})], "'key' missing"),
+    ([msgpack.packb({'op': 'pull_rows', 'id': 1, 'key': 1, 'part': 0, 'ids': True})],
+     'expected 1 data'),
+    ([msgpack.packb({'op': 'pull_rows', 'id': 1, 'key': 1, 'part': 0}), b'\0' * 8],
+     'expected 0 data'),
+    ([msgpack.packb({'op': 'pull_rows', 'id': 1, 'key': 1, 'part': 0, 'ids': 1}), b'\0' * 8],
+     'ids must be true or false'),
+    ([msgpack.packb({'op': 'pull_rows', 'id': 1, 'key': 1, 'part': 0, 'since': [1]})],
+     'since must be'),
+    ([msgpack.packb({'op': 'pull_rows', 'id': 1, 'key': 1, 'part': 0, 'since': [1, -2]})],
+     'since must be'),
+    ([msgpack.packb({'op': 'row_data', 'id': 1, 'epoch': 1, 'count': -1}), b''],
+     'count must be an int >= 0'),
+    ([msgpack.packb({'op': 'row_data', 'id': 1, 'epoch': 1, 'count': 1})], 'expected 1 data'),
+    ([msgpack.packb({'op': 'push', 'id': 1, 'sync': True,
+                     'keys': [[1, 0, 'rows', 16, None, 0]]}), b'\0' * 8], 'has 8 bytes'),
 ])
 def test_malformed_messages_are_rejected_with_a_reason(frames, reason):
     with pytest.raises(ProtocolError, match=reason):
