@@ -529,7 +529,7 @@ class Shard:
         """Install ``states`` (an updater state dict), or with ``stage`` only check and hold
         them for commit_states: a job's servers all check theirs before any installs, so a
         load that one of them refuses changes none. Nothing changes before all is checked
-        (the optimizer a file brings included)."""
+        (the optimizer a file brings included, and each state against its key's weight)."""
         updater = self.updater
         if updater is None:
             if 'optimizer' not in states:
@@ -537,7 +537,8 @@ class Shard:
                                   'file saved with dump_optimizer=True)')
             from .updater import Updater  # the optimizer stack loads only when one is used
             updater = Updater(states['optimizer'])
-        staged = updater, updater.checked_states(states)
+        weights = {where: entry.weight for where, entry in self.entries.items()}
+        staged = updater, updater.checked_states(states, weights)
         self._staged = None
         if stage:
             self._staged = staged

@@ -148,36 +148,20 @@ class Updater:
 
     def _fit(self, key, part, state, weight, kernels):
         """Check ``state`` against ``weight``, moving it to the weight's device if need be."""
-        mp = self._wants_master(weight)
-        if mp != ('weight32' in state):
-            raise DTypeError(f'key {key!r} part {part}: weight dtype {weight.dtype} does not '
-                             'match the dtype its optimizer state was created for')
-        want = np.dtype(self._state_dtype(weight))
+        misfit = _misfit(self._opt, key, part, state, weight)
+        if misfit is not None:
+            error, message = misfit
+            raise error(message)
         for name, arr in list(state.items()):
-            if tuple(arr.shape) != tuple(weight.shape):
-                raise ShapeError(f'key {key!r} part {part}: weight shape '
-                                 f'{tuple(weight.shape)} differs from its optimizer state '
-                                 f'{name!r} shape {tuple(arr.shape)}')
-            if name != 'weight32' and arr.dtype != want:
-                raise DTypeError(f'key {key!r} part {part}: weight dtype {weight.dtype} '
-                                 f'differs from its optimizer state {name!r} ({arr.dtype})')
             if kernels_for(arr) is not kernels:  # restored by set_states, or device moved
                 state[name] = kernels.from_host(kernels_for(arr).to_host(arr), weight)
 
-    def _wants_master(self, weight):
-        return self._opt.multi_precision and common.storage_name(weight) in _LOW_PRECISION
-
-    def _state_dtype(self, weight):
-        low = common.storage_name(weight) in _LOW_PRECISION
-        return np.float32 if low and (self._opt.multi_precision or self._opt.fp32_states) \
-            else weight.dtype
-
     def _new_state(self, weight, kernels):
         state = {}
-        if self._wants_master(weight):
+        if _wants_master(self._opt, weight):
             state['weight32'] = kernels.widen(weight)
         for name in self._opt.state_names():
-            state[name] = kernels.zeros_like(weight, self._state_dtype(weight))
+            state[name] = kernels.zeros_like(weight, _state_dtype(self._opt, weight))
         return state
 
     def _tick(self, key, part):
@@ -216,9 +200,11 @@ class Updater:
         """Restore what get_states returned (the optimizer too, when it was dumped)."""
         self.install(self.checked_states(states))
 
-    def checked_states(self, states):
+    def checked_states(self, states, weights=None):
         """What ``install`` takes for ``states`` (as get_states returns), every part checked
-        and nothing changed yet: ConfigError (naming the key) if any of it does not fit."""
+        and nothing changed yet: ConfigError (naming the key) if any of it does not fit.
+        ``weights``: {(key, part): weight} where known; a state that does not fit its weight
+        (dtype, shape, fp32 master copy) is refused here, not at the key's next update."""
         if not isinstance(states, dict) or states.get('format') != STATE_FORMAT:
             raise ConfigError(f'set_states: not a kvps updater state dict (format '
                               f'{STATE_FORMAT!r} expected)')
@@ -230,6 +216,11 @@ class Updater:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ConfigError(f'set_states: malformed state dict ({exc})') from None
         _check_state_names(opt, restored)
+        for where, state in restored.items():
+            misfit = _misfit(opt, *where, state, weights[where]) if where in (weights or ()) \
+                else None
+            if misfit is not None:
+                raise ConfigError(misfit[1])
         return opt, counts, restored, num_update
 
     def install(self, checked):
@@ -247,6 +238,43 @@ def _unpacked_state(key, part, state):
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ConfigError(f'set_states: key {key!r} part {part}: malformed optimizer state '
                           f'({exc})') from None
+
+
+def _misfit(opt, key, part, state, weight):
+    """``(error type, message)`` if ``state`` was not made for ``weight`` under ``opt`` (a
+    state of another job's key: another dtype, shape or multi_precision), else None."""
+    where, dtype = f'key {key!r} part {part}', common.dtype_name(weight)
+    if _wants_master(opt, weight) != ('weight32' in state):
+        return DTypeError, (
+            f'{where}: the optimizer state holds an fp32 master weight, but this {dtype} key '
+            'keeps none (only float16 and bfloat16 keys keep one, under multi_precision)'
+            if 'weight32' in state else
+            f'{where}: the optimizer state holds no fp32 master weight, but this {dtype} key '
+            'keeps one under multi_precision')
+    want = np.dtype(_state_dtype(opt, weight))
+    for name, arr in state.items():
+        if tuple(arr.shape) != tuple(weight.shape):
+            return ShapeError, (f'{where}: optimizer state {name!r} has shape '
+                                f'{tuple(arr.shape)}, the key part {tuple(weight.shape)}')
+        need = np.dtype(np.float32) if name == 'weight32' else want
+        if arr.dtype != need:
+            return DTypeError, (f'{where}: optimizer state {name!r} is {_name(arr.dtype)}, but '
+                                f'the key is {dtype}, whose state is {_name(need)}')
+    return None
+
+
+def _wants_master(opt, weight):
+    return opt.multi_precision and common.storage_name(weight) in _LOW_PRECISION
+
+
+def _state_dtype(opt, weight):
+    low = common.storage_name(weight) in _LOW_PRECISION
+    return np.float32 if low and (opt.multi_precision or opt.fp32_states) else weight.dtype
+
+
+def _name(dtype):
+    """kvps's name of a numpy dtype: uint16 storage is bfloat16."""
+    return 'bfloat16' if dtype == np.uint16 else str(dtype)
 
 
 def _check_dtype(key, label, array):

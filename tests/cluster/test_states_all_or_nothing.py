@@ -19,8 +19,9 @@ good = states.read_file('saved')
 entry = {key: whole for key, _, whole in good['keys']}[1]
 bad = {'other optimizer': {'mean': entry['mom'], 'var': entry['mom']},
        'other size': {'mom': {**entry['mom'], 'shape': [5], 'data': bytes(20)}},
-       'bad data': {'mom': {**entry['mom'], 'data': bytes(3)}}}
-seen = {}
+       'bad data': {'mom': {**entry['mom'], 'data': bytes(3)}},
+       'other dtype': {'mom': {**entry['mom'], 'dtype': 'float64', 'data': bytes(32)}}}
+seen, refusals = {}, {}
 for name, state in bad.items():
     kv.push([0, 1], [np.ones(4, np.float32), np.ones(4, np.float32)])   # state moves on
     merged = copy.deepcopy(good)
@@ -33,13 +34,17 @@ for name, state in bad.items():
     except kvps.errors.KVPSError as exc:
         seen[name] = [type(exc).__name__, str(exc).startswith(name) and 'key 1' in str(exc),
                       kv._get_optimizer_states() == before]
-report(seen=seen)
+        refusals[name] = str(exc)
+report(seen=seen, dtype_refusal=refusals.get('other dtype'))
 '''
 
 
 def test_a_bad_optimizer_state_file_changes_no_server(job, tmp_path):
     result = job(LOAD_SCRIPT, 1, 2)
     assert result.returncode == 0, result.output
-    seen = result.results()[0]['seen']
+    seen, refusal = result.results()[0]['seen'], result.results()[0]['dtype_refusal']
     assert seen == {name: [seen[name][0], True, True] for name in
-                    ('other optimizer', 'other size', 'bad data')}, seen
+                    ('other optimizer', 'other size', 'bad data', 'other dtype')}, seen
+    # refused when staged, not at the first update after both servers committed it
+    assert refusal == ("other dtype: key 1 part 0: optimizer state 'mom' is float64, but the "
+                       'key is float32, whose state is float32 (on server 1)'), refusal

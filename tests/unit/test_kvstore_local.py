@@ -1,5 +1,7 @@
 """The MXNet KVStore API on the in-process 'local' store: names, keys, values, errors."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -324,6 +326,42 @@ def test_a_file_that_does_not_fit_the_key_changes_nothing_and_is_named(tmp_path)
     out = np.zeros(2)
     kv.pull(0, out=out)
     assert out.tolist() == [5.0, 5.0]
+
+
+def _store_with_momentum(dtype, multi_precision=False):
+    kv = kvps.create('local')
+    kv.init(0, np.zeros(2, dtype))
+    kv.set_optimizer(kvps.optimizer.create('sgd', momentum=0.5, learning_rate=1.0,
+                                           multi_precision=multi_precision))
+    kv.push(0, np.ones(2, dtype))
+    return kv
+
+
+@pytest.mark.parametrize('saved, loaded, refusal', [
+    (('float64',), ('float32',), r"optimizer state 'mom' is float64, but the key is float32, "
+                                 r'whose state is float32'),
+    (('float32',), ('float64',), r"optimizer state 'mom' is float32, but the key is float64, "
+                                 r'whose state is float64'),
+    (('float16', True), ('float16',), r'the optimizer state holds an fp32 master weight, but this float16 key '
+                                      r'keeps none \(only float16 and bfloat16 keys'),
+    (('float16',), ('float16', True), r'the optimizer state holds no fp32 master weight, but this float16 key keeps '
+                                      r'one under multi_precision')])
+def test_a_state_of_another_dtype_is_refused_at_load_and_changes_nothing(tmp_path, saved,
+                                                                         loaded, refusal):
+    """Not at the first update after it (the load looked fine, the training then fails),
+    nor converted: the state's dtype follows the key's and the optimizer's multi_precision,
+    so a mismatch means a file of another job (MXNet's update fails on it alike)."""
+    _store_with_momentum(*saved).save_optimizer_states(tmp_path / 's')
+    kv = _store_with_momentum(*loaded)
+    before = kv._get_optimizer_states()
+    with pytest.raises(ConfigError, match=f'^{re.escape(str(tmp_path / "s"))}: key 0 part 0: '
+                                          + refusal):
+        kv.load_optimizer_states(tmp_path / 's')
+    assert kv._get_optimizer_states() == before
+    kv.push(0, np.ones(2, loaded[0]))          # the store trains on with its own state
+    out = np.zeros(2, loaded[0])
+    kv.pull(0, out=out)
+    assert out.tolist() == [-2.5, -2.5]        # mom 0.5 * -1 - 1, then w -1 - 1.5
 
 
 @pytest.mark.parametrize('saved, loaded', [

@@ -511,3 +511,24 @@ def test_refused_states_leave_the_shard_as_it_was_and_staged_ones_wait_for_commi
     assert shard.updater.num_update == 3 and shard.updater.get_states()['counts'] == [[0, 0, 3]]
     with pytest.raises(ConfigError, match='no optimizer states are staged'):
         shard.commit_states()
+
+
+@pytest.mark.parametrize('mom, refusal', [
+    ({'dtype': 'float32', 'shape': [2, 1], 'data': bytes(8)},
+     r"key 'k' part 0: optimizer state 'mom' has shape \(2, 1\), the key part \(2,\)"),
+    ({'dtype': 'float32', 'shape': [3], 'data': bytes(12)},
+     r"key 'k' part 0: optimizer state 'mom' has shape \(3,\), the key part \(2,\)"),
+    ({'dtype': 'float16', 'shape': [2], 'data': bytes(4)},
+     r"key 'k' part 0: optimizer state 'mom' is float16, but the key is float32")])
+def test_states_that_do_not_fit_their_key_are_refused_when_staged(mom, refusal):
+    """Not at the key's first update, after every server has committed them."""
+    shard = Shard(1, Updater(create('sgd', momentum=0.9, learning_rate=0.5)))
+    shard.init('i', 'k', 0, 'float32', (2,), True, buf(0.0, 0.0))
+    states = {'format': 'kvps.updater.states/1', 'num_update': 1, 'counts': [['k', 0, 1]],
+              'states': [['k', 0, {'mom': mom}]]}
+    with pytest.raises(ConfigError, match=refusal):
+        shard.set_states(states, stage=True)
+    with pytest.raises(ConfigError, match='no optimizer states are staged'):
+        shard.commit_states()
+    shard.push('p', W0, 'k', 0, 'float32', True, buf(1.0, 1.0))
+    assert data_of(shard.pull('q', W0, 'k', 0))['q'] == [-0.5, -0.5]
