@@ -39,6 +39,36 @@ class ProcSpec:
         return self.role if self.rank is None else f'{self.role} {self.rank}'
 
 
+class Sweeper:
+    """The launcher's side of kvps._launch_sweeper: a process in a session of its own, not
+    killed with the launcher, told each child's pid (children have process groups of their
+    own: pgid == pid)."""
+
+    def __init__(self):
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, '-m', 'kvps._launch_sweeper'], stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        except OSError:   # the launcher still sweeps when it stops; only a SIGKILL escapes
+            self.proc = None
+
+    def watch(self, pid):
+        self._write(f'{pid}\n'.encode())
+
+    def _write(self, data):
+        try:
+            self.proc.stdin.write(data)
+            self.proc.stdin.flush()
+        except (AttributeError, OSError, ValueError):   # none, or it died: best effort
+            pass
+
+    def close(self):
+        """EOF: the sweeper removes what the (reaped) children left, and exits."""
+        if self.proc is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+
+
 def exit_code(returncode):
     """The shell-style exit code of a child: its own code, or 128+signum if a signal killed it."""
     return 128 - returncode if returncode < 0 else returncode
@@ -78,7 +108,7 @@ def _pdeathsig_preexec():
     return preexec
 
 
-def _group_alive(pgid):
+def group_alive(pgid):
     """Whether any non-zombie process remains in process group `pgid`.
 
     kill(-pgid, 0) alone is not enough: orphaned zombies count, and a container's PID 1 may
@@ -123,7 +153,7 @@ class _Child:
     def signal_group(self, signum):
         if self.group_gone:
             return
-        if self.proc.returncode is not None and not _group_alive(self.pid):
+        if self.proc.returncode is not None and not group_alive(self.pid):
             self.group_gone = True
             return
         try:
@@ -134,7 +164,7 @@ class _Child:
     def group_alive(self):
         if self.proc.returncode is None:
             return True
-        if not self.group_gone and not _group_alive(self.pid):
+        if not self.group_gone and not group_alive(self.pid):
             self.group_gone = True
         return not self.group_gone
 
@@ -148,7 +178,7 @@ class Supervisor:
 
     def __init__(self, out=None, err=None, grace=5.0, tail_lines=TAIL_LINES, restarts=None,
                  primary_role='worker', formed_file=None, unjoined_grace=UNJOINED_GRACE,
-                 blame_file=None):
+                 blame_file=None, sweeper=None):
         self.out = out if out is not None else sys.stdout
         self.err = err if err is not None else sys.stderr
         self.grace = grace
@@ -168,6 +198,7 @@ class Supervisor:
         # JSON {'blame': [[role, rank], ...], 'reason': ...}, written by the job's coordinator
         # when a child ends the job without exiting first (found lost, never registered)
         self.blame_file = blame_file
+        self.sweeper = sweeper             # a Sweeper: told each child, closed at stop
 
     # -- output --------------------------------------------------------------------------
 
@@ -214,6 +245,8 @@ class Supervisor:
             return None
         child = _Child(spec, proc, self.tail_lines)
         self.children.append(child)
+        if self.sweeper is not None:
+            self.sweeper.watch(child.pid)
         child.reader = threading.Thread(target=self._pump, args=(child,), daemon=True,
                                         name=f'kvps-out-{child.name}')
         child.reader.start()
@@ -379,6 +412,8 @@ class Supervisor:
         for child in self.children:
             child.reader.join(timeout=max(0.0, deadline - time.monotonic()))
             remove_leftovers(child.pid)   # a worker killed while its segment had a name
+        if self.sweeper is not None:
+            self.sweeper.close()
         self._report()
         return code
 

@@ -12,7 +12,7 @@ import socket
 import sys
 import tempfile
 
-from ._launch_supervise import ProcSpec, Supervisor, forwarding_signals
+from ._launch_supervise import ProcSpec, Supervisor, Sweeper, forwarding_signals
 from .auth import new_secret
 from .config import VARS, Config
 from .errors import ConfigError
@@ -222,7 +222,7 @@ def run(opts, environ=None, node_argv=NODE_ARGV, out=None, err=None):
         supervisor = Supervisor(out=out, err=err, grace=opts.grace,
                                 restarts={'server': opts.restart_servers},
                                 formed_file=config.formed_file,
-                                blame_file=config.blame_file)
+                                blame_file=config.blame_file, sweeper=Sweeper())
         with forwarding_signals(supervisor):
             try:
                 return _run_job(supervisor, opts, environ, scheduler, config, node_argv)

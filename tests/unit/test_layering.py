@@ -92,11 +92,11 @@ def test_devices_sits_between_arrays_and_the_stores():
 
 def test_shm_sits_beside_protocol_below_the_roles():
     """shm (segments, the ring, offset checks) knows nothing of sockets, roles or config: the
-    worker's staging and the server's regions build on it, and the launcher removes what a
-    killed worker left."""
+    worker's staging and the server's regions build on it, and the launcher (or its sweeper,
+    once it is killed) removes what a killed worker left."""
     mods = [m for m in imports_of(PKG / 'shm.py') if m.startswith('kvps.')]
     assert all(m.startswith('kvps.errors') for m in mods), mods
     for path in sources():
         rel = path.relative_to(PKG).parts
-        if rel[0] not in ROLES and path.stem not in ('shm', '_launch_supervise'):
+        if rel[0] not in ROLES and path.stem not in ('shm', '_launch_supervise', '_launch_sweeper'):
             assert not any(m.startswith('kvps.shm') for m in imports_of(path)), path
