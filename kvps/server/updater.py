@@ -91,9 +91,11 @@ class Updater:
         key's update count ticks as for any update."""
         _check_dtype(key, 'weight', weight)
         _check_dtype(key, 'grad', grad)
-        state = self._state_for(key, part, weight, kernels_for(weight))
+        kernels = kernels_for(weight)
+        state = self._state_for(key, part, weight, kernels)
         count = self._tick(key, part)
         self._opt.num_update = self._num_update
+        ids = kernels.from_host(ids, weight)   # a GPU weight takes its index on its device
         picked = {name: array.reshape(-1, width)[ids] for name, array in state.items()}
         rows = weight.reshape(-1, width)[ids]
         multi_apply([self._call(key, rows.reshape(-1), grad.reshape(-1),
