@@ -93,6 +93,17 @@ def run_peer_script(script, args, out_dir, timeout):
     return _run_bounded(argv, env, timeout + 30, Path(out_dir) / 'run.log')
 
 
+def write_worker_record(out_dir, rank, record, summary):
+    """A benchmark worker's end: its one-line ``summary`` and errors on stdout, and
+    ``record`` as <out_dir>/worker<rank>.json (what read_worker_records reads)."""
+    print(summary, flush=True)
+    for error in record.get('errors', ()):
+        print('  ERROR', error, flush=True)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(Path(out_dir) / f'worker{rank}.json', 'w') as f:
+        json.dump(record, f, indent=1)
+
+
 def read_worker_records(out_dir, workers):
     """The per-worker JSON records (worker0.json ...) a benchmark cluster left in ``out_dir``."""
     records = []

@@ -18,7 +18,6 @@ kvps never modifies a pushed array, so unlike MXNet no refill is needed between 
 copy kvps makes of every pushed value is inside the timed region (it is part of its cost).
 """
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -132,14 +131,10 @@ def main():
         'startup_s': t_connected - t_start, 'correct': not errors, 'errors': errors,
         'cpu_window_s': window, 'cpu_s': cpu,
     }
-    print(f'[kvps worker {rank}/{nworkers}] keys={args.keys} bytes={actual_bytes} '
-          f'opt={args.optimizer} median_step={med * 1e3:.2f} ms '
-          f'algbw={rec["per_worker_algbw_GBps"]:.3f} GB/s correct={rec["correct"]}', flush=True)
-    for e in errors:
-        print('  ERROR', e, flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f'worker{rank}.json'), 'w') as f:
-        json.dump(rec, f, indent=1)
+    _common.write_worker_record(
+        args.out, rank, rec, f'[kvps worker {rank}/{nworkers}] keys={args.keys} '
+        f'bytes={actual_bytes} opt={args.optimizer} median_step={med * 1e3:.2f} ms '
+        f'algbw={rec["per_worker_algbw_GBps"]:.3f} GB/s correct={rec["correct"]}')
     kv.close()
     return 0 if not errors else 3
 
