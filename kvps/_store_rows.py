@@ -19,7 +19,9 @@ def push_item(store, key, values):
         whole = np.zeros((shape[0], rows.width_of(shape)), table.dtype)
         whole[ids] = table
         return (key, *_dense_sum(store, key, [whole.reshape(shape), *dense]))
-    return key, [rows.encode(i, r) for i, r in rows.split(ids, table, edges)], ROW_SPARSE
+    pieces = rows.split(ids, table, edges)
+    blocks = store._backend.stage([i.nbytes + r.nbytes for i, r in pieces])
+    return key, [rows.encode(i, r, block) for (i, r), block in zip(pieces, blocks)], ROW_SPARSE
 
 
 def _dense_sum(store, key, values):

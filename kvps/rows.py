@@ -139,9 +139,11 @@ def split(ids, rows, row_edges):
             for first, a, b in zip(row_edges, cuts, cuts[1:])]
 
 
-def encode(ids, rows):
-    """The wire payload of ``(ids, rows)``: one contiguous uint8 array."""
-    out = np.empty(ids.nbytes + rows.nbytes, np.uint8)
+def encode(ids, rows, out=None):
+    """The wire payload of ``(ids, rows)``: one contiguous uint8 array (``out``, a block of
+    exactly its bytes, when given: a worker's shared memory, where servers read it)."""
+    if out is None:
+        out = np.empty(ids.nbytes + rows.nbytes, np.uint8)
     out[:ids.nbytes] = ids.astype(ROW_ID, copy=False).view(np.uint8)
     out[ids.nbytes:] = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
     return out

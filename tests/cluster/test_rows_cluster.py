@@ -108,3 +108,27 @@ def test_a_trainers_sparse_embedding_trains_as_the_dense_one_through_its_rows(jo
         assert got[rank]['rows'] == [0] and got[rank]['close'] and got[rank]['out'], got
         assert 0 < got[rank]['moved'] <= 4 * 2 * 8 * 3   # the rows the batches read
     assert got[0]['checksum'] == got[1]['checksum']     # every worker holds the same weights
+
+
+# Rows of 64 floats: a push of ten is 2.6 KB, staged in the worker's shared memory (servers
+# read it in place) unless KVPS_SHM=0 sends it on the socket.
+WIDE_ROWS = '''
+kv = kvps.create('dist_sync')
+r = kv.rank
+kv.init(0, np.zeros((100, 64), np.float32))
+for step in range(3):
+    ids = np.arange(10) * 7 + r + step
+    kv.push(0, kvps.RowSparse(ids, np.full((10, 64), r + 1, np.float32)))
+out = np.zeros((100, 64), np.float32)
+kv.pull(0, out=out)
+report(nonzero=np.flatnonzero(out[:, 0]).tolist(), values=sorted(set(out[:, 0].tolist())))
+'''
+
+
+@pytest.mark.parametrize('shm', ['1', '0'])
+def test_wide_rows_travel_through_shared_memory_or_the_socket_alike(job, shm):
+    result = job(WIDE_ROWS, workers=2, servers=1, env={'KVPS_SHM': shm})
+    assert result.returncode == 0, result.output
+    # no optimizer: the value is the last round's sum, zeros elsewhere (rows 7i+2, 7i+3)
+    want = sorted([7 * i + 2 for i in range(10)] + [7 * i + 3 for i in range(10)])
+    assert result.results() == {r: {'nonzero': want, 'values': [0.0, 1.0, 2.0]} for r in (0, 1)}
