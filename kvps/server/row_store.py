@@ -87,6 +87,23 @@ def dense(entry, grad):
     return out.reshape(-1)
 
 
+def replace(entry, weight, grad):
+    """A store without an optimizer: ``weight`` (the entry's, writable) becomes ``grad``'s
+    rows, zeros elsewhere. Where it already was such a value (``entry.live``: its rows), only
+    those rows are cleared, not the whole part. Returns the ids of the rows changed, None
+    for all of them."""
+    xp = entry.arrays.xp
+    table = weight.reshape(-1, width(entry))
+    if entry.live is None:
+        table.fill(0)
+        changed = None
+    else:
+        table[xp.asarray(entry.live)] = 0
+        changed = np.union1d(entry.live, grad.ids)
+    table[xp.asarray(grad.ids)] = grad.rows
+    return changed
+
+
 def requested(entry, buffer):
     """The row ids a PULL_ROWS asks for: int64, sorted, unique and inside the part."""
     ids = np.frombuffer(buffer, rows.ROW_ID)

@@ -70,6 +70,7 @@ class Entry:
     # (round needed, token, rows asked: None for the whole value, else (ids, since))
     deferred: list = dataclasses.field(default_factory=list)
     rowlog: row_store.RowLog = dataclasses.field(default_factory=row_store.RowLog)
+    live: object = None      # after a push of rows replaced the value: its rows (zeros elsewhere)
     weight_leases: list = dataclasses.field(default_factory=list)
     merge_leases: list = dataclasses.field(default_factory=list)
     restored: bool = False                # from a checkpoint, not yet claimed by an init
@@ -371,6 +372,7 @@ class Shard:
         only rows it changed (a row update)."""
         entry.version += 1
         entry.step = 0
+        entry.live = None
         if failure is None:
             self.updates += 1
             if ids is None:
@@ -387,8 +389,10 @@ class Shard:
         else:
             grad = data if type(data) is RowGrad else entry.arrays.received(data, entry.dtype)
         if type(grad) is RowGrad:
+            if self.updater is None:
+                return self._replace_rows(entry, grad)
             if not getattr(self.updater, 'updates_rows', False):
-                grad = row_store.dense(entry, grad)   # replaced by it, or a dense update
+                grad = row_store.dense(entry, grad)   # the dense update it stands for
             else:
                 return self._apply_rows(entry, grad)
         failure = None
@@ -403,6 +407,14 @@ class Shard:
             entry.arrays.assign(entry.writable_weight(), grad)
         self._count_update(entry, failure)
         return failure
+
+    def _replace_rows(self, entry, grad):
+        """No optimizer: the value becomes the pushed rows, zeros elsewhere (as MXNet's); once
+        it is such a value, a round costs its rows, not the whole part."""
+        changed = row_store.replace(entry, entry.writable_weight(), grad)
+        self._count_update(entry, None, changed)
+        entry.live = grad.ids.copy()   # (a view of the received message)
+        return None
 
     def _apply_rows(self, entry, grad):
         """Run the optimizer on the rows of ``grad`` only (MXNet's lazy update)."""

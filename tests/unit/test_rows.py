@@ -77,6 +77,25 @@ def test_without_an_optimizer_pushed_rows_replace_the_value_zeros_elsewhere_as_i
     assert out.tolist() == [[1, 1], [8, 8], [1, 1], [2, 2]]
 
 
+def test_without_an_optimizer_each_round_of_rows_clears_the_last_ones_and_changes_only_those():
+    kv = kvps.create('local')
+    kv.init(0, np.full((6, 2), 9, np.float32))
+    marks, seen = {}, np.empty((6, 2), np.float32)
+    kv._pull_changed(0, seen, marks)()
+    kv.push(0, rs([1, 4], [[1, 1], [2, 2]]))          # first: every row changes (9 -> 0)
+    kv._pull_changed(0, seen, marks)()
+    assert seen[:, 0].tolist() == [0, 1, 0, 0, 2, 0]
+    seen[:] = 7
+    kv.push(0, rs([4, 5], [[3, 3], [5, 5]]))          # then: the rows of both rounds only
+    kv._pull_changed(0, seen, marks)()
+    assert seen[:, 0].tolist() == [7, 0, 7, 7, 3, 5]
+    kv.push(0, np.ones((6, 2), np.float32))            # a dense value in between
+    kv.push(0, rs([0], [[8, 8]]))
+    out = np.empty((6, 2), np.float32)
+    kv.pull(0, out=out)
+    assert out[:, 0].tolist() == [8, 0, 0, 0, 0, 0]
+
+
 def lazy_sgd(w, mom, ids, g, lr, wd, momentum):
     """MXNet's lazy SGD: the rows of ``ids`` only."""
     g = g + wd * w[ids]
