@@ -4,6 +4,7 @@ import math
 
 from . import kvstore as kvstore_mod
 from . import states
+from .errors import ConfigError
 from .optimizer import Optimizer
 
 
@@ -117,9 +118,10 @@ def _local_parts(sizes, fused):
     return lambda key: [(0, 0, 0, every[key])]
 
 
-def load_local_states(updater, fname, sizes, fused):
+def load_local_states(updater, fname, sizes, fused, weights=None):
     """Restore a local Updater from any optimizer-state file, checking it fits the params
-    (``sizes``), with the members of ``fused`` keys joined (see save_local_states)."""
+    (``sizes``; ``weights``: {(key, 0): weight}, their dtypes), with the members of ``fused``
+    keys joined (see save_local_states)."""
     merged = states.read_file(fname)
     if not isinstance(merged, dict) or merged.get('format') != states.FILE_FORMAT:
         raise ValueError(f'{fname}: not a kvps optimizer-state file')
@@ -134,7 +136,10 @@ def load_local_states(updater, fname, sizes, fused):
                                  f'elements; the parameter has {sizes[key]} (saved for other '
                                  'parameters?)')
     merged = states.fuse(merged, fused)
-    updater.set_states(states.split(merged, 1, _local_parts(sizes, fused))[0])
+    try:
+        updater.set_states(states.split(merged, 1, _local_parts(sizes, fused))[0], weights)
+    except ConfigError as exc:
+        raise ConfigError(f'{fname}: {exc}') from None
 
 
 def split_local_state(updater, sizes, fused, key):

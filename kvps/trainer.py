@@ -225,7 +225,8 @@ class Trainer:
             # kind of optimizer again keeps the state just loaded)
             self._batch_size_known = False
         else:
-            load_local_states(self._updater, fname, self._sizes(), self._local_ranges())
+            load_local_states(self._updater, fname, self._sizes(), self._local_ranges(),
+                              self._local_weights())
             self._optimizer = self._updater.optimizer
 
     # -- internals: setup ------------------------------------------------------------------
@@ -455,6 +456,16 @@ class Trainer:
             p.tensor.grad = p.tensor.new_zeros(p.tensor.shape)
             self._seen_grads[p.key] = p.tensor.grad
         return p.tensor.grad
+
+    def _local_weights(self):
+        """{(key, 0): the weight the local optimizer updates}, as _update gives them: what a
+        loaded state must fit (dtype, size, fp32 master copy)."""
+        whole = self._layout.updated_whole() if self._updater else []
+        weights = {(fused.key, 0): kernel_view(fused.weight) for fused in whole}
+        done = {p.key for fused in whole for p in fused.members}
+        weights.update(((p.key, 0), kernel_view(p.tensor)) for p in self._params
+                       if p.key not in done)
+        return weights
 
     def _local_ranges(self):
         """{fused key: its members' ranges} where the local optimizer state is per fused key."""

@@ -198,9 +198,10 @@ class Updater:
             out['optimizer'] = self._opt.to_spec()
         return out
 
-    def set_states(self, states):
-        """Restore what get_states returned (the optimizer too, when it was dumped)."""
-        self.install(self.checked_states(states))
+    def set_states(self, states, weights=None):
+        """Restore what get_states returned (the optimizer too, when it was dumped), checked
+        against ``weights`` as checked_states does."""
+        self.install(self.checked_states(states, weights))
 
     def checked_states(self, states, weights=None):
         """What ``install`` takes for ``states`` (as get_states returns), every part checked

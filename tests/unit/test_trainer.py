@@ -569,6 +569,29 @@ def test_load_states_refuses_other_parameters_and_garbage(tmp_path):
         t.load_states(tmp_path / 'bad')
 
 
+@pytest.mark.parametrize('uok', [None, False])
+def test_load_states_of_another_dtype_is_refused_at_load_and_changes_nothing(tmp_path, uok):
+    """Workers update: a float64 run's state loaded for float32 parameters was accepted, and
+    the next step failed."""
+    def make(dtype):
+        x = torch.nn.Parameter(torch.ones(4, dtype=dtype))
+        kv = kvps.create('local') if uok is not None else None
+        return x, Trainer([x], 'sgd', {'momentum': 0.5}, kvstore=kv, update_on_kvstore=uok)
+    x64, t64 = make(torch.float64)
+    _train(t64, x64, 1)
+    t64.save_states(tmp_path / 'f64')
+    x, t = make(torch.float32)
+    _train(t, x, 1)
+    before = x.detach().clone()
+    with pytest.raises(ConfigError, match=r"f64: .*'mom' is float64, but the key is float32"):
+        t.load_states(tmp_path / 'f64')
+    _train(t, x, 1)                      # the state it had goes on
+    y, t2 = make(torch.float32)
+    y.data.copy_(before)
+    _train(t2, y, 1)
+    assert not torch.equal(x, y)         # momentum from the first step counted (not reset)
+
+
 # -- parameters ----------------------------------------------------------------------------
 
 class Net(torch.nn.Module):
