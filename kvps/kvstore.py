@@ -177,6 +177,9 @@ class KVStore:
                 raise DuplicateInitError(f'init takes one value per key; key {k!r} got '
                                          f'{len(values)}')
             v = values[0]
+            if rows.is_row_sparse(v):   # it has no shape of its own: the table's is unknown
+                raise TypeError(f'key {k!r}: init takes a dense value of the whole key (zeros '
+                                'for an embedding); rows are pushed once it exists')
             shape, dtype = arrays.shape_of(v), arrays.dtype_name(v)
             items.append((k, self._host_copies([(k, [v])])[0], shape, dtype))
         self._backend.init(items, device=self._device)

@@ -54,6 +54,12 @@ def test_bad_rows_are_refused_naming_the_key(value, error, match):
     assert not out.any()   # nothing was applied
 
 
+def test_init_with_rows_is_refused_clearly():
+    kv = kvps.create('local')
+    with pytest.raises(TypeError, match='init takes a dense value'):
+        kv.init(0, kvps.RowSparse([1], np.ones((1, 2), np.float32)))
+
+
 @pytest.mark.parametrize('payload, match', [
     (rows.encode(np.array([3, 1]), np.ones((2, 2), np.float32)), 'sorted, unique'),
     (rows.encode(np.array([1, 1]), np.ones((2, 2), np.float32)), 'sorted, unique'),
