@@ -12,7 +12,6 @@ from a worker is answered once the round of that worker's latest push has comple
 ``pull`` after ``push`` always sees that round's result.
 """
 
-import dataclasses
 import os
 
 from .. import compression
@@ -20,103 +19,17 @@ from ..errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInitial
                       KVPSError, ShapeError)
 from ..protocol import ROW_SPARSE, TWO_BIT, identity_label
 from . import row_store
+from .entry import Entry, Lease
+from .optimizer_states import OptimizerStates
 from .placement import HostArrays, Placements
 from .row_store import RowGrad
-
-
-class Lease:
-    """A buffer lent to an outgoing reply. Until the transport is done with it (the loop sets
-    ``tracker``), the local store has copied it (``released``), or the worker reading it in
-    the arena has seen reply ``number`` (the loop sets ``reader``), it must not be written."""
-
-    __slots__ = ('tracker', 'released', 'reader', 'number')
-
-    def __init__(self):
-        self.tracker, self.released, self.reader, self.number = None, False, None, 0
-
-    @property
-    def done(self):
-        if self.reader is not None:
-            return self.reader.seen >= self.number
-        return self.released or (self.tracker is not None and self.tracker.done)
 
 
 def _reply(token, failure):
     return ('ack', token, None) if failure is None else ('error', token, failure)
 
 
-def _in_use(leases):
-    return any(not lease.done for lease in leases)
-
-
-@dataclasses.dataclass(eq=False)
-class Entry:
-    """One key part held by this server."""
-    key: object
-    part: int
-    dtype: str
-    shape: tuple
-    sync: bool
-    weight: object                        # an array of ``arrays``' kind (numpy or cupy)
-    merge: object = None                  # the buffer sums are made in
-    summed: object = None                 # the gradient to apply: a received array or merge
-    version: int = 0                      # rounds completed (sync) / pushes applied (async)
-    step: int = 0                         # sync: the open round's pushes' highest step
-    pushed: dict = dataclasses.field(default_factory=dict)   # worker -> pushes received
-    merged: set = dataclasses.field(default_factory=set)     # workers in the open round
-    held: list = dataclasses.field(default_factory=list)     # tokens acked at round end
-    queued: list = dataclasses.field(default_factory=list)   # (worker, round, data, token, step)
-    rows: list = dataclasses.field(default_factory=list)     # the open round's row pushes
-    # (round needed, token, rows asked: None for the whole value, else (ids, since))
-    deferred: list = dataclasses.field(default_factory=list)
-    rowlog: row_store.RowLog = dataclasses.field(default_factory=row_store.RowLog)
-    live: object = None      # after a push of rows replaced the value: its rows (zeros elsewhere)
-    weight_leases: list = dataclasses.field(default_factory=list)
-    merge_leases: list = dataclasses.field(default_factory=list)
-    restored: bool = False                # from a checkpoint, not yet claimed by an init
-    arrays: object = dataclasses.field(default_factory=HostArrays)   # where the arrays live
-    device: bool = False                  # a device-side store asked for the GPU
-
-    @property
-    def n(self):
-        return self.weight.size
-
-    def holds(self, dtype, shape):
-        """Whether this is the key a worker describes as ``shape`` of ``dtype``."""
-        return self.dtype == dtype and self.shape == tuple(shape)
-
-    def lend(self):
-        """``(weight, lease)`` for a pull reply: the weight itself, not a copy. Replies leave
-        the process after later updates may run, so writers copy a lent buffer first
-        (copy-on-write): a pull costs no copy unless an update overtakes its send."""
-        if self.weight_leases:
-            self.weight_leases = [l for l in self.weight_leases if not l.done]
-        lease = Lease()
-        self.weight_leases.append(lease)
-        return self.weight, lease
-
-    def writable_weight(self):
-        if _in_use(self.weight_leases):
-            self.weight = self.arrays.copy(self.weight)
-        self.weight_leases = []
-        return self.weight
-
-    def writable_merge(self):
-        """The buffer a round's sum is made in: the weight's dtype, float32 for bfloat16."""
-        if self.merge is None or _in_use(self.merge_leases):
-            wide = 'float32' if self.dtype == 'bfloat16' else None
-            self.merge = self.arrays.empty_like(self.weight, wide)
-        self.merge_leases = []
-        return self.merge
-
-    def take_summed(self):
-        """The round's gradient (a received buffer or the merge buffer), handed to the
-        update; the next round starts afresh."""
-        summed, self.summed = self.summed, None
-        return summed
-
-
-class Shard:
+class Shard(OptimizerStates):
     """The keys one server holds and the rules for changing them."""
 
     def __init__(self, num_workers, updater=None, placements=None):
@@ -515,7 +428,7 @@ class Shard:
                     entry.pushed[worker] = max(entry.pushed.get(worker, 0), count)
         return lost
 
-    # -- lookup and state -----------------------------------------------------------------
+    # -- lookup ---------------------------------------------------------------------------
     def _entry(self, key, part):
         entry = self.entries.get((key, part))
         if entry is None:
@@ -523,49 +436,3 @@ class Shard:
                 f'key {key!r} is not initialized on this server; call kv.init({key!r}, value) '
                 'on every worker first (in the same order on every worker)')
         return entry
-
-    def set_optimizer(self, spec):
-        """Run ``spec`` on every later update. The same kind of optimizer again (new learning
-        rate, a resumed job setting it anew) keeps every key's state and update count;
-        another kind starts fresh."""
-        from .updater import Updater  # the optimizer stack loads only when one is used
-        if self.updater is None or not self.updater.retune(spec):
-            self.updater = Updater(spec)
-
-    def get_states(self, dump_optimizer):
-        if self.updater is None:
-            raise ConfigError('no optimizer is set on the servers: there is no state to save')
-        return self.updater.get_states(dump_optimizer)
-
-    def set_states(self, states, stage=False):
-        """Install ``states`` (an updater state dict), or with ``stage`` only check and hold
-        them for commit_states: a job's servers all check theirs before any installs, so a
-        load that one of them refuses changes none. Nothing changes before all is checked
-        (the optimizer a file brings included, and each state against its key's weight)."""
-        updater = self.updater
-        if updater is None:
-            if 'optimizer' not in states:
-                raise ConfigError('set an optimizer before loading optimizer states (or load a '
-                                  'file saved with dump_optimizer=True)')
-            from .updater import Updater  # the optimizer stack loads only when one is used
-            updater = Updater(states['optimizer'])
-        weights = {where: entry.weight for where, entry in self.entries.items()}
-        staged = updater, updater.checked_states(states, weights)
-        self._staged = None
-        if stage:
-            self._staged = staged
-        else:
-            self._install(*staged)
-
-    def commit_states(self):
-        """Install the states held by ``set_states(..., stage=True)``."""
-        if self._staged is None:
-            raise ConfigError('commit_states: no optimizer states are staged on this server '
-                              '(it restarted since, or they were installed already)')
-        staged, self._staged = self._staged, None
-        self._install(*staged)
-
-    def _install(self, updater, checked):
-        updater.install(checked)
-        self.updater = updater
-
