@@ -15,9 +15,10 @@ import numpy as np
 from .. import protocol as P, rows
 from ..allocator import keep_freed_memory
 from ..arrays import writable_flat
-from ..errors import ConfigError, KVPSError, ProtocolError, RemoteError
+from ..errors import ConfigError, KVPSError, RemoteError
 from ..optimizer import needs_whole_tensors
 from .loop import SCHEDULER, WorkerIO, server_name
+from .messages import WAVE_BYTES, copier, describe, fuse, part_nbytes, payload, row_writer
 from .pending import Operation, PushWindow, Request
 from .sharding import Placement
 
@@ -183,7 +184,7 @@ class DistClient:
             at = None if staging is None else staging.offset_in(server_name(part.server), data)
             parts.append((key, part, data, dtype, at))
         batches = fuse(parts, lambda item: 0 if item[4] is not None else item[2].nbytes)
-        op = Operation(_describe('push', items), len(batches), on_error=self._errors.append)
+        op = Operation(describe('push', items), len(batches), on_error=self._errors.append)
         for server, batch in batches:
             node = server_name(server)
             keys, frames, keep = [], [], []
@@ -266,21 +267,21 @@ class DistClient:
         staging = self.io.staging
 
         def wire_bytes(item):
-            nbytes = _nbytes(item)
+            nbytes = part_nbytes(item)
             in_shm = staging is not None and staging.would_place(server_name(item[1].server),
                                                                  nbytes)
             return 0 if in_shm else nbytes
         batches = fuse(self._parts_of(targets), wire_bytes)
-        op = Operation(_describe('pull', items), len(batches))
+        op = Operation(describe('pull', items), len(batches))
         for server, batch in batches:
             node = server_name(server)
             blocks = [None if staging is None else staging.block_for(
-                node, _nbytes(item), (item[0], item[1].part)) for item in batch]
+                node, part_nbytes(item), (item[0], item[1].part)) for item in batch]
             header = {'op': P.PULL, 'keys': [
                 [key, part.part, None if block is None else block[0]]
                 for (key, part, _, _), block in zip(batch, blocks)]}
             self._submit(server, header, (),
-                         Request(op, node, _copier(batch, blocks, staging, node), keep=blocks))
+                         Request(op, node, copier(batch, blocks, staging, node), keep=blocks))
         return op, finish
 
     def _finish_pull(self, op, finish):
@@ -315,7 +316,7 @@ class DistClient:
                 elif marks.get(part.part) is not None:
                     header['since'] = marks[part.part]
                 ops.append(self._request(part.server, f'pull of rows of key {key!r}', header,
-                                         buffers, _row_writer(table[first:part.stop // width],
+                                         buffers, row_writer(table[first:part.stop // width],
                                                               marks, part.part)))
 
         def wait():
@@ -424,86 +425,3 @@ class DistClient:
                 raise exc
         if self.io.fatal is not None:
             raise self.io.fatal
-
-
-FUSE_BYTES = 1 << 20   # socket bytes up to which parts share a message for the same server
-# Socket bytes a pushpull sends before the pull requests that follow them: small enough that
-# results start coming back early in a big model's push, big enough that small keys still
-# share messages.
-WAVE_BYTES = 1 << 20
-
-
-def _nbytes(item):
-    """Bytes of one ``(key, part, array, dtype)`` part of a pull."""
-    return (item[1].stop - item[1].start) * item[2].itemsize
-
-
-def fuse(parts, wire_bytes=_nbytes):
-    """Group ``(key, part, array, dtype, ...)`` by server into messages: small parts together (one
-    message per server instead of one per key), a big part alone, so the server starts on
-    it while the next one is still on the wire. ``wire_bytes(item)``: what a part puts on the
-    wire (0 through shared memory: such parts all share one message)."""
-    open_batches, batches = {}, []
-    for item in parts:
-        server, nbytes = item[1].server, wire_bytes(item)
-        if nbytes > FUSE_BYTES:
-            batches.append((server, [item]))
-            continue
-        batch = open_batches.get(server)
-        if batch is None or batch[0] + nbytes > FUSE_BYTES:
-            batch = open_batches[server] = [0, []]
-            batches.append((server, batch[1]))
-        batch[0] += nbytes
-        batch[1].append(item)
-    return batches
-
-
-def payload(part, array, dtype):
-    """What one part of an item carries: its slice of the flat array, or, for a compressed
-    push, its own encoded payload (``array`` is then the list of them, one per part)."""
-    return array[part.part] if dtype in P.PUSH_CODECS else array[part.start:part.stop]
-
-
-def _copier(batch, blocks, staging, node):
-    """The reply handler that writes every pulled part into the caller's arrays, from its data
-    frame, from the shared-memory block (offset, array) the server wrote it into, or from the
-    server's arena where it lent it (remembered: that key part then asks for no block)."""
-    at_index = P.AT[P.DATA]
-
-    def on_data(header, buffers):
-        frames = iter(buffers)
-        arena = None if staging is None else staging.arenas.get(node)
-        for asked, block, item in zip(batch, blocks, header['keys']):
-            key, part, target, dtype = asked
-            at, lent = item[at_index], item[P.LENT]
-            if arena is not None:
-                arena.note((key, part.part), lent is not None)
-            if lent is not None:
-                if arena is None:
-                    raise ProtocolError(f'{node} answered a pull from an arena this worker '
-                                        'has not mapped')
-                source = arena.view(lent, _nbytes(asked))
-            elif at is None:
-                source = next(frames)
-            elif block is not None and at == block[0]:
-                source = block[1]
-            else:
-                raise ProtocolError(f'a pull answered at shared-memory offset {at}, which this '
-                                    'worker did not give')
-            np.copyto(target[part.start:part.stop], P.as_array(source, dtype))
-    return on_data
-
-
-def _row_writer(table, marks, part):
-    """The reply handler that writes pulled rows into ``table`` (a part's rows), and notes
-    the part's change count in ``marks`` (a dict, or None)."""
-    def on_rows(header, buffers):
-        ids, values = rows.decode(buffers[0], table.shape[1], table.dtype, table.shape[0])
-        table[ids] = values
-        if marks is not None:
-            marks[part] = [header['epoch'], header['count']]
-    return on_rows
-
-
-def _describe(what, items):
-    return f'{what} of key {items[0][0]!r}' if len(items) == 1 else f'{what} of {len(items)} keys'

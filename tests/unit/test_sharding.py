@@ -68,7 +68,7 @@ def test_placement_is_deterministic_and_remembered():
 
 def test_small_parts_share_a_message_per_server_and_shared_memory_parts_all_share_one():
     import numpy as np
-    from kvps.worker.client import FUSE_BYTES, fuse
+    from kvps.worker.messages import FUSE_BYTES, fuse
     from kvps.worker.sharding import Part
     big = np.zeros(FUSE_BYTES // 2, np.uint8)          # two of these fill a socket message
     parts = [(k, Part(k % 2, 0, 0, big.size), big, 'uint8') for k in range(8)]

@@ -1,0 +1,88 @@
+"""How a worker's requests are cut into messages and how their answers land: parts fused per server, pulled bytes written into the caller's arrays."""
+
+import numpy as np
+
+from .. import protocol as P, rows
+from ..errors import ProtocolError
+
+FUSE_BYTES = 1 << 20   # socket bytes up to which parts share a message for the same server
+# Socket bytes a pushpull sends before the pull requests that follow them: small enough that
+# results start coming back early in a big model's push, big enough that small keys still
+# share messages.
+WAVE_BYTES = 1 << 20
+
+
+def part_nbytes(item):
+    """Bytes of one ``(key, part, array, dtype)`` part of a pull."""
+    return (item[1].stop - item[1].start) * item[2].itemsize
+
+
+def fuse(parts, wire_bytes=part_nbytes):
+    """Group ``(key, part, array, dtype, ...)`` by server into messages: small parts together (one
+    message per server instead of one per key), a big part alone, so the server starts on
+    it while the next one is still on the wire. ``wire_bytes(item)``: what a part puts on the
+    wire (0 through shared memory: such parts all share one message)."""
+    open_batches, batches = {}, []
+    for item in parts:
+        server, nbytes = item[1].server, wire_bytes(item)
+        if nbytes > FUSE_BYTES:
+            batches.append((server, [item]))
+            continue
+        batch = open_batches.get(server)
+        if batch is None or batch[0] + nbytes > FUSE_BYTES:
+            batch = open_batches[server] = [0, []]
+            batches.append((server, batch[1]))
+        batch[0] += nbytes
+        batch[1].append(item)
+    return batches
+
+
+def payload(part, array, dtype):
+    """What one part of an item carries: its slice of the flat array, or, for a compressed
+    push, its own encoded payload (``array`` is then the list of them, one per part)."""
+    return array[part.part] if dtype in P.PUSH_CODECS else array[part.start:part.stop]
+
+
+def copier(batch, blocks, staging, node):
+    """The reply handler that writes every pulled part into the caller's arrays, from its data
+    frame, from the shared-memory block (offset, array) the server wrote it into, or from the
+    server's arena where it lent it (remembered: that key part then asks for no block)."""
+    at_index = P.AT[P.DATA]
+
+    def on_data(header, buffers):
+        frames = iter(buffers)
+        arena = None if staging is None else staging.arenas.get(node)
+        for asked, block, item in zip(batch, blocks, header['keys']):
+            key, part, target, dtype = asked
+            at, lent = item[at_index], item[P.LENT]
+            if arena is not None:
+                arena.note((key, part.part), lent is not None)
+            if lent is not None:
+                if arena is None:
+                    raise ProtocolError(f'{node} answered a pull from an arena this worker '
+                                        'has not mapped')
+                source = arena.view(lent, part_nbytes(asked))
+            elif at is None:
+                source = next(frames)
+            elif block is not None and at == block[0]:
+                source = block[1]
+            else:
+                raise ProtocolError(f'a pull answered at shared-memory offset {at}, which this '
+                                    'worker did not give')
+            np.copyto(target[part.start:part.stop], P.as_array(source, dtype))
+    return on_data
+
+
+def row_writer(table, marks, part):
+    """The reply handler that writes pulled rows into ``table`` (a part's rows), and notes
+    the part's change count in ``marks`` (a dict, or None)."""
+    def on_rows(header, buffers):
+        ids, values = rows.decode(buffers[0], table.shape[1], table.dtype, table.shape[0])
+        table[ids] = values
+        if marks is not None:
+            marks[part] = [header['epoch'], header['count']]
+    return on_rows
+
+
+def describe(what, items):
+    return f'{what} of key {items[0][0]!r}' if len(items) == 1 else f'{what} of {len(items)} keys'
