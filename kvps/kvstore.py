@@ -2,7 +2,6 @@
 
 import atexit
 import logging
-import operator
 import os
 import sys
 import threading
@@ -10,11 +9,11 @@ import threading
 import numpy as np
 
 from . import _store_rows, arrays, compression, devices, rows, states
+from ._store_keys import StoreKeys
 from .config import LOG_FORMAT, Config
-from .errors import (ConfigError, DuplicateInitError, KeyNotInitializedError, KeyTypeError,
-                     KVPSError, StoreClosedError)
+from .errors import (ConfigError, DuplicateInitError, KeyNotInitializedError, KVPSError,
+                     StoreClosedError)
 from .local import LocalBackend
-from .protocol import MAX_KEY_CHARS
 
 # Type names are parsed by substring as in MXNet; these are the words a name may be built from.
 _WORDS = {'local', 'device', 'dist', 'sync', 'async', 'update', 'cpu', 'allreduce'}
@@ -22,8 +21,6 @@ KNOWN_TYPES = ('local', 'device', 'dist', 'dist_sync', 'dist_async', 'dist_sync_
                'dist_device_sync', 'dist_async_device', 'local_update_cpu',
                'local_allreduce_cpu', 'local_allreduce_device')
 CAPABILITIES = ('optimizer',)
-# Keys travel as msgpack ints: 64 bits, signed or unsigned.
-_KEY_MIN, _KEY_END = -2 ** 63, 2 ** 64
 
 _dist_lock = threading.Lock()
 _dist_client = None      # one job membership per process, shared by every dist store
@@ -117,7 +114,7 @@ def _uncaught(exc):
     return f'uncaught {type(exc).__name__}' + (f': {text}' if text else '')
 
 
-class KVStore:
+class KVStore(StoreKeys):
     """Keys to arrays, shared by every worker of the job (MXNet's KVStore interface).
 
     The threads of a process may share a store, as ps-lite's KVWorker allows: push and pull
@@ -139,8 +136,7 @@ class KVStore:
         # key -> (shape, dtype name), kept by the backend: every store of one process's job
         # membership sees the keys any of them initialized, as the servers do
         self._meta = backend.keys
-        self._key_kind = None
-        self._kind_lock = threading.Lock()   # the first keys of two threads settle one kind
+        self._init_keys()
         self._codec = None         # gradient compression of pushes (set_gradient_compression)
         self._residuals = {}       # what compressed pushes have not sent yet, per key part
 
@@ -421,108 +417,6 @@ class KVStore:
 
     def __exit__(self, *exc):
         self.close()
-
-    # -- values ---------------------------------------------------------------------------
-    def _encoded(self, codec, key, values):
-        """One compressed payload per part of the key (as the backend splits it), each in
-        the memory the backend sends from when it has some."""
-        grad = self._host_copies([(key, values)])[0]
-        parts = self._parts(key)
-        sizes = [compression.nbytes(codec.name, stop - start)
-                 for _, _, start, stop in parts]
-        payloads = []
-        for (_, part, start, stop), size, out in zip(parts, sizes, self._backend.stage(sizes)):
-            out = np.empty(size, np.uint8) if out is None else out
-            payloads.append(codec.encode(key, part, grad[start:stop], out))
-        return payloads
-
-    def _on_gpu(self, key, values):
-        return devices.takes_device_path(values, self._device, self._type, key)
-
-    def _host_copies(self, pairs, stage=False):
-        """What the backend is given for each ``(key, values)``: a kvps-owned flat host copy
-        of the values' sum (the caller's memory is never handed over). GPU values are summed
-        on their device and staged through pinned memory; host values are summed by numpy,
-        with ``stage`` straight into the memory the backend sends from (a worker's shared
-        memory: the one copy a push makes)."""
-        gpu = [self._on_gpu(key, values) for key, values in pairs]
-        sizes = [0 if on_gpu else values[0].nbytes for on_gpu, (_, values) in zip(gpu, pairs)]
-        blocks = self._backend.stage(sizes) if stage else [None] * len(pairs)
-        copies = []
-        for on_gpu, (_, values), into in zip(gpu, pairs, blocks):
-            if on_gpu:
-                copies.append(devices.host_sum(values))
-            elif len(values) > 1:
-                copies.append(arrays.sum_values(values, into))
-            else:
-                copies.append(arrays.flat_copy(values[0], into))
-        return copies
-
-    # -- keys -----------------------------------------------------------------------------
-    def _pairs(self, key, value):
-        """Normalize (key, value) into [(key, [values...])] as MXNet does: a key given
-        more than once in a call is one key with all their values (pushed: summed; pulled:
-        each written), in the order of its first appearance."""
-        if not isinstance(key, (list, tuple)):
-            return [(self._check_key(key), self._as_list(value))]
-        if not isinstance(value, (list, tuple)) or len(value) != len(key):
-            raise ValueError('a list of keys needs a list of values of the same length')
-        grouped = {}
-        check_key, as_list = self._check_key, self._as_list
-        for k, v in zip(key, value):
-            k = check_key(k)
-            values = as_list(v)
-            had = grouped.get(k)
-            if had is None:
-                grouped[k] = values
-            else:
-                had.extend(values)
-        return list(grouped.items())
-
-    @staticmethod
-    def _as_list(value):
-        if type(value) is np.ndarray:   # the common case, answered first: runs for every key
-            return [value]
-        values = list(value) if isinstance(value, (list, tuple)) else [value]
-        if not values or not all(devices.is_value(v) or rows.is_row_sparse(v) for v in values):
-            raise TypeError('values must be numpy arrays, torch tensors or cupy arrays, or '
-                            'kvps.RowSparse rows (or lists of them)')
-        return values
-
-    def _check_key(self, key):
-        """The key as a plain int or str (numpy integers from ``np.arange``, IntEnum and str
-        subclasses are taken by value; bool, float and the rest are refused)."""
-        if type(key) is int and self._key_kind is int and _KEY_MIN <= key < _KEY_END:
-            return key   # the common case, answered first: this runs for every key of a call
-        if isinstance(key, bool) or not isinstance(key, (int, str, np.integer)):
-            raise KeyTypeError(f'keys must be int or str, got {type(key).__name__}')
-        key = str.__str__(key) if isinstance(key, str) else operator.index(key)
-        if isinstance(key, int) and not _KEY_MIN <= key < _KEY_END:
-            raise KeyTypeError(f'int keys must fit in 64 bits ([-2**63, 2**64)); got {key}')
-        if isinstance(key, str) and len(key) > MAX_KEY_CHARS:
-            raise KeyTypeError(f'str keys may have at most {MAX_KEY_CHARS} characters; got '
-                               f'one of {len(key)}: {key[:40]!r}...')
-        kind = type(key)
-        if self._key_kind is None:
-            with self._kind_lock:
-                if self._key_kind is None:
-                    self._key_kind = kind
-        if kind is not self._key_kind:
-            raise KeyTypeError(f'this store uses {self._key_kind.__name__} keys; got '
-                               f'{kind.__name__} key {key!r} (one kind per store)')
-        return key
-
-    def _open(self):
-        if self._backend.closed:
-            raise StoreClosedError(f'this {self._type!r} store is closed (kv.close() or '
-                                   'interpreter exit); it takes no more calls')
-
-    def _known(self, key):
-        meta = self._meta.get(key)
-        if meta is None:
-            raise KeyNotInitializedError(f'key {key!r} is not initialized; call '
-                                         f'kv.init({key!r}, value) first')
-        return meta
 
 
 __all__ = ['create', 'KVStore', 'KNOWN_TYPES', 'parse_type', 'KVPSError']
