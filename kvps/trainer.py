@@ -4,11 +4,9 @@ import os
 import warnings
 import weakref
 
-import numpy as np
-
-from . import optimizer as opt_mod, rows
-from ._trainer_fusion import (FusedKey, Layout, PushBucket, pull_weights, split_partly_frozen,
-                              weights_of)
+from . import optimizer as opt_mod
+from ._trainer_exchange import GradientExchange, dense
+from ._trainer_fusion import Layout, PushBucket, pull_weights, split_partly_frozen, weights_of
 from ._trainer_kv import (check_compression, load_local_states, load_server_states,
                           read_optimizer, resolve, save_local_states, save_server_states,
                           split_local_state)
@@ -23,7 +21,7 @@ __all__ = ['Trainer', 'ParameterMismatchError', 'StaleGradientError']
 BUCKET_BYTES = 4 << 20   # gradients per push while backward runs (DDP's default is 25 MB)
 
 
-class Trainer:
+class Trainer(GradientExchange):
     """Applies an optimizer to torch parameters, as ``mxnet.gluon.Trainer`` does.
 
     ``params``: a module, its ``named_parameters()``, a dict name -> parameter, or a list of
@@ -339,124 +337,6 @@ class Trainer:
             self._bucket.flush_when_backward_ends()
         self._fresh.add(p.key)
 
-    def _push(self, p, grad):
-        # Every trainable parameter is pushed every step (zeros when it has no gradient):
-        # a sync round completes only when every worker has pushed into it.
-        self._pushed.add(p.key)
-        fused = self._layout.by_member.get(p.key)
-        if fused is None:
-            self._bucket.add(p.key, self._push_value(p, grad), p)
-        elif fused.arrive(p, grad):   # a fused key leaves once all its members' gradients are in
-            self._bucket.add(fused.key, fused.gather_grads(_dense), fused)
-
-    def _push_value(self, p, grad):
-        """What a parameter of its own pushes: a sparse gradient's rows alone (to a kvps store,
-        for a host parameter), else the dense gradient (zeros for none: rows, none of them)."""
-        if grad is None:
-            return rows.RowSparse(np.empty(0, np.int64), p.tensor.new_zeros(
-                (0, *p.tensor.shape[1:]))) if p.key in self._row_keys else \
-                p.tensor.new_zeros(p.tensor.shape)
-        if _is_dense(grad):
-            self._row_keys.discard(p.key)
-            return grad
-        if hasattr(self._kv, '_pull_changed') and p.tensor.device.type == 'cpu' \
-                and p.tensor.is_contiguous() and grad.sparse_dim() == 1:
-            self._row_keys.add(p.key)
-            return grad
-        return _dense(grad)
-
-    def _pulls_rows(self, key):
-        """Whether step() pulls only the rows of ``key`` its servers changed."""
-        return self._update_on_kvstore and key in self._row_keys
-
-    def _pull_early(self, keys, entries):
-        """Right behind a push (see _trainer_pulls): in distributed mode with overlap."""
-        if self._overlap:
-            pairs = [(k, e) for k, e in zip(keys, entries) if not self._pulls_rows(k)]
-            if pairs:
-                self._early.start(*map(list, zip(*pairs)))
-
-    def _allreduce_grads(self, into_grads):
-        """Send what backward has not sent yet; pull weights (servers update) or summed
-        gradients: into each ``.grad`` (allreduce_grads, as Gluon), or for step() into buffers
-        of the Trainer's, so that ``.grad`` stays this worker's own and a backward that adds
-        to it without zero_grad accumulates as with torch.optim (not onto the sum)."""
-        if self._kv is None:
-            return
-        # Alone, a stale parameter (ignore_stale_grad) is skipped, as without a store: not
-        # pushed (a store that updates would move it) nor pulled (into .grad).
-        reduced = [p for p in self._trainable if self._takes_part(p)]
-        for p in reduced:
-            if p.key not in self._pushed:
-                self._push(p, p.tensor.grad)
-        for fused in self._layout.fused:   # some members frozen (workers update): zeros for them
-            if fused.arrived:
-                self._bucket.add(fused.key, fused.gather_grads(_dense), fused)
-        self._bucket.flush()
-        entries = self._layout.store_keys(reduced)
-        # Keys pulled right behind their pushes (overlap) are waited for; one pipelined pull
-        # for the rest: all requests leave before any answer is awaited, first layers first
-        # (the next forward needs them first).
-        started = self._early.started()
-        by_rows = [(key, entry) for _, key, entry in entries if self._pulls_rows(key)]
-        rows_landed = self._kv._pull_changed(
-            [key for key, _ in by_rows], [entry.tensor.detach() for _, entry in by_rows],
-            self._row_marks) if by_rows else None
-        late = [(key, entry) for _, key, entry in entries
-                if key not in started and not self._pulls_rows(key)]
-        if late:
-            self._kv.pull([key for key, _ in late],
-                          out=[self._late_target(entry, into_grads) for _, entry in late])
-        if rows_landed is not None:
-            rows_landed()
-        self._settle(entries, self._early.finish(), into_grads)
-        if into_grads:
-            self._land_fused_grads(entries, {p.key for p in reduced})
-        self._reduced = 'grads' if into_grads else 'buffers'
-
-    def _late_target(self, entry, into_grads):
-        if self._update_on_kvstore:
-            return weights_of(entry)
-        return self._pull_target(entry, into_grads)
-
-    def _settle(self, entries, early, into_grads):
-        """Put what the pulls brought where step's caller sees it: fused keys' packed weights
-        into their members, early pulls' buffers into a parameter's weights or ``.grad``."""
-        for _, key, entry in entries:
-            if isinstance(entry, FusedKey):
-                if self._update_on_kvstore:
-                    entry.scatter_weights()
-            elif key in early and self._update_on_kvstore:
-                entry.tensor.detach().copy_(self._early.staged(key))
-            elif key in early and into_grads:
-                self._grad_target(entry).copy_(self._summed[key])
-
-    def _land_fused_grads(self, entries, reduced):
-        """allreduce_grads: summed gradients of fused keys into the ``.grad`` of their members
-        reduced (keys in ``reduced``), as Gluon leaves them."""
-        for _, _, entry in entries:
-            if isinstance(entry, FusedKey):
-                for p, view in zip(entry.members, entry.grad_views):
-                    if p.key in reduced:
-                        self._grad_target(p).copy_(view)
-
-    def _pull_target(self, p, into_grads):
-        if isinstance(p, FusedKey):
-            return p.grad
-        if not into_grads:
-            summed = self._summed.get(p.key)
-            if summed is None:
-                summed = self._summed[p.key] = p.tensor.new_empty(p.tensor.shape)
-            return summed
-        return self._grad_target(p)
-
-    def _grad_target(self, p):
-        grad = p.tensor.grad   # summed gradients land in dense .grad tensors
-        if grad is None or not _is_dense(grad):
-            p.tensor.grad = p.tensor.new_zeros(p.tensor.shape)
-            self._seen_grads[p.key] = p.tensor.grad
-        return p.tensor.grad
-
     def _local_weights(self):
         """{(key, 0): the weight the local optimizer updates}, as _update gives them: what a
         loaded state must fit (dtype, size, fp32 master copy)."""
@@ -485,7 +365,7 @@ class Trainer:
             if trainable:
                 if self._reduced == 'grads':   # the sums allreduce_grads left (maybe clipped)
                     fused.arrived = {p.key: p.tensor.grad for p in fused.members}
-                    fused.gather_grads(_dense)
+                    fused.gather_grads(dense)
                 items.append((fused.key, 0, kernel_view(fused.gather_weights()),
                               kernel_view(fused.grad, read_only=True)))
                 whole.append(fused)
@@ -500,7 +380,7 @@ class Trainer:
             # Flat views: the state then has the servers' layout, so files load either way.
             # The gradient stays as backward (or allreduce_grads) left it, as with torch.optim.
             items.append((p.key, 0, kernel_view(p.tensor),
-                          kernel_view(_dense(grad), read_only=True)))
+                          kernel_view(dense(grad), read_only=True)))
         if items:
             self._updater.update_many(items)
         for fused in whole:
@@ -525,17 +405,6 @@ class Trainer:
 
     def _note_grads(self):
         self._seen_grads = {p.key: p.tensor.grad for p in self._trainable}
-
-
-def _is_dense(grad):
-    import torch  # lazy: kvps imports without torch (it is loaded once a Trainer exists)
-    return grad.layout == torch.strided
-
-
-def _dense(grad):
-    """A sparse gradient (``nn.Embedding(sparse=True)``) as the dense tensor it stands for:
-    store keys and kernels are dense, so it trains as ``sparse=False`` would."""
-    return grad if _is_dense(grad) else grad.to_dense()
 
 
 def _hook(ref, p):
