@@ -78,7 +78,7 @@ def pull_begin(store, key, out, row_ids=None, marks=None):
         wait()
         for target, ids_pulled, table in landings:
             if target is not None:
-                devices.put_rows(target, ids_pulled, table)
+                devices.put_rows(target, ids_pulled, table[ids_pulled])
     return landed
 
 
@@ -140,3 +140,31 @@ def _checked_ids(key, wanted, num_rows):
         raise ShapeError(f'key {key!r}: row id {int(bad)} is out of range: the key has '
                          f'{num_rows} rows')
     return ids
+
+
+def pull_live_begin(store, keys):
+    """Ask for the rows of each key's value that its last push of rows made (servers without
+    an optimizer: the round's summed rows; every row of a dense value); returns the wait,
+    which gives {key: (sorted ids, rows as a 2-D host array)}. A key split inside its rows
+    is pulled whole."""
+    sinks, whole, items = {}, {}, []
+    for key in keys:
+        shape, dtype = store._known(key)
+        width = rows.width_of(shape)
+        if _row_edges(store, key, shape) is None:
+            whole[key] = np.empty((shape[0], width), DTYPES[dtype])
+            store._backend.pull([(key, whole[key].reshape(-1), dtype)])
+            continue
+        sinks[key] = []
+        items.append((key, width, np.dtype(DTYPES[dtype]), sinks[key]))
+    wait = store._backend.pull_live_begin(items)
+
+    def landed():
+        wait()
+        found = {key: (np.arange(len(table), dtype=rows.ROW_ID), table)
+                 for key, table in whole.items()}
+        for key, pieces in sinks.items():
+            found[key] = (np.concatenate([ids for ids, _ in pieces]),
+                          np.concatenate([values for _, values in pieces]))
+        return found
+    return landed

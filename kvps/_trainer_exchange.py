@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from . import rows
+from . import devices, rows
 from ._trainer_fusion import FusedKey, weights_of
 
 
@@ -37,8 +37,9 @@ class GradientExchange:
         return dense(grad)
 
     def _pulls_rows(self, key):
-        """Whether step() pulls only the rows of ``key`` its servers changed."""
-        return self._update_on_kvstore and key in self._row_keys
+        """Whether step() pulls rows of ``key``: those its servers changed (they update), or
+        those of the summed gradient (workers update)."""
+        return key in self._row_keys
 
     def _pull_early(self, keys, entries):
         """Right behind a push (see _trainer_pulls): in distributed mode with overlap."""
@@ -70,20 +71,38 @@ class GradientExchange:
         # (the next forward needs them first).
         started = self._early.started()
         by_rows = [(key, entry) for _, key, entry in entries if self._pulls_rows(key)]
-        rows_landed = self._kv._pull_changed(
-            [key for key, _ in by_rows], [entry.tensor.detach() for _, entry in by_rows],
-            self._row_marks) if by_rows else None
+        rows_landed = self._pull_rows_begin(by_rows) if by_rows else None
         late = [(key, entry) for _, key, entry in entries
                 if key not in started and not self._pulls_rows(key)]
         if late:
             self._kv.pull([key for key, _ in late],
                           out=[self._late_target(entry, into_grads) for _, entry in late])
         if rows_landed is not None:
-            rows_landed()
+            self._land_rows(by_rows, rows_landed(), into_grads)
         self._settle(entries, self._early.finish(), into_grads)
         if into_grads:
             self._land_fused_grads(entries, {p.key for p in reduced})
         self._reduced = 'grads' if into_grads else 'buffers'
+
+    def _pull_rows_begin(self, by_rows):
+        """Send the pulls of parameters whose gradients went as rows: the rows their servers
+        changed into the weights, or the rows of the summed gradient (workers update)."""
+        keys = [key for key, _ in by_rows]
+        if self._update_on_kvstore:
+            return self._kv._pull_changed(keys, [p.tensor.detach() for _, p in by_rows],
+                                          self._row_marks)
+        return self._kv._pull_live(keys)
+
+    def _land_rows(self, by_rows, got, into_grads):
+        """Workers update: keep the summed rows for _update (a lazy update of those rows),
+        or for allreduce_grads write them into ``.grad`` (zeros elsewhere)."""
+        if self._update_on_kvstore:
+            return
+        self._row_sums = got
+        for key, p in by_rows if into_grads else ():
+            target = self._grad_target(p)
+            target.detach().zero_()
+            devices.put_rows(target, *got[key])
 
     def _late_target(self, entry, into_grads):
         if self._update_on_kvstore:

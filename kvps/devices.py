@@ -107,13 +107,14 @@ def land(host, targets):
     _synchronize(written)
 
 
-def put_rows(target, ids, table):
-    """Write rows ``ids`` of a host ``table`` (rows x width, bfloat16 as uint16) into
-    ``target`` (any array or tensor of the key's shape, on a GPU or strided on the host)."""
+def put_rows(target, ids, values):
+    """Write ``values`` (a host array, len(ids) x width, bfloat16 as uint16) into rows
+    ``ids`` of ``target`` (any array or tensor of the key's shape, on a GPU or strided on
+    the host)."""
     torch = _torch()
     view = as_torch(target)
-    picked = torch.from_numpy(table[ids].view(np.int16) if table.dtype == np.uint16
-                              else table[ids])
+    values = np.ascontiguousarray(values)
+    picked = torch.from_numpy(values.view(np.int16) if values.dtype == np.uint16 else values)
     if view.dtype == torch.bfloat16:
         picked = picked.view(torch.bfloat16)
     index = torch.from_numpy(ids).to(view.device)

@@ -301,6 +301,13 @@ class KVStore(StoreKeys):
         self._open()
         return _store_rows.pull_begin(self, key, out, marks=marks)
 
+    def _pull_live(self, keys):
+        """Send requests for the rows each of ``keys`` got from its last push of rows (the
+        Trainer's summed sparse gradients, servers without an optimizer); returns the wait,
+        which gives {key: (ids, rows)}."""
+        self._open()
+        return _store_rows.pull_live_begin(self, keys)
+
     def pushpull(self, key, value, out=None, priority=0):
         """Push then pull; with ``out=None`` the result is written into ``value``. Every
         value and target is checked before anything is sent; on a dist store each key's pull

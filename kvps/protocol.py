@@ -48,7 +48,8 @@ PUSH = 'push'
 # {key, part, [ids], [since]}: some rows of a key part, answered by ROWS once this worker's
 # pushes of it are applied (as PULL): with `ids` true, the rows whose ids (int64, from the
 # part's first row) the one data frame lists; with `since` ([epoch, count] of an earlier ROWS
-# reply), every row changed after it; with neither, every row
+# reply), every row changed after it; with `live` true, the rows of the value a push of rows
+# made (no optimizer: the round's sum), all if it is dense; with none of them, every row
 PULL_ROWS = 'pull_rows'
 # The answer to PULL_ROWS: {epoch, count} + 1 buffer, the rows (kvps.rows); `since` =
 # [epoch, count] in a later PULL_ROWS asks for the rows changed after this answer
@@ -195,7 +196,7 @@ def validate_header(header):
     if since is not None and not (type(since) is list and len(since) == 2
                                   and all(_natural(v) for v in since)):
         raise ProtocolError(f'{op}: since must be [epoch, count], two ints >= 0')
-    for flag in ('device', 'stage', 'ids'):
+    for flag in ('device', 'stage', 'ids', 'live'):
         if not isinstance(header.get(flag, False), bool):
             raise ProtocolError(f'{op}: {flag} must be true or false')
     if 'key' in header:

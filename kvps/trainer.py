@@ -12,7 +12,7 @@ from ._trainer_kv import (check_compression, load_local_states, load_server_stat
                           split_local_state)
 from ._trainer_params import check_devices, check_same_everywhere, collect, merge_mults
 from ._trainer_pulls import EarlyPulls
-from .devices import kernel_view
+from .devices import kernel_view, put_rows
 from .errors import ConfigError, DuplicateInitError, ParameterMismatchError, StaleGradientError
 from .server.updater import Updater
 
@@ -69,6 +69,7 @@ class Trainer(GradientExchange):
         # alone; when the servers update, they pull back only the rows changed since
         # (``_row_marks``: what each one saw last).
         self._row_keys, self._row_marks = set(), {}
+        self._row_sums = {}        # key -> (ids, rows) of its summed gradient (workers update)
         self._bucket = self._early = None
         if self._kv is not None:
             self._bucket = PushBucket(self._kv, bucket_bytes, self._pull_early)
@@ -369,8 +370,14 @@ class Trainer(GradientExchange):
                 items.append((fused.key, 0, kernel_view(fused.gather_weights()),
                               kernel_view(fused.grad, read_only=True)))
                 whole.append(fused)
+        row_sums = self._row_sums if self._reduced == 'buffers' else {}
+        self._row_sums = {}
+        lazy = []
         for p in self._trainable:
             if p.key in done:
+                continue
+            if p.key in row_sums and self._takes_part(p):
+                lazy.append((p, *row_sums[p.key]))
                 continue
             grad = self._summed.get(p.key) if self._reduced == 'buffers' else p.tensor.grad
             # Distributed: every worker updates every parameter with the same summed gradient,
@@ -383,8 +390,22 @@ class Trainer(GradientExchange):
                           kernel_view(dense(grad), read_only=True)))
         if items:
             self._updater.update_many(items)
+        for p, ids, rows in lazy:
+            self._update_rows(p, ids, rows)
         for fused in whole:
             fused.scatter_weights()
+
+    def _update_rows(self, p, ids, rows):
+        """A summed gradient that came as rows: only those rows update (lazy_update), else
+        the dense gradient they stand for."""
+        if self._updater.updates_rows:
+            self._updater.update_rows(p.key, 0, kernel_view(p.tensor), ids, rows,
+                                      rows.shape[1] if rows.ndim == 2 else 1)
+            return
+        grad = p.tensor.new_zeros(p.tensor.shape)
+        put_rows(grad, ids, rows)
+        self._updater.update_many([(p.key, 0, kernel_view(p.tensor),
+                                    kernel_view(grad, read_only=True))])
 
     def _split_local_state(self, fused):
         """``fused``'s members are updated one by one from now on, each with its share of

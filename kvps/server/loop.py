@@ -12,6 +12,7 @@ from ..errors import ConfigError, KVPSError, PeerLostError, ProtocolError
 from ..link import SchedulerLink, decode_or_log
 from ..shm import segment_bytes
 from ..transport import Poller, Router, bind_host, guard_from, new_context
+from . import row_store
 from .batch import Batch
 from .checkpoint import Checkpointer
 from .placement import for_device
@@ -312,7 +313,8 @@ class Server:
                               self.regions.saw(token[0], h))
 
     def _pull_rows(self, token, h, buffers):
-        asked = (buffers[0] if h.get('ids') else None), h.get('since')
+        asked = (buffers[0] if h.get('ids') else None), \
+            row_store.LIVE if h.get('live') else h.get('since')
         return self.shard.pull(token, token[0], h['key'], h['part'], asked)
 
     def _each_key(self, token, op, items, buffers, handle, reader=None):

@@ -114,10 +114,19 @@ def requested(entry, buffer):
     return ids
 
 
+# ``since`` of a pull that asks for the rows of the value a push of rows made (a store
+# without an optimizer: the round's summed rows), every row if the value is dense
+LIVE = 'live'
+
+
 def answer(entry, epoch, ids=None, since=None):
     """``(epoch, count, payload)`` of a ROWS reply: rows ``ids``, or those changed since
-    ``since`` ([epoch, count] of an earlier reply; another epoch: every row), or every row."""
-    if ids is None:
+    ``since`` ([epoch, count] of an earlier reply; another epoch: every row), or with LIVE
+    the rows of the value (all when it is dense), or every row."""
+    if ids is None and since == LIVE:
+        ids = entry.live if entry.live is not None else \
+            np.arange(num_rows(entry), dtype=rows.ROW_ID)
+    elif ids is None:
         count = since[1] if since is not None and since[0] == epoch else 0
         ids = entry.rowlog.since(count, num_rows(entry))
     table = entry.weight.reshape(-1, width(entry))

@@ -18,7 +18,8 @@ from ..arrays import writable_flat
 from ..errors import ConfigError, KVPSError, RemoteError
 from ..optimizer import needs_whole_tensors
 from .loop import SCHEDULER, WorkerIO, server_name
-from .messages import WAVE_BYTES, copier, describe, fuse, part_nbytes, payload, row_writer
+from .messages import (WAVE_BYTES, copier, describe, fuse, live_collector, part_nbytes, payload,
+                       row_writer)
 from .pending import Operation, PushWindow, Request
 from .sharding import Placement
 
@@ -318,6 +319,26 @@ class DistClient:
                 ops.append(self._request(part.server, f'pull of rows of key {key!r}', header,
                                          buffers, row_writer(table[first:part.stop // width],
                                                               marks, part.part)))
+
+        def wait():
+            for op in ops:
+                op.wait(self.config.timeout, self._round_hint)
+            self._raise_pending_errors()
+        return wait
+
+    def pull_live_begin(self, items):
+        """Send, for each ``(key, width, storage dtype, sink)``, a request for the rows of its
+        value that a push of rows made (servers without an optimizer: the round's summed
+        rows; every row where the value is dense); the answers append ``(ids, rows)`` per
+        part to ``sink`` (a list) in part order. Returns the wait for them."""
+        self._raise_pending_errors()
+        ops = []
+        for key, width, dtype, sink in items:
+            for part in self.placement.parts(key):
+                header = {'op': P.PULL_ROWS, 'key': key, 'part': part.part, 'live': True}
+                sink.append(None)
+                ops.append(self._request(part.server, f'pull of rows of key {key!r}', header, (),
+                                         live_collector(sink, len(sink) - 1, part, width, dtype)))
 
         def wait():
             for op in ops:

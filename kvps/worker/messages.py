@@ -84,5 +84,15 @@ def row_writer(table, marks, part):
     return on_rows
 
 
+def live_collector(sink, slot, part, width, dtype):
+    """The reply handler that puts a part's answered rows, as ids of the whole key, into
+    ``sink[slot]``."""
+    def on_rows(header, buffers):
+        first = part.start // width
+        ids, values = rows.decode(buffers[0], width, dtype, part.stop // width - first)
+        sink[slot] = (ids + first, values)
+    return on_rows
+
+
 def describe(what, items):
     return f'{what} of key {items[0][0]!r}' if len(items) == 1 else f'{what} of {len(items)} keys'

@@ -86,7 +86,8 @@ class Bag(torch.nn.Module):
 
 models = torch.nn.ModuleList([Bag(True), Bag(False)])
 start = models[0].emb.weight.detach().clone()
-trainer = kvps.Trainer(models.named_parameters(), 'sgd', {'learning_rate': 0.5}, kvstore=kv)
+trainer = kvps.Trainer(models.named_parameters(), 'sgd', {'learning_rate': 0.5}, kvstore=kv,
+                       update_on_kvstore=os.environ['UOK'] == '1')
 for step in range(4):
     ids = torch.randint(0, 40000, (8, 3), generator=torch.Generator().manual_seed(
         10 * step + kv.rank))
@@ -100,8 +101,10 @@ report(rows=sorted(trainer._row_keys), close=bool(torch.allclose(sparse, dense, 
 '''
 
 
-def test_a_trainers_sparse_embedding_trains_as_the_dense_one_through_its_rows(job):
-    result = job(TRAINER_ROWS, workers=2, servers=2, timeout=180)
+@pytest.mark.parametrize('uok', ['1', '0'])
+def test_a_trainers_sparse_embedding_trains_as_the_dense_one_through_its_rows(job, uok):
+    # servers update (rows changed pulled back) or workers (the summed rows pulled)
+    result = job(TRAINER_ROWS, workers=2, servers=2, timeout=180, env={'UOK': uok})
     assert result.returncode == 0, result.output
     got = result.results()
     for rank in (0, 1):

@@ -164,6 +164,29 @@ def test_sparse_gradients_train_as_the_dense_ones_they_stand_for(kvstore, uok):
         assert torch.equal(a, b), name
 
 
+def test_lazy_updates_of_sparse_gradients_are_the_same_whoever_updates():
+    """Servers updating (rows changed pulled back) and workers updating (summed rows pulled,
+    updated lazily on the worker) give the same weights; rows no batch read stay as they
+    were, momentum and wd included, unlike the dense update."""
+    def run(uok, sparse):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(50, 3, sparse=sparse)
+        start = emb.weight.detach().clone()
+        t = Trainer([emb.weight], 'sgd', {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 0.01},
+                    kvstore=kvps.create('local'), update_on_kvstore=uok)
+        for step in range(3):
+            emb(torch.tensor([1, 4, 4, step + 7])).sum().backward()
+            t.step(1)
+            t.zero_grad()
+        assert t._row_keys == ({0} if sparse else set())
+        return emb.weight.detach(), start
+    (servers, start), (workers, _), (dense, _) = run(True, True), run(False, True), run(True, False)
+    assert torch.equal(servers, workers)
+    untouched = [r for r in range(50) if r not in (1, 4, 7, 8, 9)]
+    assert torch.equal(servers[untouched], start[untouched])
+    assert not torch.equal(dense[untouched], start[untouched])   # wd reached every row
+
+
 @pytest.mark.parametrize('kvstore', [None, 'local'])
 def test_rescale_grad_is_scale_over_batch_size(kvstore):
     kv = kvps.create(kvstore) if kvstore else None
