@@ -81,6 +81,8 @@ def test_round_trip_keeps_header_and_shares_the_buffer():
      'expected 0 data'),
     ([msgpack.packb({'op': 'pull_rows', 'id': 1, 'key': 1, 'part': 0, 'ids': 1}), b'\0' * 8],
      'ids must be true or false'),
+    ([msgpack.packb({'op': 'pull_rows', 'id': 1, 'key': 1, 'part': 0, 'live': 1})],
+     'live must be true or false'),
     ([msgpack.packb({'op': 'pull_rows', 'id': 1, 'key': 1, 'part': 0, 'since': [1]})],
      'since must be'),
     ([msgpack.packb({'op': 'pull_rows', 'id': 1, 'key': 1, 'part': 0, 'since': [1, -2]})],
