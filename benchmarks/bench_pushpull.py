@@ -220,9 +220,9 @@ PROFILE_RULES = (
     ('wait', 'threading.py', 'waiting (poll, Event.wait)'),
     ('run', 'zmq/utils/garbage.py', 'waiting (poll, Event.wait)'),  # pyzmq GC thread's recv
     ('', 'updater.py', 'optimizer update'), ('', '_kernels', 'optimizer update'),
-    ('flat_copy', 'arrays.py', 'copy: push value'), ('view', 'shard.py', 'copy: pull snapshot'),
-    ('_merge', 'shard.py', 'copy/add: merge'), ('_apply', 'shard.py', 'copy/add: merge'),
-    ('on_data', 'client.py', 'copy: pull into out'),
+    ('flat_copy', 'arrays.py', 'copy: push value'), ('copy', 'placement.py', 'copy: pull snapshot'),
+    ('_add_to_round', 'shard.py', 'copy/add: merge'), ('_apply', 'shard.py', 'copy/add: merge'),
+    ('on_data', 'worker/messages.py', 'copy: pull into out'),
     ('_send_data', 'server/loop.py', 'copy: pull into shared memory'),
     ('', 'zmq/', 'zmq calls (send/recv, zero-copy GC)'),
     ('', 'transport.py', 'zmq calls (send/recv, zero-copy GC)'),
