@@ -9,14 +9,12 @@ push counts, barrier numbers) changes under locks never held while waiting.
 import collections
 import threading
 
-import msgpack
 import numpy as np
 
 from .. import protocol as P, rows
 from ..allocator import keep_freed_memory
 from ..arrays import writable_flat
-from ..errors import ConfigError, KVPSError, RemoteError
-from ..optimizer import needs_whole_tensors
+from .collectives import Collectives
 from .loop import SCHEDULER, WorkerIO, server_name
 from .messages import (WAVE_BYTES, copier, describe, fuse, live_collector, part_nbytes, payload,
                        row_writer)
@@ -24,10 +22,7 @@ from .pending import Operation, PushWindow, Request
 from .sharding import Placement
 
 
-_REFUSED = b'refused'   # rank 0's word at the barrier ending a collective the servers refused
-
-
-class DistClient:
+class DistClient(Collectives):
     """One worker's membership in a job; at most one per process."""
 
     def __init__(self, config, sync):
@@ -55,109 +50,6 @@ class DistClient:
         self._step = 0            # the most of any key
         self.keys = {}            # key -> (shape, dtype name), for every store of this process
         self.closed = False
-
-    # -- collective setup -----------------------------------------------------------------
-    def init(self, items, device=False):
-        """``items``: [(key, flat array, shape, dtype name)]. Rank 0's values win. ``device``:
-        a device-side store asks servers to keep these keys on their GPUs if they have one."""
-        for key, flat, shape, _ in items:
-            self.placement.place(key, flat.size, flat.itemsize, rows.width_of(shape))
-        self._by_rank_0('init', lambda: self._wait_all([
-            self._send_init(key, flat, shape, dtype, device) for key, flat, shape, dtype in items]))
-        if self.rank != 0:
-            ops = [self._request(self.placement.parts(key)[0].server, f'init of key {key!r}',
-                                 {'op': P.CHECK, 'key': key, 'dtype': dtype,
-                                  'shape': list(shape)})
-                   for key, _, shape, dtype in items]
-            self._wait_all(ops)
-
-    def set_optimizer(self, spec):
-        """Rank 0 installs the optimizer on every server; everyone returns when all have it."""
-        self._require_whole_keys(spec)
-        self._by_rank_0('set_optimizer', lambda: self._wait_all([
-            self._request(s, 'set_optimizer', {'op': P.SET_OPTIMIZER, 'spec': spec})
-            for s in range(self.num_servers)]), after_pushes=True)
-
-    def get_states(self, dump_optimizer):
-        """Every server's updater state, once this worker's pushes are applied."""
-        self.wait_pushes()
-        blobs = [None] * self.num_servers
-
-        def keeper(server):
-            def keep(header, buffers):
-                blobs[server] = msgpack.unpackb(buffers[0], raw=False, strict_map_key=False)
-            return keep
-        self._wait_all([self._request(s, 'save_optimizer_states',
-                                      {'op': P.GET_STATES, 'dump': dump_optimizer},
-                                      on_data=keeper(s)) for s in range(self.num_servers)])
-        return blobs
-
-    def set_states(self, per_server):
-        """Rank 0 loads each server's share; everyone returns when all servers have it. Every
-        server checks its share before any installs it: a share one server refuses changes
-        no server's state."""
-        if per_server and 'optimizer' in per_server[0]:
-            self._require_whole_keys(per_server[0]['optimizer'])
-
-        def send():
-            what = 'load_optimizer_states'
-            self._wait_all([self._request(s, what, {'op': P.SET_STATES, 'stage': True},
-                                          (msgpack.packb(states, use_bin_type=True),))
-                            for s, states in enumerate(per_server)])
-            self._wait_all([self._request(s, what, {'op': P.COMMIT_STATES})
-                            for s in range(len(per_server))])
-        self._by_rank_0('load_optimizer_states', send, after_pushes=True)
-
-    def _by_rank_0(self, what, send, after_pushes=False):
-        """A collective that rank 0 carries out alone (``send``: its requests to the servers,
-        waited for), then a barrier at which rank 0 tells whether the servers took it: their
-        refusal is raised on every rank, so that no worker goes on as if it had happened and
-        the next barriers stay in step. ``after_pushes``: rank 0 sends only once every
-        worker's earlier pushes are applied (a barrier first), so that they meet the state
-        they were pushed for: else, in async, a worker still behind would have its last
-        gradients applied by an optimizer set after them (at a new learning rate)."""
-        if after_pushes:
-            self.barrier()
-        failure = None
-        if self.rank == 0:
-            try:
-                send()
-            except KVPSError as exc:
-                failure = exc
-        try:
-            refused = self.barrier(_REFUSED if failure is not None else None)
-        except KVPSError:
-            if failure is None:
-                raise
-        if failure is not None:   # the cause, also when the barrier it left behind failed
-            raise failure
-        if refused:   # rank 0 offered _REFUSED; the others offered nothing
-            raise RemoteError(f'{what} failed: the servers refused it on rank 0, which raised '
-                              'their reason', remote_type='CollectiveRefused', node='rank 0')
-
-    def balance_keys(self, total):
-        """A model of ``total`` elements is about to be initialized: see Placement.balance."""
-        self.placement.balance(total)
-
-    def keep_keys_whole(self):
-        """Keys initialized from now on go to one server each (see _require_whole_keys)."""
-        self.placement.keep_whole = True
-
-    def _require_whole_keys(self, spec):
-        """An optimizer whose update reads each weight whole (LAMB's norms) would get a
-        slice on every server of a split key, and a different answer: refuse it there (every
-        rank alike: placement is the same everywhere), else keep later keys whole."""
-        if not needs_whole_tensors(spec):
-            return
-        split = self.placement.split_keys()
-        if split:
-            raise ConfigError(
-                f'{spec["name"]} reads each weight whole, but key(s) '
-                f'{", ".join(map(repr, split[:5]))} are split across servers (KVPS_BIGARRAY_BOUND '
-                'elements or more): set the optimizer before init (kvps then keeps '
-                'keys whole), raise KVPS_BIGARRAY_BOUND, or update on the workers '
-                '(Trainer(update_on_kvstore=False))')
-        self.keep_keys_whole()
 
     def parts(self, key, size):
         return [(p.server, p.part, p.start, p.stop) for p in self.placement.parts(key)]
