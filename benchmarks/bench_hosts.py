@@ -85,9 +85,10 @@ def parse_args(argv=None):
     args.rate_bytes = float(match.group(1)) * RATE_UNITS[match.group(2)]
     args.optimizers = ['none', 'sgd'] if args.optimizer == 'both' else [args.optimizer]
     args.training = [m.strip() for m in args.training.split(',')] if args.training else None
-    unknown = [m for m in args.training or () if m not in training_worker.MODELS]
+    models = [*training_worker.MODELS, *training_worker.EMBEDS]
+    unknown = [m for m in args.training or () if m not in models]
     if unknown:
-        p.error(f'unknown model(s) {unknown}; known: {", ".join(training_worker.MODELS)}')
+        p.error(f'unknown model(s) {unknown}; known: {", ".join(models)}')
     args.peers = set() if args.peers == 'none' else {x.strip() for x in args.peers.split(',')}
     args.out = Path(args.out) if args.out else C.default_out_dir(BENCH)
     return args
