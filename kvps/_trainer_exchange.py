@@ -94,8 +94,9 @@ class GradientExchange:
         return self._kv._pull_live(keys)
 
     def _land_rows(self, by_rows, got, into_grads):
-        """Workers update: keep the summed rows for _update (a lazy update of those rows),
-        or for allreduce_grads write them into ``.grad`` (zeros elsewhere)."""
+        """Workers update: keep the summed rows for _update (a lazy update of those rows);
+        for allreduce_grads also write them into ``.grad`` (zeros elsewhere), where update()
+        reads those rows back (the caller may have clipped them)."""
         if self._update_on_kvstore:
             return
         self._row_sums = got

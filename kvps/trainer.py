@@ -4,7 +4,7 @@ import os
 import warnings
 import weakref
 
-from . import optimizer as opt_mod
+from . import arrays, optimizer as opt_mod
 from ._trainer_exchange import GradientExchange, dense
 from ._trainer_fusion import Layout, PushBucket, pull_weights, split_partly_frozen, weights_of
 from ._trainer_kv import (check_compression, load_local_states, load_server_states,
@@ -370,14 +370,13 @@ class Trainer(GradientExchange):
                 items.append((fused.key, 0, kernel_view(fused.gather_weights()),
                               kernel_view(fused.grad, read_only=True)))
                 whole.append(fused)
-        row_sums = self._row_sums if self._reduced == 'buffers' else {}
-        self._row_sums = {}
+        row_sums, self._row_sums = self._row_sums, {}
         lazy = []
         for p in self._trainable:
             if p.key in done:
                 continue
             if p.key in row_sums and self._takes_part(p):
-                lazy.append((p, *row_sums[p.key]))
+                lazy.append((p, *self._summed_rows(p, *row_sums[p.key])))
                 continue
             grad = self._summed.get(p.key) if self._reduced == 'buffers' else p.tensor.grad
             # Distributed: every worker updates every parameter with the same summed gradient,
@@ -394,6 +393,14 @@ class Trainer(GradientExchange):
             self._update_rows(p, ids, rows)
         for fused in whole:
             fused.scatter_weights()
+
+    def _summed_rows(self, p, ids, rows):
+        """``(ids, rows)`` of p's summed gradient: as pulled, or after allreduce_grads as its
+        ``.grad`` holds them now (clipped, say; its other rows are zeros)."""
+        if self._reduced != 'grads':
+            return ids, rows
+        grad = arrays.as_numpy(p.tensor.grad.detach())
+        return ids, grad.reshape(grad.shape[0] if grad.ndim else 1, -1)[ids]
 
     def _update_rows(self, p, ids, rows):
         """A summed gradient that came as rows: only those rows update (lazy_update), else

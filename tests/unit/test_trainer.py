@@ -187,6 +187,32 @@ def test_lazy_updates_of_sparse_gradients_are_the_same_whoever_updates():
     assert not torch.equal(dense[untouched], start[untouched])   # wd reached every row
 
 
+def test_allreduce_grads_then_update_of_sparse_gradients_is_lazy_and_sees_clipping():
+    def run(lr, split, clip=1.0):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(50, 3, sparse=True)
+        start = emb.weight.detach().clone()
+        t = Trainer([emb.weight], 'sgd', {'learning_rate': lr, 'momentum': 0.9, 'wd': 0.01},
+                    kvstore=kvps.create('local'), update_on_kvstore=False)
+        for step in range(3):
+            emb(torch.tensor([1, 4, 4, step + 7])).sum().backward()
+            if split:
+                t.allreduce_grads()
+                assert emb.weight.grad.layout == torch.strided   # the sum, dense
+                emb.weight.grad.mul_(clip)
+                t.update(1)
+            else:
+                t.step(1)
+            t.zero_grad()
+        return emb.weight.detach(), start
+    (stepped, start), (split, _) = run(0.1, False), run(0.1, True)
+    assert torch.equal(stepped, split)
+    untouched = [r for r in range(50) if r not in (1, 4, 7, 8, 9)]
+    assert torch.equal(split[untouched], start[untouched])   # lazy: wd reached no other row
+    clipped, _ = run(0.1, True, clip=0.5)
+    assert not torch.equal(clipped, split)                    # the clipped rows were applied
+
+
 @pytest.mark.parametrize('kvstore', [None, 'local'])
 def test_rescale_grad_is_scale_over_batch_size(kvstore):
     kv = kvps.create(kvstore) if kvstore else None
