@@ -133,9 +133,9 @@ def union_sum(pieces, width, dtype):
 
 def split(ids, rows, row_edges):
     """``[(ids counted from the part's first row, rows), ...]`` per part, the parts holding
-    rows [row_edges[i], row_edges[i + 1]) (``rows`` None: ids alone, rows None)."""
+    rows [row_edges[i], row_edges[i + 1])."""
     cuts = np.searchsorted(ids, row_edges)
-    return [(ids[a:b] - first, None if rows is None else rows[a:b])
+    return [(ids[a:b] - first, rows[a:b])
             for first, a, b in zip(row_edges, cuts, cuts[1:])]
 
 

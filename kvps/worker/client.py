@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 
-from .. import protocol as P, rows
+from .. import protocol as P
 from ..allocator import keep_freed_memory
 from ..arrays import writable_flat
 from .collectives import Collectives
@@ -202,7 +202,8 @@ class DistClient(Collectives):
                 header = {'op': P.PULL_ROWS, 'key': key, 'part': part.part}
                 first, buffers = part.start // width, ()
                 if ids is not None:
-                    local = rows.split(ids, None, [first, part.stop // width])[0][0]
+                    a, b = np.searchsorted(ids, [first, part.stop // width])
+                    local = ids[a:b] - first
                     if not local.size:
                         continue
                     header['ids'], buffers = True, (local,)
@@ -211,12 +212,7 @@ class DistClient(Collectives):
                 ops.append(self._request(part.server, f'pull of rows of key {key!r}', header,
                                          buffers, row_writer(table[first:part.stop // width],
                                                               marks, part.part)))
-
-        def wait():
-            for op in ops:
-                op.wait(self.config.timeout, self._round_hint)
-            self._raise_pending_errors()
-        return wait
+        return self._waiter(ops)
 
     def pull_live_begin(self, items):
         """Send, for each ``(key, width, storage dtype, sink)``, a request for the rows of its
@@ -231,7 +227,10 @@ class DistClient(Collectives):
                 sink.append(None)
                 ops.append(self._request(part.server, f'pull of rows of key {key!r}', header, (),
                                          live_collector(sink, len(sink) - 1, part, width, dtype)))
+        return self._waiter(ops)
 
+    def _waiter(self, ops):
+        """The wait for requests ``ops``: each answered, then any error a server reported."""
         def wait():
             for op in ops:
                 op.wait(self.config.timeout, self._round_hint)
