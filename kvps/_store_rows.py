@@ -91,16 +91,25 @@ def _one_per_target(row_ids):
 def _pulled_whole(store, key, table, ids, marks):
     """Pull ``key`` whole into ``table``'s rows ``ids`` (None: all) if its parts split rows
     (a key with fewer rows than servers: a few rows, so little to save); True if it did."""
-    shape, dtype = store._known(key)
-    if _row_edges(store, key, shape) is not None:
+    whole = _whole_if_split(store, key)
+    if whole is None:
         return False
-    whole = np.empty(table.shape, table.dtype)
-    store._backend.pull([(key, whole.reshape(-1), dtype)])
     if ids is None:
         table[...] = whole
     else:
         table[ids] = whole[ids]
     return True
+
+
+def _whole_if_split(store, key):
+    """Where ``key``'s parts start inside rows, its value pulled whole as a 2-D (rows x
+    width) host table; else None (its parts answer row requests)."""
+    shape, dtype = store._known(key)
+    if _row_edges(store, key, shape) is not None:
+        return None
+    whole = np.empty((shape[0], rows.width_of(shape)), DTYPES[dtype])
+    store._backend.pull([(key, whole.reshape(-1), dtype)])
+    return whole
 
 
 def _table(store, key, target, wanted, marks):
@@ -128,18 +137,7 @@ def _checked_ids(key, wanted, num_rows):
     """Row ids as sorted unique int64; errors name the key."""
     if wanted is None:
         raise TypeError(f'row_sparse_pull of key {key!r} needs row_ids (the rows to pull)')
-    if arrays.is_torch(wanted):
-        wanted = wanted.detach().cpu().numpy()
-    ids = np.asarray(wanted)
-    if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
-        raise ShapeError(f'key {key!r}: row_ids must be a 1-D array of integers, got shape '
-                         f'{ids.shape} of {ids.dtype}')
-    ids = np.unique(ids.astype(rows.ROW_ID, copy=False))
-    if ids.size and (ids[0] < 0 or ids[-1] >= num_rows):
-        bad = ids[0] if ids[0] < 0 else ids[-1]
-        raise ShapeError(f'key {key!r}: row id {int(bad)} is out of range: the key has '
-                         f'{num_rows} rows')
-    return ids
+    return np.unique(rows.checked_ids(wanted, num_rows, key))
 
 
 def pull_live_begin(store, keys):
@@ -149,14 +147,13 @@ def pull_live_begin(store, keys):
     is pulled whole."""
     sinks, whole, items = {}, {}, []
     for key in keys:
-        shape, dtype = store._known(key)
-        width = rows.width_of(shape)
-        if _row_edges(store, key, shape) is None:
-            whole[key] = np.empty((shape[0], width), DTYPES[dtype])
-            store._backend.pull([(key, whole[key].reshape(-1), dtype)])
+        table = _whole_if_split(store, key)
+        if table is not None:
+            whole[key] = table
             continue
+        shape, dtype = store._known(key)
         sinks[key] = []
-        items.append((key, width, np.dtype(DTYPES[dtype]), sinks[key]))
+        items.append((key, rows.width_of(shape), np.dtype(DTYPES[dtype]), sinks[key]))
     wait = store._backend.pull_live_begin(items)
 
     def landed():

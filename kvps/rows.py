@@ -54,6 +54,7 @@ def host_rows(value, shape, dtype, key):
     ids, sorted and unique, and a 2-D (len(ids), width) numpy array of their summed rows (a
     copy: the caller's value is never touched); errors name the key."""
     ids, values = _parts_of(value)
+    ids = checked_ids(ids, shape[0], key)
     width = width_of(shape)
     if arrays.dtype_name(values) != dtype:
         raise DTypeError(f'key {key!r}: pushed rows have dtype {arrays.dtype_name(values)}, '
@@ -62,10 +63,6 @@ def host_rows(value, shape, dtype, key):
     if rows.ndim == 0 or rows.shape[0] != ids.size or rows.size != ids.size * width:
         raise ShapeError(f'key {key!r}: {ids.size} row ids with values of shape '
                          f'{tuple(rows.shape)}; rows of shape {tuple(shape[1:])} expected')
-    if ids.size and (ids.min() < 0 or ids.max() >= shape[0]):
-        bad = ids[(ids < 0) | (ids >= shape[0])][0]
-        raise ShapeError(f'key {key!r}: row id {int(bad)} is out of range: the key has '
-                         f'{shape[0]} rows')
     return coalesce(ids, rows.reshape(ids.size, width), dtype)
 
 
@@ -78,15 +75,31 @@ def _parts_of(value):
             raise ShapeError(f'a torch sparse tensor pushed as rows must be sparse in its '
                              f'first dimension only; this one has sparse_dim {value.sparse_dim()}')
         ids, values = value._indices()[0], value._values()
-    if arrays.is_torch(ids):
-        ids = ids.detach().cpu().numpy()
     if arrays.is_torch(values) and values.device.type != 'cpu':
         values = values.detach().cpu()
+    return ids, values
+
+
+def checked_ids(ids, num_rows, key):
+    """``ids`` (any integer sequence, a torch tensor too) as a 1-D int64 numpy array; a
+    ShapeError naming the key unless each is a row of a key of ``num_rows`` rows."""
+    if arrays.is_torch(ids):
+        ids = ids.detach().cpu().numpy()
     ids = np.asarray(ids)
     if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
-        raise ShapeError(f'row ids must be a 1-D array of integers, got shape {ids.shape} '
-                         f'of {ids.dtype}')
-    return ids.astype(ROW_ID, copy=False), values
+        raise ShapeError(f'key {key!r}: row ids must be a 1-D array of integers, got shape '
+                         f'{ids.shape} of {ids.dtype}')
+    ids = ids.astype(ROW_ID, copy=False)
+    low, high = (ids.min(), ids.max()) if ids.size else (0, -1)
+    if low < 0 or high >= num_rows:
+        raise ShapeError(f'key {key!r}: row id {int(low if low < 0 else high)} is out of '
+                         f'range: the key has {num_rows} rows')
+    return ids
+
+
+def ordered_below(ids, bound):
+    """Whether ``ids`` (int64) are sorted, unique and in [0, bound): a payload's promise."""
+    return not ids.size or (ids[0] >= 0 and ids[-1] < bound and bool(np.all(ids[1:] > ids[:-1])))
 
 
 def coalesce(ids, rows, dtype):
@@ -170,7 +183,7 @@ def decode(buffer, width, storage, num_rows):
                             f'{width} {storage.name} elements')
     count = data.size // row_bytes
     ids = data[:count * ROW_ID.itemsize].view(ROW_ID)
-    if count and (ids[0] < 0 or ids[-1] >= num_rows or np.any(ids[1:] <= ids[:-1])):
+    if not ordered_below(ids, num_rows):
         raise ProtocolError(f'rows payload: row ids must be sorted, unique and below '
                             f'{num_rows}')
     rows = data[count * ROW_ID.itemsize:].view(storage).reshape(count, width)

@@ -108,7 +108,7 @@ def requested(entry, buffer):
     """The row ids a PULL_ROWS asks for: int64, sorted, unique and inside the part."""
     ids = np.frombuffer(buffer, rows.ROW_ID)
     bound = num_rows(entry)
-    if ids.size and (ids[0] < 0 or ids[-1] >= bound or np.any(ids[1:] <= ids[:-1])):
+    if not rows.ordered_below(ids, bound):
         raise ShapeError(f'key {entry.key!r} part {entry.part}: pulled row ids must be sorted, '
                          f'unique and below {bound}')
     return ids
