@@ -6,7 +6,8 @@ time of one update. copy_gbps is a copy of one array of the same element count o
 device (read + write bytes over time), the ceiling a streaming kernel can approach.
 One JSON line per (optimizer, device, size). Then, per device, many small keys (as a model's
 biases and norms) updated key by key against `multi_update` (one multi-tensor launch per rule
-on a GPU; a loop on the CPU, so about 1x there).
+on a GPU; packed passes on the CPU, in place where the keys' arrays lie end to end, as a
+server lays out small keys).
 
     python benchmarks/bench_kernels.py            # 1M and 16M float32 elements
     python benchmarks/bench_kernels.py --quick    # 1M only, few repetitions
@@ -100,24 +101,39 @@ def bench(dev, label, n, reps):
 
 
 def bench_many(dev, label, keys, n, reps):
-    """``keys`` keys of ``n`` elements: key by key against one multi_update call."""
+    """``keys`` keys of ``n`` elements: key by key against one multi_update call, with each
+    key's arrays apart (copied into the packed pass and back on the CPU) and laid end to
+    end as a server lays out small keys (weights and states updated in place)."""
     kernel, nstates, hyper = CONFIGS[label]
     xp, fn = dev.xp, getattr(dev.mod, kernel)
-    rng = np.random.default_rng(1)
-    sets = [(xp.asarray(rng.standard_normal(n).astype(np.float32)),
-             xp.asarray(rng.standard_normal(n).astype(np.float32)),
-             [xp.ones(n, np.float32) for _ in range(nstates)]) for _ in range(keys)]
-    calls = [(kernel, (w, g, *states), dict(BASE, **hyper)) for w, g, states in sets]
+
+    def calls(end_to_end):
+        rng = np.random.default_rng(1)
+
+        def column(fill):
+            if end_to_end:
+                whole = xp.asarray(fill(keys * n))
+                return [whole[i * n:(i + 1) * n] for i in range(keys)]
+            return [xp.asarray(fill(n)) for _ in range(keys)]
+        normal = (lambda m: rng.standard_normal(m).astype(np.float32))
+        weights, grads = column(normal), column(normal)
+        states = [column(lambda m: np.ones(m, np.float32)) for _ in range(nstates)]
+        return [(kernel, (weights[i], grads[i], *(s[i] for s in states)), dict(BASE, **hyper))
+                for i in range(keys)]
+    apart, laid = calls(False), calls(True)
 
     def one_by_one():
-        for _, args, kwargs in calls:
+        for _, args, kwargs in apart:
             fn(*args, **kwargs)
     alone = _median(dev, one_by_one, lambda: None, reps)
-    together = _median(dev, lambda: dev.mod.multi_update(calls), lambda: None, reps)
+    together = _median(dev, lambda: dev.mod.multi_update(apart), lambda: None, reps)
+    in_place = _median(dev, lambda: dev.mod.multi_update(laid), lambda: None, reps)
     return {'bench': 'kernels_many_keys', 'optimizer': label, 'device': dev.name,
             'dtype': 'float32', 'keys': keys, 'elements_per_key': n,
             'ms_key_by_key': round(alone * 1e3, 3), 'ms_multi_tensor': round(together * 1e3, 3),
-            'speedup': round(alone / together, 2)}
+            'ms_multi_tensor_end_to_end': round(in_place * 1e3, 3),
+            'speedup': round(alone / together, 2),
+            'speedup_end_to_end': round(alone / in_place, 2)}
 
 
 def devices(which):

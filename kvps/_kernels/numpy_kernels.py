@@ -17,12 +17,11 @@ The work goes in blocks of BLOCK elements: every array is read and written once 
 memory while the handful of ufunc passes per block stay in cache.
 """
 
-import threading
 import types
 
 import numpy as np
 
-from kvps._kernels import common
+from kvps._kernels import common, numpy_packing
 from kvps._kernels.common import bf16_to_f32, f32_to_bf16  # noqa: F401  (part of this API)
 from kvps.errors import DTypeError, ShapeError
 
@@ -435,104 +434,7 @@ def from_host(array, like):
     return np.ascontiguousarray(array)
 
 
-# Keys of at most this many elements are packed with others of the same rule and scalars into
-# one pass: a kernel call costs tens of microseconds of Python, more than copying such a key
-# in and back out; for much bigger keys the copies cost more than the calls they save.
-PACK_UP_TO = 4096
-PACK_ELEMENTS = 1 << 19   # per pass: bounds the scratch memory packing keeps (per thread)
-# Rules whose every output element depends on the same element of the inputs only: packing
-# keys side by side changes no bit of their results. (LAMB reads each weight's norms.)
-ELEMENTWISE = frozenset({'sgd_update', 'nag_update', 'adam_update', 'adamw_update',
-                         'adagrad_update', 'rmsprop_update', 'ftrl_update', 'signum_update',
-                         'test_update'})
-_scratch = threading.local()   # .buffers: {(slot, dtype): array} reused by every packed pass
-
-
 def multi_update(calls):
-    """Many keys at once, calls: [(fn_name, args, kwargs)], args = (weight, grad, *states).
-    Small keys of one elementwise rule with equal scalars run as packed passes; the rest one
-    by one. Each key is updated once (a key given twice: everything in order)."""
-    if len(calls) < 2 or len({id(args[0]) for _, args, _ in calls}) < len(calls):
-        _each(calls)
-        return
-    packs, alone = {}, []
-    for call in calls:
-        kind = _pack_kind(*call)
-        if kind is None:
-            alone.append(call)
-        else:
-            packs.setdefault(kind, []).append(call)
-    _each(alone)
-    for group in packs.values():
-        start, size = 0, 0
-        for end, (_, args, _) in enumerate(group):
-            if size and size + args[0].size > PACK_ELEMENTS:
-                _packed(group[start:end])
-                start, size = end, 0
-            size += args[0].size
-        _packed(group[start:])
-
-
-def _each(calls):
-    for name, args, kwargs in calls:
-        globals()[name](*args, **kwargs)
-
-
-def _pack_kind(name, args, kwargs):
-    """What a call must share with others to be packed with them (None: run it alone): the
-    rule, every scalar, and the dtype of every array."""
-    weight = args[0]
-    if name not in ELEMENTWISE or not 0 < weight.size <= PACK_UP_TO:
-        return None
-    shape, dtypes = weight.shape, []
-    for arr in (*args, kwargs.get('weight32')):
-        if arr is None:
-            dtypes.append(None)
-            continue
-        for a in arr if type(arr) is tuple else (arr,):
-            if type(a) is not np.ndarray or a.shape != shape or not a.flags.c_contiguous:
-                return None   # run alone: the kernel's own checks say what is wrong
-            dtypes.append(a.dtype)
-        dtypes.append(type(arr))
-    # kwargs are built in one order by one optimizer: equal scalars give equal tuples
-    return name, tuple(dtypes), tuple((k, v) for k, v in kwargs.items() if k != 'weight32')
-
-
-def _packed(group):
-    """Run one rule over the keys of ``group`` laid end to end in scratch buffers, then put
-    back what it wrote (weights, states, master copies; a grad is scratch)."""
-    name, first, kwargs = group[0]
-    if len(group) == 1:
-        globals()[name](*first, **kwargs)
-        return
-    columns = [[args[i] for _, args, _ in group] for i in range(len(first))]
-    columns.append([kw.get('weight32') for _, _, kw in group])
-    packed = [_cat(column, slot) for slot, column in enumerate(columns)]
-    globals()[name](*packed[:-1], **dict(kwargs, weight32=packed[-1]))
-    for slot, (column, whole) in enumerate(zip(columns, packed)):
-        if slot == 1 or whole is None:
-            continue
-        lo = 0
-        for array in column:
-            hi = lo + array.size
-            np.copyto(array.reshape(-1), whole[lo:hi])
-            lo = hi
-
-
-def _cat(column, slot):
-    """The arrays of ``column`` end to end in this thread's scratch buffer for ``slot`` (a
-    tuple grad: each of its parts so); None stays None. Reused buffers: a fresh one each pass
-    would fault in every page again."""
-    if column[0] is None:
-        return None
-    if type(column[0]) is tuple:
-        return tuple(_cat(list(parts), (slot, i)) for i, parts in enumerate(zip(*column)))
-    n = sum(a.size for a in column)
-    buffers = getattr(_scratch, 'buffers', None)
-    if buffers is None:
-        buffers = _scratch.buffers = {}
-    buffer = buffers.get((slot, column[0].dtype))
-    if buffer is None or buffer.size < n:
-        buffer = buffers[(slot, column[0].dtype)] = np.empty(max(n, PACK_ELEMENTS),
-                                                             column[0].dtype)
-    return np.concatenate([a.reshape(-1) for a in column], out=buffer[:n])
+    """Many keys at once, calls: [(fn_name, args, kwargs)], args = (weight, grad, *states):
+    small keys of one elementwise rule and equal scalars in packed passes (numpy_packing)."""
+    numpy_packing.multi_update(calls, globals())

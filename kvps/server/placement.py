@@ -13,11 +13,13 @@ import logging
 import numpy as np
 
 from .._kernels import numpy_kernels
+from .._kernels.numpy_packing import PACK_UP_TO
 from ..errors import ConfigError
 from ..protocol import DTYPES
 from ..shm import MIN_BYTES
 
 log = logging.getLogger('kvps.server')
+SMALL_CHUNK_BYTES = 1 << 20   # small keys' weights are cut end to end from chunks of this
 
 
 class HostArrays:
@@ -33,27 +35,46 @@ class HostArrays:
 
     def __init__(self):
         self.arena = None
+        self._small_chunk, self._small_used = None, 0
 
     def received(self, data, dtype):
         """A read-only array over a received buffer (no copy)."""
         return np.frombuffer(data, dtype=DTYPES[dtype])
 
     def owned(self, data, dtype):
-        """A new array holding a copy of a received buffer."""
-        return self.copy(np.frombuffer(data, dtype=DTYPES[dtype]))
+        """A new array holding a copy of a received buffer (a key's weight)."""
+        source = np.frombuffer(data, dtype=DTYPES[dtype])
+        if not 0 < source.size <= PACK_UP_TO:
+            return self.copy(source)
+        out = self._small(source.nbytes, source.itemsize).view(source.dtype)
+        np.copyto(out, source)
+        return out
+
+    def _small(self, nbytes, itemsize):
+        """``nbytes`` right after the last ones cut (a small key's weight): weights made one
+        after another lie end to end, as the updater's states of small keys do, and a packed
+        optimizer pass updates them in place instead of copying them in and out."""
+        at = -(-self._small_used // itemsize) * itemsize
+        if self._small_chunk is None or at + nbytes > self._small_chunk.size:
+            self._small_chunk, at = self._empty((SMALL_CHUNK_BYTES,), np.uint8), 0
+        self._small_used = at + nbytes
+        return self._small_chunk[at:at + nbytes]
 
     @property
     def kernels(self):
         return numpy_kernels
 
     def empty_like(self, array, dtype=None):
-        dtype = array.dtype if dtype is None else np.dtype(dtype)
-        nbytes = array.size * dtype.itemsize
+        return self._empty(array.shape, array.dtype if dtype is None else dtype)
+
+    def _empty(self, shape, dtype):
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if self.arena is not None and nbytes >= MIN_BYTES:
             taken = self.arena.take(nbytes)
             if taken is not None:
-                return taken[1].view(dtype).reshape(array.shape)
-        return np.empty(array.shape, dtype)
+                return taken[1].view(dtype).reshape(shape)
+        return np.empty(shape, dtype)
 
     def add(self, a, b, out):
         """out = a + b. bfloat16 keys (uint16 bits) sum into a float32 ``out``: numpy and

@@ -3,6 +3,7 @@
 import numpy as np
 
 from kvps._kernels import common, kernels_for, multi_apply
+from kvps._kernels.numpy_packing import PACK_UP_TO, Slabs
 from kvps.errors import ConfigError, DTypeError, ShapeError
 from kvps.optimizer import Optimizer
 
@@ -38,6 +39,8 @@ class Updater:
         # (key, part) -> (id of its state, weight dtype, shape, kernels) last checked to fit
         self._fits = {}
         self._num_update = optimizer.begin_num_update
+        # Host states of small keys, cut end to end: they are updated in place, packed.
+        self._slabs = Slabs()
 
     @property
     def optimizer(self):
@@ -74,9 +77,8 @@ class Updater:
         counts = [self._tick(key, part) for key, part, _, _ in items]
         self._num_update = max(self._num_update, self._opt.begin_num_update + step)
         self._opt.num_update = self._num_update
-        calls = [self._call(key, weight, grad, state, count)
-                 for (key, _, weight, _), (grad, state), count in zip(items, checked, counts)]
-        multi_apply(calls)
+        multi_apply(self._calls([(key, weight, grad, state, count) for (key, _, weight, _),
+                                 (grad, state), count in zip(items, checked, counts)]))
 
     @property
     def updates_rows(self):
@@ -98,8 +100,8 @@ class Updater:
         ids = kernels.from_host(ids, weight)   # a GPU weight takes its index on its device
         picked = {name: array.reshape(-1, width)[ids] for name, array in state.items()}
         rows = weight.reshape(-1, width)[ids]
-        multi_apply([self._call(key, rows.reshape(-1), grad.reshape(-1),
-                                {n: a.reshape(-1) for n, a in picked.items()}, count)])
+        multi_apply(self._calls([(key, rows.reshape(-1), grad.reshape(-1),
+                                  {n: a.reshape(-1) for n, a in picked.items()}, count)]))
         weight.reshape(-1, width)[ids] = rows
         for name, array in state.items():
             array.reshape(-1, width)[ids] = picked[name]
@@ -164,7 +166,14 @@ class Updater:
             state['weight32'] = kernels.widen(weight)
         for name in self._opt.state_names():
             state[name] = kernels.zeros_like(weight, _state_dtype(self._opt, weight))
-        return state
+        return self._in_slabs(state)
+
+    def _in_slabs(self, state):
+        """``state`` with its small host arrays moved into the slabs, which lay the states
+        of keys side by side in the order they are made (for packed passes in place)."""
+        return {name: self._slabs.copy(name, array)
+                if type(array) is np.ndarray and array.size <= PACK_UP_TO else array
+                for name, array in state.items()}
 
     def _tick(self, key, part):
         count = self._counts.get((key, part), self._opt.begin_num_update) + 1
@@ -172,13 +181,21 @@ class Updater:
         self._num_update = max(self._num_update, count)
         return count
 
-    def _call(self, key, weight, grad, state, count):
-        opt = self._opt
-        args = (weight, grad) + tuple(state.get(name) for name in opt.kernel_states)
-        kwargs = dict(lr=opt.get_lr(key, self._num_update), wd=opt.get_wd(key),
-                      rescale_grad=opt.rescale_grad, clip_gradient=opt.clip_gradient,
-                      weight32=state.get('weight32'), **opt.kernel_args(count))
-        return opt.kernel, args, kwargs
+    def _calls(self, updates):
+        """The kernel calls ``(name, args, kwargs)`` of ``updates``, each ``(key, weight,
+        grad, state, count)``. Every call of one optimizer builds its kwargs in one order
+        (multi_update packs calls whose scalars are equal)."""
+        opt, num_update, calls = self._opt, self._num_update, []
+        by_count = {}   # count -> the kernel's hyper-parameters: most keys share a count
+        for key, weight, grad, state, count in updates:
+            more = by_count.get(count)
+            if more is None:
+                more = by_count[count] = opt.kernel_args(count)
+            calls.append((opt.kernel, (weight, grad, *map(state.get, opt.kernel_states)),
+                          dict(lr=opt.get_lr(key, num_update), wd=opt.get_wd(key),
+                               rescale_grad=opt.rescale_grad, clip_gradient=opt.clip_gradient,
+                               weight32=state.get('weight32'), **more)))
+        return calls
 
     # -- checkpoints ---------------------------------------------------------------------
     def get_states(self, dump_optimizer=False):
@@ -228,7 +245,8 @@ class Updater:
 
     def install(self, checked):
         """Take ``checked`` (from checked_states) in place of every key's state and count."""
-        opt, self._counts, self._states, num_update = checked
+        opt, self._counts, states, num_update = checked
+        self._states = {where: self._in_slabs(state) for where, state in states.items()}
         self._opt = opt
         self._fits = {}
         self._num_update = opt.num_update = num_update

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from kvps._kernels import KERNEL_NAMES, kernels_for, multi_apply, numpy_kernels as K
+from kvps._kernels import numpy_packing
+from kvps._kernels.numpy_packing import PACK_UP_TO, Slabs
 from kvps.errors import DTypeError, ShapeError
 
 STEPS = 20
@@ -399,7 +401,7 @@ def test_small_keys_updated_together_match_key_by_key_bit_for_bit(name, states, 
     """multi_update packs small keys of one rule and equal scalars into one pass (LAMB, big
     keys and keys with other scalars run alone): every weight, state and master copy is
     exactly what one call per key gives, and it holds again when scratch is reused."""
-    sizes = [1, 7, K.PACK_UP_TO, 300, K.PACK_UP_TO + 1, 64, 3]
+    sizes = [1, 7, PACK_UP_TO, 300, PACK_UP_TO + 1, 64, 3]
     for seed in (1, 2):
         together = _packable_calls(name, states, hyper, sizes, wdtype, master, seed,
                                    lrs=(0.1, 0.05), parts=parts)
@@ -411,6 +413,72 @@ def test_small_keys_updated_together_match_key_by_key_bit_for_bit(name, states, 
         for got, want in zip(_outputs(together), _outputs(alone)):
             for g, w in zip(got, want):
                 np.testing.assert_array_equal(g, w)
+
+
+def _end_to_end(calls):
+    """``calls`` with each key's weight, states and master copy moved into one buffer per
+    kind, key after key (as a server lays out small keys: Slabs and its weight chunks)."""
+    def laid(column):
+        if column[0] is None:
+            return column
+        whole = np.concatenate([a.reshape(-1) for a in column])
+        views, at = [], 0
+        for a in column:
+            views.append(whole[at:at + a.size].reshape(a.shape))
+            at += a.size
+        return views
+    args = [laid(list(column)) if i != 1 else list(column)
+            for i, column in enumerate(zip(*[a for _, a, _ in calls]))]
+    masters = laid([kw['weight32'] for _, _, kw in calls])
+    return [(name, tuple(a[k] for a in args), dict(kw, weight32=masters[k]))
+            for k, (name, _, kw) in enumerate(calls)]
+
+
+@pytest.mark.parametrize('name,states,hyper', [c for c in CASES if c[0] != 'lamb'],
+                         ids=[f'{c[0]}-{i}' for i, c in enumerate(CASES) if c[0] != 'lamb'])
+@pytest.mark.parametrize('wdtype,master,parts', [(np.float32, False, True),
+                                                 (np.float16, True, False),
+                                                 (np.uint16, True, False)],
+                         ids=['f32-parts', 'f16-master', 'bf16-master'])
+def test_small_keys_lying_end_to_end_are_updated_in_place_bit_for_bit(
+        name, states, hyper, wdtype, master, parts, monkeypatch):
+    """Weights, states and master copies that lie end to end are updated in place (only the
+    grads are copied together), with exactly the bits of one call per key."""
+    sizes = [1, 7, PACK_UP_TO, 300, 64, 3]
+    together = _end_to_end(_packable_calls(name, states, hyper, sizes, wdtype, master, 3,
+                                           parts=parts))
+    alone = _packable_calls(name, states, hyper, sizes, wdtype, master, 3, parts=parts)
+    copied = []
+    real_cat = numpy_packing._cat
+    monkeypatch.setattr(numpy_packing, '_cat',
+                        lambda column, slot: copied.append(slot) or real_cat(column, slot))
+    for _ in range(2):   # the second time from the layouts it remembers
+        K.multi_update(together)
+        for call in alone:
+            K.multi_update([call])
+    assert {slot if type(slot) is int else slot[0] for slot in copied} == {1}   # grads only
+    for got, want in zip(_outputs(together), _outputs(alone)):
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+
+
+def test_slabs_cut_arrays_end_to_end_per_name_and_dtype():
+    slabs = Slabs()
+    a, b = slabs.zeros('mean', (3,), np.float32), slabs.zeros('mean', (2, 2), np.float32)
+    other = slabs.zeros('var', (3,), np.float32)
+    wide = slabs.zeros('mean', (3,), np.float64)
+    assert _address(b) == _address(a) + a.nbytes
+    assert _address(other) != _address(b) + b.nbytes and wide.dtype == np.float64
+    assert b.shape == (2, 2) and not (a.any() or b.any() or other.any() or wide.any())
+    big = slabs.zeros('mean', (Slabs.CHUNK + 1,), np.float32)   # a chunk of its own
+    after = slabs.zeros('mean', (1,), np.float32)
+    assert big.size == Slabs.CHUNK + 1 and _address(after) != _address(big) + big.nbytes
+    copy = slabs.copy('mean', np.arange(4, dtype=np.float32))
+    assert _address(copy) == _address(after) + after.nbytes and copy.tolist() == [0, 1, 2, 3]
+
+
+def _address(array):
+    return array.__array_interface__['data'][0]
 
 
 def test_a_key_given_twice_is_updated_twice_in_order():

@@ -13,6 +13,7 @@ from kvps.errors import ConfigError
 from kvps.server import placement
 from kvps.server.placement import HostArrays, Placements, for_device
 from kvps.server.shard import Shard
+from kvps._kernels.numpy_packing import PACK_UP_TO
 
 W0, W1 = b'worker-0', b'worker-1'
 
@@ -196,3 +197,17 @@ def test_a_checkpoint_of_the_previous_format_still_loads():
     restore(shard, msgpack.packb(state, use_bin_type=True))
     entry = shard.entries[('k', 0)]
     assert entry.weight.tolist() == [5, 6] and not entry.device and entry.restored
+
+
+def test_small_keys_weights_lie_end_to_end_and_big_ones_apart():
+    """A shard's small keys (packed by the optimizer) share chunks, key after key, each at
+    its dtype's alignment; a big key gets an array of its own."""
+    host = HostArrays()
+    small = [host.owned(np.arange(n, dtype=np.float32).tobytes(), 'float32') for n in (3, 4)]
+    wide = host.owned(np.arange(2, dtype=np.float64).tobytes(), 'float64')
+    big = host.owned(np.zeros(PACK_UP_TO + 1, np.float32).tobytes(), 'float32')
+    starts = [a.__array_interface__['data'][0] for a in (*small, wide)]
+    assert starts[1] == starts[0] + 12 and starts[2] == starts[0] + 32   # 28, rounded up to 8
+    assert small[1].tolist() == [0, 1, 2, 3] and wide.tolist() == [0, 1]
+    assert small[0].flags.writeable and wide.flags.aligned
+    assert big.base is None or big.base is not small[0].base

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 from kvps import protocol as P
+from kvps._kernels.numpy_packing import PACK_UP_TO
 from kvps.config import Config
 from kvps.errors import KVPSError, ProtocolError
 from kvps.server.regions import Regions
 from kvps.server.placement import HostArrays, Placements
 from kvps.server.shard import Shard
-from kvps.shm import (ALIGN, HEADER_BYTES, MIN_BYTES, Heap, Mapping, Ring, Segment,
+from kvps.shm import (ALIGN, HEADER_BYTES, Heap, Mapping, Ring, Segment,
                       remove_leftovers)
 from kvps.worker.staging import Staging
 
@@ -233,7 +234,7 @@ def test_an_arena_weight_is_lent_in_place_and_never_changed_before_the_worker_co
     placements = Placements(HostArrays())
     placements.use_arena(regions.arena)
     shard = Shard(1, placements=placements)
-    n = MIN_BYTES // 4
+    n = PACK_UP_TO + 1   # not a small key (those share chunks): a block of its own
     shard.init('i', 'k', 0, 'float32', [n], True, np.ones(n, np.float32).tobytes())
     shard.push('p', b'worker-0', 'k', 0, 'float32', True, np.full(n, 2, np.float32).tobytes())
     (_, _, (entry, array, lease)), = shard.pull('q', b'worker-0', 'k', 0)

@@ -98,6 +98,25 @@ def test_update_many_equals_sequential_updates():
         np.testing.assert_array_equal(wa, wb)
 
 
+def test_small_keys_states_lie_end_to_end_also_after_a_restore():
+    """So that a packed pass updates them in place (numpy_packing): states are made key
+    after key in one run per name, and a restore lays them out so again."""
+    u = Updater(create('adam'))
+    ws = [np.ones(n, np.float32) for n in (3, 5, 8)]
+    u.update_many([(k, 0, w, np.ones_like(w)) for k, w in enumerate(ws)])
+
+    def end_to_end(updater):
+        for name in ('mean', 'var'):
+            arrays = [updater._states[(k, 0)][name] for k in range(len(ws))]
+            starts = [a.__array_interface__['data'][0] for a in arrays]
+            assert [b - a for a, b in zip(starts, starts[1:])] == [a.nbytes for a in arrays[:-1]]
+    end_to_end(u)
+    v = Updater(create('adam'))
+    v.set_states(msgpack.unpackb(msgpack.packb(u.get_states())))
+    end_to_end(v)
+    assert msgpack.packb(v.get_states()) == msgpack.packb(u.get_states())
+
+
 @pytest.mark.parametrize('name', ['sgd', 'adam', 'lamb', 'adagrad'])
 @pytest.mark.parametrize('wdtype', ['float16', 'bfloat16'])
 def test_multi_precision_keeps_fp32_master_and_weight_is_its_cast(name, wdtype):

@@ -1,0 +1,176 @@
+"""Multi-tensor apply for the numpy kernels: small keys of one rule run as one pass, in place where their arrays lie end to end."""
+
+import collections
+import threading
+
+import numpy as np
+
+# Keys of at most this many elements are packed with others of the same rule and scalars into
+# one pass: a kernel call costs tens of microseconds of Python, more than copying such a key
+# in and back out; for much bigger keys the copies cost more than the calls they save.
+PACK_UP_TO = 4096
+PACK_ELEMENTS = 1 << 19   # per pass: bounds the scratch memory packing keeps (per thread)
+# Rules whose every output element depends on the same element of the inputs only: packing
+# keys side by side changes no bit of their results. (LAMB reads each weight's norms.)
+ELEMENTWISE = frozenset({'sgd_update', 'nag_update', 'adam_update', 'adamw_update',
+                         'adagrad_update', 'rmsprop_update', 'ftrl_update', 'signum_update',
+                         'test_update'})
+SPANS_KEPT = 256          # column layouts remembered per thread (see _span)
+_local = threading.local()   # .buffers: {(slot, dtype): scratch}, .spans: (see _span)
+
+
+def multi_update(calls, kernels):
+    """Many keys at once, calls: [(fn_name, args, kwargs)], args = (weight, grad, *states),
+    the functions found in ``kernels`` (a name -> function mapping). Small keys of one
+    elementwise rule with equal scalars run as packed passes; the rest one by one. Each key
+    is updated once (a key given twice: everything in order)."""
+    if len(calls) < 2 or len({id(args[0]) for _, args, _ in calls}) < len(calls):
+        _each(calls, kernels)
+        return
+    packs, alone = {}, []
+    for call in calls:
+        kind = _pack_kind(*call)
+        if kind is None:
+            alone.append(call)
+        else:
+            packs.setdefault(kind, []).append(call)
+    _each(alone, kernels)
+    for group in packs.values():
+        start, size = 0, 0
+        for end, (_, args, _) in enumerate(group):
+            if size and size + args[0].size > PACK_ELEMENTS:
+                _packed(group[start:end], kernels)
+                start, size = end, 0
+            size += args[0].size
+        _packed(group[start:], kernels)
+
+
+def _each(calls, kernels):
+    for name, args, kwargs in calls:
+        kernels[name](*args, **kwargs)
+
+
+def _pack_kind(name, args, kwargs):
+    """What a call must share with others to be packed with them (None: run it alone): the
+    rule, every scalar, and the dtype of every array."""
+    weight = args[0]
+    if name not in ELEMENTWISE or not 0 < weight.size <= PACK_UP_TO:
+        return None
+    shape, dtypes = weight.shape, []
+    for arr in (*args, kwargs.get('weight32')):
+        if arr is None:
+            dtypes.append(None)
+            continue
+        for a in arr if type(arr) is tuple else (arr,):
+            if type(a) is not np.ndarray or a.shape != shape or not a.flags.c_contiguous:
+                return None   # run alone: the kernel's own checks say what is wrong
+            dtypes.append(a.dtype)
+        dtypes.append(type(arr))
+    # kwargs are built in one order by one optimizer: equal scalars give equal tuples
+    scalars = kwargs.copy()
+    scalars.pop('weight32', None)
+    return name, tuple(dtypes), tuple(scalars.items())
+
+
+def _packed(group, kernels):
+    """Run one rule over the keys of ``group`` laid end to end, then put back what it wrote
+    (weights, states, master copies; a grad is scratch). A column of arrays that already lie
+    end to end (weights in a server's arena, states from Slabs) is updated in place; the
+    others are copied into scratch buffers and back."""
+    name, first, kwargs = group[0]
+    if len(group) == 1:
+        kernels[name](*first, **kwargs)
+        return
+    columns = [[args[i] for _, args, _ in group] for i in range(len(first))]
+    columns.append([kw.get('weight32') for _, _, kw in group])
+    packed = [None if column[0] is None or slot == 1 else _span(column)
+              for slot, column in enumerate(columns)]
+    copied = [slot for slot, column in enumerate(columns)
+              if column[0] is not None and packed[slot] is None]
+    for slot in copied:
+        packed[slot] = _cat(columns[slot], slot)
+    kernels[name](*packed[:-1], **dict(kwargs, weight32=packed[-1]))
+    for slot in copied:
+        if slot == 1:
+            continue   # the grad was scratch
+        lo, whole = 0, packed[slot]
+        for array in columns[slot]:
+            hi = lo + array.size
+            np.copyto(array.reshape(-1), whole[lo:hi])
+            lo = hi
+
+
+def _span(column):
+    """One flat writable view over the arrays of ``column`` if each begins where the one
+    before it ends, else None. Weights and states are the same arrays round after round, so
+    the answer is kept per layout (the arrays' ids; the entry holds the arrays, so no id is
+    reused while it is kept): finding an address costs microseconds per array."""
+    spans = getattr(_local, 'spans', None)
+    if spans is None:
+        spans = _local.spans = collections.OrderedDict()
+    ids = tuple(map(id, column))
+    kept = spans.get(ids)
+    if kept is not None:
+        spans.move_to_end(ids)
+        return kept[1]
+    spans[ids] = (column, _adjacent(column))
+    if len(spans) > SPANS_KEPT:
+        spans.popitem(last=False)
+    return spans[ids][1]
+
+
+def _adjacent(column):
+    first = column[0]
+    if not all(a.flags.writeable for a in column):
+        return None
+    start = first.__array_interface__['data'][0]
+    end = start
+    for a in column:
+        if a.__array_interface__['data'][0] != end:
+            return None
+        end += a.nbytes
+    return np.lib.stride_tricks.as_strided(first.reshape(-1), shape=((end - start) //
+                                                                     first.itemsize,))
+
+
+def _cat(column, slot):
+    """The arrays of ``column`` end to end in this thread's scratch buffer for ``slot`` (a
+    tuple grad: each of its parts so). Reused buffers: a fresh one each pass would fault in
+    every page again."""
+    if type(column[0]) is tuple:
+        return tuple(_cat(list(parts), (slot, i)) for i, parts in enumerate(zip(*column)))
+    n = sum(a.size for a in column)
+    buffers = getattr(_local, 'buffers', None)
+    if buffers is None:
+        buffers = _local.buffers = {}
+    buffer = buffers.get((slot, column[0].dtype))
+    if buffer is None or buffer.size < n:
+        buffer = buffers[(slot, column[0].dtype)] = np.empty(max(n, PACK_ELEMENTS),
+                                                             column[0].dtype)
+    return np.concatenate([a.reshape(-1) for a in column], out=buffer[:n])
+
+
+class Slabs:
+    """Small zeroed arrays cut end to end from big chunks, one run per name and dtype: the
+    optimizer states of small keys, made in the order of their first update, then lie side
+    by side as their weights do, and a packed pass updates them in place (no copy in or
+    out). Space is never reused: states are made once per key (and again after a restore)."""
+
+    CHUNK = 1 << 20   # elements; np.zeros: pages are committed only as states use them
+
+    def __init__(self):
+        self._runs = {}   # (name, dtype) -> (chunk, elements used)
+
+    def zeros(self, name, shape, dtype):
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64))
+        chunk, used = self._runs.get((name, dtype), (None, 0))
+        if chunk is None or used + n > chunk.size:
+            chunk, used = np.zeros(max(self.CHUNK, n), dtype), 0
+        self._runs[(name, dtype)] = (chunk, used + n)
+        return chunk[used:used + n].reshape(shape)
+
+    def copy(self, name, array):
+        out = self.zeros(name, array.shape, array.dtype)
+        np.copyto(out, array)
+        return out
