@@ -12,6 +12,7 @@ buffer so lent is kept alive, unchanged, until the worker's ``seen`` shows it ha
 import collections
 import logging
 import math
+import weakref
 
 from .. import protocol as P
 from ..errors import ConfigError, KVPSError, ProtocolError
@@ -52,6 +53,7 @@ class Regions:
         self.arena = None
         self._unlink_at = None
         self._readers = {}
+        self._offsets = {}    # id(array) -> (weakref to it, its offset in the arena or None)
 
     def attach(self, identity, header, now=0.0):
         """Map the segment of ATTACH ``header`` for ``identity`` (replacing an older one: views
@@ -130,8 +132,18 @@ class Regions:
         return reader
 
     def lendable(self, array):
-        """``array``'s offset in the arena, or None when it lives elsewhere."""
-        return None if self.arena is None else self.arena.offset_of(array)
+        """``array``'s offset in the arena, or None when it lives elsewhere. Kept while the
+        array lives: a weight is lent round after round, and finding where an array's bytes
+        are costs microseconds, a tenth of a small key's serving."""
+        if self.arena is None:
+            return None
+        key = id(array)
+        known = self._offsets.get(key)
+        if known is not None and known[0]() is array:
+            return known[1]
+        gone = weakref.ref(array, lambda _, offsets=self._offsets: offsets.pop(key, None))
+        self._offsets[key] = (gone, self.arena.offset_of(array))
+        return self._offsets[key][1]
 
     @staticmethod
     def lend(reader, arrays):

@@ -222,6 +222,23 @@ def test_heap_gives_each_freed_block_to_the_next_of_its_size():
     assert heap.alloc(KB) == 3 * KB and heap.alloc(1) is None
 
 
+def test_arena_offsets_are_remembered_only_while_their_arrays_live(tmp_path):
+    worker_segment = Segment.create(1 << 20, directory=tmp_path)
+    regions = Regions(directory=tmp_path, arena_bytes=1 << 22, neighbours=1)
+    regions.attach(b'worker-0', worker_segment.describe())
+    offset, block = regions.arena.take(4096)
+    inside, outside = block.view(np.float32), np.zeros(1024, np.float32)
+    assert regions.lendable(inside) == regions.lendable(inside) == offset
+    assert regions.lendable(inside[1:]) == offset + 4
+    assert regions.lendable(outside) is None and regions.lendable(outside) is None
+    del inside, outside, block
+    gc.collect()
+    assert regions._offsets == {}   # nothing kept for arrays that are gone
+    regions.close()
+    worker_segment.unlink()
+    assert os.listdir(tmp_path) == []
+
+
 def test_an_arena_weight_is_lent_in_place_and_never_changed_before_the_worker_copied_it(
         tmp_path):
     worker_segment = Segment.create(1 << 20, directory=tmp_path)
