@@ -1,5 +1,6 @@
 """Multi-tensor apply for the numpy kernels: small keys of one rule run as one pass, in place where their arrays lie end to end."""
 
+import bisect
 import collections
 import threading
 
@@ -15,8 +16,9 @@ PACK_ELEMENTS = 1 << 19   # per pass: bounds the scratch memory packing keeps (p
 ELEMENTWISE = frozenset({'sgd_update', 'nag_update', 'adam_update', 'adamw_update',
                          'adagrad_update', 'rmsprop_update', 'ftrl_update', 'signum_update',
                          'test_update'})
-SPANS_KEPT = 256          # column layouts remembered per thread (see _span)
-_local = threading.local()   # .buffers: {(slot, dtype): scratch}, .spans: (see _span)
+LAYOUTS_KEPT = 256        # column layouts remembered per thread (see _runs)
+MIN_KEYS_PER_RUN = 8      # a column in more pieces than this allows is copied (see _runs)
+_local = threading.local()   # .buffers: {(slot, dtype): scratch}, .runs: (see _runs)
 
 
 def multi_update(calls, kernels):
@@ -74,63 +76,89 @@ def _pack_kind(name, args, kwargs):
 
 def _packed(group, kernels):
     """Run one rule over the keys of ``group`` laid end to end, then put back what it wrote
-    (weights, states, master copies; a grad is scratch). A column of arrays that already lie
-    end to end (weights in a server's arena, states from Slabs) is updated in place; the
-    others are copied into scratch buffers and back."""
+    (weights, states, master copies; a grad is scratch). Columns whose arrays mostly lie end
+    to end (weights in a server's chunks, states from Slabs) are updated where they lie, in
+    one pass per stretch that every such column has end to end; the other columns are
+    copied into scratch buffers and back."""
     name, first, kwargs = group[0]
     if len(group) == 1:
         kernels[name](*first, **kwargs)
         return
     columns = [[args[i] for _, args, _ in group] for i in range(len(first))]
     columns.append([kw.get('weight32') for _, _, kw in group])
-    packed = [None if column[0] is None or slot == 1 else _span(column)
-              for slot, column in enumerate(columns)]
+    runs = [None if column[0] is None or slot == 1 else _runs(column)
+            for slot, column in enumerate(columns)]
     copied = [slot for slot, column in enumerate(columns)
-              if column[0] is not None and packed[slot] is None]
-    for slot in copied:
-        packed[slot] = _cat(columns[slot], slot)
-    kernels[name](*packed[:-1], **dict(kwargs, weight32=packed[-1]))
+              if column[0] is not None and runs[slot] is None]
+    scratch = {slot: _cat(columns[slot], slot) for slot in copied}
+    ends = np.cumsum([0] + [args[0].size for _, args, _ in group]).tolist()
+    cuts = sorted({start for r in runs if r is not None for start in r[0]} | {0, len(group)})
+    for a, b in zip(cuts, cuts[1:]):
+        packed = [None] * len(columns)
+        for slot, column_runs in enumerate(runs):
+            if column_runs is not None:
+                packed[slot] = _stretch(column_runs, ends, a, b)
+            elif slot in scratch:
+                packed[slot] = _cut(scratch[slot], ends[a], ends[b])
+        kernels[name](*packed[:-1], **dict(kwargs, weight32=packed[-1]))
     for slot in copied:
         if slot == 1:
             continue   # the grad was scratch
-        lo, whole = 0, packed[slot]
-        for array in columns[slot]:
-            hi = lo + array.size
+        whole = scratch[slot]
+        for array, lo, hi in zip(columns[slot], ends, ends[1:]):
             np.copyto(array.reshape(-1), whole[lo:hi])
-            lo = hi
 
 
-def _span(column):
-    """One flat writable view over the arrays of ``column`` if each begins where the one
-    before it ends, else None. Weights and states are the same arrays round after round, so
-    the answer is kept per layout (the arrays' ids; the entry holds the arrays, so no id is
-    reused while it is kept): finding an address costs microseconds per array."""
-    spans = getattr(_local, 'spans', None)
-    if spans is None:
-        spans = _local.spans = collections.OrderedDict()
+def _cut(packed, lo, hi):
+    """Elements [lo, hi) of a packed column (a tuple grad: of each of its parts)."""
+    return tuple(p[lo:hi] for p in packed) if type(packed) is tuple else packed[lo:hi]
+
+
+def _stretch(column_runs, ends, a, b):
+    """The view over arrays [a, b) of a column, which lie inside one of its runs."""
+    starts, views = column_runs
+    r = bisect.bisect_right(starts, a) - 1
+    base = ends[starts[r]]
+    return views[r][ends[a] - base:ends[b] - base]
+
+
+def _runs(column):
+    """``(starts, views)``: the stretches of ``column`` whose arrays lie end to end (the
+    index of each one's first array, and one flat writable view over each), or None when
+    there are too many to gain from. Weights and states are the same arrays round after
+    round, so the answer is kept per layout (the arrays' ids; the entry holds the arrays, so
+    no id is reused while it is kept): finding an address costs microseconds per array."""
+    kept = getattr(_local, 'runs', None)
+    if kept is None:
+        kept = _local.runs = collections.OrderedDict()
     ids = tuple(map(id, column))
-    kept = spans.get(ids)
-    if kept is not None:
-        spans.move_to_end(ids)
-        return kept[1]
-    spans[ids] = (column, _adjacent(column))
-    if len(spans) > SPANS_KEPT:
-        spans.popitem(last=False)
-    return spans[ids][1]
+    known = kept.get(ids)
+    if known is not None:
+        kept.move_to_end(ids)
+        return known[1]
+    kept[ids] = (column, _find_runs(column))
+    if len(kept) > LAYOUTS_KEPT:
+        kept.popitem(last=False)
+    return kept[ids][1]
 
 
-def _adjacent(column):
-    first = column[0]
+def _find_runs(column):
     if not all(a.flags.writeable for a in column):
         return None
-    start = first.__array_interface__['data'][0]
-    end = start
-    for a in column:
-        if a.__array_interface__['data'][0] != end:
-            return None
-        end += a.nbytes
-    return np.lib.stride_tricks.as_strided(first.reshape(-1), shape=((end - start) //
-                                                                     first.itemsize,))
+    starts, views, end = [], [], None
+    for i, a in enumerate(column + [None]):
+        at = None if a is None else a.__array_interface__['data'][0]
+        if at is None or at != end:
+            if starts:   # the run from starts[-1] ends before i
+                first = column[starts[-1]]
+                views.append(np.lib.stride_tricks.as_strided(
+                    first.reshape(-1), shape=(sum(x.size for x in column[starts[-1]:i]),)))
+            if a is not None:
+                starts.append(i)
+        if a is not None:
+            end = at + a.nbytes
+    # A pass per run costs a kernel call: worth it only while runs hold several keys each.
+    return (starts, views) if len(starts) <= 1 + len(column) // MIN_KEYS_PER_RUN else None
 
 
 def _cat(column, slot):

@@ -383,6 +383,17 @@ def _packable_calls(name, states, hyper, sizes, wdtype, master, seed, lrs=(0.1,)
     return calls
 
 
+def _check_same_as_key_by_key(together, alone):
+    """multi_update of ``together`` leaves exactly what one call per key of ``alone`` (the
+    same calls on copies) does."""
+    K.multi_update(together)
+    for call in alone:
+        K.multi_update([call])
+    for got, want in zip(_outputs(together), _outputs(alone)):
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+
+
 def _outputs(calls):
     return [[a.copy() for a in (args[0], *args[2:], kw['weight32']) if a is not None]
             for _, args, kw in calls]
@@ -407,29 +418,26 @@ def test_small_keys_updated_together_match_key_by_key_bit_for_bit(name, states, 
                                    lrs=(0.1, 0.05), parts=parts)
         alone = _packable_calls(name, states, hyper, sizes, wdtype, master, seed,
                                 lrs=(0.1, 0.05), parts=parts)
-        K.multi_update(together)
-        for call in alone:
-            K.multi_update([call])
-        for got, want in zip(_outputs(together), _outputs(alone)):
-            for g, w in zip(got, want):
-                np.testing.assert_array_equal(g, w)
+        _check_same_as_key_by_key(together, alone)
 
 
-def _end_to_end(calls):
-    """``calls`` with each key's weight, states and master copy moved into one buffer per
-    kind, key after key (as a server lays out small keys: Slabs and its weight chunks)."""
-    def laid(column):
+def _end_to_end(calls, weight_breaks=(), state_breaks=()):
+    """``calls`` with each key's weight, states and master copy moved into buffers per
+    kind, key after key (as a server lays out small keys: Slabs and its weight chunks), a
+    new buffer at each index in ``*_breaks``."""
+    def laid(column, breaks):
         if column[0] is None:
             return column
-        whole = np.concatenate([a.reshape(-1) for a in column])
-        views, at = [], 0
-        for a in column:
-            views.append(whole[at:at + a.size].reshape(a.shape))
-            at += a.size
+        views = []
+        for a, b in zip((0, *breaks), (*breaks, len(column))):
+            whole, at = np.concatenate([x.reshape(-1) for x in column[a:b]]), 0
+            for x in column[a:b]:
+                views.append(whole[at:at + x.size].reshape(x.shape))
+                at += x.size
         return views
-    args = [laid(list(column)) if i != 1 else list(column)
+    args = [list(column) if i == 1 else laid(list(column), state_breaks if i else weight_breaks)
             for i, column in enumerate(zip(*[a for _, a, _ in calls]))]
-    masters = laid([kw['weight32'] for _, _, kw in calls])
+    masters = laid([kw['weight32'] for _, _, kw in calls], state_breaks)
     return [(name, tuple(a[k] for a in args), dict(kw, weight32=masters[k]))
             for k, (name, _, kw) in enumerate(calls)]
 
@@ -440,26 +448,31 @@ def _end_to_end(calls):
                                                  (np.float16, True, False),
                                                  (np.uint16, True, False)],
                          ids=['f32-parts', 'f16-master', 'bf16-master'])
+@pytest.mark.parametrize('breaks', [((), ()), ((8,), (4, 12))], ids=['whole', 'stretches'])
 def test_small_keys_lying_end_to_end_are_updated_in_place_bit_for_bit(
-        name, states, hyper, wdtype, master, parts, monkeypatch):
-    """Weights, states and master copies that lie end to end are updated in place (only the
-    grads are copied together), with exactly the bits of one call per key."""
-    sizes = [1, 7, PACK_UP_TO, 300, 64, 3]
+        name, states, hyper, wdtype, master, parts, breaks, monkeypatch):
+    """Weights, states and master copies that lie end to end, whole or in stretches of many
+    keys, are updated in place (only the grads are copied together), with exactly the bits
+    of one call per key."""
+    sizes = [1, 7, PACK_UP_TO, 300, 64, 3] * 3
     together = _end_to_end(_packable_calls(name, states, hyper, sizes, wdtype, master, 3,
-                                           parts=parts))
+                                           parts=parts), *breaks)
     alone = _packable_calls(name, states, hyper, sizes, wdtype, master, 3, parts=parts)
     copied = []
     real_cat = numpy_packing._cat
     monkeypatch.setattr(numpy_packing, '_cat',
                         lambda column, slot: copied.append(slot) or real_cat(column, slot))
     for _ in range(2):   # the second time from the layouts it remembers
-        K.multi_update(together)
-        for call in alone:
-            K.multi_update([call])
+        _check_same_as_key_by_key(together, alone)
     assert {slot if type(slot) is int else slot[0] for slot in copied} == {1}   # grads only
-    for got, want in zip(_outputs(together), _outputs(alone)):
-        for g, w in zip(got, want):
-            np.testing.assert_array_equal(g, w)
+
+
+def test_keys_scattered_in_memory_are_copied_in_and_out_bit_for_bit():
+    sizes = [5, 6, 7] * 6
+    scattered = _end_to_end(_packable_calls('adam', ['mean', 'var'], {}, sizes, np.float32,
+                                            False, 4), tuple(range(1, 18, 2)))
+    alone = _packable_calls('adam', ['mean', 'var'], {}, sizes, np.float32, False, 4)
+    _check_same_as_key_by_key(scattered, alone)
 
 
 def test_slabs_cut_arrays_end_to_end_per_name_and_dtype():
