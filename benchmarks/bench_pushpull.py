@@ -10,6 +10,8 @@ the peers' benchmarks report. Configurations (W workers, S servers, float32 keys
   w2s1-64mb  W=2 S=1, 16 keys, 64 MiB in all ("few large keys")
   w4s2-4mb   W=4 S=2, 40 keys, 4 MiB
   w4s2-64mb  W=4 S=2, 16 keys, 64 MiB
+  w2s1-400keys  W=2 S=1, 400 keys, 4 MiB (a model's biases and norms, key by key)
+  w2s1-256mb W=2 S=1, 1 key of 256 MiB (an LM head or a dense embedding table)
 
 For each, in the same invocation: kvps (no optimizer and/or server-side SGD), MXNet dist_sync
 (same optimizer), torch.distributed gloo all-reduce per tensor and over one flat buffer; then a
@@ -38,6 +40,8 @@ CONFIGS = {  # name: (workers, servers, keys, total bytes)
     'w4s2-4mb': (4, 2, 40, 4 * MiB), 'w4s2-64mb': (4, 2, 16, 64 * MiB),
     # a model's many small tensors (biases, norms): what a key costs beyond its bytes
     'w2s1-400keys': (2, 1, 400, 4 * MiB),
+    # one huge tensor: what cutting keys into parts (KVPS_PARTITION_BYTES) is for
+    'w2s1-256mb': (2, 1, 1, 256 * MiB),
 }
 GLOO_MODES = {'async': 'allreduce_per_tensor', 'coalesced': 'allreduce_flat'}
 PEER_KEYS = {('mxnet', 'dist_sync'): 'mxnet', ('gloo', 'allreduce_per_tensor'): 'gloo_per_tensor',
@@ -91,7 +95,7 @@ def rounds_for(args, total_bytes):
     small = total_bytes <= 8 * MiB
     if args.quick:
         return 5 if small else 3
-    return 30 if small else 10
+    return 30 if small else 10 if total_bytes <= 64 * MiB else 5
 
 
 def optimizer_available():

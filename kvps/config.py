@@ -10,7 +10,7 @@ ROLES = ('worker', 'server', 'scheduler')
 
 @dataclasses.dataclass(frozen=True)
 class Var:
-    """One environment variable: the native name, the ps-lite/MXNet aliases, parser, default."""
+    """One environment variable: the native name, the ps-lite/MXNet/BytePS aliases, parser, default."""
     field: str
     names: tuple
     parse: object
@@ -118,6 +118,10 @@ VARS = (
         'Requested rank within the role (the launcher sets it); else ranks follow arrival order.'),
     Var('bigarray_bound', ('KVPS_BIGARRAY_BOUND', 'MXNET_KVSTORE_BIGARRAY_BOUND'), _positive_int,
         1_000_000, 'Arrays with at least this many elements are split across all servers.'),
+    Var('partition_bytes', ('KVPS_PARTITION_BYTES', 'BYTEPS_PARTITION_BYTES'), _positive_int,
+        16 << 20, 'Arrays of more bytes are cut into parts of at most this size, spread over '
+        'the servers (as BytePS): servers sum, update and answer one part while the next '
+        'arrives.'),
     Var('timeout', ('KVPS_TIMEOUT',), _positive_float, 600.0,
         'Seconds any single wait (reply, barrier, shutdown) may take before RequestTimeout.'),
     Var('connect_timeout', ('KVPS_CONNECT_TIMEOUT',), _positive_float, 120.0,
@@ -189,6 +193,7 @@ class Config:
     use_kubernetes: bool = False
     rank: int = None
     bigarray_bound: int = 1_000_000
+    partition_bytes: int = 16 << 20
     timeout: float = 600.0
     connect_timeout: float = 120.0
     heartbeat_interval: float = 1.0
@@ -268,6 +273,7 @@ class Config:
                 shared[name] = count
         if role == 'worker':
             shared['KVPS_BIGARRAY_BOUND'] = self.bigarray_bound
+            shared['KVPS_PARTITION_BYTES'] = self.partition_bytes
         return shared
 
     def unrecoverable(self, recovery_timeout=None):
@@ -337,7 +343,7 @@ class Config:
 
 def markdown_table():
     """README's table of environment variables, generated so it cannot drift from VARS."""
-    rows = ['| variable | ps-lite / MXNet name | default | meaning |', '|---|---|---|---|']
+    rows = ['| variable | ps-lite / MXNet / BytePS name | default | meaning |', '|---|---|---|---|']
     for var in VARS:
         alias = ', '.join(f'`{n}`' for n in var.names[1:]) or '—'
         default = var.default

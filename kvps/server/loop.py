@@ -281,7 +281,8 @@ class Server:
                 f'{self.checkpointer.path} does not hold, while the keys it does hold '
                 f'({", ".join(map(repr, unclaimed))}) were never initialized: the keys were '
                 "initialized in another order or number than the checkpointed job's (or split "
-                'by another KVPS_BIGARRAY_BOUND); init them as that job did, or start afresh in '
+                'by another KVPS_BIGARRAY_BOUND or KVPS_PARTITION_BYTES); init them as that '
+                'job did, or start afresh in '
                 'another KVPS_CHECKPOINT_DIR')
 
     def _check(self, token, h, buffers):

@@ -41,7 +41,8 @@ class DistClient(Collectives):
         self.rank = welcome['rank']
         self.num_workers = welcome['num_workers']
         self.num_servers = welcome['num_servers']
-        self.placement = Placement(self.num_servers, config.bigarray_bound)
+        self.placement = Placement(self.num_servers, config.bigarray_bound,
+                                   config.partition_bytes)
         self._window = PushWindow(config.max_inflight_bytes)
         self._errors = collections.deque()     # errors of pushes, raised at the next wait
         self._lock = threading.Lock()   # push counts, barrier numbers, closing

@@ -110,7 +110,8 @@ class Collectives:
             raise ConfigError(
                 f'{spec["name"]} reads each weight whole, but key(s) '
                 f'{", ".join(map(repr, split[:5]))} are split across servers (KVPS_BIGARRAY_BOUND '
-                'elements or more): set the optimizer before init (kvps then keeps '
-                'keys whole), raise KVPS_BIGARRAY_BOUND, or update on the workers '
+                'elements or more, or over KVPS_PARTITION_BYTES): set the optimizer before '
+                'init (kvps then keeps keys whole), raise KVPS_BIGARRAY_BOUND and '
+                'KVPS_PARTITION_BYTES, or update on the workers '
                 '(Trainer(update_on_kvstore=False))')
         self.keep_keys_whole()

@@ -1,4 +1,4 @@
-"""Pure key placement: big arrays split across every server, small keys balanced by bytes.
+"""Pure key placement: big arrays split across every server (and cut into parts of at most KVPS_PARTITION_BYTES), small keys balanced by bytes.
 
 Every worker computes the same placement because init is collective: the same keys, sizes
 and order everywhere. A worker that diverges gets a clear 'not initialized' error from the
@@ -6,6 +6,7 @@ server it wrongly addresses, never silent corruption.
 """
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -27,9 +28,10 @@ class Part:
 class Placement:
     """Decides and remembers which server holds which part of every key."""
 
-    def __init__(self, num_servers, bigarray_bound):
+    def __init__(self, num_servers, bigarray_bound, partition_bytes=None):
         self.num_servers = num_servers
         self.bound = bigarray_bound
+        self.partition_bytes = partition_bytes   # None: keys are never cut for their size
         self.load = [0] * num_servers          # bytes placed on each server
         self._parts = {}
         self.keep_whole = False   # place later keys on one server each, whatever their size
@@ -46,12 +48,12 @@ class Placement:
 
     def place(self, key, size, itemsize, width=1):
         """Assign ``key`` (``size`` elements, rows of ``width``) to servers; return its parts.
-        A split key is cut between rows where it has a row for every server, so that each
+        A split key is cut between rows where it has a row for every part, so that each
         row lies on one server (pushes and pulls of some rows, kvps.rows)."""
         if key in self._parts:
             return self._parts[key]
-        if size >= self.bound and self.num_servers > 1 and not self.keep_whole:   # as MXNet
-            pieces = min(self.num_servers, size)
+        pieces = self._pieces(size, itemsize)
+        if pieces > 1:
             unit = width if size // width >= pieces else 1
             edges = np.linspace(0, size // unit, pieces + 1).astype(np.int64) * unit
             # Rotate the start so that uneven remainders do not always land on server 0.
@@ -65,6 +67,19 @@ class Placement:
             self.load[p.server] += (p.stop - p.start) * itemsize
         self._parts[key] = parts
         return parts
+
+    def _pieces(self, size, itemsize):
+        """How many parts a key of ``size`` elements gets: one per server from the bound on
+        (as MXNet), and for more than ``partition_bytes``, parts of at most that many bytes
+        in whole rounds of the servers (as BytePS: a server sums, updates and answers a part
+        while the next one arrives; messages of hundreds of MB ran at half the speed)."""
+        if self.keep_whole:
+            return 1
+        pieces = self.num_servers if size >= self.bound and self.num_servers > 1 else 1
+        if self.partition_bytes and size * itemsize > self.partition_bytes:
+            rounds = math.ceil(math.ceil(size * itemsize / self.partition_bytes) / self.num_servers)
+            pieces = max(pieces, rounds * self.num_servers)
+        return min(pieces, size)
 
     def parts(self, key):
         return self._parts[key]

@@ -82,9 +82,12 @@ def local_run(name, first, steps, start=None, load=None, save=None):
     return out
 
 
-@pytest.mark.parametrize('name', sorted(OPTIMIZERS))
-def test_dist_sync_matches_local_and_states_survive_a_new_job(job, tmp_path, name):
-    env = {'OPT': name, 'TEST_DIR': str(Path(__file__).parent), 'KVPS_BIGARRAY_BOUND': '1000'}
+@pytest.mark.parametrize('name, partition', [('adam', None), ('sgd', None), ('adam', '2000')],
+                         ids=['adam', 'sgd', 'adam-partitioned'])
+def test_dist_sync_matches_local_and_states_survive_a_new_job(job, tmp_path, name, partition):
+    """partition: 'big' (12000 bytes) is cut into 6 parts of 2000 bytes, 3 on each server."""
+    env = {'OPT': name, 'TEST_DIR': str(Path(__file__).parent), 'KVPS_BIGARRAY_BOUND': '1000',
+           **({'KVPS_PARTITION_BYTES': partition} if partition else {})}
     saved = tmp_path / 'states.kvps'
     first = job(SCRIPT, 2, 2, env={**env, 'FIRST': '0', 'STEPS': '4', 'SAVE': str(saved)})
     assert first.returncode == 0, first.output

@@ -35,10 +35,13 @@ report(rank=r, n=n, seen=seen, type=kv.type)
 '''
 
 
-@pytest.mark.parametrize('workers, servers', [(2, 2), (3, 1)])
-def test_dist_sync_push_replaces_with_the_round_sum(job, workers, servers):
+@pytest.mark.parametrize('workers, servers, partition', [(2, 2, None), (3, 1, None),
+                                                        (2, 2, '1000')])
+def test_dist_sync_push_replaces_with_the_round_sum(job, workers, servers, partition):
+    """partition: key 7 (12000 bytes) is cut into 12 parts, 6 on each server."""
     result = job(SYNC_SCRIPT, workers, servers,
-                 env={'STORE': 'dist_sync', 'KVPS_BIGARRAY_BOUND': '1000'})
+                 env={'STORE': 'dist_sync', 'KVPS_BIGARRAY_BOUND': '1000',
+                      **({'KVPS_PARTITION_BYTES': partition} if partition else {})})
     assert result.returncode == 0, result.output
     results = result.results()
     assert sorted(results) == list(range(workers))

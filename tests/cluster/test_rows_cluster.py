@@ -31,15 +31,22 @@ report(parts=[list(p) for p in kv._parts('emb')], full=full[:, 0].tolist(),
 '''
 
 
-def test_rows_pushed_to_split_servers_are_summed_updated_lazily_and_pulled_by_row(job):
-    result = job(SYNC_ROWS, workers=2, servers=2, env={'KVPS_BIGARRAY_BOUND': '10'})
+@pytest.mark.parametrize('partition, parts', [(None, [[0, 8], [8, 18]]),
+                                             ('24', [[0, 4], [4, 8], [8, 12], [12, 18]])],
+                         ids=['halves', 'partitioned'])
+def test_rows_pushed_to_split_servers_are_summed_updated_lazily_and_pulled_by_row(
+        job, partition, parts):
+    """partitioned: 'emb' (72 bytes) in 4 parts of whole rows, 'wide' in 8 inside its row."""
+    result = job(SYNC_ROWS, workers=2, servers=2,
+                 env={'KVPS_BIGARRAY_BOUND': '10',
+                      **({'KVPS_PARTITION_BYTES': partition} if partition else {})})
     assert result.returncode == 0, result.output
     # Rows 0..3 on one server, 4..8 on the other; each row's value after two rounds of
     # w -= 1 * (g + 0.5 w): g = 1 (rows 0, 8), 2 (rows 1, 7), 3 (row 4): w1 = -g, w2 = -1.5 g.
     full = [-1.5, -3.0, 0.0, 0.0, -4.5, 0.0, 0.0, -3.0, -1.5]
     for rank in (0, 1):
         got = result.results()[rank]
-        assert [p[2:] for p in got['parts']] == [[0, 8], [8, 18]]
+        assert [p[2:] for p in got['parts']] == parts
         assert got['full'] == full
         assert got['some'] == [-1.5, 9, 9, 0.0, 9, 9, 9, 9, -1.5]
         assert got['wide'] == [-2.0]                       # dense: pushed whole, both workers

@@ -77,3 +77,27 @@ def test_small_parts_share_a_message_per_server_and_shared_memory_parts_all_shar
     in_shm = fuse(parts, lambda item: 0 if item[1].server == 0 else item[2].nbytes)
     assert [(server, [i[0] for i in batch]) for server, batch in in_shm] == [
         (0, [0, 2, 4, 6]), (1, [1, 3]), (1, [5, 7])]
+
+
+def test_keys_over_the_partition_size_are_cut_in_whole_rounds_of_the_servers():
+    """As BytePS: parts of at most partition_bytes, as many on every server."""
+    one = Placement(1, 10**6, partition_bytes=1000)
+    parts = one.place('k', 1001, 4)            # 4004 bytes: 5 parts on the one server
+    assert [p.server for p in parts] == [0] * 5 and [p.part for p in parts] == list(range(5))
+    assert parts[0].start == 0 and parts[-1].stop == 1001
+    assert all(a.stop == b.start for a, b in zip(parts, parts[1:]))
+    assert max((p.stop - p.start) * 4 for p in parts) <= 1000
+    three = Placement(3, 10**6, partition_bytes=1000)
+    parts = three.place('k', 1001, 4)          # 5 parts rounded up to 6: two per server
+    assert sorted(p.server for p in parts) == [0, 0, 1, 1, 2, 2]
+    assert three.load == [1332, 1336, 1336]
+    assert len(three.place('small', 250, 4)) == 1                  # 1000 bytes: whole
+    assert Placement(2, 10**6).place('k', 10**5, 4)[0].stop == 10**5   # None: never cut
+
+
+def test_partitions_are_cut_between_rows_and_never_when_keys_stay_whole():
+    placement = Placement(2, 10**6, partition_bytes=4000)
+    parts = placement.place('table', 100 * 30, 4, width=30)        # 12000 bytes: 4 parts
+    assert len(parts) == 4 and all(p.start % 30 == 0 for p in parts)
+    placement.keep_whole = True                # LAMB reads each weight whole
+    assert len(placement.place('next', 100 * 30, 4, width=30)) == 1
