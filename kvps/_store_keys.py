@@ -107,17 +107,36 @@ class StoreKeys:
         of the values' sum (the caller's memory is never handed over). GPU values are summed
         on their device and staged through pinned memory; host values are summed by numpy,
         with ``stage`` straight into the memory the backend sends from (a worker's shared
-        memory: the one copy a push makes)."""
+        memory: the one copy a push makes), and for a key in several parts as a list of one
+        copy per part, each in a block of its own: a value bigger than the free shared
+        memory then still sends most of its parts through it, not all over the socket."""
         gpu = [self._on_gpu(key, values) for key, values in pairs]
-        sizes = [0 if on_gpu else values[0].nbytes for on_gpu, (_, values) in zip(gpu, pairs)]
-        blocks = self._backend.stage(sizes) if stage else [None] * len(pairs)
+        cuts = [self._cuts(key) if stage and not on_gpu else None
+                for on_gpu, (key, _) in zip(gpu, pairs)]
+        sizes = [[0] if on_gpu else [values[0].nbytes] if cut is None else
+                 [(b - a) * values[0].itemsize for a, b in cut]
+                 for on_gpu, cut, (_, values) in zip(gpu, cuts, pairs)]
+        blocks = iter(self._backend.stage([n for each in sizes for n in each]) if stage
+                      else [None] * len(pairs))
         copies = []
-        for on_gpu, (_, values), into in zip(gpu, pairs, blocks):
+        for on_gpu, cut, (_, values) in zip(gpu, cuts, pairs):
             if on_gpu:
+                next(blocks)
                 copies.append(devices.host_sum(values))
-            elif len(values) > 1:
-                copies.append(arrays.sum_values(values, into))
+            elif cut is None:
+                copies.append(_summed(values, next(blocks)))
             else:
-                copies.append(arrays.flat_copy(values[0], into))
+                flats = [v.reshape(-1) for v in values]   # torch or numpy: dtypes kept
+                copies.append([_summed([f[a:b] for f in flats], next(blocks)) for a, b in cut])
         return copies
 
+    def _cuts(self, key):
+        """``[(start, stop)]`` of each part of a key in several, else None."""
+        parts = self._parts(key)
+        return None if len(parts) < 2 else [(start, stop) for _, _, start, stop in parts]
+
+
+def _summed(values, into):
+    """A flat copy of ``values``' sum (one value: itself), in ``into`` when given."""
+    return arrays.sum_values(values, into) if len(values) > 1 else \
+        arrays.flat_copy(values[0], into)

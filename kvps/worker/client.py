@@ -68,8 +68,8 @@ class DistClient(Collectives):
         server; do not wait."""
         self._raise_pending_errors()
         step = self._count_pushes(items)
-        nbytes = sum(sum(p.nbytes for p in flat) if dtype in P.PUSH_CODECS else flat.nbytes
-                     for _, flat, dtype in items)
+        nbytes = sum(sum(p.nbytes for p in flat) if type(flat) is list else flat.nbytes
+                     for _, flat, _ in items)
         self._window.make_room(nbytes, self.config.timeout, self._round_hint)
         staging = self.io.staging
         parts = []   # (key, part, its payload, dtype, its offset in shared memory or None)

@@ -38,9 +38,10 @@ def fuse(parts, wire_bytes=part_nbytes):
 
 
 def payload(part, array, dtype):
-    """What one part of an item carries: its slice of the flat array, or, for a compressed
-    push, its own encoded payload (``array`` is then the list of them, one per part)."""
-    return array[part.part] if dtype in P.PUSH_CODECS else array[part.start:part.stop]
+    """What one part of an item carries: its slice of the flat array, or its own payload
+    where ``array`` is a list of one per part (a compressed push, rows, or a value copied
+    part by part into shared memory)."""
+    return array[part.part] if type(array) is list else array[part.start:part.stop]
 
 
 def copier(batch, blocks, staging, node):

@@ -27,7 +27,8 @@ def grad(key, rank, step):
 
 kv = kvps.create(MODE)
 io = kv._backend.io
-counts = {'shm_push': 0, 'sock_push': 0, 'arena_pull': 0, 'shm_pull': 0, 'sock_pull': 0}
+counts = {'shm_push': 0, 'sock_push': 0, 'arena_pull': 0, 'shm_pull': 0, 'sock_pull': 0,
+          'big_shm_push': 0}
 def big(key, n):
     return n * np.dtype(DTYPES[key]).itemsize >= MIN_BYTES
 submit, resolve = io.submit, io._pending.resolve
@@ -35,6 +36,7 @@ def counted_submit(node, header, buffers, request):
     for key, _, dtype, n, at in header['keys'] if header['op'] == 'push' else ():
         if big(key, n):
             counts['shm_push' if at is not None else 'sock_push'] += 1
+            counts['big_shm_push'] += key == 'big' and at is not None
     submit(node, header, buffers, request)
 def counted_resolve(header, buffers):
     for key, _, dtype, n, at, lent in header['keys'] if header['op'] == 'data' else ():
@@ -106,6 +108,16 @@ def test_a_segment_too_small_for_a_step_sends_the_rest_through_the_socket(job):
     for res in run(job, 'dist_sync', {'KVPS_SHM_BYTES': str(3 << 19)}).values():
         assert res['shm_push'] and res['sock_push'], res
         assert res['arena_pull'] + res['shm_pull'] + res['sock_pull'] == 4 * 5 + 5, res
+
+
+def test_a_value_bigger_than_the_segment_still_sends_parts_through_it(job):
+    # 1 MiB segments; 'big' (1.2 MB) in 6 parts of 200 KB: a part is copied into a block of
+    # its own, so those that fit take shared memory (the whole value never could).
+    env = {'KVPS_SHM_BYTES': str(1 << 20), 'KVPS_PARTITION_BYTES': '200000'}
+    for res in run(job, 'dist_sync', env).values():
+        assert res['big_shm_push'] and res['sock_push'], res
+        # every part pulled, each step and at the end: big's 6, wide's 4, f64's 4
+        assert res['arena_pull'] + res['shm_pull'] + res['sock_pull'] == 5 * 14, res
 
 
 # A container's /dev/shm: 64 MiB unless the operator says otherwise. A private mount namespace
