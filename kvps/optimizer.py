@@ -284,8 +284,9 @@ class AdaGrad(Optimizer):
 @register
 class RMSProp(Optimizer):
     """Tieleman-Hinton (w -= lr*g/(sqrt(var)+eps)) or, centered, Graves with momentum
-    (mom = momentum*mom - lr*g/sqrt(var - mean^2 + eps); w += mom); MXNet 2 names rho and
-    momentum, MXNet 1 names gamma1 and gamma2 accepted."""
+    (mom = momentum*mom - lr*g/sqrt(max(var - mean^2, 0) + eps); w += mom: the max keeps a
+    steady gradient's rounding from NaN weights); MXNet 2 names rho and momentum, MXNet 1
+    names gamma1 and gamma2 accepted."""
     name = 'rmsprop'
     default_lr = 0.001
     hyper = {'rho': ('float', 0.9), 'momentum': ('float', 0.9), 'epsilon': ('float', 1e-8),

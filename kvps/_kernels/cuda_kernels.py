@@ -180,8 +180,9 @@ def rmsprop_update(weight, grad, var, mean, mom, lr, wd, rescale_grad, clip_grad
     if centered:
         core = PREP_WD + (' mean = s_rho * mean + s_omr * g;'
                           ' var = s_rho * var + s_omr * (g * g);'
-                          ' mom = s_momentum * mom - s_lr * (g / sqrt(var - mean * mean'
-                          ' + s_epsilon)); w = w + mom;')
+                          ' KC spread = var - mean * mean; spread = spread < 0 ? (KC)0 : spread;'
+                          ' mom = s_momentum * mom - s_lr * (g / sqrt(spread + s_epsilon));'
+                          ' w = w + mom;')
         states, tag = [('var', var), ('mean', mean), ('mom', mom)], 'rmsprop_centered'
     else:
         core = PREP_WD + (' var = s_rho * var + s_omr * (g * g);'

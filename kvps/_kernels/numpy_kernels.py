@@ -253,6 +253,9 @@ def _rmsprop(w, g, var, mean, mom, tmp, sc):
     else:
         np.multiply(mean, mean, out=tmp[0])
         np.subtract(var, tmp[0], out=tmp[0])
+        # var >= mean^2 in exact arithmetic; a steady gradient leaves them equal, and float
+        # rounding below zero would turn the square root into NaN
+        np.maximum(tmp[0], 0, out=tmp[0])
         tmp[0] += sc.epsilon
         np.sqrt(tmp[0], out=tmp[0])
     np.divide(g, tmp[0], out=g)
