@@ -36,6 +36,8 @@ ALIGN = 64                   # every block starts on a cache line
 MIN_BYTES = 1 << 10
 MAX_SEGMENT_BYTES = 1 << 40
 DEFAULT_SEGMENT_BYTES = 1 << 28
+# A server's arena reserves its pages as weights fill it, this much at a time.
+RESERVE_STEP = 16 << 20
 # A smaller share holds too few blocks to be worth a segment.
 MIN_SHARE_BYTES = 2 << 20
 _NAME = re.compile(r'kvps-[0-9]{1,10}-[0-9a-f]{16}')
@@ -46,23 +48,24 @@ def aligned(nbytes):
     return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
 
 
-def share_of(sharers, directory=SHM_DIR):
+def share_of(sharers, directory=SHM_DIR, cap=DEFAULT_SEGMENT_BYTES):
     """Bytes one of ``sharers`` kvps processes on this host may reserve in ``directory``: half
-    of the filesystem split among them, at most 256 MiB; 0 when that is under 2 MiB or the
-    size cannot be read. Half, because others need it too (a torch DataLoader's workers pass
-    every batch through /dev/shm), and a container's /dev/shm is often only 64 MiB."""
+    of the filesystem split among them, at most ``cap`` (None: no cap); 0 when that is under
+    2 MiB or the size cannot be read. Half, because others need it too (a torch DataLoader's
+    workers pass every batch through /dev/shm), and a container's /dev/shm is often only
+    64 MiB."""
     try:
         vfs = os.statvfs(directory)
     except OSError:
         return 0
     share = vfs.f_blocks * vfs.f_frsize // 2 // max(1, sharers)
-    share = min(DEFAULT_SEGMENT_BYTES, share) // MIN_BYTES * MIN_BYTES
+    share = min(share, cap or share, MAX_SEGMENT_BYTES) // MIN_BYTES * MIN_BYTES
     return share if share >= MIN_SHARE_BYTES else 0
 
 
-def segment_bytes(setting, sharers, directory=SHM_DIR):
+def segment_bytes(setting, sharers, directory=SHM_DIR, cap=DEFAULT_SEGMENT_BYTES):
     """KVPS_SHM_BYTES as given, or for 'auto' this process's ``share_of`` ``directory``."""
-    return share_of(sharers, directory) if setting == 'auto' else setting
+    return share_of(sharers, directory, cap) if setting == 'auto' else setting
 
 
 class Ring:
@@ -161,7 +164,7 @@ class Segment:
     their space back when the last reference to them goes (a worker's segment: from a Ring;
     a server's arena: from a Heap)."""
 
-    def __init__(self, name, nonce, memory, allocator=Ring, fd=None):
+    def __init__(self, name, nonce, memory, allocator=Ring, fd=None, reserved=None):
         self.name, self.nonce, self._memory = name, nonce, memory
         self.fd = fd   # kept open: a peer that comes after the name is gone opens it through us
         self.size = len(memory)
@@ -169,6 +172,8 @@ class Segment:
         self._address = np.frombuffer(memory, dtype=np.uint8).ctypes.data
         self.blocks = allocator(HEADER_BYTES, self.size)
         self._linked = True
+        self.reserved = self.size if reserved is None else reserved   # pages held so far
+        self._reserving = threading.Lock()
 
     def describe(self):
         """What a peer needs to map it (an ATTACH, or its answer): ``{name, nonce, size}``, and
@@ -178,32 +183,35 @@ class Segment:
                 'pid': os.getpid(), 'fd': self.fd}
 
     @classmethod
-    def create(cls, size, directory=SHM_DIR, allocator=Ring):
+    def create(cls, size, directory=SHM_DIR, allocator=Ring, grows=False):
         """A fresh segment of ``size`` bytes; KVPSError (nothing left behind) when /dev/shm is
-        missing or too full: the pages are reserved now, so a full /dev/shm can never SIGBUS
-        a writer later."""
+        missing or too full. Its pages are reserved now (``grows``: as blocks are taken, a
+        server's arena, which holds weights that would otherwise take heap memory), so a full
+        /dev/shm can never SIGBUS a writer later: a block finding no room is None."""
         if not HEADER_BYTES + ALIGN <= size <= MAX_SEGMENT_BYTES:
             raise KVPSError(f'shared-memory size {size} out of range')
+        reserve = min(size, RESERVE_STEP) if grows else size
         name = f'kvps-{os.getpid()}-{secrets.token_hex(8)}'
         path = os.path.join(directory, name)
         try:
             vfs = os.statvfs(directory)
-            if vfs.f_bavail * vfs.f_frsize < size:
+            if vfs.f_bavail * vfs.f_frsize < reserve:
                 raise KVPSError(f'{directory} has {vfs.f_bavail * vfs.f_frsize} bytes free, '
-                                f'{size} needed')
+                                f'{reserve} needed')
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
             raise KVPSError(f'cannot create shared memory in {directory}: {exc}') from None
         try:
-            os.posix_fallocate(fd, 0, size)
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, reserve)
             memory = mmap.mmap(fd, size)
         except OSError as exc:
             os.close(fd)
             os.unlink(path)
-            raise KVPSError(f'cannot reserve {size} bytes of shared memory: {exc}') from None
+            raise KVPSError(f'cannot reserve {reserve} bytes of shared memory: {exc}') from None
         nonce = secrets.token_bytes(NONCE_BYTES)
         memory[:NONCE_BYTES] = nonce
-        segment = cls(name, nonce, memory, allocator, fd)
+        segment = cls(name, nonce, memory, allocator, fd, reserve)
         segment.path = path
         return segment
 
@@ -213,11 +221,28 @@ class Segment:
         offset = self.blocks.alloc(nbytes)
         if offset is None:
             return None
+        if offset + nbytes > self.reserved and not self._reserve(offset + nbytes):
+            self.blocks.free(offset)
+            return None
         # An array made from a buffer is the .base of every view numpy derives from it, so the
         # finalizer runs only once the block and all its slices and views are gone.
         block = np.frombuffer(self._view[offset:offset + nbytes], dtype=np.uint8)
         weakref.finalize(block, self.blocks.free, offset)
         return offset, block
+
+    def _reserve(self, end):
+        """Hold the pages up to ``end`` (whole steps, within the size); False when /dev/shm
+        has no room for them."""
+        with self._reserving:
+            if end <= self.reserved:
+                return True
+            upto = min(self.size, -(-end // RESERVE_STEP) * RESERVE_STEP)
+            try:
+                os.posix_fallocate(self.fd, self.reserved, upto - self.reserved)
+            except OSError:
+                return False
+            self.reserved = upto
+            return True
 
     def offset_of(self, array):
         """The offset of ``array`` if its bytes lie in this segment (a block from take)."""

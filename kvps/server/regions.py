@@ -76,7 +76,7 @@ class Regions:
         why = f'this server\'s share of {self.directory} is under 2 MiB'
         if self.arena_bytes:
             try:
-                return Segment.create(self.arena_bytes, self.directory, Heap)
+                return Segment.create(self.arena_bytes, self.directory, Heap, grows=True)
             except KVPSError as exc:
                 why = exc
         log.warning('no shared-memory arena for weights (%s); pulls are copied into each '

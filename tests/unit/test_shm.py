@@ -2,6 +2,7 @@
 makes on what a worker names (segment, nonce, offsets), and a server's arena lent to a worker,
 without sockets."""
 
+import errno
 import gc
 import os
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvps import protocol as P
+from kvps import shm
 from kvps._kernels.numpy_packing import PACK_UP_TO
 from kvps.config import Config
 from kvps.errors import KVPSError, ProtocolError
@@ -96,6 +98,29 @@ def test_segment_creation_fails_cleanly_without_room(tmp_path):
     with pytest.raises(KVPSError, match='out of range'):
         Segment.create(10, directory=tmp_path)
     assert os.listdir(tmp_path) == []
+
+
+def test_an_arena_reserves_its_pages_as_blocks_fill_it(tmp_path, monkeypatch):
+    step = shm.RESERVE_STEP
+    arena = Segment.create(4 * step, directory=tmp_path, allocator=Heap, grows=True)
+    allocated = (lambda: os.fstat(arena.fd).st_blocks * 512)
+    assert os.fstat(arena.fd).st_size == 4 * step
+    assert arena.reserved == step and allocated() <= step        # the rest is a hole
+    offset, block = arena.take(step)                               # crosses the first step
+    assert arena.reserved == 2 * step and allocated() >= 2 * step - HEADER_BYTES
+    block[:] = 7                                                   # reserved: safe to write
+    # /dev/shm full: the block finds no room (never a SIGBUS later) and gives its space back
+    monkeypatch.setattr(shm.os, 'posix_fallocate', _no_space)
+    assert arena.take(2 * step) is None and arena.reserved == 2 * step
+    monkeypatch.undo()                                             # room again
+    again, _ = arena.take(2 * step)
+    assert again == offset + step and arena.reserved == 4 * step   # the same space, now held
+    arena.close()
+    assert os.listdir(tmp_path) == []
+
+
+def _no_space(fd, offset, length):
+    raise OSError(errno.ENOSPC, 'No space left on device')
 
 
 def test_a_server_maps_only_the_segment_announced(tmp_path):

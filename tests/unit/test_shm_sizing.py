@@ -44,6 +44,7 @@ def test_docker_default_of_64_mib_is_split_among_the_processes_on_the_host(shm_o
 def test_a_big_dev_shm_gives_each_process_at_most_256_mib(shm_of_size):
     shm_of_size(64 << 30)
     assert share_of(4) == 256 * MiB == shm.DEFAULT_SEGMENT_BYTES
+    assert share_of(4, cap=None) == 8 << 30   # a server's arena: reserved only as it fills
     shm_of_size(None)
     assert share_of(4) == 0
 
