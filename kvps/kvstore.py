@@ -2,11 +2,11 @@
 
 import atexit
 import logging
+import math
 import os
 import sys
 import threading
 
-import numpy as np
 
 from . import _store_rows, arrays, compression, devices, rows, states
 from ._store_keys import StoreKeys
@@ -413,7 +413,8 @@ class KVStore(StoreKeys):
 
     def _parts(self, key):
         shape, _ = self._known(key)
-        return self._backend.parts(key, int(np.prod(shape, dtype=np.int64)))
+        # math.prod, not np.prod: asked for every key of every push (np.prod costs ~5 us)
+        return self._backend.parts(key, math.prod(shape))
 
     def close(self):
         """Flush and leave the job (also done at interpreter exit)."""
