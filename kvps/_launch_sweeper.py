@@ -9,7 +9,7 @@ was killed) it waits for those children to be gone and removes the names they le
 import sys
 import time
 
-from ._launch_supervise import group_alive
+from ._launch_procs import group_alive
 from .shm import remove_leftovers
 
 # Children die with the launcher at once; one stuck in the kernel is not waited for long.

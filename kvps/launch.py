@@ -12,7 +12,8 @@ import socket
 import sys
 import tempfile
 
-from ._launch_supervise import ProcSpec, Supervisor, Sweeper, forwarding_signals
+from ._launch_procs import ProcSpec, Sweeper
+from ._launch_supervise import Supervisor, forwarding_signals
 from .auth import new_secret
 from .config import VARS, Config
 from .errors import ConfigError

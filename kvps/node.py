@@ -32,7 +32,7 @@ def _end_cleanly_on_termination():
     """SIGTERM and SIGHUP (a batch system's kill, a dropped ssh session, the ssh and Slurm
     recipes' cleanup) end the role as Ctrl-C does: through its finally blocks, which unlink
     its shared memory. By default they end the process on the spot, leaving a server's
-    256 MiB arena in /dev/shm for as long as the host runs (only kvps.launch sweeps)."""
+    arena (its weights) in /dev/shm for as long as the host runs (only kvps.launch sweeps)."""
     def stop(signum, frame):
         raise SystemExit(128 + signum)
     for signum in (signal.SIGTERM, signal.SIGHUP):

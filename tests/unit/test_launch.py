@@ -15,7 +15,8 @@ import time
 import pytest
 
 from kvps import _launch_supervise, launch
-from kvps._launch_supervise import ProcSpec, Supervisor, run_specs
+from kvps._launch_procs import ProcSpec
+from kvps._launch_supervise import Supervisor, run_specs
 from kvps.config import Config
 
 pytestmark = pytest.mark.timeout(30)
@@ -510,7 +511,8 @@ def _launcher_subprocess(code, count):
 
 SLEEPERS = '''
     import sys
-    from kvps._launch_supervise import ProcSpec, run_specs
+    from kvps._launch_procs import ProcSpec
+    from kvps._launch_supervise import run_specs
     code = 'import os, time; print("pid", os.getpid(), flush=True); time.sleep(60)'
     specs = [ProcSpec('server', r, (sys.executable, '-c', code), {}) for r in (0, 1)]
     code = ('import os, subprocess, time; p = subprocess.Popen(["sleep", "60"]); '
