@@ -74,7 +74,7 @@ class DistClient(Collectives):
         staging = self.io.staging
         parts = []   # (key, part, its payload, dtype, its offset in shared memory or None)
         for key, part, flat, dtype in self._parts_of(items):
-            data = payload(part, flat, dtype)
+            data = payload(part, flat)
             at = None if staging is None else staging.offset_in(server_name(part.server), data)
             parts.append((key, part, data, dtype, at))
         batches = fuse(parts, lambda item: 0 if item[4] is not None else item[2].nbytes)

@@ -37,7 +37,7 @@ def fuse(parts, wire_bytes=part_nbytes):
     return batches
 
 
-def payload(part, array, dtype):
+def payload(part, array):
     """What one part of an item carries: its slice of the flat array, or its own payload
     where ``array`` is a list of one per part (a compressed push, rows, or a value copied
     part by part into shared memory)."""
