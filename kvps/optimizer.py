@@ -145,8 +145,11 @@ class Optimizer:
 
     def get_lr(self, key, num_update):
         """The lr of `key` when the job-wide update count is num_update."""
-        base = self.lr_scheduler(num_update) if self.lr_scheduler else self.lr
-        return base * self.lr_mult.get(key, 1.0)
+        return self.base_lr(num_update) * self.lr_mult.get(key, 1.0)
+
+    def base_lr(self, num_update):
+        """The lr before any key's lr_mult, when the job-wide update count is num_update."""
+        return self.lr_scheduler(num_update) if self.lr_scheduler else self.lr
 
     def get_wd(self, key):
         return self.wd * self.wd_mult.get(key, 1.0)

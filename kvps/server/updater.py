@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from kvps._kernels import common, kernels_for, multi_apply
+from kvps._kernels import common, kernels_for, multi_apply, numpy_kernels
 from kvps._kernels.numpy_packing import PACK_UP_TO, Slabs
 from kvps.errors import ConfigError, DTypeError, ShapeError
 from kvps.optimizer import Optimizer
@@ -12,6 +12,7 @@ _LOW_PRECISION = ('float16', 'uint16')  # uint16 storage is bfloat16
 _STATE_DTYPES = {'float16': np.float16, 'float32': np.float32, 'float64': np.float64,
                  'bfloat16': np.uint16}
 STATE_ITEMSIZE = {name: np.dtype(t).itemsize for name, t in _STATE_DTYPES.items()}
+_HOST_DTYPES = frozenset(map(np.dtype, _STATE_DTYPES.values()))   # the kernels' dtypes
 
 
 class Updater:
@@ -111,6 +112,8 @@ class Updater:
         """``(grad, state)`` for one update, both checked. ``grad``: an array, or a tuple of
         host arrays to be summed (a sync round's last pushes: the numpy kernels add them
         block by block, in the pass of the update), each checked alike."""
+        if _plain_host_update(weight, grad):   # most updates: nothing to say, nothing to fix
+            return grad, self._state_for(key, part, weight, numpy_kernels)
         kernels = kernels_for(weight)
         _check_dtype(key, 'weight', weight)
         if type(weight) is np.ndarray and (not weight.flags.c_contiguous
@@ -185,15 +188,19 @@ class Updater:
         """The kernel calls ``(name, args, kwargs)`` of ``updates``, each ``(key, weight,
         grad, state, count)``. Every call of one optimizer builds its kwargs in one order
         (multi_update packs calls whose scalars are equal)."""
-        opt, num_update, calls = self._opt, self._num_update, []
+        opt, calls = self._opt, []
+        # What get_lr and get_wd make of each key, with the scheduler asked once for all.
+        lr, lr_mult, wd, wd_mult = opt.base_lr(self._num_update), opt.lr_mult, opt.wd, opt.wd_mult
+        kernel, names, rescale, clip = (opt.kernel, opt.kernel_states, opt.rescale_grad,
+                                        opt.clip_gradient)
         by_count = {}   # count -> the kernel's hyper-parameters: most keys share a count
         for key, weight, grad, state, count in updates:
             more = by_count.get(count)
             if more is None:
                 more = by_count[count] = opt.kernel_args(count)
-            calls.append((opt.kernel, (weight, grad, *map(state.get, opt.kernel_states)),
-                          dict(lr=opt.get_lr(key, num_update), wd=opt.get_wd(key),
-                               rescale_grad=opt.rescale_grad, clip_gradient=opt.clip_gradient,
+            calls.append((kernel, (weight, grad, *map(state.get, names)),
+                          dict(lr=lr * lr_mult.get(key, 1.0), wd=wd * wd_mult.get(key, 1.0),
+                               rescale_grad=rescale, clip_gradient=clip,
                                weight32=state.get('weight32'), **more)))
         return calls
 
@@ -296,6 +303,23 @@ def _state_dtype(opt, weight):
 def _name(dtype):
     """kvps's name of a numpy dtype: uint16 storage is bfloat16."""
     return 'bfloat16' if dtype == np.uint16 else str(dtype)
+
+
+def _plain_host_update(weight, grad):
+    """Whether a weight and its grad (or tuple of grads) pass every check of
+    ``Updater._check`` as they are: host arrays of a kernel dtype and of one shape, C-contiguous,
+    the weight writable. Asked for every key of every round, so in as few steps as Python
+    allows; anything else takes the checks that say what is wrong."""
+    if type(weight) is not np.ndarray or weight.dtype not in _HOST_DTYPES:
+        return False
+    flags, shape = weight.flags, weight.shape
+    if not (flags.c_contiguous and flags.writeable):
+        return False
+    for g in grad if type(grad) is tuple else (grad,):
+        if type(g) is not np.ndarray or g.dtype not in _HOST_DTYPES or g.shape != shape \
+                or not g.flags.c_contiguous:
+            return False
+    return True
 
 
 def _check_dtype(key, label, array):
