@@ -1,13 +1,13 @@
 """Shared-memory segments that carry bulk array bytes between a worker and servers on its host.
 
-The worker creates one segment in /dev/shm (mode 0600, pages reserved up front, a random
-nonce at its start) and allocates blocks in it from a Ring; each server maps it by name once
-the nonce proves it sees the same file, and from then on reads pushes from it and writes
-pulls into it at offsets that headers carry. A server likewise keeps the weights of big keys
-in an arena of its own (blocks from a Heap), which workers map read-only and copy pulls out
-of. Headers still travel over ZeroMQ, so ordering, authentication and errors are unchanged.
-Everything a peer names here (segment name, size, offsets, lengths) is checked before use and
-rejected with ProtocolError.
+The worker creates one segment in /dev/shm (mode 0600, a random nonce at its start, pages
+reserved as blocks need them) and allocates blocks in it from a Ring; each server maps it by
+name once the nonce proves it sees the same file, and from then on reads pushes from it and
+writes pulls into it at offsets that headers carry. A server likewise keeps the weights of big
+keys in an arena of its own (blocks from a Heap), which workers map read-only and copy pulls
+out of. Headers still travel over ZeroMQ, so ordering, authentication and errors are
+unchanged. Everything a peer names here (segment name, size, offsets, lengths) is checked
+before use and rejected with ProtocolError.
 """
 
 import collections
@@ -36,7 +36,7 @@ ALIGN = 64                   # every block starts on a cache line
 MIN_BYTES = 1 << 10
 MAX_SEGMENT_BYTES = 1 << 40
 DEFAULT_SEGMENT_BYTES = 1 << 28
-# A server's arena reserves its pages as weights fill it, this much at a time.
+# A segment that grows (a worker's, a server's arena) reserves its pages this much at a time.
 RESERVE_STEP = 16 << 20
 # A smaller share holds too few blocks to be worth a segment.
 MIN_SHARE_BYTES = 2 << 20
@@ -68,43 +68,69 @@ def segment_bytes(setting, sharers, directory=SHM_DIR, cap=DEFAULT_SEGMENT_BYTES
     return share_of(sharers, directory, cap) if setting == 'auto' else setting
 
 
-class Ring:
-    """Offsets of blocks handed out in order around a circular region; blocks may be freed in
-    any order, and space is reused once every block allocated before it is free. ``alloc``
-    never waits: None when there is no room. ``free`` may run on any thread, even inside a
-    garbage collection that interrupts ``alloc``: it only queues the offset (an atomic append),
-    and ``alloc`` reclaims queued offsets under its lock."""
+class _Blocks:
+    """What Ring and Heap share: offsets of blocks in [start, stop), handed out only below a
+    ``limit`` (the pages reserved so far, which may rise). ``alloc`` never waits: None when no
+    block of ``nbytes`` fits below ``limit`` (default: stop). ``free`` may run on any thread,
+    even inside a garbage collection that interrupts ``alloc``: it only queues the offset (an
+    atomic append), and ``alloc`` reclaims queued offsets under its lock."""
 
     def __init__(self, start, stop):
         self.start, self.stop = start, stop
-        self._blocks = {}        # offset -> [size, freed], in allocation order (dict order)
-        self._head = self._tail = start
         self._freed = collections.deque()
         self._lock = threading.Lock()
 
-    def alloc(self, nbytes):
-        size = aligned(nbytes)
-        entry = [size, False]
+    def alloc(self, nbytes, limit=None):
         with self._lock:
             self._reclaim()
-            offset = self._place(size)
-            if offset is not None:
-                self._blocks[offset] = entry
-                self._head = offset + size
-            return offset
+            return self._alloc(aligned(nbytes), self.stop if limit is None else limit)
 
-    def _place(self, size):
+    def free(self, offset):
+        self._freed.append(offset)
+
+    def reach(self, nbytes):
+        """The limit a block of ``nbytes`` needs when none fits below the present one; None
+        when no limit within stop would do."""
+        with self._lock:
+            self._reclaim()
+            end = self._end()
+        if end is None or end + aligned(nbytes) > self.stop:
+            return None
+        return end + aligned(nbytes)
+
+
+class Ring(_Blocks):
+    """Offsets of blocks handed out in order around a circular region; blocks may be freed in
+    any order, and space is reused once every block allocated before it is free. It wraps at
+    the limit when the start is free, so a segment that grows holds its peak in-flight bytes,
+    not every byte that ever passed through it."""
+
+    def __init__(self, start, stop):
+        super().__init__(start, stop)
+        self._blocks = {}        # offset -> [size, freed], in allocation order (dict order)
+        self._head = self._tail = start
+
+    def _alloc(self, size, limit):
+        offset = self._place(size, limit)
+        if offset is not None:
+            self._blocks[offset] = [size, False]
+            self._head = offset + size
+        return offset
+
+    def _place(self, size, limit):
         """Where a block of ``size`` fits. Live blocks lie in [tail, head) or, wrapped, in
-        [tail, stop) and [start, head); head == tail only when there are none, so a wrapped
+        [tail, limit) and [start, head); head == tail only when there are none, so a wrapped
         head must stay strictly below tail."""
         if self._head >= self._tail:
-            if self._head + size <= self.stop:
+            if self._head + size <= limit:
                 return self._head
             return self.start if self.start + size < self._tail else None
         return self._head if self._head + size < self._tail else None
 
-    def free(self, offset):
-        self._freed.append(offset)
+    def _end(self):
+        """Where a block goes past the limit: at the head, unless live blocks wrap around
+        (then none can, before the ones at the end are freed)."""
+        return self._head if self._head >= self._tail else None
 
     def _reclaim(self):
         while self._freed:
@@ -124,35 +150,34 @@ class Ring:
             return len(self._blocks)
 
 
-class Heap:
+class Heap(_Blocks):
     """Offsets of long-lived blocks (a server's weights): each freed block is kept for the
-    next block of its size, so keys of fixed sizes reuse their space for ever. Same contract
-    as Ring: ``alloc`` never waits (None: no room); ``free`` only queues."""
+    next block of its size, so keys of fixed sizes reuse their space for ever."""
 
     def __init__(self, start, stop):
-        self._top, self.stop = start, stop
+        super().__init__(start, stop)
+        self._top = start
         self._sizes = {}                                 # offset -> size, while allocated
         self._spare = collections.defaultdict(list)      # size -> freed offsets
-        self._freed = collections.deque()
-        self._lock = threading.Lock()
 
-    def alloc(self, nbytes):
-        size = aligned(nbytes)
-        with self._lock:
-            while self._freed:
-                offset = self._freed.popleft()
-                self._spare[self._sizes.pop(offset)].append(offset)
-            if self._spare[size]:
-                offset = self._spare[size].pop()
-            elif self._top + size <= self.stop:
-                offset, self._top = self._top, self._top + size
-            else:
-                return None
-            self._sizes[offset] = size
-            return offset
+    def _alloc(self, size, limit):
+        if self._spare[size]:
+            offset = self._spare[size].pop()
+        elif self._top + size <= limit:
+            offset, self._top = self._top, self._top + size
+        else:
+            return None
+        self._sizes[offset] = size
+        return offset
 
-    def free(self, offset):
-        self._freed.append(offset)
+    def _end(self):
+        """Where a block goes past the limit: at the top."""
+        return self._top
+
+    def _reclaim(self):
+        while self._freed:
+            offset = self._freed.popleft()
+            self._spare[self._sizes.pop(offset)].append(offset)
 
     def __len__(self):
         """Blocks allocated and not yet freed."""
@@ -185,9 +210,10 @@ class Segment:
     @classmethod
     def create(cls, size, directory=SHM_DIR, allocator=Ring, grows=False):
         """A fresh segment of ``size`` bytes; KVPSError (nothing left behind) when /dev/shm is
-        missing or too full. Its pages are reserved now (``grows``: as blocks are taken, a
-        server's arena, which holds weights that would otherwise take heap memory), so a full
-        /dev/shm can never SIGBUS a writer later: a block finding no room is None."""
+        missing or too full. Its pages are reserved now, or with ``grows`` a step at a time as
+        blocks need them (a worker's segment then holds its peak in-flight bytes, not its size;
+        a server's arena, weights that would otherwise take heap memory), so a full /dev/shm
+        can never SIGBUS a writer later: a block finding no room is None."""
         if not HEADER_BYTES + ALIGN <= size <= MAX_SEGMENT_BYTES:
             raise KVPSError(f'shared-memory size {size} out of range')
         reserve = min(size, RESERVE_STEP) if grows else size
@@ -217,12 +243,12 @@ class Segment:
 
     def take(self, nbytes):
         """``(offset, uint8 array of nbytes)`` in the segment, or None when it is full. The
-        block is reused only after the array and every view of it are gone."""
-        offset = self.blocks.alloc(nbytes)
+        block is reused only after the array and every view of it are gone. It lies in pages
+        already reserved; more are reserved only when it fits nowhere among them."""
+        offset = self.blocks.alloc(nbytes, self.reserved)
+        if offset is None and self._reserve(self.blocks.reach(nbytes)):
+            offset = self.blocks.alloc(nbytes, self.reserved)   # None: taken meanwhile
         if offset is None:
-            return None
-        if offset + nbytes > self.reserved and not self._reserve(offset + nbytes):
-            self.blocks.free(offset)
             return None
         # An array made from a buffer is the .base of every view numpy derives from it, so the
         # finalizer runs only once the block and all its slices and views are gone.
@@ -232,7 +258,9 @@ class Segment:
 
     def _reserve(self, end):
         """Hold the pages up to ``end`` (whole steps, within the size); False when /dev/shm
-        has no room for them."""
+        has no room for them, or ``end`` is None (more pages would not help)."""
+        if end is None:
+            return False
         with self._reserving:
             if end <= self.reserved:
                 return True

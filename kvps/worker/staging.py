@@ -60,7 +60,7 @@ class Staging:
                         'the socket', sharers, SHM_DIR)
             return None
         try:
-            return cls(Segment.create(size))
+            return cls(Segment.create(size, grows=True))
         except KVPSError as exc:
             log.warning('no shared memory for array payloads (%s); they go through the socket',
                         exc)

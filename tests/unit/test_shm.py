@@ -2,6 +2,7 @@
 makes on what a worker names (segment, nonce, offsets), and a server's arena lent to a worker,
 without sockets."""
 
+import collections
 import errno
 import gc
 import os
@@ -121,6 +122,59 @@ def test_an_arena_reserves_its_pages_as_blocks_fill_it(tmp_path, monkeypatch):
 
 def _no_space(fd, offset, length):
     raise OSError(errno.ENOSPC, 'No space left on device')
+
+
+def test_a_ring_wraps_below_its_limit_before_it_asks_for_more():
+    ring = Ring(0, 8 * KB)
+    blocks = [ring.alloc(KB, 3 * KB) for _ in range(3)]
+    assert blocks == [0, KB, 2 * KB] and ring.alloc(KB, 3 * KB) is None
+    assert ring.reach(KB) == 4 * KB and ring.reach(6 * KB) is None   # at the head, within stop
+    ring.free(blocks[0])
+    ring.free(blocks[1])
+    assert ring.alloc(KB, 3 * KB) == 0             # the start is free: reused, not more asked
+    assert ring.alloc(KB, 8 * KB) is None and ring.reach(KB) is None  # wrapped: until [2KB, 3KB)
+    ring.free(blocks[2])                                              # is free, no limit helps
+    assert ring.reach(KB) == 2 * KB and ring.alloc(KB, 2 * KB) == KB
+
+
+def test_a_worker_segment_reserves_pages_only_for_the_blocks_it_holds_at_once(tmp_path):
+    step, mib = shm.RESERVE_STEP, 1 << 20
+    segment = Segment.create(3 * step, directory=tmp_path, grows=True)
+    allocated = (lambda: os.fstat(segment.fd).st_blocks * 512)
+    assert segment.reserved == step and allocated() <= step
+    held = collections.deque()
+    for _ in range(8 * step // mib):               # 8 steps' worth, at most 3 MiB at once
+        held.append(segment.take(mib)[1])
+        if len(held) == 3:
+            held.popleft()
+    assert segment.reserved == step and allocated() <= step          # it wrapped instead
+    held.clear()
+    reserved = []
+    while (taken := segment.take(mib)) is not None:                   # all held: it grows
+        held.append(taken[1])
+        reserved.append(segment.reserved)
+    assert reserved == [-(-(HEADER_BYTES + n * mib) // step) * step
+                        for n in range(1, len(held) + 1)]            # a step when needed
+    assert len(held) == (3 * step - HEADER_BYTES) // mib and reserved[-1] == 3 * step
+    assert allocated() <= 3 * step
+    segment.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_worker_segment_that_cannot_grow_takes_nothing_for_the_block(tmp_path, monkeypatch):
+    step, mib = shm.RESERVE_STEP, 1 << 20
+    segment = Segment.create(2 * step, directory=tmp_path, grows=True)
+    held = [segment.take(mib)[1] for _ in range((step - HEADER_BYTES) // mib)]   # a step full
+    monkeypatch.setattr(shm.os, 'posix_fallocate', _no_space)
+    assert segment.take(mib) is None and segment.reserved == step
+    assert len(segment.blocks) == len(held)        # no block left allocated for it
+    del held[:2]
+    offset, block = segment.take(mib)              # what it holds is still there to reuse
+    assert offset == HEADER_BYTES
+    del held[:], block
+    monkeypatch.undo()                             # room again
+    assert segment.take(step)[0] == HEADER_BYTES and segment.reserved == 2 * step
+    segment.close()
 
 
 def test_a_server_maps_only_the_segment_announced(tmp_path):
