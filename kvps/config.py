@@ -164,8 +164,7 @@ VARS = (
         'its host) and of each server\'s arena for the weights its local workers pull (made '
         'when the first attaches); the pages of both are reserved 16 MiB at a time as blocks '
         'need them, and what finds no room goes the way it would without. auto: half of '
-        '/dev/shm split among the job\'s processes on the host (none under 2 MiB), at most '
-        '256 MiB for a worker\'s segment.'),
+        '/dev/shm split among the job\'s processes on the host (none under 2 MiB).'),
     Var('malloc_trim_bytes', ('KVPS_MALLOC_TRIM_BYTES',), _nonneg_int, 1 << 30,
         'Servers and the workers of a distributed store ask glibc to keep up to this many '
         'freed bytes per heap (and to serve chunks up to 32 MiB from its heaps) instead of '

@@ -35,7 +35,6 @@ ALIGN = 64                   # every block starts on a cache line
 # it, a frame and a block cost about the same.
 MIN_BYTES = 1 << 10
 MAX_SEGMENT_BYTES = 1 << 40
-DEFAULT_SEGMENT_BYTES = 1 << 28
 # A segment that grows (a worker's, a server's arena) reserves its pages this much at a time.
 RESERVE_STEP = 16 << 20
 # A smaller share holds too few blocks to be worth a segment.
@@ -48,24 +47,24 @@ def aligned(nbytes):
     return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
 
 
-def share_of(sharers, directory=SHM_DIR, cap=DEFAULT_SEGMENT_BYTES):
+def share_of(sharers, directory=SHM_DIR):
     """Bytes one of ``sharers`` kvps processes on this host may reserve in ``directory``: half
-    of the filesystem split among them, at most ``cap`` (None: no cap); 0 when that is under
-    2 MiB or the size cannot be read. Half, because others need it too (a torch DataLoader's
-    workers pass every batch through /dev/shm), and a container's /dev/shm is often only
-    64 MiB."""
+    of the filesystem split among them; 0 when that is under 2 MiB or the size cannot be
+    read. Half, because others need it too (a torch DataLoader's workers pass every batch
+    through /dev/shm), and a container's /dev/shm is often only 64 MiB. No cap below that:
+    segments reserve their pages only as blocks need them."""
     try:
         vfs = os.statvfs(directory)
     except OSError:
         return 0
     share = vfs.f_blocks * vfs.f_frsize // 2 // max(1, sharers)
-    share = min(share, cap or share, MAX_SEGMENT_BYTES) // MIN_BYTES * MIN_BYTES
+    share = min(share, MAX_SEGMENT_BYTES) // MIN_BYTES * MIN_BYTES
     return share if share >= MIN_SHARE_BYTES else 0
 
 
-def segment_bytes(setting, sharers, directory=SHM_DIR, cap=DEFAULT_SEGMENT_BYTES):
+def segment_bytes(setting, sharers, directory=SHM_DIR):
     """KVPS_SHM_BYTES as given, or for 'auto' this process's ``share_of`` ``directory``."""
-    return share_of(sharers, directory, cap) if setting == 'auto' else setting
+    return share_of(sharers, directory) if setting == 'auto' else setting
 
 
 class _Blocks:

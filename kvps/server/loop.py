@@ -80,13 +80,12 @@ class Server:
 
     def _regions(self, config, welcome):
         """The workers' segments and this server's arena, which takes its share of /dev/shm
-        among the job's processes on this host when KVPS_SHM_BYTES=auto. The share has no
-        256 MiB cap here: the arena reserves pages only as weights fill it, and weights it
-        cannot hold are copied into a worker's segment for every pull."""
+        among the job's processes on this host when KVPS_SHM_BYTES=auto (it reserves pages
+        only as weights fill it; weights it cannot hold are copied into a worker's segment
+        for every pull)."""
         host = self.link.host
         workers = P.members_on(welcome, host, 'worker')
-        size = segment_bytes(config.shm_bytes, workers + P.members_on(welcome, host, 'server'),
-                             cap=None)
+        size = segment_bytes(config.shm_bytes, workers + P.members_on(welcome, host, 'server'))
         return Regions(config.shm, arena_bytes=size, neighbours=workers)
 
     def _resume_from_checkpoint(self, welcome):
