@@ -4,7 +4,7 @@ import logging
 import signal
 import sys
 
-from .allocator import keep_freed_memory
+from .allocator import collect_garbage_rarely, keep_freed_memory
 from .config import LOG_FORMAT, Config
 from .errors import KVPSError
 
@@ -21,6 +21,7 @@ def run_role(config=None):
         if config.role == 'server':
             from .server.loop import Server
             keep_freed_memory(config.malloc_trim_bytes)
+            collect_garbage_rarely()
             return Server(config).run()
     except KVPSError as exc:
         logging.getLogger('kvps').error('%s failed: %s', config.role, exc)

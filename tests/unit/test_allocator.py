@@ -80,3 +80,28 @@ def test_glibc_is_found_where_it_runs():
     libc = ctypes.CDLL(None)
     if hasattr(libc, 'gnu_get_libc_version'):
         assert allocator._glibc() is not None
+
+
+GC_PROBE = textwrap.dedent('''
+    import gc
+    from kvps.allocator import GC_YOUNG_THRESHOLD, collect_garbage_rarely
+
+    class Node:
+        pass
+
+    before = gc.get_threshold()
+    collect_garbage_rarely()
+    assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, *before[1:]), gc.get_threshold()
+    assert gc.get_freeze_count() > 0        # startup's objects are never scanned again
+    a, b = Node(), Node()                     # a cycle made afterwards is still collected
+    a.other, b.other = b, a
+    del a, b
+    print(gc.collect())
+''')
+
+
+def test_a_server_scans_for_cycles_rarely_but_still_collects_them():
+    out = subprocess.run([sys.executable, '-c', GC_PROBE], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) >= 2
