@@ -8,12 +8,15 @@ seconds. Prints JSON lines (and appends them to <out>/results.jsonl):
   {"bench": "soak", "kind": "sample", "node", "role", "pid", "t_s", "round", "rss_mb"}
   {"bench": "soak", "kind": "node", "node", "role", "rss_start_mb", "rss_end_mb", "rss_max_mb",
    "growth_mb", "rss_warm_mb", "growth_pct_after_warmup", "flat"}
+  {"bench": "soak", "kind": "shm", "start_mb", "end_mb", "max_mb", "warm_mb", "flat"}
   {"bench": "soak", "kind": "summary", "rounds", "seconds", "steps_per_s", "flat", ...}
 
 "start" is the first sample once every worker has initialized its keys (round -1 before);
 "after warm-up" compares the last sample with the first one taken once every worker has
 passed 10 % of the rounds (buffers, optimizer state and zmq pools are allocated by then);
-a node is called flat when it grew by less than max(2 MiB, 2 %) after warm-up.
+a node is called flat when it grew by less than max(2 MiB, 2 %) after warm-up. The
+bytes used in /dev/shm (the workers' segments and the servers' arenas, which reserve pages
+as they need them) are sampled alike and judged by the same rule.
 
   .venv/bin/python benchmarks/bench_soak.py             # W=2 S=1, 3000 rounds, ~1-3 min
   .venv/bin/python benchmarks/bench_soak.py --quick     # ~20 s
@@ -154,7 +157,15 @@ def start_cluster(args, tmp):
     return nodes
 
 
-def sample_until_done(args, nodes, emit):
+def shm_used_mb():
+    """Bytes in use in /dev/shm (the whole filesystem: this box runs the soak alone)."""
+    vfs = os.statvfs('/dev/shm')
+    return (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize / 2 ** 20
+
+
+def sample_until_done(args, nodes, emit, shm):
+    """Sample every node's RSS (into node.samples) and /dev/shm (into ``shm``) until the
+    workers are done."""
     workers = [n for n in nodes if n.role == 'worker']
     started = time.monotonic()
     deadline = started + args.timeout
@@ -162,6 +173,8 @@ def sample_until_done(args, nodes, emit):
         t = time.monotonic() - started
         # round -1: still starting (imports, registration, init); not part of the figures
         rnd = min(w.round for w in workers) if all(w.ready for w in workers) else -1
+        if not any(w.done for w in workers):   # a worker done may be gone, and its segment
+            shm.append((t, rnd, shm_used_mb()))
         for node in nodes:
             rss = rss_mb(node.pid) if node.proc.poll() is None else None
             if rss is None:
@@ -181,24 +194,38 @@ def sample_until_done(args, nodes, emit):
         time.sleep(args.interval)
 
 
-def summarize(args, nodes, emit):
-    warm_round = max(1, args.rounds // 10)
+def growth(args, samples):
+    """(samples used, start, end, max, value after warm-up, growth % after it, flat) of
+    ``samples`` ((t_s, round, MiB), round -1 while starting), or None without any."""
+    s = [x for x in samples if x[1] >= 0] or samples[-1:]
+    if not s:
+        return None
+    mb = [x[2] for x in s]
+    warm = next((x[2] for x in s if x[1] >= max(1, args.rounds // 10)), mb[-1])
+    after = mb[-1] - warm
+    pct = 100.0 * after / warm if warm else 0.0
+    return len(s), mb[0], mb[-1], max(mb), warm, pct, after < max(FLAT_MB,
+                                                                  FLAT_PCT / 100.0 * warm)
+
+
+def summarize(args, nodes, shm, emit):
     all_flat = True
     for node in nodes:
-        s = [x for x in node.samples if x[1] >= 0] or node.samples[-1:]
-        if not s:
+        g = growth(args, node.samples)
+        if g is None:
             continue
-        rss = [x[2] for x in s]
-        warm = next((x[2] for x in s if x[1] >= warm_round), rss[-1])
-        after = rss[-1] - warm
-        pct = 100.0 * after / warm if warm else 0.0
-        flat = after < max(FLAT_MB, FLAT_PCT / 100.0 * warm)
+        count, start, end, most, warm, pct, flat = g
         all_flat &= flat
         emit({'kind': 'node', 'node': node.name, 'role': node.role, 'pid': node.pid,
-              'samples': len(s), 'rss_start_mb': round(rss[0], 2),
-              'rss_end_mb': round(rss[-1], 2), 'rss_max_mb': round(max(rss), 2),
-              'growth_mb': round(rss[-1] - rss[0], 2), 'rss_warm_mb': round(warm, 2),
+              'samples': count, 'rss_start_mb': round(start, 2),
+              'rss_end_mb': round(end, 2), 'rss_max_mb': round(most, 2),
+              'growth_mb': round(end - start, 2), 'rss_warm_mb': round(warm, 2),
               'growth_pct_after_warmup': round(pct, 2), 'flat': flat})
+    _, start, end, most, warm, pct, shm_flat = growth(args, shm)
+    all_flat &= shm_flat
+    emit({'kind': 'shm', 'start_mb': round(start, 2), 'end_mb': round(end, 2),
+          'max_mb': round(most, 2), 'warm_mb': round(warm, 2),
+          'growth_pct_after_warmup': round(pct, 2), 'flat': shm_flat})
     workers = [n for n in nodes if n.role == 'worker']
     seconds = max(float(w.done[1]) for w in workers)
     emit({'kind': 'summary', 'workers': args.workers, 'servers': args.servers,
@@ -222,9 +249,9 @@ def main(argv=None):
     note(f'soak: W={args.workers} S={args.servers} rounds={args.rounds} keys={args.keys} '
          f'bytes={args.bytes} optimizer={args.optimizer} mode={args.mode}; out={out}')
     with tempfile.TemporaryDirectory(prefix='kvps-soak-') as tmp:
-        nodes = start_cluster(args, tmp)
+        nodes, shm = start_cluster(args, tmp), []
         try:
-            sample_until_done(args, nodes, emit)
+            sample_until_done(args, nodes, emit, shm)
             for node in nodes:              # the job ends by itself: every exit code is 0
                 code = node.proc.wait(60)
                 if code != 0:
@@ -232,7 +259,7 @@ def main(argv=None):
         finally:
             for node in nodes:
                 node.stop()
-    summarize(args, nodes, emit)
+    summarize(args, nodes, shm, emit)
     return 0
 
 
