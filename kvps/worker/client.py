@@ -169,8 +169,8 @@ class DistClient(Collectives):
         op = Operation(describe('pull', items), len(batches))
         for server, batch in batches:
             node = server_name(server)
-            blocks = [None if staging is None else staging.block_for(
-                node, part_nbytes(item), (item[0], item[1].part)) for item in batch]
+            blocks = [None] * len(batch) if staging is None else staging.blocks_for(
+                node, [(part_nbytes(item), (item[0], item[1].part)) for item in batch])
             header = {'op': P.PULL, 'keys': [
                 [key, part.part, None if block is None else block[0]]
                 for (key, part, _, _), block in zip(batch, blocks)]}

@@ -113,23 +113,24 @@ class Staging:
 
     def stage(self, sizes):
         """Blocks for a push's copies of values of ``sizes`` bytes, None for each that is small
-        (or when no server has mapped the segment, or there is no room). They are cut from
-        one allocation (a push of many keys takes the allocator once); when that finds no
-        room, each value gets a block of its own while they last."""
+        (or when no server has mapped the segment, or there is no room)."""
         wanted = [n if n >= MIN_BYTES and self.attached else 0 for n in sizes]
-        total = sum(aligned(n) for n in wanted if n)
+        return [None if taken is None else taken[1] for taken in self._take_all(wanted)]
+
+    def _take_all(self, sizes):
+        """``(offset, block)`` for each of ``sizes`` (None for 0), cut from one allocation: a
+        message of many keys takes the allocator once (taking and freeing a block of its own
+        costs ~5 us, a slice half a microsecond). When that finds no room, each gets a block
+        of its own while they last. The allocation is reused once every slice is gone."""
+        total = sum(aligned(n) for n in sizes if n)
         taken = self.segment.take(total) if total else None
         if taken is None:
-            return [self._block(n) for n in wanted]
-        block, blocks, at = taken[1], [], 0
-        for n in wanted:
-            blocks.append(block[at:at + n] if n else None)
+            return [self.segment.take(n) if n else None for n in sizes]
+        (offset, block), out, at = taken, [], 0
+        for n in sizes:
+            out.append((offset + at, block[at:at + n]) if n else None)
             at += aligned(n) if n else 0
-        return blocks
-
-    def _block(self, nbytes):
-        taken = self.segment.take(nbytes) if nbytes else None
-        return None if taken is None else taken[1]
+        return out
 
     def offset_in(self, node, array):
         """Where ``array`` (part of a staged block) lies for ``node``, or None: send it as a
@@ -141,15 +142,14 @@ class Staging:
         find no room)."""
         return nbytes >= MIN_BYTES and node in self.attached
 
-    def block_for(self, node, nbytes, key_part):
-        """``(offset, block)`` for ``node`` to write a pulled part into, or None: also when
-        ``node`` lent that key part in its arena last time (it will again, most likely)."""
-        if not self.would_place(node, nbytes):
-            return None
+    def blocks_for(self, node, parts):
+        """``(offset, block)`` for ``node`` to write each pulled part of one message into,
+        ``parts`` as ``(nbytes, key part)``, or None: also for a key part that ``node`` lent
+        in its arena last time (it will again, most likely)."""
         arena = self.arenas.get(node)
-        if arena is not None and key_part in arena.lent_keys:
-            return None
-        return self.segment.take(nbytes)
+        lent = arena.lent_keys if arena is not None else ()
+        return self._take_all([nbytes if self.would_place(node, nbytes) and key_part not in lent
+                               else 0 for nbytes, key_part in parts])
 
     def readable(self, node, header, buffers):
         """``(header, buffers)`` that ``node`` can read: if it has not mapped the segment (a

@@ -18,9 +18,9 @@ from kvps.errors import KVPSError, ProtocolError
 from kvps.server.regions import Regions
 from kvps.server.placement import HostArrays, Placements
 from kvps.server.shard import Shard
-from kvps.shm import (ALIGN, HEADER_BYTES, Heap, Mapping, Ring, Segment,
+from kvps.shm import (ALIGN, HEADER_BYTES, Heap, Mapping, Ring, Segment, aligned,
                       remove_leftovers)
-from kvps.worker.staging import Staging
+from kvps.worker.staging import Arena, Staging
 
 KB = 1024
 
@@ -284,7 +284,31 @@ def test_staging_turns_shared_memory_items_into_frames_for_a_server_without_it(t
     header, buffers = staging.readable('server 0', push, [b'x'])
     assert [item[4] for item in header['keys']] == [None, None]
     assert P.as_array(buffers[0], 'float32').tolist() == [4, 5, 6, 7] and buffers[1] == b'x'
-    assert staging.block_for('server 0', 1 << 20, ('k', 0)) is None
+    assert staging.blocks_for('server 0', [(1 << 20, ('k', 0))]) == [None]
+
+
+def test_a_pull_message_cuts_its_blocks_from_one_allocation(tmp_path):
+    staging = Staging(Segment.create(1 << 22, directory=tmp_path))
+    staging.attach_header('server 0')
+    staging.answered('server 0')
+    staging.arenas['server 0'] = Arena(None)
+    staging.arenas['server 0'].note(('lent', 0), True)   # lent last time: it will be again
+    parts = [(4000, ('a', 0)), (100, ('small', 0)), (5000, ('lent', 0)), (3000, ('b', 1))]
+    a, small, lent, b = staging.blocks_for('server 0', parts)
+    assert small is None and lent is None                # the socket, and the arena
+    assert a[1].nbytes == 4000 and b[1].nbytes == 3000
+    assert b[0] == a[0] + aligned(4000)                  # one allocation, cache-line cut
+    assert staging.offset_in('server 0', a[1]) == a[0]   # the offsets name the slices
+    assert staging.offset_in('server 0', b[1]) == b[0]
+    assert staging.blocks_for('server 1', parts[:1]) == [None]   # not attached there
+    ring = staging.segment.blocks
+    assert len(ring) == 1
+    del a
+    gc.collect()
+    assert len(ring) == 1                                # b still holds the allocation
+    del b
+    gc.collect()
+    assert len(ring) == 0
 
 
 def test_staging_is_off_when_configured_off():
