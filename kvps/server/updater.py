@@ -189,8 +189,7 @@ class Updater:
         grad, state, count)``. Every call of one optimizer builds its kwargs in one order
         (multi_update packs calls whose scalars are equal)."""
         opt, calls = self._opt, []
-        # What get_lr and get_wd make of each key, with the scheduler asked once for all.
-        lr, lr_mult, wd, wd_mult = opt.base_lr(self._num_update), opt.lr_mult, opt.wd, opt.wd_mult
+        lr_of, wd_of = self._lr_wd_of(opt)
         kernel, names, rescale, clip = (opt.kernel, opt.kernel_states, opt.rescale_grad,
                                         opt.clip_gradient)
         by_count = {}   # count -> the kernel's hyper-parameters: most keys share a count
@@ -199,10 +198,20 @@ class Updater:
             if more is None:
                 more = by_count[count] = opt.kernel_args(count)
             calls.append((kernel, (weight, grad, *map(state.get, names)),
-                          dict(lr=lr * lr_mult.get(key, 1.0), wd=wd * wd_mult.get(key, 1.0),
+                          dict(lr=lr_of(key), wd=wd_of(key),
                                rescale_grad=rescale, clip_gradient=clip,
                                weight32=state.get('weight32'), **more)))
         return calls
+
+    def _lr_wd_of(self, opt):
+        """Functions giving each key's lr and wd as ``opt.get_lr``/``get_wd`` do, with the
+        scheduler asked once for all keys of an update (a registered optimizer that overrides
+        either is asked per key)."""
+        num_update = self._num_update
+        if type(opt).get_lr is not Optimizer.get_lr or type(opt).get_wd is not Optimizer.get_wd:
+            return (lambda key: opt.get_lr(key, num_update)), opt.get_wd
+        lr, lr_mult, wd, wd_mult = opt.base_lr(num_update), opt.lr_mult, opt.wd, opt.wd_mult
+        return (lambda key: lr * lr_mult.get(key, 1.0)), (lambda key: wd * wd_mult.get(key, 1.0))
 
     # -- checkpoints ---------------------------------------------------------------------
     def get_states(self, dump_optimizer=False):

@@ -224,3 +224,19 @@ def test_importing_and_updating_never_imports_cupy():
             'Updater(create("adam")).update(0, np.ones(3), np.ones(3))\n'
             'assert "cupy" not in sys.modules and "torch" not in sys.modules\n')
     subprocess.run([sys.executable, '-c', code], check=True, timeout=60)
+
+
+def test_an_optimizer_that_overrides_get_lr_and_get_wd_is_asked_for_every_key():
+    from kvps.optimizer import SGD
+
+    class Halving(SGD):   # not registered: the Updater takes the instance as it is
+        def get_lr(self, key, num_update):
+            return 0.5 if key == 'slow' else 1.0
+
+        def get_wd(self, key):
+            return 0.0
+
+    u = Updater(Halving(learning_rate=1.0, wd=0.5))
+    weights = {k: np.ones(4, np.float32) for k in ('slow', 'fast')}
+    u.update_many([(k, 0, w, np.ones(4, np.float32)) for k, w in weights.items()])
+    assert weights['slow'].tolist() == [0.5] * 4 and weights['fast'].tolist() == [0.0] * 4
