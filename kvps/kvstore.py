@@ -7,7 +7,6 @@ import os
 import sys
 import threading
 
-
 from . import _store_rows, arrays, compression, devices, rows, states
 from ._store_keys import StoreKeys
 from .config import LOG_FORMAT, Config
