@@ -67,18 +67,20 @@ def compute_dtype_name(master):
 
 def check_arrays(weight, grad, states, weight32):
     """Raise ShapeError/DTypeError unless every array matches the weight's shape and the
-    dtypes are ones the kernels handle."""
+    dtypes are ones the kernels handle. ``states``: (name, array or None) pairs; an int name
+    reads 'state <name>'."""
     for label, arr in (('weight', weight), ('grad', grad), ('weight32', weight32)):
         if arr is not None and storage_name(arr) not in WEIGHT_DTYPES:
             raise DTypeError(f'{label} has dtype {arr.dtype}; supported: float16, float32, '
                              'float64, bfloat16 (as uint16 storage)')
     if weight32 is not None and storage_name(weight32) not in ('float32', 'float64'):
         raise DTypeError(f'weight32 (the master copy) must be float32, got {weight32.dtype}')
-    named = [('grad', grad), ('weight32', weight32)] + list(states.items())
-    for label, arr in named:
-        if arr is not None and tuple(arr.shape) != tuple(weight.shape):
+    shape = weight.shape
+    for label, arr in (('grad', grad), ('weight32', weight32), *states):
+        if arr is not None and arr.shape != shape and tuple(arr.shape) != tuple(shape):
+            label = f'state {label}' if type(label) is int else label
             raise ShapeError(f'{label} has shape {tuple(arr.shape)}, weight has '
-                             f'{tuple(weight.shape)}')
+                             f'{tuple(shape)}')
 
 
 def off_if_not_positive(value):

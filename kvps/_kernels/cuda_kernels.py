@@ -54,7 +54,7 @@ def _plan(tag, core, weight, grad, states, weight32, scalars, write_weight=True,
     rounds into, the grad, the states [(local name, array or None)], extra element-wise
     arrays [(name, array)], ``raws`` indexed freely, and the scalars (compute dtype, or
     double for names in ``wide``)."""
-    common.check_arrays(weight, grad, {n: a for n, a in states}, weight32)
+    common.check_arrays(weight, grad, states, weight32)
     master = weight32 if weight32 is not None else weight
     arrays, loads, stores = [('w', master, write_weight)], ['KC w = kv_ld<KC>(p_w);'], []
     if write_weight:

@@ -17,6 +17,8 @@ The work goes in blocks of BLOCK elements: every array is read and written once 
 memory while the handful of ufunc passes per block stay in cache.
 """
 
+import math
+import threading
 import types
 
 import numpy as np
@@ -26,6 +28,8 @@ from kvps._kernels.common import bf16_to_f32, f32_to_bf16  # noqa: F401  (part o
 from kvps.errors import DTypeError, ShapeError
 
 BLOCK = 1 << 15  # 32 Ki elements: ~6 live blocks x 128 KiB stay in a 1-2 MiB L2
+_COMPUTE_TYPES = {'float32': np.float32, 'float64': np.float64}
+_local = threading.local()   # .buffers: {(slot, compute type): block buffer}
 
 
 def _load(src, dst):
@@ -43,15 +47,30 @@ def _store(src, dst):
 
 
 def _flat(array, label):
+    if array.ndim == 1 and array.flags.c_contiguous:   # most weights, states and grads
+        return array
     if not array.flags.c_contiguous:
         raise ShapeError(f'{label} must be C-contiguous for the numpy kernels')
     return array.reshape(-1)
 
 
-def _scalars(cdt, **values):
-    """Scalars as the compute dtype, so numpy and CUDA round the same constants the same way."""
-    return types.SimpleNamespace(**{k: v if isinstance(v, bool) else cdt(v)
-                                    for k, v in values.items()})
+SCALARS_KEPT = 256   # scalar sets remembered: the keys of a round mostly share one
+_SCALARS = {}        # (compute dtype, names, values, their signs) -> namespace
+_ONES = (1.0,) * 64   # more than any kernel has scalars
+
+
+def _scalars(cdt, values):
+    """Scalars as the compute dtype, so numpy and CUDA round the same constants the same way.
+    Remembered per set: converting them cost more than the arithmetic of a small key."""
+    # names, values and signs (0.0 == -0.0 as keys, but they round differently)
+    key = (cdt, *values, *values.values(), *map(math.copysign, _ONES, values.values()))
+    sc = _SCALARS.get(key)
+    if sc is None:
+        if len(_SCALARS) >= SCALARS_KEPT:
+            _SCALARS.clear()
+        sc = _SCALARS[key] = types.SimpleNamespace(
+            **{k: v if isinstance(v, bool) else cdt(v) for k, v in values.items()})
+    return sc
 
 
 def _run(body, weight, grad, states, weight32, sc, write_weight=True):
@@ -59,29 +78,33 @@ def _run(body, weight, grad, states, weight32, sc, write_weight=True):
     may be a tuple of arrays of the compute dtype, added block by block in order (a sync
     round's sum made inside the update's pass: no merge buffer written and read back)."""
     parts = None
-    if isinstance(grad, tuple):
+    if type(grad) is tuple:
         parts, grad = grad, grad[0]
-    common.check_arrays(weight, grad, {f'state {i}': s for i, s in enumerate(states)}, weight32)
+    common.check_arrays(weight, grad, enumerate(states), weight32)
     master = weight32 if weight32 is not None else weight
     if master.size == 0:
         return []     # an empty key: nothing to update (blocks below are at least 1 long)
-    cdt = np.dtype(common.compute_dtype_name(master)).type
+    cdt = _COMPUTE_TYPES[common.compute_dtype_name(master)]
     if parts is not None:
         parts = _summands(parts, grad, cdt)
-    sc = _scalars(cdt, **sc)
+    sc = _scalars(cdt, sc)
     arrays = [_flat(master, 'weight'), None if grad is None else _flat(grad, 'grad')]
     arrays += [None if s is None else _flat(s, 'state') for s in states]
     cast_to = _flat(weight, 'weight') if weight32 is not None and write_weight else None
     n = master.size
-    blk = max(1, min(BLOCK, n))
-    # a read-only grad (a zero-copy receive buffer) is widened into a block buffer instead
+    blk = min(BLOCK, n)
+    # a read-only grad (a zero-copy receive buffer) is widened into a block buffer instead,
+    # and the parts of a tuple grad are summed into one
     bufs = [None if a is None or (a.dtype == cdt and (i != 1 or a.flags.writeable))
-            else np.empty(blk, cdt) for i, a in enumerate(arrays)]
-    if parts:   # their sum is made in a block buffer
-        bufs[1] = np.empty(blk, cdt)
-    tmp = (np.empty(blk, cdt), np.empty(blk, cdt))
-    if n <= blk and cast_to is None and all(b is None for b in bufs):
-        return [body(*arrays, list(tmp), sc)]   # one block, nothing to widen: no slicing
+            else _scratch(i, blk, cdt) for i, a in enumerate(arrays)]
+    if parts:
+        bufs[1] = _scratch(1, blk, cdt)
+    tmp = [_scratch('tmp', blk, cdt), _scratch('tmp2', blk, cdt)]
+    if n == blk and cast_to is None and bufs[0] is None and not any(bufs[2:]):
+        # one block and at most the grad to make: no slicing (most keys of a round)
+        if bufs[1] is not None:
+            arrays[1] = _grad_block(arrays[1], parts, 0, n, bufs[1])
+        return [body(*arrays, tmp, sc)]
     results = []
     for lo in range(0, n, blk):
         hi = min(lo + blk, n)
@@ -91,11 +114,8 @@ def _run(body, weight, grad, states, weight32, sc, write_weight=True):
                 views.append(None)
             elif b is None:
                 views.append(a[lo:hi])
-            elif i == 1 and parts:
-                np.add(parts[0][lo:hi], parts[1][lo:hi], out=b[:hi - lo])
-                for more in parts[2:]:
-                    b[:hi - lo] += more[lo:hi]
-                views.append(b[:hi - lo])
+            elif i == 1:
+                views.append(_grad_block(a, parts, lo, hi, b[:hi - lo]))
             else:
                 _load(a[lo:hi], b[:hi - lo])
                 views.append(b[:hi - lo])
@@ -106,6 +126,30 @@ def _run(body, weight, grad, states, weight32, sc, write_weight=True):
         if cast_to is not None:
             _store(views[0], cast_to[lo:hi])
     return results
+
+
+def _grad_block(grad, parts, lo, hi, out):
+    """Elements [lo, hi) of the grad in ``out``, in the compute dtype: the sum of ``parts``
+    (in order), or ``grad`` widened."""
+    if parts:
+        np.add(parts[0][lo:hi], parts[1][lo:hi], out=out)
+        for more in parts[2:]:
+            out += more[lo:hi]
+    else:
+        _load(grad[lo:hi], out)
+    return out
+
+
+def _scratch(slot, size, cdt):
+    """``size`` elements of this thread's block buffer for ``slot``: reused from call to call,
+    so that they are in cache (and their pages mapped) when a kernel starts."""
+    buffers = getattr(_local, 'buffers', None)
+    if buffers is None:
+        buffers = _local.buffers = {}
+    buffer = buffers.get((slot, cdt))
+    if buffer is None:
+        buffer = buffers[(slot, cdt)] = np.empty(BLOCK, cdt)
+    return buffer[:size]
 
 
 def _summands(parts, first, cdt):

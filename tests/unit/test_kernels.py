@@ -346,6 +346,61 @@ def test_read_only_grad_is_not_written_and_mixed_dtypes_work():
     np.testing.assert_allclose(w, 1 - 0.1 * 2 / (2 + 1e-6))
 
 
+def test_remembered_scalars_tell_a_zero_from_a_negative_zero():
+    """The scalars of a call are remembered per set of values; 0.0 == -0.0 as dict keys, but
+    the two round differently (-0 * g flips the sign of a zero), so each gets its own."""
+    def step(lr):
+        w = np.array([-0.0, 0.0, 1.0], np.float32)
+        K.sgd_update(w, np.array([1.0, -1.0, 2.0], np.float32), None, lr, 0.0, 1.0, None)
+        return w
+    plus, minus = step(0.0), step(-0.0)
+    np.testing.assert_array_equal(np.signbit(plus), np.signbit(np.float32([-0.0, 0.0, 1.0])
+                                                                - np.float32(0.0)))
+    np.testing.assert_array_equal(np.signbit(minus), np.signbit(np.float32([-0.0, 0.0, 1.0])
+                                                                 - np.float32([-0.0, 0.0, -0.0])))
+    assert np.signbit(plus).tolist() != np.signbit(minus).tolist()
+    np.testing.assert_array_equal(np.signbit(step(0.0)), np.signbit(plus))
+
+
+def test_scalars_remembered_are_bounded():
+    w = np.ones(4, np.float32)
+    for i in range(K.SCALARS_KEPT + 10):
+        K.sgd_update(w, np.ones(4, np.float32), None, 1e-3 + i * 1e-6, 0.0, 1.0, None)
+    assert len(K._SCALARS) <= K.SCALARS_KEPT
+
+
+def test_threads_updating_at_once_use_their_own_block_buffers():
+    """Block buffers are reused from call to call, one set per thread: kernels running in
+    several threads at once (a local store's caller, a worker's updates) do not mix them."""
+    import threading
+    n = 3 * K.BLOCK + 7
+    grads = [np.arange(n, dtype=np.float32) * (t + 1) for t in range(4)]
+    results, failures = [None] * 4, []
+
+    def run(t):
+        try:
+            w = np.zeros(n, np.float32)
+            for _ in range(20):
+                parts = (grads[t].copy(), grads[t].copy())
+                for p in parts:
+                    p.flags.writeable = False
+                K.sgd_update(w, parts, None, 1.0, 0.0, 1.0, None)
+            results[t] = w
+        except Exception as exc:   # reported below: a thread's assert would go unseen
+            failures.append(exc)
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not failures
+    for t in range(4):
+        expected = np.zeros(n, np.float32)
+        for _ in range(20):
+            expected -= grads[t] + grads[t]
+        np.testing.assert_array_equal(results[t], expected)
+
+
 def test_kernel_argument_errors():
     w = np.zeros(10, np.float32)
     with pytest.raises(ShapeError):
