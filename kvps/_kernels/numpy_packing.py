@@ -2,6 +2,7 @@
 
 import bisect
 import collections
+import math
 import threading
 
 import numpy as np
@@ -29,9 +30,9 @@ def multi_update(calls, kernels):
     if len(calls) < 2 or len({id(args[0]) for _, args, _ in calls}) < len(calls):
         _each(calls, kernels)
         return
-    packs, alone = {}, []
+    packs, alone, scalars = {}, [], {}
     for call in calls:
-        kind = _pack_kind(*call)
+        kind = _pack_kind(*call, scalars)
         if kind is None:
             alone.append(call)
         else:
@@ -52,9 +53,10 @@ def _each(calls, kernels):
         kernels[name](*args, **kwargs)
 
 
-def _pack_kind(name, args, kwargs):
+def _pack_kind(name, args, kwargs, scalars):
     """What a call must share with others to be packed with them (None: run it alone): the
-    rule, every scalar, and the dtype of every array."""
+    rule, every scalar, and the dtype of every array. ``scalars``: {id(kwargs): their part of
+    the answer}, for calls that share one kwargs dict (the updater's keys mostly do)."""
     weight = args[0]
     if name not in ELEMENTWISE or not 0 < weight.size <= PACK_UP_TO:
         return None
@@ -68,10 +70,14 @@ def _pack_kind(name, args, kwargs):
                 return None   # run alone: the kernel's own checks say what is wrong
             dtypes.append(a.dtype)
         dtypes.append(type(arr))
-    # kwargs are built in one order by one optimizer: equal scalars give equal tuples
-    scalars = kwargs.copy()
-    scalars.pop('weight32', None)
-    return name, tuple(dtypes), tuple(scalars.items())
+    known = scalars.get(id(kwargs))
+    if known is None:
+        # kwargs are built in one order by one optimizer: equal scalars give equal tuples
+        # (with the signs of float values: 0.0 == -0.0, but they round differently)
+        values = [(k, v) for k, v in kwargs.items() if k != 'weight32']
+        known = scalars[id(kwargs)] = (*values, *[math.copysign(1.0, v) if isinstance(
+            v, float) else 0.0 for _, v in values])
+    return name, tuple(dtypes), known
 
 
 def _packed(group, kernels):

@@ -1,5 +1,7 @@
 """Runs one optimizer's fused kernels over many keys, with per-key state and update counts."""
 
+import math
+
 import numpy as np
 
 from kvps._kernels import common, kernels_for, multi_apply, numpy_kernels
@@ -193,14 +195,23 @@ class Updater:
         kernel, names, rescale, clip = (opt.kernel, opt.kernel_states, opt.rescale_grad,
                                         opt.clip_gradient)
         by_count = {}   # count -> the kernel's hyper-parameters: most keys share a count
+        # Keys without a master copy that share a count, lr and wd share one kwargs dict
+        # (kernels only read it), which multi_update also reads once for all of them.
+        shared = {}
         for key, weight, grad, state, count in updates:
-            more = by_count.get(count)
-            if more is None:
-                more = by_count[count] = opt.kernel_args(count)
-            calls.append((kernel, (weight, grad, *map(state.get, names)),
-                          dict(lr=lr_of(key), wd=wd_of(key),
-                               rescale_grad=rescale, clip_gradient=clip,
-                               weight32=state.get('weight32'), **more)))
+            lr, wd, weight32 = lr_of(key), wd_of(key), state.get('weight32')
+            # (0.0 == -0.0 as keys; their signs keep them apart)
+            same = (count, lr, wd, math.copysign(1.0, lr), math.copysign(1.0, wd))
+            kwargs = shared.get(same) if weight32 is None else None
+            if kwargs is None:
+                more = by_count.get(count)
+                if more is None:
+                    more = by_count[count] = opt.kernel_args(count)
+                kwargs = dict(lr=lr, wd=wd, rescale_grad=rescale, clip_gradient=clip,
+                              weight32=weight32, **more)
+                if weight32 is None:
+                    shared[same] = kwargs
+            calls.append((kernel, (weight, grad, *map(state.get, names)), kwargs))
         return calls
 
     def _lr_wd_of(self, opt):

@@ -491,6 +491,25 @@ def test_small_keys_updated_together_match_key_by_key_bit_for_bit(name, states, 
         _check_same_as_key_by_key(together, alone)
 
 
+def test_keys_whose_scalars_differ_only_in_the_sign_of_a_zero_are_not_packed_together():
+    """0.0 == -0.0, but -0.0 * g flips the sign of a zero: keys with lr 0.0 and -0.0 must
+    not share a packed pass (nor one kwargs dict: the updater's keys share them)."""
+    def calls():
+        w = [np.array([-0.0, 0.0, 2.0], np.float32) for _ in range(4)]
+        g = [np.array([1.0, -1.0, 3.0], np.float32) for _ in range(4)]
+        return [('sgd_update', (w[i], g[i], None),
+                 dict(lr=(0.0, -0.0)[i % 2], wd=0.0, rescale_grad=1.0, clip_gradient=None,
+                      weight32=None)) for i in range(4)]
+    together, alone = calls(), calls()
+    K.multi_update(together)
+    for call in alone:
+        K.multi_update([call])
+    for (_, got, _), (_, want, _) in zip(together, alone):
+        assert got[0].view(np.uint32).tolist() == want[0].view(np.uint32).tolist()
+    assert together[0][1][0].view(np.uint32).tolist() != \
+        together[1][1][0].view(np.uint32).tolist()
+
+
 def _end_to_end(calls, weight_breaks=(), state_breaks=()):
     """``calls`` with each key's weight, states and master copy moved into buffers per
     kind, key after key (as a server lays out small keys: Slabs and its weight chunks), a

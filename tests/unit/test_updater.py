@@ -85,6 +85,29 @@ def test_lr_mult_and_wd_mult_by_key():
     np.testing.assert_array_equal(we, 1.0)                 # frozen
 
 
+def test_keys_of_one_update_many_keep_their_own_lr_wd_and_count():
+    """Keys that share a count, lr and wd share one set of kernel arguments; any of the three
+    differing gives a key its own (adam's step t follows each key's count)."""
+    def trained(together):
+        opt = create('adam', learning_rate=0.1, wd=0.5)
+        opt.set_lr_mult({1: 2.0, 3: 0.0})
+        opt.set_wd_mult({2: 0.0})
+        u = Updater(opt)
+        ws = [np.ones(6, np.float32) for _ in range(5)]
+        u.update(4, ws[4], np.full(6, 0.5, np.float32))   # key 4 is one update ahead
+        for step in range(2):
+            gs = [np.full(6, 0.1 * (k + 1) + step, np.float32) for k in range(5)]
+            if together:
+                u.update_many([(k, 0, w, g) for k, (w, g) in enumerate(zip(ws, gs))])
+            else:
+                for k, (w, g) in enumerate(zip(ws, gs)):
+                    u.update(k, w, g)
+        return ws
+    for got, want in zip(trained(True), trained(False)):
+        np.testing.assert_array_equal(got, want)
+    assert (trained(True)[3] == 1.0).all()   # lr_mult 0: frozen, wd and all
+
+
 def test_update_many_equals_sequential_updates():
     a, b = Updater(create('rmsprop', centered=True)), Updater(create('rmsprop', centered=True))
     ws_a = [np.ones(n, np.float32) for n in (1, 5, 50)]
