@@ -76,7 +76,7 @@ def _pack_kind(name, args, kwargs, scalars):
         # (with the signs of float values: 0.0 == -0.0, but they round differently)
         values = [(k, v) for k, v in kwargs.items() if k != 'weight32']
         known = scalars[id(kwargs)] = (*values, *[math.copysign(1.0, v) if isinstance(
-            v, float) else 0.0 for _, v in values])
+            v, (float, np.floating)) else 0.0 for _, v in values])
     return name, tuple(dtypes), known
 
 
