@@ -83,6 +83,20 @@ def check_arrays(weight, grad, states, weight32):
                              f'{tuple(shape)}')
 
 
+_ONES = (1.0,) * 64   # more than any kernel or call has scalars
+
+
+def signed_key(values):
+    """``values`` (re-iterable) and their signs, as a dict key that tells 0.0 from -0.0:
+    equal as keys, they round differently (-0.0 * g flips the sign of a zero). A value that
+    has no sign (None: a clip that is off) counts as 0."""
+    try:
+        return (*values, *map(math.copysign, _ONES, values))
+    except TypeError:
+        return (*values, *[math.copysign(1.0, v) if isinstance(v, (float, np.floating))
+                           else 0.0 for v in values])
+
+
 def off_if_not_positive(value):
     """MXNet's "None or <= 0 means off" as the kernels' convention: a negative number."""
     return float(value) if value is not None and value > 0 else -1.0

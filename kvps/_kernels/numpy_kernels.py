@@ -17,7 +17,6 @@ The work goes in blocks of BLOCK elements: every array is read and written once 
 memory while the handful of ufunc passes per block stay in cache.
 """
 
-import math
 import threading
 import types
 
@@ -56,14 +55,12 @@ def _flat(array, label):
 
 SCALARS_KEPT = 256   # scalar sets remembered: the keys of a round mostly share one
 _SCALARS = {}        # (compute dtype, names, values, their signs) -> namespace
-_ONES = (1.0,) * 64   # more than any kernel has scalars
 
 
 def _scalars(cdt, values):
     """Scalars as the compute dtype, so numpy and CUDA round the same constants the same way.
     Remembered per set: converting them cost more than the arithmetic of a small key."""
-    # names, values and signs (0.0 == -0.0 as keys, but they round differently)
-    key = (cdt, *values, *values.values(), *map(math.copysign, _ONES, values.values()))
+    key = (cdt, *values, *common.signed_key(values.values()))
     sc = _SCALARS.get(key)
     if sc is None:
         if len(_SCALARS) >= SCALARS_KEPT:
@@ -141,15 +138,8 @@ def _grad_block(grad, parts, lo, hi, out):
 
 
 def _scratch(slot, size, cdt):
-    """``size`` elements of this thread's block buffer for ``slot``: reused from call to call,
-    so that they are in cache (and their pages mapped) when a kernel starts."""
-    buffers = getattr(_local, 'buffers', None)
-    if buffers is None:
-        buffers = _local.buffers = {}
-    buffer = buffers.get((slot, cdt))
-    if buffer is None:
-        buffer = buffers[(slot, cdt)] = np.empty(BLOCK, cdt)
-    return buffer[:size]
+    """``size`` elements of this thread's block buffer for ``slot``, reused from call to call."""
+    return numpy_packing.scratch(_local, slot, size, cdt, BLOCK)
 
 
 def _summands(parts, first, cdt):

@@ -2,10 +2,11 @@
 
 import bisect
 import collections
-import math
 import threading
 
 import numpy as np
+
+from kvps._kernels import common
 
 # Keys of at most this many elements are packed with others of the same rule and scalars into
 # one pass: a kernel call costs tens of microseconds of Python, more than copying such a key
@@ -73,10 +74,8 @@ def _pack_kind(name, args, kwargs, scalars):
     known = scalars.get(id(kwargs))
     if known is None:
         # kwargs are built in one order by one optimizer: equal scalars give equal tuples
-        # (with the signs of float values: 0.0 == -0.0, but they round differently)
-        values = [(k, v) for k, v in kwargs.items() if k != 'weight32']
-        known = scalars[id(kwargs)] = (*values, *[math.copysign(1.0, v) if isinstance(
-            v, (float, np.floating)) else 0.0 for _, v in values])
+        named = {k: v for k, v in kwargs.items() if k != 'weight32'}
+        known = scalars[id(kwargs)] = (*named, *common.signed_key(named.values()))
     return name, tuple(dtypes), known
 
 
@@ -169,19 +168,25 @@ def _find_runs(column):
 
 def _cat(column, slot):
     """The arrays of ``column`` end to end in this thread's scratch buffer for ``slot`` (a
-    tuple grad: each of its parts so). Reused buffers: a fresh one each pass would fault in
-    every page again."""
+    tuple grad: each of its parts so)."""
     if type(column[0]) is tuple:
         return tuple(_cat(list(parts), (slot, i)) for i, parts in enumerate(zip(*column)))
-    n = sum(a.size for a in column)
-    buffers = getattr(_local, 'buffers', None)
+    out = scratch(_local, slot, sum(a.size for a in column), column[0].dtype, PACK_ELEMENTS)
+    return np.concatenate([a.reshape(-1) for a in column], out=out)
+
+
+def scratch(pool, slot, n, dtype, least):
+    """``n`` elements of this thread's reusable buffer for ``slot`` in ``pool`` (a module's
+    own threading.local, so that two modules' slots never share a buffer), made at least
+    ``least`` long. Reused: a fresh buffer each pass would fault in its pages again and
+    start out of cache."""
+    buffers = getattr(pool, 'buffers', None)
     if buffers is None:
-        buffers = _local.buffers = {}
-    buffer = buffers.get((slot, column[0].dtype))
+        buffers = pool.buffers = {}
+    buffer = buffers.get((slot, dtype))
     if buffer is None or buffer.size < n:
-        buffer = buffers[(slot, column[0].dtype)] = np.empty(max(n, PACK_ELEMENTS),
-                                                             column[0].dtype)
-    return np.concatenate([a.reshape(-1) for a in column], out=buffer[:n])
+        buffer = buffers[(slot, dtype)] = np.empty(max(n, least), dtype)
+    return buffer[:n]
 
 
 class Slabs:

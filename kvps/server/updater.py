@@ -1,7 +1,5 @@
 """Runs one optimizer's fused kernels over many keys, with per-key state and update counts."""
 
-import math
-
 import numpy as np
 
 from kvps._kernels import common, kernels_for, multi_apply, numpy_kernels
@@ -200,8 +198,7 @@ class Updater:
         shared = {}
         for key, weight, grad, state, count in updates:
             lr, wd, weight32 = lr_of(key), wd_of(key), state.get('weight32')
-            # (0.0 == -0.0 as keys; their signs keep them apart)
-            same = (count, lr, wd, math.copysign(1.0, lr), math.copysign(1.0, wd))
+            same = (count, *common.signed_key((lr, wd)))
             kwargs = shared.get(same) if weight32 is None else None
             if kwargs is None:
                 more = by_count.get(count)
