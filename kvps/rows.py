@@ -38,6 +38,8 @@ class RowSparse:
 
 def is_row_sparse(value):
     """True for RowSparse values and torch sparse COO tensors."""
+    if type(value) is np.ndarray:   # the common case, answered first: asked per key and call
+        return False
     return type(value) is RowSparse or (arrays.is_torch(value) and
                                         getattr(value, 'layout', None) is not None and
                                         str(value.layout) == 'torch.sparse_coo')

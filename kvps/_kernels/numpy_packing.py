@@ -172,7 +172,8 @@ def _cat(column, slot):
     if type(column[0]) is tuple:
         return tuple(_cat(list(parts), (slot, i)) for i, parts in enumerate(zip(*column)))
     out = scratch(_local, slot, sum(a.size for a in column), column[0].dtype, PACK_ELEMENTS)
-    return np.concatenate([a.reshape(-1) for a in column], out=out)
+    # (a server's arrays are flat already; reshape costs as much as copying a small key)
+    return np.concatenate([a if a.ndim == 1 else a.reshape(-1) for a in column], out=out)
 
 
 def scratch(pool, slot, n, dtype, least):

@@ -24,7 +24,10 @@ class Lease:
 
 
 def _in_use(leases):
-    return any(not lease.done for lease in leases)
+    for lease in leases:   # (a loop, not any() over a generator: asked per key and round)
+        if not lease.done:
+            return True
+    return False
 
 
 @dataclasses.dataclass(eq=False)

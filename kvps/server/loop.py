@@ -407,7 +407,7 @@ class Server:
                 sent.append(lease)
             else:
                 at, view = place
-                np.copyto(np.frombuffer(view, dtype=array.dtype), array)
+                np.frombuffer(view, array.dtype)[...] = array   # (np.copyto: 4x the overhead)
                 lease.released = True
             header['keys'].append([entry.key, entry.part, entry.dtype, entry.n, at, lent])
         if in_arena:

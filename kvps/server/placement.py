@@ -15,7 +15,7 @@ import numpy as np
 from .._kernels import numpy_kernels
 from .._kernels.numpy_packing import PACK_UP_TO
 from ..errors import ConfigError
-from ..protocol import DTYPES
+from ..protocol import as_array
 from ..shm import MIN_BYTES
 
 log = logging.getLogger('kvps.server')
@@ -39,11 +39,11 @@ class HostArrays:
 
     def received(self, data, dtype):
         """A read-only array over a received buffer (no copy)."""
-        return np.frombuffer(data, dtype=DTYPES[dtype])
+        return as_array(data, dtype)
 
     def owned(self, data, dtype):
         """A new array holding a copy of a received buffer (a key's weight)."""
-        source = np.frombuffer(data, dtype=DTYPES[dtype])
+        source = as_array(data, dtype)
         if not 0 < source.size <= PACK_UP_TO:
             return self.copy(source)
         out = self._small(source.nbytes, source.itemsize).view(source.dtype)

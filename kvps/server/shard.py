@@ -110,7 +110,8 @@ class Shard(OptimizerStates):
             entry.held.append(token)
             return []
         round_index = count
-        self._check_round_possible(entry, round_index)
+        if self.finished:   # (some worker is done: rounds it left open can never complete)
+            self._check_round_possible(entry, round_index)
         entry.pushed[worker] = round_index + 1
         if round_index > entry.version:   # a fast worker is ahead: keep it for its round
             entry.queued.append((worker, round_index, data, token, step))
@@ -130,7 +131,7 @@ class Shard(OptimizerStates):
     def _check_push(self, entry, dtype, sync, data):
         if dtype != entry.dtype:
             raise DTypeError(f'key {entry.key!r}: pushed {dtype}, initialized as {entry.dtype}')
-        if type(data) is not RowGrad and len(data) != entry.n * entry.weight.itemsize:
+        if type(data) is not RowGrad and len(data) != entry.weight.nbytes:
             raise ShapeError(f'key {entry.key!r} part {entry.part}: pushed '
                              f'{len(data) // entry.weight.itemsize} elements, expected {entry.n}')
         if sync != entry.sync:
@@ -157,7 +158,7 @@ class Shard(OptimizerStates):
             entry.rows.append(data)
         else:
             self._add_to_round(entry, entry.arrays.received(data, entry.dtype),
-                               last=len(entry.merged) + 1 == self.num_workers)
+                               len(entry.merged) + 1 == self.num_workers)
         entry.merged.add(worker)
         entry.held.append(token)
         entry.step = max(entry.step, step)

@@ -23,8 +23,16 @@ log = logging.getLogger('kvps.worker')
 SCHEDULER = 'scheduler'
 
 
+_SERVER_NAMES = {}
+
+
 def server_name(rank):
-    return f'server {rank}'
+    # One str per server, made once: asked per key part, and a str made anew hashes anew
+    # each time it is looked up.
+    name = _SERVER_NAMES.get(rank)
+    if name is None:
+        name = _SERVER_NAMES[rank] = f'server {rank}'
+    return name
 
 
 class WorkerIO(threading.Thread):

@@ -122,14 +122,15 @@ class Staging:
         message of many keys takes the allocator once (taking and freeing a block of its own
         costs ~5 us, a slice half a microsecond). When that finds no room, each gets a block
         of its own while they last. The allocation is reused once every slice is gone."""
-        total = sum(aligned(n) for n in sizes if n)
+        spans = [aligned(n) if n else 0 for n in sizes]
+        total = sum(spans)
         taken = self.segment.take(total) if total else None
         if taken is None:
             return [self.segment.take(n) if n else None for n in sizes]
         (offset, block), out, at = taken, [], 0
-        for n in sizes:
+        for n, span in zip(sizes, spans):
             out.append((offset + at, block[at:at + n]) if n else None)
-            at += aligned(n) if n else 0
+            at += span
         return out
 
     def offset_in(self, node, array):
