@@ -153,7 +153,7 @@ def pull_live_begin(store, keys):
             continue
         shape, dtype = store._known(key)
         sinks[key] = []
-        items.append((key, rows.width_of(shape), np.dtype(DTYPES[dtype]), sinks[key]))
+        items.append((key, rows.width_of(shape), DTYPES[dtype], sinks[key]))
     wait = store._backend.pull_live_begin(items)
 
     def landed():
