@@ -95,7 +95,8 @@ def _packed(group, kernels):
             for slot, column in enumerate(columns)]
     copied = [slot for slot, column in enumerate(columns)
               if column[0] is not None and runs[slot] is None]
-    scratch = {slot: _cat(columns[slot], slot) for slot in copied}
+    scratch = {slot: _grads(columns[1], first[0].dtype) if slot == 1 else
+               _cat(columns[slot], slot) for slot in copied}
     ends = np.cumsum([0] + [args[0].size for _, args, _ in group]).tolist()
     cuts = sorted({start for r in runs if r is not None for start in r[0]} | {0, len(group)})
     for a, b in zip(cuts, cuts[1:]):
@@ -172,8 +173,35 @@ def _cat(column, slot):
     if type(column[0]) is tuple:
         return tuple(_cat(list(parts), (slot, i)) for i, parts in enumerate(zip(*column)))
     out = scratch(_local, slot, sum(a.size for a in column), column[0].dtype, PACK_ELEMENTS)
+    return np.concatenate([_flat(a) for a in column], out=out)
+
+
+def _grads(column, dtype):
+    """The grad column end to end in scratch. Tuple grads (a sync round's last pushes, for
+    the kernel to add in its pass) of float32 or float64 weights are summed here instead,
+    in order, as the kernel would: one column written and read, not one per part. Anything
+    else is laid out as it is (the kernel checks it and says what is wrong)."""
+    first = column[0]
+    if type(first) is not tuple or len(first) < 2 or dtype not in _SUMMED_HERE \
+            or any(part.dtype != dtype for part in first):   # (one kind: all calls alike)
+        return _cat(column, 1)
+    out = scratch(_local, 1, sum(parts[0].size for parts in column), dtype, PACK_ELEMENTS)
+    at = 0
+    for parts in column:
+        total = out[at:at + parts[0].size]
+        np.add(_flat(parts[0]), _flat(parts[1]), total)
+        for more in parts[2:]:
+            np.add(total, _flat(more), total)
+        at += total.size
+    return out
+
+
+_SUMMED_HERE = frozenset(map(np.dtype, ('float32', 'float64')))   # their own compute dtype
+
+
+def _flat(array):
     # (a server's arrays are flat already; reshape costs as much as copying a small key)
-    return np.concatenate([a if a.ndim == 1 else a.reshape(-1) for a in column], out=out)
+    return array if array.ndim == 1 else array.reshape(-1)
 
 
 def scratch(pool, slot, n, dtype, least):

@@ -548,13 +548,43 @@ def test_small_keys_lying_end_to_end_are_updated_in_place_bit_for_bit(
                                            parts=parts), *breaks)
     alone = _packable_calls(name, states, hyper, sizes, wdtype, master, 3, parts=parts)
     copied = []
-    real_cat = numpy_packing._cat
+    real_cat, real_grads = numpy_packing._cat, numpy_packing._grads
     monkeypatch.setattr(numpy_packing, '_cat',
                         lambda column, slot: copied.append(slot) or real_cat(column, slot))
+    monkeypatch.setattr(numpy_packing, '_grads',   # (float32 parts are summed there)
+                        lambda column, dtype: copied.append(1) or real_grads(column, dtype))
     for _ in range(2):   # the second time from the layouts it remembers
         _check_same_as_key_by_key(together, alone)
     assert {slot if type(slot) is int else slot[0] for slot in copied} == {1}   # grads only
 
+
+
+def _parts_calls(n_parts, dtype, sizes=(5, 300, 64, 1)):
+    """SGD with momentum on small float32 keys, each grad in ``n_parts`` read-only parts."""
+    rng = np.random.default_rng(7)
+    calls = []
+    for n in sizes:
+        parts = tuple(rng.standard_normal(n).astype(dtype) for _ in range(n_parts))
+        for p in parts:
+            p.flags.writeable = False
+        calls.append(('sgd_update', (rng.standard_normal(n).astype(np.float32), parts,
+                                     np.zeros(n, np.float32)),
+                      dict(lr=0.1, wd=0.01, rescale_grad=0.5, clip_gradient=None,
+                           momentum=0.9, weight32=None)))
+    return calls
+
+
+def test_packed_grads_in_three_parts_are_summed_in_order_bit_for_bit():
+    # A packed pass adds each key's parts before it runs, in the order the kernel adds them
+    # block by block for a key alone: the same bits.
+    _check_same_as_key_by_key(_parts_calls(3, np.float32), _parts_calls(3, np.float32))
+
+
+def test_packed_grads_in_parts_of_another_dtype_get_the_kernels_error():
+    with pytest.raises(DTypeError, match='float32'):
+        K.multi_update(_parts_calls(2, np.float16))
+    with pytest.raises(ShapeError, match='two or more'):
+        K.multi_update(_parts_calls(1, np.float32))
 
 def test_keys_scattered_in_memory_are_copied_in_and_out_bit_for_bit():
     sizes = [5, 6, 7] * 6
