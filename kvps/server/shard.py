@@ -362,9 +362,14 @@ class Shard(OptimizerStates):
         return 'rows', token, row_store.answer(entry, self.epoch, *rows)
 
     def _answer_deferred(self, entry):
-        ready = [(t, rows) for need, t, rows in entry.deferred if need <= entry.version]
-        entry.deferred = [d for d in entry.deferred if d[0] > entry.version]
-        return [self._answer(entry, t, rows) for t, rows in ready]
+        version, replies, waiting = entry.version, [], []
+        for need, token, rows in entry.deferred:   # (one pass: most keys hold one pull)
+            if need <= version:
+                replies.append(self._answer(entry, token, rows))
+            else:
+                waiting.append((need, token, rows))
+        entry.deferred = waiting
+        return replies
 
     def _lend(self, entry):
         """``(host array, lease)`` for a pull reply: the weight itself on the host, a fresh
