@@ -129,9 +129,7 @@ def _grad_block(grad, parts, lo, hi, out):
     """Elements [lo, hi) of the grad in ``out``, in the compute dtype: the sum of ``parts``
     (in order), or ``grad`` widened."""
     if parts:
-        np.add(parts[0][lo:hi], parts[1][lo:hi], out=out)
-        for more in parts[2:]:
-            out += more[lo:hi]
+        numpy_packing.add_parts(parts, lo, hi, out)
     else:
         _load(grad[lo:hi], out)
     return out

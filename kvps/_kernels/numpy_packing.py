@@ -95,7 +95,7 @@ def _packed(group, kernels):
             for slot, column in enumerate(columns)]
     copied = [slot for slot, column in enumerate(columns)
               if column[0] is not None and runs[slot] is None]
-    scratch = {slot: _grads(columns[1], first[0].dtype) if slot == 1 else
+    scratch = {slot: _grads(columns[1], first[0]) if slot == 1 else
                _cat(columns[slot], slot) for slot in copied}
     ends = np.cumsum([0] + [args[0].size for _, args, _ in group]).tolist()
     cuts = sorted({start for r in runs if r is not None for start in r[0]} | {0, len(group)})
@@ -176,27 +176,34 @@ def _cat(column, slot):
     return np.concatenate([_flat(a) for a in column], out=out)
 
 
-def _grads(column, dtype):
+def _grads(column, weight):
     """The grad column end to end in scratch. Tuple grads (a sync round's last pushes, for
-    the kernel to add in its pass) of float32 or float64 weights are summed here instead,
-    in order, as the kernel would: one column written and read, not one per part. Anything
-    else is laid out as it is (the kernel checks it and says what is wrong)."""
-    first = column[0]
-    if type(first) is not tuple or len(first) < 2 or dtype not in _SUMMED_HERE \
+    the kernel to add in its pass) whose parts are of the weight's dtype, itself the
+    compute dtype (float32, float64), are summed here instead, in order, as the kernel
+    would: one column written and read, not one per part. Anything else is laid out as it
+    is (the kernel checks it and says what is wrong)."""
+    first, dtype = column[0], weight.dtype
+    if type(first) is not tuple or len(first) < 2 \
+            or common.compute_dtype_name(weight) != common.storage_name(weight) \
             or any(part.dtype != dtype for part in first):   # (one kind: all calls alike)
         return _cat(column, 1)
     out = scratch(_local, 1, sum(parts[0].size for parts in column), dtype, PACK_ELEMENTS)
     at = 0
     for parts in column:
-        total = out[at:at + parts[0].size]
-        np.add(_flat(parts[0]), _flat(parts[1]), total)
-        for more in parts[2:]:
-            np.add(total, _flat(more), total)
-        at += total.size
+        n = parts[0].size
+        flat = parts if parts[0].ndim == 1 else [_flat(part) for part in parts]   # (alike)
+        add_parts(flat, 0, n, out[at:at + n])
+        at += n
     return out
 
 
-_SUMMED_HERE = frozenset(map(np.dtype, ('float32', 'float64')))   # their own compute dtype
+def add_parts(parts, lo, hi, out):
+    """``out`` = the sum of elements [lo, hi) of the flat ``parts``, added in order (the
+    order fixes the rounding: the kernels' block loop and a packed pass must agree)."""
+    np.add(parts[0][lo:hi], parts[1][lo:hi], out=out)
+    for more in parts[2:]:
+        out += more[lo:hi]
+    return out
 
 
 def _flat(array):

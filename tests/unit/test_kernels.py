@@ -552,11 +552,10 @@ def test_small_keys_lying_end_to_end_are_updated_in_place_bit_for_bit(
     monkeypatch.setattr(numpy_packing, '_cat',
                         lambda column, slot: copied.append(slot) or real_cat(column, slot))
     monkeypatch.setattr(numpy_packing, '_grads',   # (float32 parts are summed there)
-                        lambda column, dtype: copied.append(1) or real_grads(column, dtype))
+                        lambda column, weight: copied.append(1) or real_grads(column, weight))
     for _ in range(2):   # the second time from the layouts it remembers
         _check_same_as_key_by_key(together, alone)
     assert {slot if type(slot) is int else slot[0] for slot in copied} == {1}   # grads only
-
 
 
 def _parts_calls(n_parts, dtype, sizes=(5, 300, 64, 1)):
@@ -585,6 +584,7 @@ def test_packed_grads_in_parts_of_another_dtype_get_the_kernels_error():
         K.multi_update(_parts_calls(2, np.float16))
     with pytest.raises(ShapeError, match='two or more'):
         K.multi_update(_parts_calls(1, np.float32))
+
 
 def test_keys_scattered_in_memory_are_copied_in_and_out_bit_for_bit():
     sizes = [5, 6, 7] * 6
