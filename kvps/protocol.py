@@ -13,7 +13,7 @@ import numpy as np
 from .errors import ProtocolError
 
 # Node <-> scheduler.
-VERSION = 7                  # bumped on any change of the wire format; checked at REGISTER
+VERSION = 8                  # bumped on any change of the wire format; checked at REGISTER
 REGISTER = 'register'        # node -> scheduler: {role, host, port, rank, pid, version}
 # scheduler -> node: {rank, num_workers, num_servers, servers, nodes, recovery_timeout, job (a
 # token naming this run, kept in server checkpoints)}; to a server that replaces a lost one
@@ -65,7 +65,8 @@ GET_STATES = 'get_states'    # {dump}: answered by STATES
 SET_STATES = 'set_states'
 COMMIT_STATES = 'commit_states'
 # First message to a restarted server, unanswered: {keys: [[key, part, acked], ...]}, how many
-# of its pushes of each key part this worker has seen acknowledged
+# of its pushes of each key part this worker has seen acknowledged; `more` true: the list goes
+# on in the next RESUME (a worker holding many keys there sends it in several)
 RESUME = 'resume'
 # {name, nonce, size, [pid, fd]}: map this worker's shared-memory segment (kvps.shm), through
 # /proc/<pid>/fd/<fd> once its name is gone (a restarted server); ERROR, or ACK with
@@ -139,6 +140,11 @@ TWO_BIT = '2bit'
 ROW_SPARSE = 'rows'
 PUSH_CODECS = (TWO_BIT, ROW_SPARSE)
 MAX_HEADER_BYTES = 1 << 20   # headers are small maps; a bigger one is hostile or broken
+# The items of one multi-key message pack to at most this many bytes (its sender cuts a longer
+# list of keys into several messages): the header, and a DATA answer to a PULL, stay far
+# below MAX_HEADER_BYTES, and the keys below MAX_KEYS_PER_MESSAGE.
+ITEMS_BUDGET = MAX_HEADER_BYTES // 2
+_ITEM_FIELDS_BYTES = 64   # an item with an int key: its list, 5 fields and key, 1 + 6 * 9 bytes
 MAX_KEY_CHARS = 1024
 
 
@@ -197,7 +203,7 @@ def validate_header(header):
     if since is not None and not (type(since) is list and len(since) == 2
                                   and all(_natural(v) for v in since)):
         raise ProtocolError(f'{op}: since must be [epoch, count], two ints >= 0')
-    for flag in ('device', 'stage', 'ids', 'live'):
+    for flag in ('device', 'stage', 'ids', 'live', 'more'):
         if not isinstance(header.get(flag, False), bool):
             raise ProtocolError(f'{op}: {flag} must be true or false')
     if 'key' in header:
@@ -259,6 +265,29 @@ def _check_items(op, items):
             value = item[index]
             if not (type(value) is int and value >= 0) and not (nullable and value is None):
                 raise ProtocolError(f'{op}: {name} must be an int >= 0')
+
+
+def item_bytes(key):
+    """At most how many bytes an item of a multi-key message (PUSH, PULL, DATA, RESUME) about
+    ``key`` packs to (an int packs to at most 9 bytes; a str to 5 + its UTF-8 bytes)."""
+    if type(key) is not str:
+        return _ITEM_FIELDS_BYTES
+    return _ITEM_FIELDS_BYTES + 5 + (len(key) if key.isascii() else 4 * len(key))
+
+
+def within_budget(items):
+    """``items`` (lists whose first field is the key) cut into runs that one message each
+    may carry (ITEMS_BUDGET); no items: one empty run."""
+    runs, run, used = [], [], 0
+    for item in items:
+        size = item_bytes(item[0])
+        if run and used + size > ITEMS_BUDGET:
+            runs.append(run)
+            run, used = [], 0
+        run.append(item)
+        used += size
+    runs.append(run)
+    return runs
 
 
 def check_key(key):

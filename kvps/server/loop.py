@@ -240,8 +240,9 @@ class Server:
         if self.recovery is None or identity not in self.recovery.awaiting:
             log.warning('%s: ignored a resume from %r: not waiting for it', self.name, identity)
             return
-        self.recovery.acked[identity] = header['keys']
-        self._resumed(identity)
+        self.recovery.acked.setdefault(identity, []).extend(header['keys'])
+        if not header.get('more'):
+            self._resumed(identity)
 
     def _resumed(self, worker):
         """``worker`` resumed or finished; once all have, settle the counts and serve what

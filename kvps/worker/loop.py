@@ -281,8 +281,12 @@ class WorkerIO(threading.Thread):
             header = request.message[0]
             for item in header['keys'] if header['op'] == P.PUSH else ():
                 acked[(item[0], item[1])] = min(acked[(item[0], item[1])], item[P.SEQ])
-        self._servers[name].send(P.encode({'op': P.RESUME, 'id': 0, 'keys': [
-            [key, part, count] for (key, part), count in acked.items()]}))
+        runs = P.within_budget([[key, part, count] for (key, part), count in acked.items()])
+        for index, run in enumerate(runs):
+            header = {'op': P.RESUME, 'id': 0, 'keys': run}
+            if index + 1 < len(runs):
+                header['more'] = True
+            self._servers[name].send(P.encode(header))
         for request in waiting:
             request.message = self._readable(name, *request.message)
             self._servers[name].send(P.encode(*request.message))

@@ -19,19 +19,23 @@ def fuse(parts, wire_bytes=part_nbytes):
     """Group ``(key, part, array, dtype, ...)`` by server into messages: small parts together (one
     message per server instead of one per key), a big part alone, so the server starts on
     it while the next one is still on the wire. ``wire_bytes(item)``: what a part puts on the
-    wire (0 through shared memory: such parts all share one message)."""
+    wire (0 through shared memory: such parts all share one message). A message also lists
+    no more keys than its header may carry (P.ITEMS_BUDGET)."""
     open_batches, batches = {}, []
     for item in parts:
         server, nbytes = item[1].server, wire_bytes(item)
         if nbytes > FUSE_BYTES:
             batches.append((server, [item]))
             continue
+        listed = P.item_bytes(item[0])
         batch = open_batches.get(server)
-        if batch is None or batch[0] + nbytes > FUSE_BYTES:
-            batch = open_batches[server] = [0, []]
-            batches.append((server, batch[1]))
+        if batch is None or batch[0] + nbytes > FUSE_BYTES or \
+                batch[1] + listed > P.ITEMS_BUDGET:
+            batch = open_batches[server] = [0, 0, []]
+            batches.append((server, batch[2]))
         batch[0] += nbytes
-        batch[1].append(item)
+        batch[1] += listed
+        batch[2].append(item)
     return batches
 
 

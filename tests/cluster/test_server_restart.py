@@ -89,6 +89,33 @@ def test_a_killed_server_is_restarted_and_no_update_is_lost_or_doubled(job, tmp_
     assert result.results() == {0: everything, 1: everything}, result.output
 
 
+
+def test_a_worker_with_many_long_keys_on_the_restarted_server_resumes_them_all(job, tmp_path):
+    """1500 keys of 1000-character names: every push, pull and answer lists them in several
+    messages (one would exceed the header limit), and so does the worker's RESUME to the
+    replacement (1.5 MB of its counts)."""
+    script = """
+    import signal
+    KEYS = [f'{i:04}' + 'k' * 1000 for i in range(1500)]
+    kv = kvps.create('dist_sync')
+    kv.init(KEYS, [np.full(2, i, np.float32) for i in range(len(KEYS))])
+    kv.set_optimizer(kvps.optimizer.create('test'))   # w += sum of the round's pushes
+    outs = [np.zeros(2, np.float32) for _ in KEYS]
+    for step in range(3):
+        kv.push(KEYS, [np.ones(2, np.float32)] * len(KEYS))
+        if step == 1 and kv.rank == 0:
+            pid = next(n['pid'] for n in kv._backend.io.welcome['nodes'] if n['role'] == 'server')
+            os.kill(pid, signal.SIGKILL)
+        kv.pull(KEYS, out=outs)
+    want = [[i + 3.0 * kv.num_workers] * 2 for i in range(len(KEYS))]
+    report(exact=[o.tolist() for o in outs] == want)
+    """
+    env = {**RECOVERY, 'KVPS_CHECKPOINT_DIR': str(tmp_path / 'ckpt')}
+    result = job(script, workers=2, servers=1, env=env, launcher_args=['--restart-servers', '1'])
+    assert result.returncode == 0, result.output
+    assert 'rejoined' in result.output
+    assert result.results() == {0: {'exact': True}, 1: {'exact': True}}, result.output
+
 def test_restarts_are_bounded_by_the_launcher_option(job, tmp_path):
     script = """
     import signal

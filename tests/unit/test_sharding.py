@@ -1,5 +1,7 @@
 """Key placement: big arrays split over every server, small keys balanced by bytes."""
 
+import pytest
+
 from kvps.worker.sharding import Placement
 
 
@@ -78,6 +80,37 @@ def test_small_parts_share_a_message_per_server_and_shared_memory_parts_all_shar
     assert [(server, [i[0] for i in batch]) for server, batch in in_shm] == [
         (0, [0, 2, 4, 6]), (1, [1, 3]), (1, [5, 7])]
 
+
+
+@pytest.mark.parametrize('key_of', [lambda k: 2 ** 64 - 1 - k,          # 9 bytes packed
+                                    lambda k: f'{k:04}' + 'x' * 1020,   # 1024 chars
+                                    lambda k: f'{k:04}' + '😀' * 1020])  # 4 UTF-8 bytes each
+def test_a_message_lists_no_more_keys_than_a_header_may_carry(key_of):
+    """Many keys of one server (a model of thousands of tensors, long names) are cut into
+    several messages: a header over P.MAX_HEADER_BYTES is refused by its receiver, and so
+    would the DATA answer of a pull be. Every field here packs to its widest."""
+    import numpy as np
+    from kvps import protocol as P
+    from kvps.worker.messages import fuse
+    from kvps.worker.sharding import Part
+    widest = 2 ** 64 - 1
+    count = 3000 if isinstance(key_of(0), str) else 30000
+    value = np.zeros(1, np.uint8)
+    parts = [(key_of(k), Part(0, 0, 0, 1), value, 'bfloat16') for k in range(count)]
+    batches = fuse(parts, lambda item: 0)   # all in shared memory: no payload bytes fuse them
+    assert len(batches) > 1
+    assert [item[0] for _, batch in batches for item in batch] == [p[0] for p in parts]
+    for _, batch in batches:
+        for op in (P.PUSH, P.DATA):
+            items = [[key, widest, 'bfloat16', widest, widest, widest] for key, *_ in batch]
+            header, _ = P.decode(P.encode({'op': op, 'id': widest, 'keys': items, 'sync': True,
+                                           'step': widest, 'lease': widest}))
+            assert len(header['keys']) == len(batch) <= P.MAX_KEYS_PER_MESSAGE
+    runs = P.within_budget([[key, widest, widest] for key, *_ in parts])   # RESUME's items
+    assert [len(run) for run in runs] == [len(batch) for _, batch in batches]
+    for run in runs:
+        P.decode(P.encode({'op': P.RESUME, 'id': 0, 'keys': run, 'more': True}))
+    assert P.within_budget([]) == [[]]   # a worker with no key there still resumes
 
 def test_keys_over_the_partition_size_are_cut_in_whole_rounds_of_the_servers():
     """As BytePS: parts of at most partition_bytes, as many on every server."""
