@@ -58,7 +58,7 @@ ROWS = 'row_data'
 # be written into the worker's segment at that offset. `seen` (an int, only from a worker that
 # mapped this server's arena) also allows answers from the arena
 PULL = 'pull'
-SET_OPTIMIZER = 'set_optimizer'  # {spec}
+SET_OPTIMIZER = 'set_optimizer'  # + 1 buffer: the optimizer's spec (a map), msgpack
 GET_STATES = 'get_states'    # {dump}: answered by STATES
 # + 1 buffer: the updater state dict, msgpack; installed at once, or with `stage` true only
 # checked and held until COMMIT_STATES (so that no server installs any if one refuses)
@@ -85,7 +85,7 @@ STATES = 'states'            # + 1 buffer: the server's updater state dict, msgp
 
 # How many raw buffers follow the header for each op; ops not listed carry none, and
 # multi-key ops (PUSH, DATA) carry one per key that is not in shared memory.
-_BUFFERS = {INIT: 1, SET_STATES: 1, STATES: 1, ROWS: 1}
+_BUFFERS = {INIT: 1, SET_OPTIMIZER: 1, SET_STATES: 1, STATES: 1, ROWS: 1}
 _MULTI = {PUSH: 6, PULL: 3, DATA: 6, RESUME: 3}   # op -> length of each 'keys' item
 _SIZED = (PUSH, DATA)        # their items start [key, part, dtype, n]: one buffer each
 _COUNTS = {PUSH: ('part', None, 'n', 'at', 'seq'), PULL: ('part', 'at'),
@@ -108,7 +108,6 @@ _FIELDS = {
     CHECK: {'key': _KEY, 'dtype': str, 'shape': list},
     PUSH: {'keys': list, 'sync': bool},
     PULL: {'keys': list},
-    SET_OPTIMIZER: {'spec': dict},
     GET_STATES: {'dump': bool},
     DATA: {'keys': list},
     ERROR: {'type': str, 'message': str},

@@ -340,7 +340,8 @@ class Server:
         return [('ack', token, None if arena is None else {'arena': arena})]
 
     def _set_optimizer(self, token, h, buffers):
-        self.shard.set_optimizer(h['spec'])
+        # (a frame, not a header field: per-key options of many keys outgrow a header)
+        self.shard.set_optimizer(_map_in(buffers[0], 'set_optimizer: the spec'))
         return [('ack', token, None)]
 
     def _get_states(self, token, h, buffers):
@@ -348,12 +349,7 @@ class Server:
         return [('states', token, blob)]
 
     def _set_states(self, token, h, buffers):
-        try:
-            states = msgpack.unpackb(buffers[0], raw=False, strict_map_key=False)
-        except Exception as exc:  # msgpack raises several unrelated types on garbage
-            raise ProtocolError(f'set_states: undecodable state: {exc!r}') from None
-        if not isinstance(states, dict):
-            raise ConfigError('set_states: the state must be a map')
+        states = _map_in(buffers[0], 'set_states: the state')
         self.shard.set_states(states, stage=h.get('stage', False))
         return [('ack', token, None)]
 
@@ -426,3 +422,14 @@ class Server:
         except KVPSError as exc:  # that worker is gone; liveness will report it
             log.info('%s: could not answer %r: %s', self.name, identity, exc)
             return None
+
+
+def _map_in(buffer, what):
+    """The map a request's msgpack frame holds; ProtocolError or ConfigError naming ``what``."""
+    try:
+        value = msgpack.unpackb(buffer, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f'{what} is undecodable: {exc!r}') from None
+    if not isinstance(value, dict):
+        raise ConfigError(f'{what} must be a map')
+    return value

@@ -25,8 +25,9 @@ class Collectives:
     def set_optimizer(self, spec):
         """Rank 0 installs the optimizer on every server; everyone returns when all have it."""
         self._require_whole_keys(spec)
+        blob = msgpack.packb(spec, use_bin_type=True)
         self._by_rank_0('set_optimizer', lambda: self._wait_all([
-            self._request(s, 'set_optimizer', {'op': P.SET_OPTIMIZER, 'spec': spec})
+            self._request(s, 'set_optimizer', {'op': P.SET_OPTIMIZER}, (blob,))
             for s in range(self.num_servers)]), after_pushes=True)
 
     def get_states(self, dump_optimizer):

@@ -65,8 +65,8 @@ def test_intruders_are_refused_everywhere_and_the_job_carries_on(by_hand, tmp_pa
             'sync': True}
     assert not send_raw(port, b'intruder-3', push, b'\0' * 24)
     assert not send_raw(port, b'intruder-4', {'op': 'pull', 'id': 2, 'key': 0, 'part': 0})
-    assert not send_raw(port, b'intruder-5', {'op': 'set_optimizer', 'id': 3,
-                                              'spec': {'name': 'sgd'}})
+    assert not send_raw(port, b'intruder-5', {'op': 'set_optimizer', 'id': 3},
+                        msgpack.packb({'name': 'sgd'}))
     # Posing as the real worker: zmq drops a second peer with a taken identity, and the
     # real worker's connection is not disturbed (checked by its result below).
     assert not send_raw(port, b'worker-0', push, b'\0' * 24)

@@ -267,3 +267,25 @@ def test_lr_schedule_counts_every_key_whatever_server_holds_it(job):
     kv.pull('once', out=expected)
     for res in result.results().values():
         assert res['once'] == sorted(set(expected.tolist())) == [-0.25]
+
+
+def test_per_key_options_of_very_many_keys_reach_the_servers(job):
+    # 20,000 named multipliers pack to ~1.3 MB, more than a message header may carry: the
+    # spec travels as a frame of its own.
+    script = '''
+    kv = kvps.create('dist_sync')
+    kv.init(['w', 'b'], [np.ones(4, np.float32), np.ones(4, np.float32)])
+    opt = kvps.optimizer.create('sgd', learning_rate=1.0, wd=0.5)
+    names = [f'module.layer{i}.a_parameter_name_as_long_as_real_ones.weight' for i in range(20000)]
+    opt.set_wd_mult({**{name: 0.0 for name in names}, 'b': 0.0})
+    opt.set_lr_mult({'w': 0.25})
+    kv.set_optimizer(opt)
+    kv.push(['w', 'b'], [np.ones(4, np.float32), np.ones(4, np.float32)])
+    out = [np.zeros(4, np.float32), np.zeros(4, np.float32)]
+    kv.pull(['w', 'b'], out=out)
+    report(w=out[0].tolist(), b=out[1].tolist())
+    '''
+    result = job(script, 2, 2)
+    assert result.returncode == 0, result.output
+    # w: lr 0.25, wd 0.5: 1 - 0.25 * (2 + 0.5 * 1); b: lr 1, no wd: 1 - 2
+    assert result.results() == {r: {'w': [0.375] * 4, 'b': [-1.0] * 4} for r in (0, 1)}

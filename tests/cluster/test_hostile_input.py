@@ -198,8 +198,11 @@ def headers(draw, ops):
 
 @st.composite
 def data_frames(draw, header):
-    """Buffers: usually the count the op wants, of the declared length or a bit off."""
+    """Buffers: usually the count the op wants, of the declared length or a bit off (a
+    SET_OPTIMIZER's often a packed spec-like map)."""
     want = P._BUFFERS.get(header.get('op'), 0) if isinstance(header.get('op'), str) else 0
+    if header.get('op') == P.SET_OPTIMIZER and want and draw(_COIN):
+        return [_packed_any(draw(_GOOD['spec']))]
     count = want if draw(_SMALL) else draw(_SMALL) % 4
     n, dtype = header.get('n'), header.get('dtype')
     exact = None
@@ -316,7 +319,7 @@ def classify(frames, target):
             return 'skip', 'member write to a real key'
         if op == P.INIT and header.get('sync'):
             return 'skip', 'sync key (its rounds would wait for worker 0)'
-        if op == P.SET_OPTIMIZER and _valid_spec(header['spec']):
+        if op == P.SET_OPTIMIZER and _valid_spec(_unpacked(buffers[0])):
             return 'skip', 'valid SET_OPTIMIZER'
         if op == P.SET_STATES and isinstance(_unpacked(buffers[0]), dict):
             return 'skip', 'SET_STATES of a map'
