@@ -35,15 +35,16 @@ def coerce(kind, name, value, owner):
                       f'({type(value).__name__})')
 
 
-def check_params(owner, table, aliases, given):
-    """Resolve aliases, reject unknown names (listing valid ones), coerce types, fill defaults."""
+def check_params(owner, table, aliases, given, also=()):
+    """Resolve aliases, reject unknown names (listing valid ones, ``also`` those the owner
+    takes besides ``table``), coerce types, fill defaults."""
     out = {}
     for name, value in given.items():
         canon = aliases.get(name, name)
         if canon in IGNORED:
             continue
         if canon not in table:
-            valid = ', '.join(sorted(set(table) | set(aliases)))
+            valid = ', '.join(sorted(set(table) | set(aliases) | set(also)))
             raise ConfigError(f'{owner}: unknown parameter {name!r}; valid names: {valid}')
         if canon in out:
             raise ConfigError(f'{owner}: {canon!r} given twice (through an alias)')

@@ -98,7 +98,8 @@ class Optimizer:
             learning_rate=learning_rate, wd=wd, rescale_grad=rescale_grad,
             clip_gradient=clip_gradient, multi_precision=multi_precision,
             begin_num_update=begin_num_update))
-        params = check_params(owner, self.hyper, self.aliases, hyper)
+        params = check_params(owner, self.hyper, self.aliases, hyper,
+                              also=(*_BASE, 'lr_scheduler'))
         for name, value in params.items():
             setattr(self, name, value)
         self.wd, self.rescale_grad = base['wd'], base['rescale_grad']

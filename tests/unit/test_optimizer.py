@@ -31,6 +31,9 @@ def test_unknown_optimizer_lists_known_names():
 def test_unknown_hyper_parameter_lists_valid_names():
     with pytest.raises(ConfigError, match="unknown parameter 'betta1'.*beta1.*epsilon"):
         create('adam', betta1=0.9)
+    with pytest.raises(ConfigError, match="unknown parameter 'learnin_rate'.*learning_rate.*"
+                                          "momentum"):   # the common names are listed too
+        create('sgd', learnin_rate=0.1)
     with pytest.raises(ConfigError, match="unknown parameter 'momentum'"):
         create('adam', momentum=0.9)
 
