@@ -296,28 +296,15 @@ class DistClient(Collectives):
                 self.io.abort(reason, 2.0)   # its link lingers up to 2 s to deliver it
 
     # -- helpers --------------------------------------------------------------------------
-    def _send_init(self, items, device):
-        """Send an INIT of every part of each ``(key, flat, shape, dtype)``; returns the one
-        Operation they all answer (an Event per key cost more than its message)."""
-        parts = [(key, part, flat, shape, dtype) for key, flat, shape, dtype in items
-                 for part in self.placement.parts(key)]
-        op = Operation(describe('init', items), len(parts))
-        for key, part, flat, shape, dtype in parts:
+    def _send_init(self, key, flat, shape, dtype, device):
+        parts = self.placement.parts(key)
+        op = Operation(f'init of key {key!r}', len(parts))
+        for part in parts:
             header = {'op': P.INIT, 'key': key, 'part': part.part, 'dtype': dtype,
                       'n': part.stop - part.start, 'sync': self.sync, 'shape': list(shape),
                       'device': device}
             self._submit(part.server, header, (flat[part.start:part.stop],),
                          Request(op, server_name(part.server)))
-        return op
-
-    def _send_checks(self, items):
-        """Send a CHECK of this worker's view of each ``(key, flat, shape, dtype)`` to the
-        server of its first part; returns the one Operation they all answer."""
-        op = Operation(describe('init', items), len(items))
-        for key, _, shape, dtype in items:
-            server = self.placement.parts(key)[0].server
-            self._submit(server, {'op': P.CHECK, 'key': key, 'dtype': dtype,
-                                  'shape': list(shape)}, (), Request(op, server_name(server)))
         return op
 
     def _request(self, server, what, header, buffers=(), on_data=None):

@@ -18,9 +18,14 @@ class Collectives:
         a device-side store asks servers to keep these keys on their GPUs if they have one."""
         for key, flat, shape, _ in items:
             self.placement.place(key, flat.size, flat.itemsize, rows.width_of(shape))
-        self._by_rank_0('init', lambda: self._wait_all([self._send_init(items, device)]))
+        self._by_rank_0('init', lambda: self._wait_all([
+            self._send_init(key, flat, shape, dtype, device) for key, flat, shape, dtype in items]))
         if self.rank != 0:
-            self._wait_all([self._send_checks(items)])
+            ops = [self._request(self.placement.parts(key)[0].server, f'init of key {key!r}',
+                                 {'op': P.CHECK, 'key': key, 'dtype': dtype,
+                                  'shape': list(shape)})
+                   for key, _, shape, dtype in items]
+            self._wait_all(ops)
 
     def set_optimizer(self, spec):
         """Rank 0 installs the optimizer on every server; everyone returns when all have it."""
