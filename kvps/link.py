@@ -117,10 +117,17 @@ class SchedulerLink:
 def decode_or_log(frames, config, source):
     """Decode a message; on ProtocolError log the reason and return None (keep serving).
     ``frames`` is None when authentication already refused the message (and logged why)."""
+    decoded = decode_or_refusal(frames, config, source)
+    return None if isinstance(decoded, ProtocolError) else decoded
+
+
+def decode_or_refusal(frames, config, source):
+    """As decode_or_log, but a message refused as malformed gives its ProtocolError (logged)
+    instead of None: whoever waits for an answer to it can be told why."""
     if frames is None:
         return None
     try:
         return P.decode(frames, config.max_message_bytes)
     except ProtocolError as exc:
         log.warning('rejected a message from %s: %s', source, exc)
-        return None
+        return exc

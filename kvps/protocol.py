@@ -309,7 +309,8 @@ def _check_buffers(header, buffers, max_message_bytes):
         raise ProtocolError(f'{op}: expected {want} data frame(s), got {len(buffers)}')
     total = sum(b.nbytes for b in buffers)
     if max_message_bytes is not None and total > max_message_bytes:
-        raise ProtocolError(f'{op}: {total} bytes exceeds the limit of {max_message_bytes}')
+        raise ProtocolError(f'{op}: {total} bytes exceeds the limit of {max_message_bytes} '
+                            '(KVPS_MAX_MESSAGE_BYTES)')
     for (key, _, dtype, n), buffer in zip(sized, buffers):
         expected = nbytes(dtype, n)
         if buffer.nbytes != expected:

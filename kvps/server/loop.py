@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import protocol as P
 from ..errors import ConfigError, KVPSError, PeerLostError, ProtocolError
-from ..link import SchedulerLink, decode_or_log
+from ..link import SchedulerLink, decode_or_refusal
 from ..shm import segment_bytes
 from ..transport import Poller, Router, bind_host, guard_from, new_context
 from . import row_store
@@ -202,12 +202,11 @@ class Server:
             log.warning('%s: refused a message from %r: not a worker of this job',
                         self.name, identity)
             return
-        decoded = decode_or_log(frames, self.config, identity)
-        if decoded is None:          # tell the member what is wrong rather than leave it waiting
+        decoded = decode_or_refusal(frames, self.config, identity)
+        if isinstance(decoded, ProtocolError):   # tell the member why rather than leave it waiting
             req_id = P.request_id(frames)
             if req_id is not None:
-                exc = ProtocolError('the server could not read this request (see its log); '
-                                    'is every node running the same kvps version?')
+                exc = ProtocolError(f'the server could not read this request: {decoded}')
                 self._send(identity, P.encode(P.error_header(req_id, exc, self.name)))
             return
         header, buffers = decoded

@@ -12,8 +12,8 @@ import threading
 import time
 
 from .. import protocol as P
-from ..errors import KVPSError, PeerLostError, StoreClosedError
-from ..link import SchedulerLink, decode_or_log
+from ..errors import KVPSError, PeerLostError, ProtocolError, StoreClosedError
+from ..link import SchedulerLink, decode_or_refusal
 from ..transport import Dealer, Poller, Waker, guard_from, new_context
 from .pending import Operation, PendingTable, Request
 from .staging import Staging
@@ -216,8 +216,13 @@ class WorkerIO(threading.Thread):
 
     def _from_server(self, sock):
         node = self._by_socket[sock]
-        decoded = decode_or_log(sock.recv(), self.config, node)
-        if decoded is not None:
+        frames = sock.recv()
+        decoded = decode_or_refusal(frames, self.config, node)
+        if isinstance(decoded, ProtocolError):
+            # The call it answers would wait for it until KVPS_TIMEOUT: fail it now, saying why.
+            self._pending.fail(P.request_id(frames), ProtocolError(
+                f'the answer of {node} could not be read: {decoded}'))
+        elif decoded is not None:
             self._pending.resolve(*decoded)
             if 'lease' in decoded[0] and self.staging is not None:
                 self.staging.copied(node, decoded[0]['lease'])

@@ -147,6 +147,12 @@ class PendingTable:
             return
         request.op.part_done()
 
+    def fail(self, req_id, exc):
+        """Fail the request ``req_id`` (if still waiting) with ``exc``."""
+        request = self._by_id.pop(req_id, None)
+        if request is not None:
+            request.op.fail(exc)
+
     def of_node(self, node):
         """Unanswered requests to ``node``, oldest first."""
         return [r for _, r in sorted(self._by_id.items()) if r.node == node]

@@ -448,3 +448,34 @@ def test_a_server_asked_for_gpu_shards_without_a_gpu_says_so(by_hand):
     server = by_hand('server', {**env, 'KVPS_SERVER_DEVICE': 'cuda'})
     code, out = by_hand.finish(server)
     assert code == 1 and 'KVPS_SERVER_DEVICE=cuda: needs cupy and a CUDA GPU' in out
+
+
+def test_a_message_over_the_size_limit_fails_its_call_at_once_saying_why(job):
+    # KVPS_MAX_MESSAGE_BYTES of 2 MB: a 4 MiB init is refused by the server, a 2.4 MB answer
+    # (adam's state) by the worker; each call fails with the reason, neither waits for
+    # KVPS_TIMEOUT.
+    script = '''
+    kv = kvps.create('dist_sync')
+    errors = {}
+    try:
+        kv.init('big', np.zeros(1 << 20, np.float32))
+    except Exception as exc:
+        errors['init'] = f'{type(exc).__name__}: {exc}'
+    kv.init('w', np.zeros(300000, np.float32))
+    kv.set_optimizer(kvps.optimizer.create('adam'))
+    kv.push('w', np.ones(300000, np.float32))
+    try:
+        kv.save_optimizer_states('states.bin')
+    except Exception as exc:
+        errors['save'] = f'{type(exc).__name__}: {exc}'
+    report(**errors)
+    '''
+    result = job(script, 1, 1, env={'KVPS_MAX_MESSAGE_BYTES': '2000000'})
+    assert result.returncode == 0, result.output
+    errors = result.results()[0]
+    assert errors['init'].startswith('ProtocolError: the server could not read this request: '
+                                     'init: 4194304 bytes exceeds the limit of 2000000 '
+                                     '(KVPS_MAX_MESSAGE_BYTES)'), errors
+    assert errors['save'].startswith('ProtocolError: the answer of server 0 could not be read: '
+                                     'states: '), errors
+    assert 'KVPS_MAX_MESSAGE_BYTES' in errors['save'], errors
