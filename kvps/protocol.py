@@ -143,7 +143,7 @@ MAX_HEADER_BYTES = 1 << 20   # headers are small maps; a bigger one is hostile o
 # list of keys into several messages): the header, and a DATA answer to a PULL, stay far
 # below MAX_HEADER_BYTES, and the keys below MAX_KEYS_PER_MESSAGE.
 ITEMS_BUDGET = MAX_HEADER_BYTES // 2
-_ITEM_FIELDS_BYTES = 64   # an item with an int key: its list, 5 fields and key, 1 + 6 * 9 bytes
+INT_ITEM_BYTES = 64   # an item with an int key: its list, 5 fields and key, 1 + 6 * 9 bytes
 MAX_KEY_CHARS = 1024
 
 
@@ -270,8 +270,8 @@ def item_bytes(key):
     """At most how many bytes an item of a multi-key message (PUSH, PULL, DATA, RESUME) about
     ``key`` packs to (an int packs to at most 9 bytes; a str to 5 + its UTF-8 bytes)."""
     if type(key) is not str:
-        return _ITEM_FIELDS_BYTES
-    return _ITEM_FIELDS_BYTES + 5 + (len(key) if key.isascii() else 4 * len(key))
+        return INT_ITEM_BYTES
+    return INT_ITEM_BYTES + 5 + (len(key) if key.isascii() else 4 * len(key))
 
 
 def within_budget(items):

@@ -22,15 +22,15 @@ def fuse(parts, wire_bytes=part_nbytes):
     wire (0 through shared memory: such parts all share one message). A message also lists
     no more keys than its header may carry (P.ITEMS_BUDGET)."""
     open_batches, batches = {}, []
+    int_item, budget = P.INT_ITEM_BYTES, P.ITEMS_BUDGET   # (locals: this runs per key part)
     for item in parts:
         server, nbytes = item[1].server, wire_bytes(item)
         if nbytes > FUSE_BYTES:
             batches.append((server, [item]))
             continue
-        listed = P.item_bytes(item[0])
+        listed = int_item if type(item[0]) is int else P.item_bytes(item[0])
         batch = open_batches.get(server)
-        if batch is None or batch[0] + nbytes > FUSE_BYTES or \
-                batch[1] + listed > P.ITEMS_BUDGET:
+        if batch is None or batch[0] + nbytes > FUSE_BYTES or batch[1] + listed > budget:
             batch = open_batches[server] = [0, 0, []]
             batches.append((server, batch[2]))
         batch[0] += nbytes
