@@ -61,7 +61,9 @@ PULL = 'pull'
 SET_OPTIMIZER = 'set_optimizer'  # + 1 buffer: the optimizer's spec (a map), msgpack
 GET_STATES = 'get_states'    # {dump}: answered by STATES
 # + 1 buffer: the updater state dict, msgpack; installed at once, or with `stage` true only
-# checked and held until COMMIT_STATES (so that no server installs any if one refuses)
+# checked and held until COMMIT_STATES (so that no server installs any if one refuses).
+# A state bigger than STATE_CHUNK_BYTES comes in pieces: SET_STATES with `more` true (each
+# acknowledged) holds one, and the one without `more` the last
 SET_STATES = 'set_states'
 COMMIT_STATES = 'commit_states'
 # First message to a restarted server, unanswered: {keys: [[key, part, acked], ...]}, how many
@@ -81,7 +83,9 @@ ACK = 'ack'
 # server leaves those bytes unchanged until the worker's `seen` reaches it
 DATA = 'data'
 ERROR = 'error'              # {type, message, traceback, node}
-STATES = 'states'            # + 1 buffer: the server's updater state dict, msgpack
+# + 1 buffer: the server's updater state dict, msgpack; in pieces as SET_STATES's, all
+# answering one GET_STATES: those with `more` true, then the last
+STATES = 'states'
 
 # How many raw buffers follow the header for each op; ops not listed carry none, and
 # multi-key ops (PUSH, DATA) carry one per key that is not in shared memory.
@@ -143,6 +147,9 @@ MAX_HEADER_BYTES = 1 << 20   # headers are small maps; a bigger one is hostile o
 # list of keys into several messages): the header, and a DATA answer to a PULL, stay far
 # below MAX_HEADER_BYTES, and the keys below MAX_KEYS_PER_MESSAGE.
 ITEMS_BUDGET = MAX_HEADER_BYTES // 2
+# Optimizer states travel in pieces of at most this many bytes (or KVPS_MAX_MESSAGE_BYTES):
+# a server's state may outgrow what one message may carry.
+STATE_CHUNK_BYTES = 64 << 20
 INT_ITEM_BYTES = 64   # an item with an int key: its list, 5 fields and key, 1 + 6 * 9 bytes
 MAX_KEY_CHARS = 1024
 
@@ -287,6 +294,13 @@ def within_budget(items):
         used += size
     runs.append(run)
     return runs
+
+
+def state_pieces(blob, max_message_bytes=None):
+    """``blob`` (a packed state) cut into the pieces STATES and SET_STATES carry (views)."""
+    size = min(STATE_CHUNK_BYTES, max_message_bytes or STATE_CHUNK_BYTES)
+    view = memoryview(blob)
+    return [view[at:at + size] for at in range(0, len(view), size)] or [view]
 
 
 def check_key(key):

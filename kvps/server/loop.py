@@ -65,6 +65,7 @@ class Server:
         self.workers = {P.worker_identity(r) for r in range(welcome['num_workers'])}
         self.regions = self._regions(config, welcome)
         self._outbox = []            # replies, sent once the checkpoint that covers them is written
+        self._state_pieces = {}      # worker -> the pieces of a SET_STATES it is sending
         self._unsaved = False        # an init or optimizer change that no checkpoint holds yet
         self._resuming = False       # a new job resuming from an earlier job's checkpoint
         self.checkpointer = self._resume_from_checkpoint(welcome)
@@ -179,6 +180,7 @@ class Server:
                 self._resumed(worker)
             else:
                 self.regions.forget(worker)
+                self._state_pieces.pop(worker, None)
                 self._reply_all(self.shard.worker_finished(worker))
         elif op == P.SHUTDOWN:
             log.info('%s: shutting down: %s', self.name, header.get('reason', ''))
@@ -230,7 +232,7 @@ class Server:
         except Exception as exc:  # a server bug: log it, answer with its traceback, serve on
             log.exception('%s: %s failed', self.name, header['op'])
             replies = [('error', token, exc)]
-        if header['op'] in _DURABLE:
+        if header['op'] in _DURABLE and not header.get('more'):   # (a piece changes nothing)
             self._unsaved = True
         self._reply_all(replies)
 
@@ -348,7 +350,12 @@ class Server:
         return [('states', token, blob)]
 
     def _set_states(self, token, h, buffers):
-        states = _map_in(buffers[0], 'set_states: the state')
+        pieces = self._state_pieces.pop(token[0], [])
+        if h.get('more'):   # one piece of a state too big for one message: wait for the rest
+            self._state_pieces[token[0]] = pieces + [buffers[0]]
+            return [('ack', token, None)]
+        states = _map_in(b''.join([*pieces, buffers[0]]) if pieces else buffers[0],
+                         'set_states: the state')
         self.shard.set_states(states, stage=h.get('stage', False))
         return [('ack', token, None)]
 
@@ -376,7 +383,11 @@ class Server:
                 traceback.format_exception(payload))
             frames = P.encode(P.error_header(req_id, payload, self.name, tb))
         elif kind == 'states':
-            frames = P.encode({'op': P.STATES, 'id': req_id}, [payload])
+            pieces = P.state_pieces(payload, self.config.max_message_bytes)
+            for piece in pieces[:-1]:
+                self._send(identity, P.encode({'op': P.STATES, 'id': req_id, 'more': True},
+                                              [piece]))
+            frames = P.encode({'op': P.STATES, 'id': req_id}, [pieces[-1]])
         elif kind == 'rows':
             epoch, count, data = payload
             frames = P.encode({'op': P.ROWS, 'id': req_id, 'epoch': epoch, 'count': count},

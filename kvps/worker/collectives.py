@@ -41,8 +41,13 @@ class Collectives:
         blobs = [None] * self.num_servers
 
         def keeper(server):
+            pieces = []   # of a state too big for one message
+
             def keep(header, buffers):
-                blobs[server] = msgpack.unpackb(buffers[0], raw=False, strict_map_key=False)
+                pieces.append(buffers[0])
+                if not header.get('more'):
+                    blob = pieces[0] if len(pieces) == 1 else b''.join(pieces)
+                    blobs[server] = msgpack.unpackb(blob, raw=False, strict_map_key=False)
             return keep
         self._wait_all([self._request(s, 'save_optimizer_states',
                                       {'op': P.GET_STATES, 'dump': dump_optimizer},
@@ -58,12 +63,21 @@ class Collectives:
 
         def send():
             what = 'load_optimizer_states'
-            self._wait_all([self._request(s, what, {'op': P.SET_STATES, 'stage': True},
-                                          (msgpack.packb(states, use_bin_type=True),))
-                            for s, states in enumerate(per_server)])
+            self._wait_all([op for s, states in enumerate(per_server)
+                            for op in self._send_state(s, states, what)])
             self._wait_all([self._request(s, what, {'op': P.COMMIT_STATES})
                             for s in range(len(per_server))])
         self._by_rank_0('load_optimizer_states', send, after_pushes=True)
+
+    def _send_state(self, server, states, what):
+        """SET_STATES of ``states`` (staged) to ``server``, in pieces if it is big; returns
+        the operations to wait on."""
+        pieces = P.state_pieces(msgpack.packb(states, use_bin_type=True),
+                                self.config.max_message_bytes)
+        return [self._request(server, what, {'op': P.SET_STATES, 'stage': True,
+                                             **({'more': True} if i + 1 < len(pieces) else {})},
+                              (piece,))
+                for i, piece in enumerate(pieces)]
 
     def _by_rank_0(self, what, send, after_pushes=False):
         """A collective that rank 0 carries out alone (``send``: its requests to the servers,

@@ -130,8 +130,10 @@ class PendingTable:
         return len(self._by_id)
 
     def resolve(self, header, buffers):
-        """Complete the request a reply answers; unknown ids (late replies) are ignored."""
-        request = self._by_id.pop(header.get('id'), None)
+        """Complete the request a reply answers; unknown ids (late replies) are ignored. A
+        STATES with ``more`` is one piece of the answer: the request waits for the rest."""
+        req_id = header.get('id')
+        request = self._by_id.pop(req_id, None)
         if request is None:
             return
         op = header['op']
@@ -145,7 +147,10 @@ class PendingTable:
         except Exception as exc:  # a bad reply fails the call; it must not kill the I/O thread
             request.op.fail(exc)
             return
-        request.op.part_done()
+        if op == P.STATES and header.get('more'):
+            self._by_id[req_id] = request
+        else:
+            request.op.part_done()
 
     def fail(self, req_id, exc):
         """Fail the request ``req_id`` (if still waiting) with ``exc``."""

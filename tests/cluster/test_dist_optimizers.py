@@ -289,3 +289,31 @@ def test_per_key_options_of_very_many_keys_reach_the_servers(job):
     assert result.returncode == 0, result.output
     # w: lr 0.25, wd 0.5: 1 - 0.25 * (2 + 0.5 * 1); b: lr 1, no wd: 1 - 2
     assert result.results() == {r: {'w': [0.375] * 4, 'b': [-1.0] * 4} for r in (0, 1)}
+
+
+def test_a_state_bigger_than_a_message_is_saved_and_loaded_in_pieces(job, tmp_path):
+    # Messages of at most 1 MB, 2.4 MB of adam state on each server (3 keys of 400 KB):
+    # every state goes in pieces, both ways. Loading what was saved, after a step that
+    # changed the state, then saving again gives the same file.
+    script = f'''
+    kv = kvps.create('dist_sync')
+    keys = list('abcdef')
+    kv.init(keys, [np.zeros(100000, np.float32)] * len(keys))
+    kv.set_optimizer(kvps.optimizer.create('adam', learning_rate=0.1))
+    def step(value):
+        kv.push(keys, [np.full(100000, value, np.float32)] * len(keys))
+        kv.pull(keys, out=[np.zeros(100000, np.float32) for _ in keys])
+    def path(name):   # (one file per worker: both save)
+        return os.path.join({str(tmp_path)!r}, f'{{name}}{{kv.rank}}.states')
+    step(1.0)
+    kv.save_optimizer_states(path('first'))
+    step(-2.0)
+    kv.load_optimizer_states(path('first'))
+    kv.save_optimizer_states(path('again'))
+    first, again = (open(path(name), 'rb').read() for name in ('first', 'again'))
+    report(size=len(first), same=first == again)
+    '''
+    result = job(script, 2, 2, env={'KVPS_MAX_MESSAGE_BYTES': '1000000'})
+    assert result.returncode == 0, result.output
+    for res in result.results().values():
+        assert res['same'] and res['size'] > 4_800_000, res

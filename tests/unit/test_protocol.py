@@ -176,3 +176,13 @@ def test_init_may_ask_for_the_gpu_with_a_boolean_only():
     P.validate_header(header)                     # absent: host memory
     with pytest.raises(ProtocolError, match='device must be true or false'):
         P.validate_header({**header, 'device': 'cuda'})
+
+
+def test_a_state_travels_in_pieces_a_message_may_carry():
+    blob = bytes(range(10))
+    pieces = P.state_pieces(blob, 4)
+    assert [len(p) for p in pieces] == [4, 4, 2] and b''.join(pieces) == blob
+    assert [bytes(p) for p in P.state_pieces(b'')] == [b'']   # one (empty) piece at least
+    assert len(P.state_pieces(bytes(P.STATE_CHUNK_BYTES + 1))) == 2
+    header, buffers = P.decode(P.encode({'op': P.STATES, 'id': 3, 'more': True}, [pieces[0]]))
+    assert header['more'] is True and bytes(buffers[0]) == blob[:4]
