@@ -1,6 +1,7 @@
 """The KVStore's keys and values as calls give them: keys checked (one kind per store, 64-bit ints or short strs) and grouped with their values, values copied for the backend."""
 
 import operator
+import os
 import threading
 
 import numpy as np
@@ -78,6 +79,9 @@ class StoreKeys:
         if self._backend.closed:
             raise StoreClosedError(f'this {self._type!r} store is closed (kv.close() or '
                                    'interpreter exit); it takes no more calls')
+        owner = getattr(self._backend, 'pid', None)   # (a distributed store's process)
+        if owner is not None and owner != os.getpid():
+            raise StoreClosedError(forked_message(owner))
 
     def _known(self, key):
         meta = self._meta.get(key)
@@ -142,3 +146,11 @@ def _summed(values, into):
     """A flat copy of ``values``' sum (one value: itself), in ``into`` when given."""
     return arrays.sum_values(values, into) if len(values) > 1 else \
         arrays.flat_copy(values[0], into)
+
+
+def forked_message(owner):
+    """Why a process forked from the worker ``owner`` cannot use the worker's store."""
+    return (f'this process ({os.getpid()}) was forked from the worker that joined the job '
+            f'({owner}); the store\'s sockets and I/O thread stay with that process, so a '
+            'forked child cannot use it (it would wait for answers that never come): call '
+            'kvps from the worker process')

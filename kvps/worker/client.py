@@ -7,6 +7,7 @@ push counts, barrier numbers) changes under locks never held while waiting.
 """
 
 import collections
+import os
 import threading
 
 import numpy as np
@@ -28,6 +29,7 @@ class DistClient(Collectives):
     def __init__(self, config, sync):
         self.config = config.require_worker().require_cluster()
         self.sync = sync
+        self.pid = os.getpid()    # the only process that may use it (a fork has no I/O thread)
         keep_freed_memory(config.malloc_trim_bytes)
         self.io = WorkerIO(config)
         self.io.start()
@@ -270,7 +272,10 @@ class DistClient(Collectives):
     def close(self):
         """Flush, tell the scheduler this worker is done, stop the I/O thread. Idempotent.
         Not meant to race with calls from other threads: one still under way when the I/O
-        thread stops raises StoreClosedError (a later one does on entry)."""
+        thread stops raises StoreClosedError (a later one does on entry). In a process forked
+        from this worker it does nothing: the job is the parent's to leave."""
+        if self.pid != os.getpid():
+            return
         with self._lock:   # two threads closing at once would send two FINISHes
             if self.closed:
                 return

@@ -147,3 +147,37 @@ def test_closing_a_store_another_thread_uses_fails_its_calls_clearly(job):
     results = result.results()
     assert sorted(results) == [0, 1], result.output
     assert results[0]['ended'] == {'barrier': 'StoreClosedError', 'train': 'StoreClosedError'}
+
+
+def test_a_forked_child_is_told_it_cannot_use_the_store_and_leaves_the_job_alone(job):
+    # The child has no I/O thread: its calls would wait for answers until KVPS_TIMEOUT. It
+    # is told at once; when it exits (atexit runs), it does not end the parent's job either.
+    script = '''
+    kv = kvps.create('dist_sync')
+    kv.init('w', np.zeros(2, np.float32))
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(read)
+        try:
+            kv.push('w', np.ones(2, np.float32))
+            said = 'no error'
+        except kvps.errors.StoreClosedError as exc:
+            said = str(exc)
+        kv.close()
+        os.write(write, said.encode())
+        sys.exit(0)   # atexit runs in the child too
+    os.close(write)
+    _, status = os.waitpid(child, 0)
+    said = os.read(read, 4096).decode()
+    kv.push('w', np.full(2, kv.rank + 1.0, np.float32))
+    out = np.zeros(2, np.float32)
+    kv.pull('w', out=out)
+    report(child_exit=os.waitstatus_to_exitcode(status), said=said, w=out.tolist())
+    '''
+    result = job(script, 2, 1)
+    assert result.returncode == 0, result.output
+    for rank, res in result.results().items():
+        assert res['child_exit'] == 0 and res['w'] == [3.0, 3.0], res
+        assert res['said'].startswith('this process (') and 'was forked from the worker' in \
+            res['said'] and 'call kvps from the worker process' in res['said'], res
