@@ -1,6 +1,8 @@
 """The only reader of os.environ: one frozen Config from KVPS_* names and ps-lite's DMLC_* names."""
 
 import dataclasses
+import difflib
+import logging
 import os
 
 from .errors import ConfigError
@@ -251,6 +253,8 @@ class Config:
                     except ValueError as exc:
                         raise ConfigError(f'{name}={raw!r}: {exc}') from None
                     break
+        if fields is None:
+            _warn_misspelled(env)
         config = cls(**values)
         if config.heartbeat_interval >= config.heartbeat_timeout:
             raise ConfigError(
@@ -339,6 +343,23 @@ class Config:
             if value is not None and value != var.default:
                 env[var.names[0]] = str(int(value) if isinstance(value, bool) else value)
         return env
+
+
+_warned = set()   # misspelled names already reported by this process
+
+
+def _warn_misspelled(env):
+    """Warn (once per process) of KVPS_* variables kvps does not read that look like ones it
+    does: a typo must not silently leave a setting at its default (KVPS_CHECKPOINT_EVRY=1
+    would lose updates a crash). Other KVPS_* names (tools' own) are left alone."""
+    known = [name for var in VARS for name in var.names]
+    for name in env:
+        if name.startswith('KVPS_') and name not in known and name not in _warned:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+            if close:
+                _warned.add(name)
+                logging.getLogger('kvps.config').warning(
+                    '%s is not a kvps setting and is ignored; did you mean %s?', name, close[0])
 
 
 def markdown_table():

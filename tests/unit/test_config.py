@@ -87,3 +87,14 @@ def test_recovery_needs_a_checkpoint_that_is_written_during_the_job():
     for every in ({'KVPS_CHECKPOINT_EVERY': '1'}, {'KVPS_CHECKPOINT_SECONDS': '5'}):
         assert Config.from_env({**base, 'KVPS_CHECKPOINT_DIR': '/c', **every}).unrecoverable() \
             is None
+
+
+def test_a_misspelled_setting_is_named_with_the_one_it_looks_like(caplog):
+    env = {**DMLC, 'KVPS_CHECKPOINT_EVRY': '1', 'KVPS_TEST_TAG': 'x', 'KVPS_PORT': '9'}
+    Config.from_env(env)
+    warnings = [r.getMessage() for r in caplog.records if r.name == 'kvps.config']
+    # (tools' own KVPS_* names, unlike any setting, are not kvps's business)
+    assert warnings == ['KVPS_CHECKPOINT_EVRY is not a kvps setting and is ignored; did you '
+                        'mean KVPS_CHECKPOINT_EVERY?']
+    Config.from_env(env)   # once per process
+    assert len([r for r in caplog.records if r.name == 'kvps.config']) == 1
