@@ -232,7 +232,8 @@ class Server:
         except Exception as exc:  # a server bug: log it, answer with its traceback, serve on
             log.exception('%s: %s failed', self.name, header['op'])
             replies = [('error', token, exc)]
-        if header['op'] in _DURABLE and not header.get('more'):   # (a piece changes nothing)
+        piece = header['op'] == P.SET_STATES and header.get('more')   # (changes nothing yet)
+        if header['op'] in _DURABLE and not piece:
             self._unsaved = True
         self._reply_all(replies)
 
