@@ -89,7 +89,6 @@ def test_a_killed_server_is_restarted_and_no_update_is_lost_or_doubled(job, tmp_
     assert result.results() == {0: everything, 1: everything}, result.output
 
 
-
 def test_a_worker_with_many_long_keys_on_the_restarted_server_resumes_them_all(job, tmp_path):
     """1500 keys of 1000-character names: every push, pull and answer lists them in several
     messages (one would exceed the header limit), and so does the worker's RESUME to the
@@ -115,6 +114,7 @@ def test_a_worker_with_many_long_keys_on_the_restarted_server_resumes_them_all(j
     assert result.returncode == 0, result.output
     assert 'rejoined' in result.output
     assert result.results() == {0: {'exact': True}, 1: {'exact': True}}, result.output
+
 
 def test_restarts_are_bounded_by_the_launcher_option(job, tmp_path):
     script = """
