@@ -79,9 +79,8 @@ class StoreKeys:
         if self._backend.closed:
             raise StoreClosedError(f'this {self._type!r} store is closed (kv.close() or '
                                    'interpreter exit); it takes no more calls')
-        owner = getattr(self._backend, 'pid', None)   # (a distributed store's process)
-        if owner is not None and owner != os.getpid():
-            raise StoreClosedError(forked_message(owner))
+        if getattr(self._backend, 'forked', False):   # (distributed stores only)
+            raise StoreClosedError(forked_message(self._backend.pid))
 
     def _known(self, key):
         meta = self._meta.get(key)

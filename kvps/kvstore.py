@@ -94,7 +94,7 @@ def _leave_job_at_exit(client):
     an uncaught exception does not finish (told it had finished, the others' rounds would fail
     at once, and they, not it, would look like the first failure): it aborts the job, which
     ends at once naming it and its exception (by hand, no launcher sees its exit)."""
-    if client.pid != os.getpid():   # a forked child exiting: the job is its parent's
+    if client.forked:   # a forked child exiting: the job is its parent's
         return
     exc = getattr(sys, 'last_exc', None) or getattr(sys, 'last_value', None)
     if exc is not None:

@@ -303,6 +303,17 @@ def state_pieces(blob, max_message_bytes=None):
     return [view[at:at + size] for at in range(0, len(view), size)] or [view]
 
 
+def continued(header, count):
+    """The headers of a message sent in ``count`` pieces (RESUME, STATES, SET_STATES): each
+    a copy of ``header``, all but the last marked ``more``."""
+    return [{**header, 'more': True} for _ in range(count - 1)] + [header]
+
+
+def joined(pieces):
+    """The payload a message sent in pieces carried (the only piece itself, uncopied)."""
+    return pieces[0] if len(pieces) == 1 else b''.join(pieces)
+
+
 def check_key(key):
     """Keys are ints or short strings; anything else is rejected."""
     if isinstance(key, bool) or not isinstance(key, (int, str)):

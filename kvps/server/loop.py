@@ -351,12 +351,11 @@ class Server:
         return [('states', token, blob)]
 
     def _set_states(self, token, h, buffers):
-        pieces = self._state_pieces.pop(token[0], [])
+        pieces = self._state_pieces.pop(token[0], []) + [buffers[0]]
         if h.get('more'):   # one piece of a state too big for one message: wait for the rest
-            self._state_pieces[token[0]] = pieces + [buffers[0]]
+            self._state_pieces[token[0]] = pieces
             return [('ack', token, None)]
-        states = _map_in(b''.join([*pieces, buffers[0]]) if pieces else buffers[0],
-                         'set_states: the state')
+        states = _map_in(P.joined(pieces), 'set_states: the state')
         self.shard.set_states(states, stage=h.get('stage', False))
         return [('ack', token, None)]
 
@@ -378,17 +377,14 @@ class Server:
         if kind == 'data':
             self._send_data(identity, req_id, payload)
             return
+        if kind == 'states':
+            self._send_states(identity, req_id, payload)
+            return
         if kind == 'error':
             # A caller's mistake speaks for itself; a server bug also carries its traceback.
             tb = '' if isinstance(payload, KVPSError) else ''.join(
                 traceback.format_exception(payload))
             frames = P.encode(P.error_header(req_id, payload, self.name, tb))
-        elif kind == 'states':
-            pieces = P.state_pieces(payload, self.config.max_message_bytes)
-            for piece in pieces[:-1]:
-                self._send(identity, P.encode({'op': P.STATES, 'id': req_id, 'more': True},
-                                              [piece]))
-            frames = P.encode({'op': P.STATES, 'id': req_id}, [pieces[-1]])
         elif kind == 'rows':
             epoch, count, data = payload
             frames = P.encode({'op': P.ROWS, 'id': req_id, 'epoch': epoch, 'count': count},
@@ -396,6 +392,13 @@ class Server:
         else:
             frames = P.encode({'op': P.ACK, 'id': req_id, **(payload or {})})
         self._send(identity, frames)
+
+    def _send_states(self, identity, req_id, blob):
+        """The packed state ``blob``, in as many STATES as a message may carry."""
+        pieces = P.state_pieces(blob, self.config.max_message_bytes)
+        for header, piece in zip(P.continued({'op': P.STATES, 'id': req_id}, len(pieces)),
+                                 pieces):
+            self._send(identity, P.encode(header, [piece]))
 
     def _send_data(self, identity, req_id, payload):
         """Lend weights in the arena to a worker that reads it, write others into the

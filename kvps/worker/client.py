@@ -54,6 +54,12 @@ class DistClient(Collectives):
         self.keys = {}            # key -> (shape, dtype name), for every store of this process
         self.closed = False
 
+    @property
+    def forked(self):
+        """Whether this is a process forked from the worker that made this client: it has
+        the client but not its I/O thread, so it cannot use it."""
+        return self.pid != os.getpid()
+
     def parts(self, key, size):
         return [(p.server, p.part, p.start, p.stop) for p in self.placement.parts(key)]
 
@@ -274,7 +280,7 @@ class DistClient(Collectives):
         Not meant to race with calls from other threads: one still under way when the I/O
         thread stops raises StoreClosedError (a later one does on entry). In a process forked
         from this worker it does nothing: the job is the parent's to leave."""
-        if self.pid != os.getpid():
+        if self.forked:
             return
         with self._lock:   # two threads closing at once would send two FINISHes
             if self.closed:

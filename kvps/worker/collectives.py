@@ -46,8 +46,8 @@ class Collectives:
             def keep(header, buffers):
                 pieces.append(buffers[0])
                 if not header.get('more'):
-                    blob = pieces[0] if len(pieces) == 1 else b''.join(pieces)
-                    blobs[server] = msgpack.unpackb(blob, raw=False, strict_map_key=False)
+                    blobs[server] = msgpack.unpackb(P.joined(pieces), raw=False,
+                                                    strict_map_key=False)
             return keep
         self._wait_all([self._request(s, 'save_optimizer_states',
                                       {'op': P.GET_STATES, 'dump': dump_optimizer},
@@ -74,10 +74,9 @@ class Collectives:
         the operations to wait on."""
         pieces = P.state_pieces(msgpack.packb(states, use_bin_type=True),
                                 self.config.max_message_bytes)
-        return [self._request(server, what, {'op': P.SET_STATES, 'stage': True,
-                                             **({'more': True} if i + 1 < len(pieces) else {})},
-                              (piece,))
-                for i, piece in enumerate(pieces)]
+        headers = P.continued({'op': P.SET_STATES, 'stage': True}, len(pieces))
+        return [self._request(server, what, header, (piece,))
+                for header, piece in zip(headers, pieces)]
 
     def _by_rank_0(self, what, send, after_pushes=False):
         """A collective that rank 0 carries out alone (``send``: its requests to the servers,

@@ -287,11 +287,8 @@ class WorkerIO(threading.Thread):
             for item in header['keys'] if header['op'] == P.PUSH else ():
                 acked[(item[0], item[1])] = min(acked[(item[0], item[1])], item[P.SEQ])
         runs = P.within_budget([[key, part, count] for (key, part), count in acked.items()])
-        for index, run in enumerate(runs):
-            header = {'op': P.RESUME, 'id': 0, 'keys': run}
-            if index + 1 < len(runs):
-                header['more'] = True
-            self._servers[name].send(P.encode(header))
+        for header, run in zip(P.continued({'op': P.RESUME, 'id': 0}, len(runs)), runs):
+            self._servers[name].send(P.encode({**header, 'keys': run}))
         for request in waiting:
             request.message = self._readable(name, *request.message)
             self._servers[name].send(P.encode(*request.message))

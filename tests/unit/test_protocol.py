@@ -186,3 +186,6 @@ def test_a_state_travels_in_pieces_a_message_may_carry():
     assert len(P.state_pieces(bytes(P.STATE_CHUNK_BYTES + 1))) == 2
     header, buffers = P.decode(P.encode({'op': P.STATES, 'id': 3, 'more': True}, [pieces[0]]))
     assert header['more'] is True and bytes(buffers[0]) == blob[:4]
+    assert P.continued({'op': P.STATES, 'id': 3}, 3) == [
+        {'op': P.STATES, 'id': 3, 'more': True}] * 2 + [{'op': P.STATES, 'id': 3}]
+    assert P.joined(pieces) == blob and P.joined([pieces[0]]) is pieces[0]
