@@ -13,7 +13,7 @@ import numpy as np
 from .errors import ProtocolError
 
 # Node <-> scheduler.
-VERSION = 8                  # bumped on any change of the wire format; checked at REGISTER
+VERSION = 9                  # bumped on any change of the wire format; checked at REGISTER
 REGISTER = 'register'        # node -> scheduler: {role, host, port, rank, pid, version}
 # scheduler -> node: {rank, num_workers, num_servers, servers, nodes, recovery_timeout, job (a
 # token naming this run, kept in server checkpoints)}; to a server that replaces a lost one
@@ -34,8 +34,11 @@ SERVER_LOST = 'server_lost'  # scheduler -> worker: {rank, reason}; the job wait
 SERVER_BACK = 'server_back'  # scheduler -> worker: {rank, host, port} of the replacement
 
 # Worker <-> server.
-INIT = 'init'                # {key, part, dtype, n, shape, sync, [device]} + 1 buffer
-CHECK = 'check'              # {key, dtype, shape}: verify a non-root worker's view of a key
+# {sync, [device], keys: [[key, part, dtype, n, shape], ...]} + 1 buffer per item: parts of
+# keys to create with these values (shape: the whole key's)
+INIT = 'init'
+# {keys: [[key, part, dtype, shape], ...]}: verify a non-root worker's view of keys (part 0)
+CHECK = 'check'
 # {sync, keys: [[key, part, dtype, n, at, seq], ...]} + 1 buffer per key whose `at` is None;
 # `at` (an int) says the payload lies in the worker's shared-memory segment at that offset
 # (see ATTACH). seq counts this worker's pushes of the key from 0, so a push resent to a
@@ -88,12 +91,17 @@ ERROR = 'error'              # {type, message, traceback, node}
 STATES = 'states'
 
 # How many raw buffers follow the header for each op; ops not listed carry none, and
-# multi-key ops (PUSH, DATA) carry one per key that is not in shared memory.
-_BUFFERS = {INIT: 1, SET_OPTIMIZER: 1, SET_STATES: 1, STATES: 1, ROWS: 1}
-_MULTI = {PUSH: 6, PULL: 3, DATA: 6, RESUME: 3}   # op -> length of each 'keys' item
-_SIZED = (PUSH, DATA)        # their items start [key, part, dtype, n]: one buffer each
+# multi-key ops carry one per key that is not in shared memory (PUSH, DATA), or per item
+# (INIT).
+_BUFFERS = {SET_OPTIMIZER: 1, SET_STATES: 1, STATES: 1, ROWS: 1}
+_MULTI = {PUSH: 6, PULL: 3, DATA: 6, RESUME: 3, INIT: 5, CHECK: 4}   # op -> each item's length
+_SIZED = (PUSH, DATA, INIT)  # their items start [key, part, dtype, n]: one buffer each
+_TYPED = (PUSH, DATA, INIT, CHECK)   # their items' third field is a dtype
 _COUNTS = {PUSH: ('part', None, 'n', 'at', 'seq'), PULL: ('part', 'at'),
-           DATA: ('part', None, 'n', 'at', 'lent'), RESUME: ('part', 'acked')}   # after the key
+           DATA: ('part', None, 'n', 'at', 'lent'), RESUME: ('part', 'acked'),
+           INIT: ('part', None, 'n'), CHECK: ('part',)}   # after the key
+SHAPE = {INIT: 4, CHECK: 3}        # index of the key's shape (a list of ints >= 0) in an item
+MAX_DIMS = 32
 # (index in an item, name, may be None) of every count field, as _check_items reads them.
 _COUNT_FIELDS = {op: [(index, name, name in ('at', 'lent'))
                       for index, name in enumerate(names, 1) if name]
@@ -108,8 +116,8 @@ _FIELDS = {
     REGISTER: {'role': str, 'host': str, 'port': int},
     BARRIER: {'seq': int},
     ABORT: {'reason': str},
-    INIT: {'key': _KEY, 'part': int, 'dtype': str, 'n': int, 'shape': list, 'sync': bool},
-    CHECK: {'key': _KEY, 'dtype': str, 'shape': list},
+    INIT: {'keys': list, 'sync': bool},
+    CHECK: {'keys': list},
     PUSH: {'keys': list, 'sync': bool},
     PULL: {'keys': list},
     GET_STATES: {'dump': bool},
@@ -248,14 +256,16 @@ def _check_dtype(op, dtype):
 
 def _check_items(op, items):
     """Each item of a multi-key message: [key, part, at], [key, part, count],
-    [key, part, dtype, n, at, lent] or [key, part, dtype, n, at, seq]; counts are ints >= 0,
-    and so are `at` and `lent` unless they are None."""
+    [key, part, dtype, n, at, lent], [key, part, dtype, n, at, seq], [key, part, dtype, n,
+    shape] or [key, part, dtype, shape]; counts are ints >= 0, and so are `at` and `lent`
+    unless they are None; a shape lists at most MAX_DIMS ints >= 0."""
     width = _MULTI[op]
     least = 0 if op == RESUME else 1   # a worker may hold no key of a restarted server
     if not least <= len(items) <= MAX_KEYS_PER_MESSAGE:
         raise ProtocolError(f'{op}: {least} to {MAX_KEYS_PER_MESSAGE} keys per message')
     counts = _COUNT_FIELDS[op]
-    sized = op in _SIZED
+    typed = op in _TYPED
+    shaped = SHAPE.get(op)
     # Exact type tests (msgpack makes plain ints and strs; bool is not int here): this runs
     # for every key of every message.
     for item in items:
@@ -264,21 +274,35 @@ def _check_items(op, items):
         key = item[0]
         if type(key) is not int and not (type(key) is str and len(key) <= MAX_KEY_CHARS):
             check_key(key)
-        if sized and (type(item[2]) is not str or item[2] not in DTYPES) \
+        if typed and (type(item[2]) is not str or item[2] not in DTYPES) \
                 and not (op == PUSH and item[2] in PUSH_CODECS):
             _check_dtype(op, item[2])
         for index, name, nullable in counts:
             value = item[index]
             if not (type(value) is int and value >= 0) and not (nullable and value is None):
                 raise ProtocolError(f'{op}: {name} must be an int >= 0')
+        if shaped is not None:
+            _check_shape(op, item[shaped])
+
+
+def _check_shape(op, shape):
+    if not (type(shape) is list and len(shape) <= MAX_DIMS and all(
+            type(d) is int and d >= 0 for d in shape)):
+        raise ProtocolError(f'{op}: shape must list at most {MAX_DIMS} ints >= 0')
 
 
 def item_bytes(key):
     """At most how many bytes an item of a multi-key message (PUSH, PULL, DATA, RESUME) about
-    ``key`` packs to (an int packs to at most 9 bytes; a str to 5 + its UTF-8 bytes)."""
+    ``key`` packs to (an int packs to at most 9 bytes; a str to 5 + its UTF-8 bytes); an
+    INIT or CHECK item also lists a shape (shape_bytes)."""
     if type(key) is not str:
         return INT_ITEM_BYTES
     return INT_ITEM_BYTES + 5 + (len(key) if key.isascii() else 4 * len(key))
+
+
+def shape_bytes(shape):
+    """At most how many bytes ``shape`` adds to an INIT or CHECK item."""
+    return 5 + 9 * len(shape)
 
 
 def within_budget(items):
@@ -326,9 +350,8 @@ def _check_buffers(header, buffers, max_message_bytes):
     op = header['op']
     sized = [] if op not in _SIZED else [
         item[:4] for item in header['keys']
-        if item[AT[op]] is None and (op != DATA or item[LENT] is None)]   # the rest: in shm
-    if 'dtype' in header and op in _BUFFERS:
-        sized = [[header.get('key'), 0, header['dtype'], header['n']]]
+        if op == INIT or item[AT[op]] is None and (op != DATA or item[LENT] is None)]
+    # (the rest lie in shared memory)
     want = len(sized) if sized else _BUFFERS.get(op, int(header.get('ids', False)))
     if len(buffers) != want:
         raise ProtocolError(f'{op}: expected {want} data frame(s), got {len(buffers)}')

@@ -268,10 +268,14 @@ class Server:
             self._handle(identity, header, buffers)
 
     def _init(self, token, h, buffers):
-        if self._resuming:
-            self._refuse_misplaced_init(h['key'], h['part'])
-        return self.shard.init(token, h['key'], h['part'], h['dtype'], h['shape'], h['sync'],
-                               buffers[0], h.get('device', False))
+        sync, device = h['sync'], h.get('device', False)
+
+        def init_one(item_token, item, buffer):
+            key, part, dtype, _, shape = item
+            if self._resuming:
+                self._refuse_misplaced_init(key, part)
+            return self.shard.init(item_token, key, part, dtype, shape, sync, buffer, device)
+        return self._each_key(token, P.INIT, h['keys'], buffers, init_one)
 
     def _refuse_misplaced_init(self, key, part):
         """A key lands on the server with the least load so far, so a job that inits its
@@ -291,7 +295,10 @@ class Server:
                 'another KVPS_CHECKPOINT_DIR')
 
     def _check(self, token, h, buffers):
-        return self.shard.check(token, h['key'], h['dtype'], h['shape'])
+        def check_one(item_token, item, _):
+            key, part, dtype, shape = item
+            return self.shard.check(item_token, key, part, dtype, shape)
+        return self._each_key(token, P.CHECK, h['keys'], [None] * len(h['keys']), check_one)
 
     def _push(self, token, h, buffers):
         sync, step = h['sync'], h.get('step', 0)

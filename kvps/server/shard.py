@@ -76,9 +76,9 @@ class Shard(OptimizerStates):
         entry.restored, entry.sync, entry.device = False, sync, device
         return [('ack', token, None)]
 
-    def check(self, token, key, dtype, shape):
+    def check(self, token, key, part, dtype, shape):
         """Confirm that another worker's view of a key matches what rank 0 initialized."""
-        entry = self._entry(key, 0)
+        entry = self._entry(key, part)
         if not entry.holds(dtype, shape):
             error = ShapeError if tuple(shape) != tuple(entry.shape) else DTypeError
             raise error(f'key {key!r}: this worker has {tuple(shape)} {dtype}, but rank 0 '

@@ -307,17 +307,6 @@ class DistClient(Collectives):
                 self.io.abort(reason, 2.0)   # its link lingers up to 2 s to deliver it
 
     # -- helpers --------------------------------------------------------------------------
-    def _send_init(self, key, flat, shape, dtype, device):
-        parts = self.placement.parts(key)
-        op = Operation(f'init of key {key!r}', len(parts))
-        for part in parts:
-            header = {'op': P.INIT, 'key': key, 'part': part.part, 'dtype': dtype,
-                      'n': part.stop - part.start, 'sync': self.sync, 'shape': list(shape),
-                      'device': device}
-            self._submit(part.server, header, (flat[part.start:part.stop],),
-                         Request(op, server_name(part.server)))
-        return op
-
     def _request(self, server, what, header, buffers=(), on_data=None):
         """One message to one server, as an Operation to wait on."""
         op = Operation(what, 1)

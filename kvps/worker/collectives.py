@@ -5,6 +5,7 @@ import msgpack
 from .. import protocol as P, rows
 from ..errors import ConfigError, KVPSError, RemoteError
 from ..optimizer import needs_whole_tensors
+from .messages import describe, fuse
 
 _REFUSED = b'refused'   # rank 0's word at the barrier ending a collective the servers refused
 
@@ -18,14 +19,30 @@ class Collectives:
         a device-side store asks servers to keep these keys on their GPUs if they have one."""
         for key, flat, shape, _ in items:
             self.placement.place(key, flat.size, flat.itemsize, rows.width_of(shape))
-        self._by_rank_0('init', lambda: self._wait_all([
-            self._send_init(key, flat, shape, dtype, device) for key, flat, shape, dtype in items]))
+        self._by_rank_0('init', lambda: self._wait_all(
+            self._send_keys(P.INIT, items, {'sync': self.sync, 'device': device})))
         if self.rank != 0:
-            ops = [self._request(self.placement.parts(key)[0].server, f'init of key {key!r}',
-                                 {'op': P.CHECK, 'key': key, 'dtype': dtype,
-                                  'shape': list(shape)})
-                   for key, _, shape, dtype in items]
-            self._wait_all(ops)
+            self._wait_all(self._send_keys(P.CHECK, items, {}))
+
+    def _send_keys(self, op, items, fields):
+        """INIT (every part of each key, with its values) or CHECK (part 0: where rank 0's
+        init put it) of ``items``, many keys per message as ``fuse`` cuts them; returns the
+        operations to wait on, in the order of their first keys."""
+        init = op == P.INIT
+        parts = []
+        for key, flat, shape, dtype in items:
+            places = self.placement.parts(key)
+            for part in places if init else places[:1]:
+                parts.append((key, part, flat[part.start:part.stop] if init else None, dtype,
+                              list(shape)))
+        ops = []
+        for server, batch in fuse(parts, _init_bytes if init else _no_bytes, shaped=True):
+            keys = [[key, part.part, dtype, part.stop - part.start, shape] if init else
+                    [key, part.part, dtype, shape] for key, part, _, dtype, shape in batch]
+            ops.append(self._request(server, describe('init', batch),
+                                     {'op': op, 'keys': keys, **fields},
+                                     [values for _, _, values, _, _ in batch] if init else ()))
+        return ops
 
     def set_optimizer(self, spec):
         """Rank 0 installs the optimizer on every server; everyone returns when all have it."""
@@ -129,3 +146,11 @@ class Collectives:
                 'KVPS_PARTITION_BYTES, or update on the workers '
                 '(Trainer(update_on_kvstore=False))')
         self.keep_keys_whole()
+
+
+def _init_bytes(item):
+    return item[2].nbytes
+
+
+def _no_bytes(item):
+    return 0

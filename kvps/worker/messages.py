@@ -15,12 +15,13 @@ def part_nbytes(item):
     return (item[1].stop - item[1].start) * item[2].itemsize
 
 
-def fuse(parts, wire_bytes=part_nbytes):
+def fuse(parts, wire_bytes=part_nbytes, shaped=False):
     """Group ``(key, part, array, dtype, ...)`` by server into messages: small parts together (one
     message per server instead of one per key), a big part alone, so the server starts on
     it while the next one is still on the wire. ``wire_bytes(item)``: what a part puts on the
     wire (0 through shared memory: such parts all share one message). A message also lists
-    no more keys than its header may carry (P.ITEMS_BUDGET)."""
+    no more keys than its header may carry (P.ITEMS_BUDGET; ``shaped``: INIT and CHECK items
+    also list the key's shape, ``item[4]``)."""
     open_batches, batches = {}, []
     int_item, budget = P.INT_ITEM_BYTES, P.ITEMS_BUDGET   # (locals: this runs per key part)
     for item in parts:
@@ -29,6 +30,8 @@ def fuse(parts, wire_bytes=part_nbytes):
             batches.append((server, [item]))
             continue
         listed = int_item if type(item[0]) is int else P.item_bytes(item[0])
+        if shaped:
+            listed += P.shape_bytes(item[4])
         batch = open_batches.get(server)
         if batch is None or batch[0] + nbytes > FUSE_BYTES or batch[1] + listed > budget:
             batch = open_batches[server] = [0, 0, []]

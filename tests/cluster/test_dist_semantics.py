@@ -230,3 +230,52 @@ def test_pushpull_returns_each_rounds_result_over_socket_and_shared_memory(job, 
             assert steps[step] == [[3.0 * (step + 1) + 2 * k] * 2 for k in range(14)]
         # server SGD on the last sums: w - lr * (1 + 1)
         assert steps[3] == [[3.0 * 3 + 2 * k - 1.0] * 2 for k in range(14)]
+
+
+MANY_KEYS_SCRIPT = '''
+import collections
+kv = kvps.create('dist_sync')
+r = kv.rank
+sent = collections.Counter()
+io = kv._backend.io
+submit = io.submit
+def counting(node, header, buffers, request):
+    sent[header['op']] += 1
+    submit(node, header, buffers, request)
+io.submit = counting
+# 3000 small keys of two shapes and one key split over both servers; rank 0's values win.
+keys = list(range(3001))   # 3000: the big one
+def value(k, rank):
+    if k == 3000:
+        return np.arange(1000, dtype=np.float32) + rank
+    return np.full((2, 2) if k % 2 else 3, k + 1000 * rank, np.float32)
+kv.init(keys, [value(k, r) for k in keys])
+messages = dict(sent)
+outs = [np.zeros_like(value(k, 0)) for k in keys]
+kv.pull(keys, out=outs)
+exact = all(np.array_equal(o, value(k, 0)) for k, o in zip(keys, outs))
+# A worker whose view of one key among many differs from rank 0's is told which.
+error = None
+try:
+    kv.init(list(range(5000, 5100)), [np.zeros(4 if k == 5050 and r else 3, np.float32)
+                                      for k in range(5000, 5100)])
+except kvps.errors.KVPSError as exc:
+    error = [type(exc).__name__, str(exc)]
+kv.barrier()
+report(messages=messages, exact=exact, error=error)
+'''
+
+
+def test_init_of_many_keys_takes_a_message_per_server_and_names_a_mismatch(job):
+    """Init lists many keys in a message (it took one per key part, and an answer each:
+    20,000 keys took seconds); every value still arrives, and a worker whose shape of one
+    key differs from rank 0's gets that key's ShapeError."""
+    result = job(MANY_KEYS_SCRIPT, 2, 2, env={'KVPS_BIGARRAY_BOUND': '100'})
+    assert result.returncode == 0, result.output
+    results = result.results()
+    assert results[0]['messages'] == {'init': 2, 'barrier': 1}
+    assert results[1]['messages'] == {'check': 2, 'barrier': 1}
+    assert results[0]['exact'] and results[1]['exact']
+    assert results[0]['error'] is None
+    kind, message = results[1]['error']
+    assert kind == 'ShapeError' and 'key 5050' in message and '(4,)' in message, message

@@ -131,16 +131,19 @@ _dtypes = st.one_of(st.sampled_from(WIRE_DTYPES), st.sampled_from(
 # Shared-memory offsets: mostly none (a data frame), else anywhere, in range or not; this
 # test's members never attached a segment, so every offset must be refused per key.
 _AT = st.one_of(st.none(), st.none(), st.integers(-1, 1 << 33), ANY)
+_shapes = st.lists(st.one_of(st.integers(-2, 300), ANY), max_size=4)
 _item = st.tuples(st.one_of(_keys, ANY), st.one_of(st.integers(-1, 2), ANY),
                   st.one_of(_dtypes, ANY), st.one_of(st.integers(-1, 300), ANY), _AT,
-                  st.one_of(st.integers(-1, 5), ANY)).map(list)
+                  st.one_of(st.integers(-1, 5), ANY), _shapes).map(list)
 _GOOD = {
-    # multi-key ops ('keys': [[key, part, at], [key, part, dtype, n, at(, seq)], ...]); items
-    # maybe broken
+    # multi-key ops ('keys': [[key, part, at], [key, part, dtype, n, at(, seq)],
+    # [key, part, dtype, n, shape], [key, part, dtype, shape], ...]); items maybe broken
     'keys': st.one_of(st.lists(_item.map(lambda i: i[:2] + i[4:5]), max_size=3),
                       st.lists(_item.map(lambda i: i[:3]), max_size=3),   # RESUME-shaped
-                      st.lists(_item, max_size=3), st.lists(_item.map(lambda i: i[:5]),
-                                                            max_size=3),
+                      st.lists(_item.map(lambda i: i[:6]), max_size=3),
+                      st.lists(_item.map(lambda i: i[:5]), max_size=3),
+                      st.lists(_item.map(lambda i: i[:4] + i[6:]), max_size=3),   # INIT
+                      st.lists(_item.map(lambda i: i[:3] + i[6:]), max_size=3),   # CHECK
                       st.lists(ANY, max_size=3)),
     # ATTACH: names that are not kvps segments, or are but do not exist; any nonce and size
     'name': st.one_of(st.sampled_from(['kvps-1-0123456789abcdef', '../../etc/passwd',
@@ -149,7 +152,7 @@ _GOOD = {
     'nonce': st.binary(max_size=20), 'size': st.integers(-1, 1 << 41),
     'digest': st.one_of(st.binary(max_size=80), ANY),
     'key': _keys, 'part': st.integers(-3, 3), 'n': st.integers(-3, 300), 'dtype': _dtypes,
-    'shape': st.lists(st.one_of(st.integers(-2, 300), ANY), max_size=4),
+    'shape': _shapes,
     'sync': st.booleans(), 'role': st.sampled_from(['worker', 'server', 'scheduler', '']),
     'host': st.text(max_size=20), 'port': st.integers(-1, 70000), 'seq': _ints64,
     'rank': st.one_of(st.none(), st.integers(-2, 3)),
@@ -198,18 +201,23 @@ def headers(draw, ops):
 
 @st.composite
 def data_frames(draw, header):
-    """Buffers: usually the count the op wants, of the declared length or a bit off (a
-    SET_OPTIMIZER's often a packed spec-like map)."""
-    want = P._BUFFERS.get(header.get('op'), 0) if isinstance(header.get('op'), str) else 0
-    if header.get('op') == P.SET_OPTIMIZER and want and draw(_COIN):
+    """Buffers: usually the count the op wants (one per item of a multi-key op that sends
+    values), of the declared length or a bit off (a SET_OPTIMIZER's often a packed spec-like
+    map)."""
+    op = header.get('op')
+    want = P._BUFFERS.get(op, 0) if isinstance(op, str) else 0
+    if op == P.SET_OPTIMIZER and want and draw(_COIN):
         return [_packed_any(draw(_GOOD['spec']))]
+    sizes = [_exact(header.get('n'), header.get('dtype'))]
+    items = header.get('keys')
+    if op in (P.INIT, P.PUSH) and isinstance(items, list):
+        sizes = [_exact(i[3], i[2]) if isinstance(i, list) and len(i) > 3 else None
+                 for i in items]
+        want = len(items)
     count = want if draw(_SMALL) else draw(_SMALL) % 4
-    n, dtype = header.get('n'), header.get('dtype')
-    exact = None
-    if isinstance(n, int) and isinstance(dtype, str) and dtype in WIRE_DTYPES and 0 <= n <= 4096:
-        exact = P.nbytes(dtype, n)
     frames = []
-    for _ in range(count):
+    for index in range(count):
+        exact = sizes[index % len(sizes)] if sizes else None
         if exact is not None and draw(_SMALL) > 2:
             delta = draw(_DELTAS)
             size = max(0, exact + (-exact if delta is None else delta))
@@ -217,6 +225,13 @@ def data_frames(draw, header):
             size = draw(_SIZES)
         frames.append(draw(_FILL)[:size].ljust(size, b'\x01'))
     return frames
+
+
+def _exact(n, dtype):
+    """The bytes of ``n`` elements of ``dtype``, if both are sane; else None."""
+    if type(n) is int and isinstance(dtype, str) and dtype in WIRE_DTYPES and 0 <= n <= 4096:
+        return P.nbytes(dtype, n)
+    return None
 
 
 def _packed(header):
@@ -243,11 +258,12 @@ def well_formed(draw):
     header = {'op': op, 'id': draw(_IDS), 'key': key, 'part': part, 'dtype': dtype, 'n': n,
               'shape': [n], 'sync': op == P.PUSH and draw(_COIN), 'dump': draw(_COIN)}
     at = draw(_WF_AT)
-    if op in (P.PUSH, P.PULL):                 # the multi-key wire format
-        for name in ('key', 'part', 'dtype', 'n'):
+    if op in (P.PUSH, P.PULL, P.INIT, P.CHECK):   # the multi-key wire format
+        for name in ('key', 'part', 'dtype', 'n', 'shape'):
             del header[name]
-        header['keys'] = [[key, part, dtype, n, at, draw(_SMALL)] if op == P.PUSH
-                          else [key, part, at]]
+        header['keys'] = [{P.PUSH: [key, part, dtype, n, at, draw(_SMALL)],
+                           P.PULL: [key, part, at], P.INIT: [key, part, dtype, n, [n]],
+                           P.CHECK: [key, part, dtype, [n]]}[op]]
     buffers = [draw(_FILL)[:1].ljust(P.nbytes(dtype, n), b'\x02')] \
         if writes and not (op == P.PUSH and at is not None) else []
     return [msgpack.packb(header, use_bin_type=True), *buffers]
@@ -413,8 +429,8 @@ class Fuzzer:
         for index, sock in enumerate(self.socks):
             self._probe_id += 1
             if self.target == 'server':
-                probe = {'op': P.CHECK, 'id': self._probe_id, 'key': 'no-such-key',
-                         'dtype': 'float32', 'shape': [1]}
+                probe = {'op': P.CHECK, 'id': self._probe_id,
+                         'keys': [['no-such-key', 0, 'float32', [1]]]}
             else:
                 probe = {'op': P.BARRIER, 'id': self._probe_id, 'seq': 1}
             sock.send(P.encode(probe))

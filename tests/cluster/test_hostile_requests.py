@@ -32,8 +32,7 @@ def test_type_confused_headers_do_not_kill_the_server(by_hand):
         for i, header in enumerate(CRASHERS):
             signed.send(P.encode(header))
             fake.tick()
-            probe = {'op': P.CHECK, 'id': 1000 + i, 'key': 'absent', 'dtype': 'float32',
-                     'shape': [1]}
+            probe = {'op': P.CHECK, 'id': 1000 + i, 'keys': [['absent', 0, 'float32', [1]]]}
             assert answers(signed, server.proc, probe), f'{header} killed it:\n{server.text}'
     finally:
         ctx.destroy(linger=0)
@@ -70,8 +69,7 @@ def test_hostile_shared_memory_requests_are_refused_per_key(by_hand, tmp_path):
         server, fake, signed = lone_server(by_hand, ctx)
         real = {'name': segment.name, 'nonce': segment.nonce, 'size': segment.size}
         gone = 'kvps-1-0123456789abcdef'
-        init = {'op': P.INIT, 'id': 1, 'key': 'k', 'part': 0, 'dtype': 'float32', 'n': 4,
-                'shape': [4], 'sync': False}
+        init = {'op': P.INIT, 'id': 1, 'keys': [['k', 0, 'float32', 4, [4]]], 'sync': False}
         signed.send(P.encode(init, [np.ones(4, np.float32)]))
         push = {'op': P.PUSH, 'id': 2, 'sync': False, 'keys': [['k', 0, 'float32', 4, 8192, 0]]}
         assert 'not attached' in reply(signed, push)['message']

@@ -224,8 +224,8 @@ def test_2bit_is_a_push_dtype_only():
     push = {'op': P.PUSH, 'id': 1, 'sync': True, 'keys': [[0, 0, '2bit', 5, None, 0]]}
     P.validate_header(push)
     with pytest.raises(ProtocolError, match='dtype'):
-        P.validate_header({'op': P.INIT, 'id': 1, 'key': 0, 'part': 0, 'dtype': '2bit',
-                           'n': 5, 'shape': [5], 'sync': True})
+        P.validate_header({'op': P.INIT, 'id': 1, 'keys': [[0, 0, '2bit', 5, [5]]],
+                           'sync': True})
     frames = P.encode(push, [bytes(P.nbytes('2bit', 5))])
     P.decode(frames)
     with pytest.raises(ProtocolError, match='need 6'):

@@ -170,12 +170,35 @@ def test_request_id_of_an_unreadable_request():
 
 
 def test_init_may_ask_for_the_gpu_with_a_boolean_only():
-    header = {'op': P.INIT, 'id': 1, 'key': 3, 'part': 0, 'dtype': 'float32', 'n': 2,
-              'shape': [2], 'sync': True}
+    header = {'op': P.INIT, 'id': 1, 'keys': [[3, 0, 'float32', 2, [2]]], 'sync': True}
     P.validate_header({**header, 'device': True})
     P.validate_header(header)                     # absent: host memory
     with pytest.raises(ProtocolError, match='device must be true or false'):
         P.validate_header({**header, 'device': 'cuda'})
+
+
+@pytest.mark.parametrize('shape, match', [
+    ([-1], 'shape'), ([2.0], 'shape'), ((2,), 'shape'), ([True], 'shape'),
+    ([1] * (P.MAX_DIMS + 1), 'shape'), ('2', 'shape')])
+def test_init_and_check_items_carry_a_shape_of_ints(shape, match):
+    for op, item in ((P.INIT, [7, 0, 'float32', 1, shape]), (P.CHECK, [7, 0, 'float32', shape])):
+        with pytest.raises(ProtocolError, match=match):
+            P.validate_header({'op': op, 'id': 1, 'keys': [item], 'sync': True})
+
+
+def test_init_carries_one_frame_per_item_of_its_size():
+    init = {'op': P.INIT, 'id': 1, 'sync': False,
+            'keys': [['a', 0, 'float32', 2, [2]], ['b', 0, 'float64', 0, [0, 3]]]}
+    header, buffers = P.decode(P.encode(init, [bytes(8), b'']))
+    assert header == init and [b.nbytes for b in buffers] == [8, 0]
+    with pytest.raises(ProtocolError, match='expected 2 data frame'):
+        P.decode(P.encode(init, [bytes(8)]))
+    with pytest.raises(ProtocolError, match="key 'a' has 4 bytes"):
+        P.decode(P.encode(init, [bytes(4), b'']))
+    check = {'op': P.CHECK, 'id': 2, 'keys': [['a', 0, 'float32', [2]]]}
+    assert P.decode(P.encode(check)) == (check, [])
+    with pytest.raises(ProtocolError, match='4 fields'):
+        P.decode(P.encode({**check, 'keys': [['a', 0, 'float32', 2, [2]]]}))
 
 
 def test_a_state_travels_in_pieces_a_message_may_carry():

@@ -206,11 +206,11 @@ def test_errors_are_clear():
 
 def test_check_compares_another_workers_view():
     shard = make()
-    assert shard.check('c', 'k', 'float32', [2]) == [('ack', 'c', None)]
+    assert shard.check('c', 'k', 0, 'float32', [2]) == [('ack', 'c', None)]
     with pytest.raises(ShapeError, match=r'rank 0 initialized \(2,\)'):
-        shard.check('c', 'k', 'float32', [1, 2])
+        shard.check('c', 'k', 0, 'float32', [1, 2])
     with pytest.raises(DTypeError, match=r'float64, but rank 0 initialized \(2,\) float32'):
-        shard.check('c', 'k', 'float64', [2])
+        shard.check('c', 'k', 0, 'float64', [2])
 
 
 def test_finished_worker_fails_rounds_that_can_never_complete():

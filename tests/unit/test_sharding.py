@@ -88,7 +88,8 @@ def test_small_parts_share_a_message_per_server_and_shared_memory_parts_all_shar
 def test_a_message_lists_no_more_keys_than_a_header_may_carry(key_of):
     """Many keys of one server (a model of thousands of tensors, long names) are cut into
     several messages: a header over P.MAX_HEADER_BYTES is refused by its receiver, and so
-    would the DATA answer of a pull be. Every field here packs to its widest."""
+    would the DATA answer of a pull be; so are an init's and a check's, which list shapes.
+    Every field here packs to its widest."""
     import numpy as np
     from kvps import protocol as P
     from kvps.worker.messages import fuse
@@ -106,6 +107,16 @@ def test_a_message_lists_no_more_keys_than_a_header_may_carry(key_of):
             header, _ = P.decode(P.encode({'op': op, 'id': widest, 'keys': items, 'sync': True,
                                            'step': widest, 'lease': widest}))
             assert len(header['keys']) == len(batch) <= P.MAX_KEYS_PER_MESSAGE
+    # INIT and CHECK items also list the key's shape: here of P.MAX_DIMS dims at their widest
+    shape = [widest] * P.MAX_DIMS
+    shaped = fuse([(*p, shape) for p in parts], lambda item: 0, shaped=True)
+    assert len(shaped) > len(batches)
+    for _, batch in shaped:
+        for op, item in ((P.INIT, ['bfloat16', widest, shape]), (P.CHECK, ['bfloat16', shape])):
+            items = [[key, widest, *item] for key, *_ in batch]
+            header = {'op': op, 'id': widest, 'keys': items, 'sync': True, 'device': True}
+            frames = P.encode(header, [b''] * len(batch) if op == P.INIT else [])
+            assert len(frames[0]) <= P.MAX_HEADER_BYTES
     runs = P.within_budget([[key, widest, widest] for key, *_ in parts])   # RESUME's items
     assert [len(run) for run in runs] == [len(batch) for _, batch in batches]
     for run in runs:
