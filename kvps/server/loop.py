@@ -315,6 +315,14 @@ class Server:
             lambda: self._each_key(token, P.PUSH, h['keys'], payloads, push_one))
 
     def _pull(self, token, h, buffers):
+        reader = self.regions.saw(token[0], h)
+        entries = self.shard.ready_for(token[0], h['keys'])
+        places = None if entries is None else self._places(token[0], h['keys'], entries)
+        if places is not None:   # one reply now, without settling key by key
+            lend = self.shard.lend
+            return [('data', token, (reader, [(entry, *lend(entry), place)
+                                              for entry, place in zip(entries, places)]))]
+
         def pull_one(item_token, item, _):
             key, part, at = item
             entry = self.shard.entries.get((key, part))
@@ -323,7 +331,17 @@ class Server:
                 batch.places[index] = at, self.regions.view(token[0], at, entry.weight.nbytes)
             return self.shard.pull(item_token, token[0], key, part)
         return self._each_key(token, P.PULL, h['keys'], [None] * len(h['keys']), pull_one,
-                              self.regions.saw(token[0], h))
+                              reader)
+
+    def _places(self, worker, items, entries):
+        """Where in ``worker``'s shared memory each pulled key goes (None: in a frame or
+        lent); None if some offset is bad (that key then gets its error alone)."""
+        view = self.regions.view
+        try:
+            return [None if item[2] is None else (item[2], view(worker, item[2], e.weight.nbytes))
+                    for item, e in zip(items, entries)]
+        except ProtocolError:
+            return None
 
     def _pull_rows(self, token, h, buffers):
         asked = (buffers[0] if h.get('ids') else None), \

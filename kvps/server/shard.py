@@ -356,9 +356,21 @@ class Shard(OptimizerStates):
             return []
         return [self._answer(entry, token, rows)]
 
+    def ready_for(self, worker, items):
+        """The entries of a multi-key pull's ``items`` ([key, part, ...]) when every one
+        exists and none waits for a round of ``worker``'s (the common case: the pull can be
+        answered at once, whole); else None (``pull`` then takes each key its own way)."""
+        entries, found = self.entries, []
+        for item in items:
+            entry = entries.get((item[0], item[1]))
+            if entry is None or entry.sync and entry.pushed.get(worker, 0) > entry.version:
+                return None
+            found.append(entry)
+        return found
+
     def _answer(self, entry, token, rows):
         if rows is None:
-            return 'data', token, (entry, *self._lend(entry))
+            return 'data', token, (entry, *self.lend(entry))
         return 'rows', token, row_store.answer(entry, self.epoch, *rows)
 
     def _answer_deferred(self, entry):
@@ -371,7 +383,7 @@ class Shard(OptimizerStates):
         entry.deferred = waiting
         return replies
 
-    def _lend(self, entry):
+    def lend(self, entry):
         """``(host array, lease)`` for a pull reply: the weight itself on the host, a fresh
         host copy (nothing to lease) from a device."""
         if entry.arrays.lends:

@@ -40,6 +40,22 @@ def test_round_completes_only_after_every_worker_and_replaces_with_the_sum():
     assert data_of(shard.pull('q', W0, 'k', 0)) == {'q': [11.0, 22.0]}
 
 
+def test_a_pull_is_ready_whole_only_when_no_key_waits_for_a_round():
+    """ready_for: the server answers such a pull at once, as one reply; else key by key."""
+    shard = make()
+    shard.init('t1', 'j', 0, 'float32', [1], True, buf(5))
+    both = [['k', 0, None], ['j', 0, None]]
+    assert [e.key for e in shard.ready_for(W0, both)] == ['k', 'j']
+    shard.push('p0', W0, 'k', 0, 'float32', True, buf(1, 2))
+    assert shard.ready_for(W0, both) is None           # k's round lacks worker 1's push
+    assert shard.ready_for(W1, both) is not None       # worker 1 pushed nothing yet
+    assert shard.ready_for(W0, [['j', 0, None]]) is not None
+    assert shard.ready_for(W0, [['j', 0, None], ['absent', 0, None]]) is None
+    shard.push('p1', W1, 'k', 0, 'float32', True, buf(1, 2))
+    entries = shard.ready_for(W0, both)
+    assert [shard.lend(e)[0].tolist() for e in entries] == [[2.0, 4.0], [5.0]]
+
+
 def test_same_worker_twice_is_not_two_workers():
     shard = make()
     shard.push('a', W0, 'k', 0, 'float32', True, buf(1, 1))
