@@ -66,7 +66,7 @@ GET_STATES = 'get_states'    # {dump}: answered by STATES
 # + 1 buffer: the updater state dict, msgpack; installed at once, or with `stage` true only
 # checked and held until COMMIT_STATES (so that no server installs any if one refuses).
 # A state bigger than STATE_CHUNK_BYTES comes in pieces: SET_STATES with `more` true (each
-# acknowledged) holds one, and the one without `more` the last
+# acknowledged) holds one, and the one without `more` the last; `piece` numbers them from 0
 SET_STATES = 'set_states'
 COMMIT_STATES = 'commit_states'
 # First message to a restarted server, unanswered: {keys: [[key, part, acked], ...]}, how many
@@ -225,7 +225,7 @@ def validate_header(header):
     if 'dtype' in header:
         _check_dtype(op, header['dtype'])
     for name in ('n', 'part', 'rank', 'port', 'size', 'seen', 'lease', 'pid', 'fd', 'step',
-                 'epoch', 'count'):
+                 'epoch', 'count', 'piece'):
         value = header.get(name)
         if name in header and not _natural(value) and not (name == 'rank' and value is None):
             raise ProtocolError(f'{op}: {name} must be an int >= 0')
@@ -329,8 +329,11 @@ def state_pieces(blob, max_message_bytes=None):
 
 def continued(header, count):
     """The headers of a message sent in ``count`` pieces (RESUME, STATES, SET_STATES): each
-    a copy of ``header``, all but the last marked ``more``."""
-    return [{**header, 'more': True} for _ in range(count - 1)] + [header]
+    a copy of ``header`` numbered ``piece`` from 0, all but the last marked ``more``. (A
+    request resent to a restarted server is answered from piece 0 again, and a restarted
+    server meets the pieces of a SET_STATES from the one its predecessor did not answer.)"""
+    return [{**header, 'piece': i, 'more': True} for i in range(count - 1)] + [
+        {**header, 'piece': count - 1}]
 
 
 def joined(pieces):

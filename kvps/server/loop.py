@@ -376,7 +376,13 @@ class Server:
         return [('states', token, blob)]
 
     def _set_states(self, token, h, buffers):
-        pieces = self._state_pieces.pop(token[0], []) + [buffers[0]]
+        piece = h.get('piece', 0)
+        pieces = self._state_pieces.pop(token[0], []) if piece else []
+        if piece != len(pieces):
+            raise ConfigError(f'set_states: piece {piece} of the optimizer state came after '
+                              f'{len(pieces)} piece(s) (this server restarted during the load?): '
+                              'load the states again')
+        pieces.append(buffers[0])
         if h.get('more'):   # one piece of a state too big for one message: wait for the rest
             self._state_pieces[token[0]] = pieces
             return [('ack', token, None)]

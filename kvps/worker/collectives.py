@@ -5,7 +5,7 @@ import msgpack
 from .. import protocol as P, rows
 from ..errors import ConfigError, KVPSError, RemoteError
 from ..optimizer import needs_whole_tensors
-from .messages import describe, fuse
+from .messages import describe, fuse, state_collector
 
 _REFUSED = b'refused'   # rank 0's word at the barrier ending a collective the servers refused
 
@@ -58,14 +58,9 @@ class Collectives:
         blobs = [None] * self.num_servers
 
         def keeper(server):
-            pieces = []   # of a state too big for one message
-
-            def keep(header, buffers):
-                pieces.append(buffers[0])
-                if not header.get('more'):
-                    blobs[server] = msgpack.unpackb(P.joined(pieces), raw=False,
-                                                    strict_map_key=False)
-            return keep
+            def keep(blob):
+                blobs[server] = msgpack.unpackb(blob, raw=False, strict_map_key=False)
+            return state_collector(keep)
         self._wait_all([self._request(s, 'save_optimizer_states',
                                       {'op': P.GET_STATES, 'dump': dump_optimizer},
                                       on_data=keeper(s)) for s in range(self.num_servers)])

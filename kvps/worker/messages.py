@@ -79,6 +79,21 @@ def copier(batch, blocks, staging, node):
     return on_data
 
 
+def state_collector(done):
+    """The reply handler that gathers the pieces of a STATES answer and calls ``done`` with
+    the whole. Piece 0 starts afresh: a request resent to a restarted server is answered
+    from the start again, after pieces of its predecessor's answer."""
+    pieces = []
+
+    def keep(header, buffers):
+        if not header.get('piece'):
+            pieces.clear()
+        pieces.append(buffers[0])
+        if not header.get('more'):
+            done(P.joined(pieces))
+    return keep
+
+
 def row_writer(table, marks, part):
     """The reply handler that writes pulled rows into ``table`` (a part's rows), and notes
     the part's change count in ``marks`` (a dict, or None)."""

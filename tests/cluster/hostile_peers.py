@@ -146,9 +146,9 @@ def lone_server(by_hand, ctx):
     return server, fake, Signed(ctx, f'tcp://{host}:{port}', b'worker-0', SECRET)
 
 
-def reply(signed, header, timeout=10.0):
-    """Send ``header`` and return the server's answer to its id."""
-    signed.send(P.encode(header))
+def reply(signed, header, timeout=10.0, buffers=()):
+    """Send ``header`` (with ``buffers``) and return the server's answer to its id."""
+    signed.send(P.encode(header, buffers))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if signed.sock.poll(100):

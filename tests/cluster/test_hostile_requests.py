@@ -106,3 +106,30 @@ def test_hostile_shared_memory_requests_are_refused_per_key(by_hand, tmp_path):
         segment.close()
         os.close(read), os.close(write)
         ctx.destroy(linger=0)
+
+
+@pytest.mark.timeout(60)
+def test_pieces_of_a_state_load_that_a_restarted_server_never_began_are_refused(by_hand):
+    """A server restarted during a load in pieces meets the later pieces first (the worker
+    resends what its predecessor left unanswered): refused, saying why, instead of joining
+    part of a state. A load from piece 0 starts afresh."""
+    import msgpack
+    ctx = zmq.Context()
+    try:
+        server, fake, signed = lone_server(by_hand, ctx)
+        blob = msgpack.packb(list(range(100)))   # a whole load, but not a state map
+        halves = [blob[:50], blob[50:]]
+        first, last = P.continued({'op': P.SET_STATES, 'stage': True}, 2)
+        answer = reply(signed, {**last, 'id': 1}, buffers=[halves[1]])
+        assert answer['type'] == 'ConfigError', answer
+        assert 'piece 1 of the optimizer state came after 0' in answer['message']
+        assert 'restarted during the load' in answer['message']
+        # A load begun again from piece 0 (the one before abandoned part way) starts afresh:
+        # its pieces join to the whole blob, which is then refused for what it holds.
+        for req_id in (2, 3):
+            assert reply(signed, {**first, 'id': req_id}, buffers=[halves[0]])['op'] == P.ACK
+        answer = reply(signed, {**last, 'id': 4}, buffers=[halves[1]])
+        assert answer['message'] == 'set_states: the state must be a map', answer
+        assert server.proc.poll() is None and 'Traceback' not in server.text
+    finally:
+        ctx.destroy(linger=0)

@@ -169,6 +169,22 @@ def test_request_id_of_an_unreadable_request():
     assert P.request_id([b'\xc1']) is None
 
 
+def test_a_states_answer_resent_from_a_restarted_server_starts_afresh():
+    """The worker keeps a STATES answer's pieces until the last; a server lost part way is
+    asked again by its replacement, whose answer starts at piece 0: only that one counts."""
+    from kvps.worker.messages import state_collector
+    got = []
+    keep = state_collector(got.append)
+    old = P.continued({'op': P.STATES, 'id': 1}, 3)[:2]        # the lost server's first two
+    for header, piece in zip(old, [b'ol', b'd-']):
+        keep(header, [piece])
+    for header, piece in zip(P.continued({'op': P.STATES, 'id': 1}, 3), [b'ne', b'w-', b'!']):
+        keep(header, [piece])
+    assert got == [b'new-!']
+    keep({'op': P.STATES, 'id': 2}, [b'one'])                  # a one-piece answer as before
+    assert got[-1] == b'one'
+
+
 def test_init_may_ask_for_the_gpu_with_a_boolean_only():
     header = {'op': P.INIT, 'id': 1, 'keys': [[3, 0, 'float32', 2, [2]]], 'sync': True}
     P.validate_header({**header, 'device': True})
@@ -210,5 +226,9 @@ def test_a_state_travels_in_pieces_a_message_may_carry():
     header, buffers = P.decode(P.encode({'op': P.STATES, 'id': 3, 'more': True}, [pieces[0]]))
     assert header['more'] is True and bytes(buffers[0]) == blob[:4]
     assert P.continued({'op': P.STATES, 'id': 3}, 3) == [
-        {'op': P.STATES, 'id': 3, 'more': True}] * 2 + [{'op': P.STATES, 'id': 3}]
+        {'op': P.STATES, 'id': 3, 'piece': 0, 'more': True},
+        {'op': P.STATES, 'id': 3, 'piece': 1, 'more': True}, {'op': P.STATES, 'id': 3, 'piece': 2}]
+    assert P.continued({'op': P.STATES, 'id': 3}, 1) == [{'op': P.STATES, 'id': 3, 'piece': 0}]
+    with pytest.raises(ProtocolError, match='piece'):
+        P.validate_header({'op': P.STATES, 'id': 3, 'piece': -1})
     assert P.joined(pieces) == blob and P.joined([pieces[0]]) is pieces[0]
