@@ -80,8 +80,9 @@ ATTACH = 'attach'
 
 # Replies.
 ACK = 'ack'
-# {keys: [[key, part, dtype, n, at, lent], ...]} + 1 buffer per key whose `at` and `lent` are
-# None; else the value is in the worker's segment at `at`, or in the server's arena at `lent`.
+# {keys: [[at, lent], ...]}, one item per key part the PULL asked for, in its order, + 1 buffer
+# per item whose `at` and `lent` are None (the worker knows each one's size: it asked); else
+# the value is in the worker's segment at `at`, or in the server's arena at `lent`.
 # With lent values the header carries `lease` (the count of such replies to this worker): the
 # server leaves those bytes unchanged until the worker's `seen` reaches it
 DATA = 'data'
@@ -94,20 +95,21 @@ STATES = 'states'
 # multi-key ops carry one per key that is not in shared memory (PUSH, DATA), or per item
 # (INIT).
 _BUFFERS = {SET_OPTIMIZER: 1, SET_STATES: 1, STATES: 1, ROWS: 1}
-_MULTI = {PUSH: 6, PULL: 3, DATA: 6, RESUME: 3, INIT: 5, CHECK: 4}   # op -> each item's length
-_SIZED = (PUSH, DATA, INIT)  # their items start [key, part, dtype, n]: one buffer each
-_TYPED = (PUSH, DATA, INIT, CHECK)   # their items' third field is a dtype
+_MULTI = {PUSH: 6, PULL: 3, DATA: 2, RESUME: 3, INIT: 5, CHECK: 4}   # op -> each item's length
+_SIZED = (PUSH, INIT)        # their items start [key, part, dtype, n]: one buffer each
+_TYPED = (PUSH, INIT, CHECK)   # their items' third field is a dtype
+_KEYLESS = (DATA,)           # items without a key (they answer a request's, in order)
 _COUNTS = {PUSH: ('part', None, 'n', 'at', 'seq'), PULL: ('part', 'at'),
-           DATA: ('part', None, 'n', 'at', 'lent'), RESUME: ('part', 'acked'),
-           INIT: ('part', None, 'n'), CHECK: ('part',)}   # after the key
+           DATA: ('at', 'lent'), RESUME: ('part', 'acked'),
+           INIT: ('part', None, 'n'), CHECK: ('part',)}   # after the key, if any
 SHAPE = {INIT: 4, CHECK: 3}        # index of the key's shape (a list of ints >= 0) in an item
 MAX_DIMS = 32
 # (index in an item, name, may be None) of every count field, as _check_items reads them.
 _COUNT_FIELDS = {op: [(index, name, name in ('at', 'lent'))
-                      for index, name in enumerate(names, 1) if name]
+                      for index, name in enumerate(names, 0 if op in _KEYLESS else 1) if name]
                  for op, names in _COUNTS.items()}
-AT = {PUSH: 4, PULL: 2, DATA: 4}   # index of `at` in an item: shared-memory offset or None
-LENT = 5                           # index of `lent` in a DATA item: arena offset or None
+AT = {PUSH: 4, PULL: 2, DATA: 0}   # index of `at` in an item: shared-memory offset or None
+LENT = 1                           # index of `lent` in a DATA item: arena offset or None
 SEQ = 5                            # index of `seq` in a PUSH item (appended when sent)
 MAX_KEYS_PER_MESSAGE = 1 << 16
 # Header fields each op must carry (beyond op and id), with their accepted types.
@@ -256,15 +258,15 @@ def _check_dtype(op, dtype):
 
 def _check_items(op, items):
     """Each item of a multi-key message: [key, part, at], [key, part, count],
-    [key, part, dtype, n, at, lent], [key, part, dtype, n, at, seq], [key, part, dtype, n,
-    shape] or [key, part, dtype, shape]; counts are ints >= 0, and so are `at` and `lent`
-    unless they are None; a shape lists at most MAX_DIMS ints >= 0."""
+    [key, part, dtype, n, at, seq], [key, part, dtype, n, shape], [key, part, dtype, shape]
+    or [at, lent]; counts are ints >= 0, and so are `at` and `lent` unless they are None; a
+    shape lists at most MAX_DIMS ints >= 0."""
     width = _MULTI[op]
     least = 0 if op == RESUME else 1   # a worker may hold no key of a restarted server
     if not least <= len(items) <= MAX_KEYS_PER_MESSAGE:
         raise ProtocolError(f'{op}: {least} to {MAX_KEYS_PER_MESSAGE} keys per message')
     counts = _COUNT_FIELDS[op]
-    typed = op in _TYPED
+    typed, keyed = op in _TYPED, op not in _KEYLESS
     shaped = SHAPE.get(op)
     # Exact type tests (msgpack makes plain ints and strs; bool is not int here): this runs
     # for every key of every message.
@@ -272,7 +274,8 @@ def _check_items(op, items):
         if type(item) is not list or len(item) != width:
             raise ProtocolError(f'{op}: each item must be a list of {width} fields')
         key = item[0]
-        if type(key) is not int and not (type(key) is str and len(key) <= MAX_KEY_CHARS):
+        if keyed and type(key) is not int and not (type(key) is str and
+                                                  len(key) <= MAX_KEY_CHARS):
             check_key(key)
         if typed and (type(item[2]) is not str or item[2] not in DTYPES) \
                 and not (op == PUSH and item[2] in PUSH_CODECS):
@@ -352,10 +355,12 @@ def check_key(key):
 def _check_buffers(header, buffers, max_message_bytes):
     op = header['op']
     sized = [] if op not in _SIZED else [
-        item[:4] for item in header['keys']
-        if op == INIT or item[AT[op]] is None and (op != DATA or item[LENT] is None)]
+        item[:4] for item in header['keys'] if op == INIT or item[AT[op]] is None]
     # (the rest lie in shared memory)
-    want = len(sized) if sized else _BUFFERS.get(op, int(header.get('ids', False)))
+    if op == DATA:   # (sizes are the worker's to check: it knows what it asked)
+        want = sum(1 for at, lent in header['keys'] if at is None and lent is None)
+    else:
+        want = len(sized) if sized else _BUFFERS.get(op, int(header.get('ids', False)))
     if len(buffers) != want:
         raise ProtocolError(f'{op}: expected {want} data frame(s), got {len(buffers)}')
     total = sum(b.nbytes for b in buffers)

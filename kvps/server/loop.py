@@ -438,7 +438,7 @@ class Server:
         reader, parts = payload
         header = {'op': P.DATA, 'id': req_id, 'keys': []}
         frames, sent, in_arena = [], [], []
-        for entry, array, lease, place in parts:
+        for _, array, lease, place in parts:
             at = lent = None
             if reader is not None:
                 lent = self.regions.lendable(array)
@@ -451,7 +451,7 @@ class Server:
                 at, view = place
                 np.frombuffer(view, array.dtype)[...] = array   # (np.copyto: 4x the overhead)
                 lease.released = True
-            header['keys'].append([entry.key, entry.part, entry.dtype, entry.n, at, lent])
+            header['keys'].append([at, lent])
         if in_arena:
             header['lease'] = self.regions.lend(reader, [array for array, _ in in_arena])
             for _, lease in in_arena:

@@ -53,14 +53,13 @@ def copier(batch, blocks, staging, node):
     """The reply handler that writes every pulled part into the caller's arrays, from its data
     frame, from the shared-memory block (offset, array) the server wrote it into, or from the
     server's arena where it lent it (remembered: that key part then asks for no block)."""
-    at_index = P.AT[P.DATA]
-
     def on_data(header, buffers):
+        answers = header['keys']
+        _check_answers(node, batch, answers, buffers)
         frames = iter(buffers)
         arena = None if staging is None else staging.arenas.get(node)
-        for asked, block, item in zip(batch, blocks, header['keys']):
+        for asked, block, (at, lent) in zip(batch, blocks, answers):
             key, part, target, dtype = asked
-            at, lent = item[at_index], item[P.LENT]
             if arena is not None:
                 arena.note((key, part.part), lent is not None)
             if lent is not None:
@@ -77,6 +76,20 @@ def copier(batch, blocks, staging, node):
                                     'worker did not give')
             target[part.start:part.stop] = P.as_array(source, dtype)   # (np.copyto: slower)
     return on_data
+
+
+def _check_answers(node, batch, answers, frames):
+    """A DATA answer lists no keys: it answers the pull's, in order. Check that it answers
+    every one, and that each data frame has the size of the key part it answers, before
+    any is written."""
+    if len(answers) != len(batch):
+        raise ProtocolError(f'{node} answered a pull of {len(batch)} key parts with '
+                            f'{len(answers)}')
+    frames = iter(frames)   # (as many as the items without `at` and `lent`: decode checked)
+    for asked, (at, lent) in zip(batch, answers):
+        if at is None and lent is None and len(next(frames)) != part_nbytes(asked):
+            raise ProtocolError(f'{node} answered a pull of key {asked[0]!r} part '
+                                f'{asked[1].part} with a frame of another size')
 
 
 def state_collector(done):

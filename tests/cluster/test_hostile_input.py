@@ -144,6 +144,7 @@ _GOOD = {
                       st.lists(_item.map(lambda i: i[:5]), max_size=3),
                       st.lists(_item.map(lambda i: i[:4] + i[6:]), max_size=3),   # INIT
                       st.lists(_item.map(lambda i: i[:3] + i[6:]), max_size=3),   # CHECK
+                      st.lists(_item.map(lambda i: i[4:6]), max_size=3),          # DATA
                       st.lists(ANY, max_size=3)),
     # ATTACH: names that are not kvps segments, or are but do not exist; any nonce and size
     'name': st.one_of(st.sampled_from(['kvps-1-0123456789abcdef', '../../etc/passwd',

@@ -32,17 +32,22 @@ counts = {'shm_push': 0, 'sock_push': 0, 'arena_pull': 0, 'shm_pull': 0, 'sock_p
 def big(key, n):
     return n * np.dtype(DTYPES[key]).itemsize >= MIN_BYTES
 submit, resolve = io.submit, io._pending.resolve
+pulls = []   # the headers of pulls sent (the I/O thread gives each its id when it sends it)
 def counted_submit(node, header, buffers, request):
     for key, _, dtype, n, at in header['keys'] if header['op'] == 'push' else ():
         if big(key, n):
             counts['shm_push' if at is not None else 'sock_push'] += 1
             counts['big_shm_push'] += key == 'big' and at is not None
+    if header['op'] == 'pull':
+        pulls.append(header)
     submit(node, header, buffers, request)
 def counted_resolve(header, buffers):
-    for key, _, dtype, n, at, lent in header['keys'] if header['op'] == 'data' else ():
-        if big(key, n):
-            where = 'arena' if lent is not None else 'shm' if at is not None else 'sock'
-            counts[where + '_pull'] += 1
+    if header['op'] == 'data':   # it answers the pull's key parts in order
+        asked = next(h for h in pulls if h.get('id') == header['id'])
+        for (key, _, _), (at, lent) in zip(asked['keys'], header['keys']):
+            if key != 'small':   # every other key's parts have at least MIN_BYTES
+                where = 'arena' if lent is not None else 'shm' if at is not None else 'sock'
+                counts[where + '_pull'] += 1
     resolve(header, buffers)
 io.submit, io._pending.resolve = counted_submit, counted_resolve
 keys = list(SHAPES)

@@ -102,11 +102,13 @@ def test_a_message_lists_no_more_keys_than_a_header_may_carry(key_of):
     assert len(batches) > 1
     assert [item[0] for _, batch in batches for item in batch] == [p[0] for p in parts]
     for _, batch in batches:
-        for op in (P.PUSH, P.DATA):
-            items = [[key, widest, 'bfloat16', widest, widest, widest] for key, *_ in batch]
-            header, _ = P.decode(P.encode({'op': op, 'id': widest, 'keys': items, 'sync': True,
-                                           'step': widest, 'lease': widest}))
-            assert len(header['keys']) == len(batch) <= P.MAX_KEYS_PER_MESSAGE
+        items = [[key, widest, 'bfloat16', widest, widest, widest] for key, *_ in batch]
+        header, _ = P.decode(P.encode({'op': P.PUSH, 'id': widest, 'keys': items, 'sync': True,
+                                       'step': widest}))
+        assert len(header['keys']) == len(batch) <= P.MAX_KEYS_PER_MESSAGE
+        answer = {'op': P.DATA, 'id': widest, 'keys': [[widest, widest]] * len(batch),
+                  'lease': widest}
+        assert len(P.encode(answer)[0]) <= P.MAX_HEADER_BYTES
     # INIT and CHECK items also list the key's shape: here of P.MAX_DIMS dims at their widest
     shape = [widest] * P.MAX_DIMS
     shaped = fuse([(*p, shape) for p in parts], lambda item: 0, shaped=True)
@@ -145,3 +147,26 @@ def test_partitions_are_cut_between_rows_and_never_when_keys_stay_whole():
     assert len(parts) == 4 and all(p.start % 30 == 0 for p in parts)
     placement.keep_whole = True                # LAMB reads each weight whole
     assert len(placement.place('next', 100 * 30, 4, width=30)) == 1
+
+
+def test_a_pull_answer_that_does_not_match_the_request_fails_it():
+    """A DATA answer lists no keys (it answers the pull's items in order): the worker checks
+    that it answers each of them, with a frame of each one's size, before writing any."""
+    import numpy as np
+    from kvps import protocol as P
+    from kvps.errors import ProtocolError
+    from kvps.worker.messages import copier
+    from kvps.worker.sharding import Part
+    targets = [np.zeros(2, np.float32), np.zeros(3, np.float32)]
+    batch = [('a', Part(0, 0, 0, 2), targets[0], 'float32'),
+             ('b', Part(0, 0, 0, 3), targets[1], 'float32')]
+    on_data = copier(batch, [None, None], None, 'server 0')
+    frames = [memoryview(np.ones(2, np.float32)).cast('B'),
+              memoryview(np.full(3, 2, np.float32)).cast('B')]
+    with pytest.raises(ProtocolError, match='a pull of 2 key parts with 1'):
+        on_data({'op': P.DATA, 'keys': [[None, None]]}, frames[:1])
+    with pytest.raises(ProtocolError, match="key .b. part 0 with a frame of another size"):
+        on_data({'op': P.DATA, 'keys': [[None, None]] * 2}, [frames[0], frames[0]])
+    assert [t.tolist() for t in targets] == [[0.0, 0.0], [0.0, 0.0, 0.0]]   # none written
+    on_data({'op': P.DATA, 'keys': [[None, None]] * 2}, frames)
+    assert [t.tolist() for t in targets] == [[1.0, 1.0], [2.0, 2.0, 2.0]]
