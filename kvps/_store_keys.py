@@ -21,6 +21,9 @@ class StoreKeys:
     def _init_keys(self):
         self._key_kind = None
         self._kind_lock = threading.Lock()   # the first keys of two threads settle one kind
+        # key -> its parts' bounds (None: one part); a key is placed once, at init, and asked
+        # for at every push
+        self._cut_cache = {}
 
     def _pairs(self, key, value):
         """Normalize (key, value) into [(key, [values...])] as MXNet does: a key given
@@ -137,8 +140,13 @@ class StoreKeys:
 
     def _cuts(self, key):
         """``[(start, stop)]`` of each part of a key in several, else None."""
-        parts = self._parts(key)
-        return None if len(parts) < 2 else [(start, stop) for _, _, start, stop in parts]
+        try:
+            return self._cut_cache[key]
+        except KeyError:
+            parts = self._parts(key)
+            cuts = None if len(parts) < 2 else [(start, stop) for _, _, start, stop in parts]
+            self._cut_cache[key] = cuts
+            return cuts
 
 
 def _summed(values, into):
