@@ -295,9 +295,9 @@ def _check_shape(op, shape):
 
 
 def item_bytes(key):
-    """At most how many bytes an item of a multi-key message (PUSH, PULL, DATA, RESUME) about
+    """At most how many bytes an item of a multi-key message (PUSH, PULL, RESUME) about
     ``key`` packs to (an int packs to at most 9 bytes; a str to 5 + its UTF-8 bytes); an
-    INIT or CHECK item also lists a shape (shape_bytes)."""
+    INIT or CHECK item also lists a shape (shape_bytes); a DATA answer's items are smaller."""
     if type(key) is not str:
         return INT_ITEM_BYTES
     return INT_ITEM_BYTES + 5 + (len(key) if key.isascii() else 4 * len(key))

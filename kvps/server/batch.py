@@ -4,8 +4,9 @@ from ..protocol import PULL
 
 
 class Batch:
-    """Keys of one multi-key message (PUSH, PULL, INIT, CHECK) settle one by one (a sync round may finish later for
-    some keys than for others); the worker gets one answer once every key has settled."""
+    """Keys of one multi-key message (PUSH, PULL, INIT, CHECK) settle one by one (a sync
+    round may finish later for some keys than for others); the worker gets one answer once
+    every key has settled."""
 
     __slots__ = ('identity', 'req_id', 'op', 'results', 'remaining', 'error', 'places',
                  'reader')
@@ -29,9 +30,9 @@ class Batch:
 
     def outcome(self):
         """``(kind, payload)`` of the one reply for a settled batch: its first error, else an
-        ack (PUSH, INIT, CHECK) or ``(reader, parts)`` (PULL): the worker's arena Reader or None, and every
-        key's ``(entry, array, lease, place)`` in the order asked (place: None, or where in
-        the worker's shared memory to write it)."""
+        ack (PUSH, INIT, CHECK) or ``(reader, parts)`` (PULL): the worker's arena Reader or
+        None, and every key's ``(entry, array, lease, place)`` in the order asked (place:
+        None, or where in the worker's shared memory to write it)."""
         if self.error is not None:
             return 'error', self.error
         if self.op != PULL:

@@ -328,18 +328,22 @@ class Server:
             entry = self.shard.entries.get((key, part))
             if at is not None and entry is not None:   # (no entry: shard.pull says so)
                 batch, index = item_token
-                batch.places[index] = at, self.regions.view(token[0], at, entry.weight.nbytes)
+                batch.places[index] = self._place(token[0], at, entry)
             return self.shard.pull(item_token, token[0], key, part)
         return self._each_key(token, P.PULL, h['keys'], [None] * len(h['keys']), pull_one,
                               reader)
 
+    def _place(self, worker, at, entry):
+        """``(at, view)``: where in ``worker``'s shared memory a pulled ``entry`` is asked
+        for (ProtocolError if that range is not the worker's)."""
+        return at, self.regions.view(worker, at, entry.weight.nbytes)
+
     def _places(self, worker, items, entries):
-        """Where in ``worker``'s shared memory each pulled key goes (None: in a frame or
-        lent); None if some offset is bad (that key then gets its error alone)."""
-        view = self.regions.view
+        """``_place`` of each pulled key (None: in a frame or lent); None if some offset is
+        bad (that key then gets its error alone)."""
         try:
-            return [None if item[2] is None else (item[2], view(worker, item[2], e.weight.nbytes))
-                    for item, e in zip(items, entries)]
+            return [None if item[2] is None else self._place(worker, item[2], entry)
+                    for item, entry in zip(items, entries)]
         except ProtocolError:
             return None
 

@@ -25,6 +25,12 @@ from .placement import HostArrays, Placements
 from .row_store import RowGrad
 
 
+def _round_needed(entry, worker):
+    """The version of ``entry`` a pull by ``worker`` must see: in sync, that of the round
+    of its latest push (a pull waits until then); else any."""
+    return entry.pushed.get(worker, 0) if entry.sync else 0
+
+
 def _reply(token, failure):
     return ('ack', token, None) if failure is None else ('error', token, failure)
 
@@ -350,7 +356,7 @@ class Shard(OptimizerStates):
             row_store.width(entry)   # a key split inside its rows says so now
             if rows[0] is not None:
                 rows = row_store.requested(entry, rows[0]), None
-        needed = entry.pushed.get(worker, 0) if entry.sync else 0
+        needed = _round_needed(entry, worker)
         if needed > entry.version:
             entry.deferred.append((needed, token, rows))
             return []
@@ -363,7 +369,7 @@ class Shard(OptimizerStates):
         entries, found = self.entries, []
         for item in items:
             entry = entries.get((item[0], item[1]))
-            if entry is None or entry.sync and entry.pushed.get(worker, 0) > entry.version:
+            if entry is None or _round_needed(entry, worker) > entry.version:
                 return None
             found.append(entry)
         return found
