@@ -3,6 +3,7 @@
     python -m kvps.launch -n 4 -s 2 python examples/train_digits.py     # 4 workers, 2 servers
     python examples/train_digits.py                                      # one process, no servers
     KVPS_KVSTORE=dist_async python -m kvps.launch -n 2 -s 1 python examples/train_digits.py
+    python -m kvps.launch -n 2 -s 1 python examples/train_digits.py --device cuda   # on a GPU
 
 Each worker trains on its own shard of the training split (rank::num_workers); rank 0's initial
 weights are broadcast to all, the servers sum the gradients, and every rank prints the final
@@ -29,19 +30,25 @@ def parse_args():
     parser.add_argument('--batch-size', type=int, default=16, help='per worker')
     parser.add_argument('--lr', type=float, default=0.1)
     parser.add_argument('--hidden', type=int, default=64)
-    parser.add_argument('--kvstore', default=os.environ.get('KVPS_KVSTORE', 'dist_sync'))
+    parser.add_argument('--kvstore', default=os.environ.get('KVPS_KVSTORE'),
+                        help='default dist_sync, or dist_sync_device with --device cuda')
+    parser.add_argument('--device', default='cpu', help="where the model trains: cpu or cuda "
+                        "(cuda:N); CUDA parameters need a device store")
     parser.add_argument('--update-on-kvstore', choices=('auto', 'yes', 'no'), default='auto')
     return parser.parse_args()
 
 
-def store_name(requested):
-    """The store to use: a dist_* store needs a job (kvps.launch sets DMLC_*/KVPS_* for us)."""
+def store_name(requested, on_gpu):
+    """The store to use: a dist_* store needs a job (kvps.launch sets DMLC_*/KVPS_* for us);
+    parameters on a GPU need a device-side store (sums on the GPU, pinned transfers)."""
+    requested = requested or ('dist_sync_device' if on_gpu else 'dist_sync')
     in_job = any(name in os.environ for name in ('DMLC_ROLE', 'KVPS_ROLE'))
     if requested.startswith('dist') and not in_job:
+        alone = 'device' if on_gpu else 'local'
         print(f'no kvps job found (DMLC_ROLE is unset): training in this process alone with a '
-              f"'local' store instead of {requested!r}. Start a job with "
+              f"{alone!r} store instead of {requested!r}. Start a job with "
               '`python -m kvps.launch -n 4 -s 2 python examples/train_digits.py`', flush=True)
-        return 'local'
+        return alone
     return requested
 
 
@@ -53,11 +60,11 @@ def load_split():
                             stratify=digits.target)
 
 
-def make_model(hidden, rank):
+def make_model(hidden, rank, device):
     # Seeded per rank on purpose: the Trainer replaces every worker's weights with rank 0's.
     torch.manual_seed(1234 + rank)
     return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(),
-                               torch.nn.Linear(hidden, 10))
+                               torch.nn.Linear(hidden, 10)).to(device)
 
 
 class Progress:
@@ -80,12 +87,13 @@ def train(args, model, trainer, x, y, num_workers):
     rank = trainer.kvstore.rank if trainer.kvstore is not None else 0
     # Every worker makes the same number of steps: a sync round needs a push from each.
     steps = (len(x) // num_workers) // args.batch_size
-    shard_x, shard_y = torch.from_numpy(x[rank::num_workers]), torch.from_numpy(y[rank::num_workers])
+    shard_x = torch.from_numpy(x[rank::num_workers]).to(args.device)
+    shard_y = torch.from_numpy(y[rank::num_workers]).to(args.device)
     progress = Progress(rank == 0, args.epochs, steps)
     rng = np.random.default_rng(rank)
     loss_fn = torch.nn.CrossEntropyLoss(reduction='sum')
     for epoch in range(1, args.epochs + 1):
-        order = torch.from_numpy(rng.permutation(len(shard_x)))
+        order = torch.from_numpy(rng.permutation(len(shard_x))).to(args.device)
         total = 0.0
         for step in range(1, steps + 1):
             idx = order[(step - 1) * args.batch_size: step * args.batch_size]
@@ -99,20 +107,20 @@ def train(args, model, trainer, x, y, num_workers):
             progress.show(epoch, step, total / step)
 
 
-def accuracy(model, x, y):
+def accuracy(model, x, y, device):
     with torch.no_grad():
-        predicted = model(torch.from_numpy(x)).argmax(dim=1).numpy()
+        predicted = model(torch.from_numpy(x).to(device)).argmax(dim=1).cpu().numpy()
     return float((predicted == y).mean())
 
 
 def main():
     args = parse_args()
     torch.set_num_threads(1)  # workers share the machine's cores; a tiny MLP gains nothing more
-    name = store_name(args.kvstore)
+    name = store_name(args.kvstore, torch.device(args.device).type == 'cuda')
     kv = kvps.create(name)
     uok = {'auto': None, 'yes': True, 'no': False}[args.update_on_kvstore]
     x_train, x_test, y_train, y_test = load_split()
-    model = make_model(args.hidden, kv.rank)
+    model = make_model(args.hidden, kv.rank, args.device)
     trainer = Trainer(model.named_parameters(), 'sgd',
                       {'learning_rate': args.lr, 'momentum': 0.9, 'wd': 1e-4},
                       kvstore=kv, update_on_kvstore=uok)
@@ -121,7 +129,7 @@ def main():
               f'update_on_kvstore={trainer.update_on_kvstore}', flush=True)
     start = time.monotonic()
     train(args, model, trainer, x_train, y_train.astype(np.int64), kv.num_workers)
-    acc = accuracy(model, x_test, y_test)
+    acc = accuracy(model, x_test, y_test, args.device)
     print(f'rank {kv.rank}: test accuracy {acc:.4f} ({time.monotonic() - start:.1f} s)',
           flush=True)
     kv.close()
