@@ -39,6 +39,24 @@ def _compiled(code, name):
     return _cupy().RawKernel(code, name, options=_OPTIONS)
 
 
+_KERNELS = {}   # (plan signature, multi) -> RawKernel
+
+
+def _kernel(plan, multi=False):
+    """The compiled kernel of ``plan``, found by its signature: generating the source costs
+    ~50 us, more than the launch itself, and the same few kernels run on every key."""
+    key = (plan.signature(), multi)
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        kernel = _KERNELS[key] = _compiled(src.source(plan, multi), plan.kernel_name(multi))
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _sumsq_kernel(dtype, name):
+    return _compiled(src.sumsq_source(dtype), name)
+
+
 def _contiguous(array, written):
     """The kernels index flat memory: inputs are made contiguous, outputs must be."""
     if array.flags.c_contiguous:
@@ -92,13 +110,12 @@ def _launch(*args, **kwargs):
 def _run(plan):
     if plan.n == 0:
         return
-    scalars = [np.dtype('float64' if wide else plan.compute).type(value)
-               for _, value, wide in plan.scalars]
+    compute = np.float64 if plan.compute == 'float64' else np.float32
+    scalars = [(np.float64 if wide else compute)(value) for _, value, wide in plan.scalars]
     args = [np.int64(plan.n), *(a for _, a, _ in plan.arrays), *(r for _, r in plan.raws),
             *scalars]
     with plan.arrays[0][1].device:
-        kernel = _compiled(src.source(plan), plan.kernel_name())
-        kernel((src.blocks_for(plan.n),), (src.THREADS,), tuple(args))
+        _kernel(plan)((src.blocks_for(plan.n),), (src.THREADS,), tuple(args))
 
 
 def _run_multi(plans):
@@ -108,7 +125,7 @@ def _run_multi(plans):
     table = np.array([[p.n] + [a.data.ptr for _, a, _ in p.arrays] for p in plans], np.int64)
     scal = np.array([[float(v) for _, v, _ in p.scalars] for p in plans], np.float64)
     with first.arrays[0][1].device:
-        kernel = _compiled(src.source(first, multi=True), first.kernel_name(multi=True))
+        kernel = _kernel(first, multi=True)
         # cupy's memory pool reuses these buffers only on this stream, after the kernel
         rows, scalars = cp.asarray(table), cp.asarray(scal)
         blocks = src.blocks_for(max(p.n for p in plans))
@@ -235,10 +252,10 @@ def _sums_of_squares(*arrays):
         partial = cp.empty(len(arrays) * width, cp.float64)
         for row, arr in enumerate(arrays):
             dtype = str(arr.dtype)
-            kernel = _compiled(src.sumsq_source(dtype), src.sumsq_name(dtype))
+            kernel = _sumsq_kernel(dtype, src.sumsq_name(dtype))
             kernel((width,), (width,), (arr, np.int64(arr.size), partial[row * width:]))
         sums = cp.empty(len(arrays), cp.float64)
-        rows = _compiled(src.sumsq_source('float64'), 'kvps_sum_rows')
+        rows = _sumsq_kernel('float64', 'kvps_sum_rows')
         rows((len(arrays),), (width,), (partial, sums))
     return sums
 

@@ -11,6 +11,8 @@ MXNet's and apex's multi-tensor apply do).
 import dataclasses
 import re
 
+from kvps._kernels.common import storage_name
+
 THREADS = 256           # threads per block, every kernel here
 MAX_BLOCKS = 8192       # grid-stride loops cover the rest
 
@@ -82,10 +84,13 @@ class Plan:
     raws: list = dataclasses.field(default_factory=list)
 
     def signature(self):
-        """What makes two plans share a kernel: rule, dtypes, scalar names."""
-        return (self.tag, self.compute, tuple((a[0], str(a[1].dtype), a[2]) for a in self.arrays),
-                tuple((r[0], str(r[1].dtype)) for r in self.raws),
-                tuple((s[0], s[2]) for s in self.scalars))
+        """What makes two plans share a kernel, and all its source depends on: rule, body,
+        dtypes, scalar names. Asked at every launch (it keys the compiled kernels), so it
+        reads cached dtype names instead of building the source."""
+        return (self.tag, self.compute, self.body,
+                tuple([(a[0], storage_name(a[1]), a[2]) for a in self.arrays]),
+                tuple([(r[0], storage_name(r[1])) for r in self.raws]),
+                tuple([(s[0], s[2]) for s in self.scalars]))
 
     def kernel_name(self, multi=False):
         dtypes = '_'.join(_SHORT[str(a[1].dtype)] for a in self.arrays)

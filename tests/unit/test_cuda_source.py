@@ -209,6 +209,7 @@ def test_the_pointer_table_matches_the_order_the_source_reads(monkeypatch):
     monkeypatch.setattr(C, '_cupy', lambda: types.SimpleNamespace(
         asarray=lambda a: uploaded.append(a) or a))
     monkeypatch.setattr(C, '_compiled', lambda code, name: Kernel())
+    monkeypatch.setattr(C, '_KERNELS', {})
     plans = []
     for n in (7, 3000):
         name, args, kwargs = call('adam', ['mean', 'var'], {}, 'float16', 'float16', True, n)
@@ -231,6 +232,7 @@ def test_the_pointer_table_matches_the_order_the_source_reads(monkeypatch):
 def test_an_empty_key_launches_nothing(monkeypatch):
     compiled = []
     monkeypatch.setattr(C, '_compiled', lambda code, name: compiled.append(name))
+    monkeypatch.setattr(C, '_KERNELS', {})
     name, args, kwargs = call('sgd', ['mom'], dict(momentum=0.9), 'float32', 'float32', False, 0)
     getattr(C, name)(*args, **kwargs)
     assert compiled == []
