@@ -15,6 +15,7 @@ Every process runs torch with one thread.
 
     python benchmarks/bench_training.py                  # W=2 S=1, both models, ~2 min
     python benchmarks/bench_training.py --workers 4 --servers 2 --models wide
+    python benchmarks/bench_training.py --device cuda     # models and batches on the GPU
 """
 
 import argparse
@@ -42,6 +43,7 @@ def parse_args():
     p.add_argument('--launches', type=int, default=1, help='runs per (model, system)')
     p.add_argument('--timeout', type=float, default=300.0)
     p.add_argument('--out', default=None, help='directory for results.jsonl')
+    p.add_argument('--device', default='cpu', help='where the workers train: cpu or cuda')
     return p.parse_args()
 
 
@@ -75,7 +77,7 @@ def run_one(args, model, system, out_dir):
     """ms per step on rank 0 (None if the run failed) for one (model, system)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     argv = [_common.PY, WORKER, '--system', system, '--model', model, '--steps', str(args.steps),
-            '--batch', str(args.batch), '--out', str(out_dir)]
+            '--batch', str(args.batch), '--out', str(out_dir), '--device', args.device]
     if system == 'ddp':
         rc, log = run_ddp_job(args.workers, argv, out_dir, args.timeout)
     else:
@@ -103,7 +105,8 @@ def main():
             done = [r for r in runs if r is not None]
             ms[system] = _common.median(done)
             first = records[0] if records else {}
-            lines.emit({'model': model, 'system': system, 'workers': args.workers,
+            lines.emit({'model': model, 'system': system, 'device': args.device,
+                        'workers': args.workers,
                         'servers': args.servers if system != 'ddp' else None,
                         'params': first.get('params'), 'tensors': first.get('tensors'),
                         'batch': args.batch, 'ms_step': ms[system], 'ms_step_runs': runs})

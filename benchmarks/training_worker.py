@@ -5,6 +5,9 @@ Systems (--system):
   kvps        kvps.Trainer on dist_sync, SGD with momentum on the servers (update_on_kvstore)
   kvps-local  kvps.Trainer on dist_sync, gradients summed through the servers, SGD on the worker
   ddp         torch.nn.parallel.DistributedDataParallel over gloo, torch.optim.SGD locally
+With --device cuda the model and batches live on the GPU: kvps uses dist_sync_device (sums
+and staging on the GPU, pinned transfers), DDP all-reduces CUDA tensors over gloo (NCCL
+refuses two ranks on one GPU, and a one-GPU box is what this measures).
 kvps workers are started by `python -m kvps.launch`; DDP workers by bench_training.py with
 RANK, WORLD_SIZE and KVPS_BENCH_RENDEZVOUS (a file for gloo's FileStore: no fixed port).
 
@@ -38,6 +41,7 @@ def parse_args():
     p.add_argument('--steps', type=int, default=20)
     p.add_argument('--warmup', type=int, default=3)
     p.add_argument('--out', required=True)
+    p.add_argument('--device', default='cpu')
     return p.parse_args()
 
 
@@ -84,12 +88,13 @@ def ddp_step_fn(args, model, torch):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
+        finish(args, torch)
     return step, dist.get_rank(), dist.barrier
 
 
 def kvps_step_fn(args, model, torch):
     import kvps
-    kv = kvps.create('dist_sync')
+    kv = kvps.create('dist_sync_device' if args.device != 'cpu' else 'dist_sync')
     trainer = kvps.Trainer(model.named_parameters(), 'sgd',
                            {'learning_rate': 0.01, 'momentum': 0.9}, kvstore=kv,
                            update_on_kvstore=args.system == 'kvps')
@@ -98,7 +103,14 @@ def kvps_step_fn(args, model, torch):
         trainer.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y, reduction='sum').backward()
         trainer.step(args.batch * kv.num_workers)
+        finish(args, torch)
     return step, kv.rank, kv.barrier
+
+
+def finish(args, torch):
+    """A step ends when the GPU has done it (a local optimizer step is only queued)."""
+    if args.device != 'cpu':
+        torch.cuda.synchronize(args.device)
 
 
 def main():
@@ -106,11 +118,11 @@ def main():
     import torch
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = build(args.model, torch)
+    model = build(args.model, torch).to(args.device)
     make = ddp_step_fn if args.system == 'ddp' else kvps_step_fn
     step, rank, barrier = make(args, model, torch)
     gen = torch.Generator().manual_seed(rank)
-    x, y = inputs(args, gen, torch)
+    x, y = (t.to(args.device) for t in inputs(args, gen, torch))
     for _ in range(args.warmup):
         step(x, y)
     barrier()
@@ -122,6 +134,7 @@ def main():
     barrier()
     params = sum(p.numel() for p in model.parameters())
     record = {'rank': rank, 'system': args.system, 'model': args.model, 'params': params,
+              'device': args.device,
               'tensors': len(list(model.parameters())), 'batch': args.batch,
               'ms_step_median': round(statistics.median(times) * 1e3, 3),
               'ms_steps': [round(t * 1e3, 3) for t in times]}
