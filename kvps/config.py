@@ -68,7 +68,7 @@ def _device(text):
     return low
 
 
-def _bytes_or_auto(text):
+def _count_or_auto(text):
     low = text.strip().lower()
     return 'auto' if low == 'auto' else _positive_int(low)
 
@@ -135,6 +135,12 @@ VARS = (
     Var('server_device', ('KVPS_SERVER_DEVICE',), _device, 'auto',
         'Where servers keep shards: auto (keys of device-side stores on the GPU when the '
         'server has one, others in host memory), cpu, or cuda (all on the GPU; needs cupy).'),
+    Var('update_threads', ('KVPS_UPDATE_THREADS',), _count_or_auto, 1,
+        'Threads a server splits the host update of one key (or part) of 256 Ki elements or '
+        'more over, bit for bit as one thread would (numpy releases the GIL). For hosts whose '
+        'cores idle while servers update (GPU workers, servers on hosts of their own); where '
+        'workers compute on the same cores it slows them. auto: the cores this process may '
+        'run on, at most 4.'),
     Var('log_level', ('KVPS_LOG_LEVEL',), _log_level, 'WARNING',
         'Python logging level of kvps\'s messages, on nodes and in workers (DEBUG, INFO, ...).'),
     Var('port_file', ('KVPS_PORT_FILE',), _text, None,
@@ -161,7 +167,7 @@ VARS = (
     Var('shm', ('KVPS_SHM',), _flag, True,
         'Move array payloads of 1 KiB and more between a worker and the servers on its host '
         'through shared memory (/dev/shm) instead of the socket (0: always the socket).'),
-    Var('shm_bytes', ('KVPS_SHM_BYTES',), _bytes_or_auto, 'auto',
+    Var('shm_bytes', ('KVPS_SHM_BYTES',), _count_or_auto, 'auto',
         'Size of each worker\'s shared-memory segment (made at start, when a server shares '
         'its host) and of each server\'s arena for the weights its local workers pull (made '
         'when the first attaches); the pages of both are reserved 16 MiB at a time as blocks '
@@ -201,6 +207,7 @@ class Config:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 30.0
     server_device: str = 'auto'
+    update_threads: object = 1
     log_level: str = 'WARNING'
     port_file: str = None
     checkpoint_dir: str = None

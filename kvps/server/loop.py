@@ -15,7 +15,7 @@ from ..transport import Poller, Router, bind_host, guard_from, new_context
 from . import row_store
 from .batch import Batch
 from .checkpoint import Checkpointer
-from .placement import for_device
+from .placement import for_device, use_update_threads
 from .regions import Regions
 from .shard import Shard
 
@@ -43,6 +43,7 @@ class Server:
     def __init__(self, config):
         self.config = config.require_cluster()
         placements = for_device(config.server_device)   # before joining: a bad device fails alone
+        use_update_threads(config.update_threads)
         self.ctx = new_context()
         self.link = SchedulerLink(self.ctx, config, 'server')
         self.router = Router(self.ctx, guard_from(config))

@@ -9,6 +9,7 @@ array for each pull.
 """
 
 import logging
+import os
 
 import numpy as np
 
@@ -183,3 +184,15 @@ def for_device(setting):
     except ConfigError as exc:
         raise ConfigError(f'KVPS_SERVER_DEVICE=cuda: {exc}') from None
     return Placements(arrays, arrays)
+
+
+def use_update_threads(setting):
+    """Split big host updates over threads (KVPS_UPDATE_THREADS); 'auto': the cores this
+    process may run on, at most 4 (the memory bandwidth a few cores reach). Returns the
+    count."""
+    if setting == 'auto':
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity')
+                 else os.cpu_count() or 1)
+        setting = min(4, cores)
+    numpy_kernels.set_threads(setting)
+    return setting

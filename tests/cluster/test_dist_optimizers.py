@@ -1,5 +1,6 @@
 """Server-side optimizers: dist_sync equals the local store; optimizer state survives a new job."""
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -107,6 +108,38 @@ def test_dist_sync_matches_local_and_states_survive_a_new_job(job, tmp_path, nam
     uninterrupted = local_run(name, 0, 7)
     for res in second.results().values():
         assert res['weights'] == uninterrupted
+
+
+THREADS_SCRIPT = '''
+import hashlib
+kv = kvps.create('dist_sync')
+n = int(os.environ['N'])
+kv.init('w', np.linspace(-1, 1, n, dtype=np.float32))
+kv.set_optimizer(kvps.optimizer.create('adam', learning_rate=0.01, wd=0.01))
+for step in range(3):
+    kv.push('w', np.random.default_rng([kv.rank, step]).standard_normal(n).astype(np.float32))
+w = np.zeros(n, np.float32)
+kv.pull('w', out=w)
+report(rank=kv.rank, digest=hashlib.sha256(w.tobytes()).hexdigest())
+'''
+
+
+def test_servers_updating_on_threads_match_the_local_store(job):
+    """KVPS_UPDATE_THREADS=3: each server's 300,000-element share of the key is updated on
+    two threads (it is over SPLIT_MIN), bit for bit what one thread gives."""
+    n = 600_000
+    result = job(THREADS_SCRIPT, 2, 2, env={'N': str(n), 'KVPS_UPDATE_THREADS': '3'})
+    assert result.returncode == 0, result.output
+    kv = kvps.create('local')
+    kv.init('w', np.linspace(-1, 1, n, dtype=np.float32))
+    kv.set_optimizer(kvps.optimizer.create('adam', learning_rate=0.01, wd=0.01))
+    for step in range(3):
+        kv.push('w', [np.random.default_rng([rank, step]).standard_normal(n).astype(np.float32)
+                      for rank in (0, 1)])
+    w = np.zeros(n, np.float32)
+    kv.pull('w', out=w)
+    for res in result.results().values():
+        assert res['digest'] == hashlib.sha256(w.tobytes()).hexdigest()
 
 
 def test_servers_resume_from_their_checkpoint_directory(job, tmp_path):
