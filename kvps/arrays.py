@@ -109,11 +109,10 @@ def check_like(value, shape, dtype, key, what):
                          f'but the key was initialized with dtype {dtype}')
 
 
-def writable_flat(out):
-    """A writable 1-D numpy view of pull target ``out`` if it is contiguous, else None
-    (ValueError as ``writable``)."""
-    arr = writable(out)
-    return arr.reshape(-1) if arr.flags.c_contiguous else None
+def flat_view(out):
+    """A 1-D view of numpy array ``out`` if it is contiguous, else None. For backends, whose
+    pull targets come already checked (``writable``, by the store)."""
+    return out.reshape(-1) if out.flags.c_contiguous else None
 
 
 def writable(out, key=None):

@@ -6,7 +6,7 @@ import threading
 import numpy as np
 
 from . import rows
-from .arrays import writable_flat
+from .arrays import flat_view
 from .errors import ConfigError
 from .protocol import PUSH_CODECS
 from .server.row_store import LIVE
@@ -116,7 +116,7 @@ class LocalBackend:
     def pull(self, items):
         for key, out, _ in items:
             (_, _, (_, value, lease)), = self.shard.pull(None, _ME, key, 0)
-            flat = writable_flat(out)
+            flat = flat_view(out)
             if flat is not None:
                 np.copyto(flat, value)
             else:

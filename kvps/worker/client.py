@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import protocol as P
 from ..allocator import keep_freed_memory
-from ..arrays import writable_flat
+from ..arrays import flat_view
 from .collectives import Collectives
 from .loop import SCHEDULER, WorkerIO, server_name
 from .messages import (WAVE_BYTES, copier, describe, fuse, live_collector, part_nbytes, payload,
@@ -116,8 +116,8 @@ class DistClient(Collectives):
             return self._step
 
     def pull(self, items):
-        """Fill each ``out`` of ``items`` ([(key, out, dtype)]) with the key's value once this
-        worker's pushes of it are applied. Every request leaves before any answer is awaited,
+        """Fill each ``out`` of ``items`` ([(key, out, dtype)]: writable numpy arrays, as the
+        store checks them) with the key's value once this worker's pushes of it are applied. Every request leaves before any answer is awaited,
         and small parts share one message per server."""
         self._raise_pending_errors()
         self.pull_begin(items)()
@@ -161,7 +161,7 @@ class DistClient(Collectives):
         """Send the pull requests of ``items``; returns what ``_finish_pull`` waits on."""
         targets, finish = [], []
         for key, out, dtype in items:
-            flat = writable_flat(out)
+            flat = flat_view(out)
             target = flat if flat is not None else np.empty(out.size, dtype=out.dtype)
             targets.append((key, target, dtype))
             if flat is None:
