@@ -115,11 +115,12 @@ def accuracy(model, x, y, device):
 
 def main():
     args = parse_args()
-    if torch.device(args.device).type == 'cuda' and not torch.cuda.is_available():
+    on_gpu = torch.device(args.device).type == 'cuda'
+    if on_gpu and not torch.cuda.is_available():
         sys.exit(f'--device {args.device}: this torch sees no CUDA device (a CPU-only build, '
                  'or no GPU); train on the CPU with --device cpu')
     torch.set_num_threads(1)  # workers share the machine's cores; a tiny MLP gains nothing more
-    name = store_name(args.kvstore, torch.device(args.device).type == 'cuda')
+    name = store_name(args.kvstore, on_gpu)
     kv = kvps.create(name)
     uok = {'auto': None, 'yes': True, 'no': False}[args.update_on_kvstore]
     x_train, x_test, y_train, y_test = load_split()

@@ -34,8 +34,8 @@ def _cupy():
     return cupy
 
 
-@functools.lru_cache(maxsize=None)
 def _compiled(code, name):
+    # (cached by the callers, by what the source is made from: the source itself is ~3 KB)
     return _cupy().RawKernel(code, name, options=_OPTIONS)
 
 

@@ -39,7 +39,7 @@ SPLIT_MIN = 1 << 18          # 1 MiB of float32: each of the threads gets 2+ blo
 # one on 32 Ki blocks; at 128 Ki, 1.9x faster). Updates whose bodies reduce (LAMB's norms)
 # keep BLOCK: their per-block partial sums, added in order, must not change with threads.
 SPLIT_BLOCK = 1 << 17
-_pool = types.SimpleNamespace(threads=1, executor=None, pid=None)
+_pool = types.SimpleNamespace(threads=1, executor=None, made_for=None)   # made_for: (pid, threads)
 
 
 def set_threads(threads):
@@ -50,13 +50,15 @@ def set_threads(threads):
 
 
 def _executor():
-    # Made on first use, and again in a forked child, whose copy has no threads behind it.
-    if _pool.pid != os.getpid() or _pool.executor._max_workers != _pool.threads - 1:
-        if _pool.pid == os.getpid():
+    # Made on first use, when the count changes, and again in a forked child, whose copy
+    # has no threads behind it.
+    wanted = (os.getpid(), _pool.threads)
+    if _pool.made_for != wanted:
+        if _pool.made_for is not None and _pool.made_for[0] == wanted[0]:
             _pool.executor.shutdown(wait=False)
         _pool.executor = concurrent.futures.ThreadPoolExecutor(
             _pool.threads - 1, thread_name_prefix='kvps-update')
-        _pool.pid = os.getpid()
+        _pool.made_for = wanted
     return _pool.executor
 
 

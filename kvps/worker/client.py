@@ -117,8 +117,9 @@ class DistClient(Collectives):
 
     def pull(self, items):
         """Fill each ``out`` of ``items`` ([(key, out, dtype)]: writable numpy arrays, as the
-        store checks them) with the key's value once this worker's pushes of it are applied. Every request leaves before any answer is awaited,
-        and small parts share one message per server."""
+        store checks them) with the key's value once this worker's pushes of it are applied.
+        Every request leaves before any answer is awaited, and small parts share one message
+        per server."""
         self._raise_pending_errors()
         self.pull_begin(items)()
 
