@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from kvps._kernels import cuda_kernels, numpy_kernels
+from kvps.optimizer.kernels import cuda_kernels, numpy_kernels
 
 # optimizer label -> (kernel, state count, hyper-parameters)
 CONFIGS = {

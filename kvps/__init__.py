@@ -1,10 +1,10 @@
 """kvps: a parameter server for data-parallel training with the MXNet KVStore API."""
 
+from .errors import (AuthError, ConfigError, DTypeError, DuplicateInitError,
+                     KeyNotInitializedError, KeyTypeError, KVPSError, ParameterMismatchError,
+                     PeerLostError, ProtocolError, RemoteError, RequestTimeout, ShapeError,
+                     StaleGradientError, StoreClosedError, TransportError)
 from . import kvstore, optimizer
-from .errors import (AuthError, ConfigError, DTypeError, DuplicateInitError, KeyNotInitializedError,
-                     KeyTypeError, KVPSError, ParameterMismatchError, PeerLostError, ProtocolError,
-                     RemoteError, RequestTimeout, ShapeError, StaleGradientError,
-                     StoreClosedError, TransportError)
 from .kvstore import KVStore, create
 from .rows import RowSparse
 from .trainer import Trainer
@@ -25,7 +25,8 @@ def _serve_if_server_role():
     import sys
     from .config import Config
     argv = list(getattr(sys, 'orig_argv', ()))
-    if any(a == '-m' and b == 'kvps.launch' for a, b in zip(argv, argv[1:])):
+    if any(a == '-m' and (b == 'kvps.launch' or b.startswith('kvps.launch.'))
+           for a, b in zip(argv, argv[1:])):
         return
     if Config.from_env(fields={'role'}).role not in ('scheduler', 'server'):
         return   # a worker, or no role: the other settings are read when a store is created

@@ -7,7 +7,7 @@ numpy through their own ``.numpy()``; bfloat16 tensors are viewed through their 
 import numpy as np
 
 from .errors import DTypeError, ShapeError
-from .protocol import DTYPES
+from .wire.protocol import DTYPES
 
 _NUMPY_NAMES = {np.dtype(v).name: k for k, v in DTYPES.items() if k != 'bfloat16'}
 
@@ -85,7 +85,7 @@ def sum_values(values, into=None):
     ``into``, as flat_copy). bfloat16 values are summed in float32 and rounded once."""
     total = flat_copy(values[0], into)
     if dtype_name(values[0]) == 'bfloat16':
-        from ._kernels import numpy_kernels as kernels   # bfloat16 arithmetic lives there
+        from .optimizer.kernels import numpy_kernels as kernels  # bfloat16 arithmetic lives there
         wide = kernels.widen(total)
         for other in values[1:]:
             kernels.add_widened(wide, as_numpy(other).reshape(-1), out=wide)

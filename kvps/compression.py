@@ -17,9 +17,9 @@ import math
 
 import numpy as np
 
-from ._kernels.common import bf16_to_f32, dtype_name, f32_to_bf16
 from .errors import DTypeError, ProtocolError
-from .protocol import TWO_BIT, nbytes  # noqa: F401  (nbytes: the payload size, for callers)
+from .optimizer.kernels.common import bf16_to_f32, dtype_name, f32_to_bf16
+from .wire.protocol import TWO_BIT, nbytes  # noqa: F401  (nbytes: the payload size, for callers)
 
 TYPES = (TWO_BIT,)
 _ZERO, _MINUS, _PLUS = 0, 2, 3

@@ -10,8 +10,8 @@ CUDA tensor is viewed as a cupy array (``cupy.from_dlpack``, no copy) for ``_ker
 import numpy as np
 
 from . import arrays
-from ._kernels import is_cupy
 from .errors import DTypeError
+from .optimizer.kernels import is_cupy
 
 DEVICE_TYPES = ('device', 'dist_sync_device', 'dist_async_device')
 

@@ -121,7 +121,7 @@ def sum_at(rows, starts, dtype):
         return np.array(rows, copy=True, order='C')
     wide = dtype == 'bfloat16'
     if wide:
-        from ._kernels import common
+        from .optimizer.kernels import common
         rows = common.bf16_to_f32(rows)
     out = rows[starts]   # a copy: each run's first row
     # The rest, in rounds: each run's next row at a time (np.add.reduceat along rows costs

@@ -1,0 +1,1 @@
+"""The scheduler role: registration, ranks, barriers, liveness and the end of the job."""

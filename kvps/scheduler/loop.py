@@ -5,11 +5,11 @@ import logging
 import secrets
 import time
 
-from .. import protocol as P
 from ..atomic import write_atomically
 from ..errors import ConfigError, KVPSError
-from ..link import decode_or_log
-from ..transport import Poller, Router, bind_host, guard_from, new_context, resolve
+from ..wire import protocol as P
+from ..wire.link import decode_or_log
+from ..wire.transport import Poller, Router, bind_host, guard_from, new_context, resolve
 from .membership import Membership
 
 log = logging.getLogger('kvps.scheduler')

@@ -1,6 +1,6 @@
 """A multi-key request on a server: per-key answers, gathered into one reply."""
 
-from ..protocol import PULL
+from ..wire.protocol import PULL
 
 
 class Batch:

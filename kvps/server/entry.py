@@ -3,7 +3,7 @@
 import dataclasses
 
 from . import row_store
-from .placement import HostArrays
+from .storage import HostArrays
 
 
 class Lease:

@@ -7,17 +7,17 @@ import traceback
 import msgpack
 import numpy as np
 
-from .. import protocol as P
 from ..errors import ConfigError, KVPSError, PeerLostError, ProtocolError
-from ..link import SchedulerLink, decode_or_refusal
-from ..shm import segment_bytes
-from ..transport import Poller, Router, bind_host, guard_from, new_context
+from ..wire import protocol as P
+from ..wire.link import SchedulerLink, decode_or_refusal
+from ..wire.shm import segment_bytes
+from ..wire.transport import Poller, Router, bind_host, guard_from, new_context
 from . import row_store
 from .batch import Batch
 from .checkpoint import Checkpointer
-from .placement import for_device, use_update_threads
 from .regions import Regions
 from .shard import Shard
+from .storage import for_device, use_update_threads
 
 log = logging.getLogger('kvps.server')
 
@@ -42,7 +42,7 @@ class Server:
 
     def __init__(self, config):
         self.config = config.require_cluster()
-        placements = for_device(config.server_device)   # before joining: a bad device fails alone
+        storage = for_device(config.server_device)   # before joining: a bad device fails alone
         use_update_threads(config.update_threads)
         self.ctx = new_context()
         self.link = SchedulerLink(self.ctx, config, 'server')
@@ -50,18 +50,18 @@ class Server:
         port = self.router.bind(bind_host(config, self.link.host), 0)
         welcome = self.link.register(port)
         try:
-            self._join(config, welcome, placements)
+            self._join(config, welcome, storage)
         except KVPSError as exc:   # the job would only notice at the heartbeat timeout
             self.link.abort(f'{exc}')
             self._close_sockets()
             raise
         log.info('%s serving on %s:%d', self.name, self.link.host, port)
 
-    def _join(self, config, welcome, placements):
+    def _join(self, config, welcome, storage):
         """Take the rank and shard the WELCOME gives; resume from the checkpoint."""
         self.rank = welcome['rank']
         self.name = f'server {self.rank}'
-        self.shard = Shard(welcome['num_workers'], placements=placements)
+        self.shard = Shard(welcome['num_workers'], storage=storage)
         # Only the job's workers may talk to a server; anyone else is refused and logged.
         self.workers = {P.worker_identity(r) for r in range(welcome['num_workers'])}
         self.regions = self._regions(config, welcome)
@@ -368,7 +368,7 @@ class Server:
 
     def _attach(self, token, h, buffers):
         arena = self.regions.attach(token[0], h, time.monotonic())
-        self.shard.placements.use_arena(self.regions.arena)
+        self.shard.storage.use_arena(self.regions.arena)
         return [('ack', token, None if arena is None else {'arena': arena})]
 
     def _set_optimizer(self, token, h, buffers):

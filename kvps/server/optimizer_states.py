@@ -10,7 +10,7 @@ class OptimizerStates:
         """Run ``spec`` on every later update. The same kind of optimizer again (new learning
         rate, a resumed job setting it anew) keeps every key's state and update count;
         another kind starts fresh."""
-        from .updater import Updater  # the optimizer stack loads only when one is used
+        from ..optimizer.updater import Updater  # the optimizer stack loads only when one is used
         if self.updater is None or not self.updater.retune(spec):
             self.updater = Updater(spec)
 
@@ -29,7 +29,8 @@ class OptimizerStates:
             if 'optimizer' not in states:
                 raise ConfigError('set an optimizer before loading optimizer states (or load a '
                                   'file saved with dump_optimizer=True)')
-            from .updater import Updater  # the optimizer stack loads only when one is used
+            from ..optimizer.updater import \
+                Updater  # the optimizer stack loads only when one is used
             updater = Updater(states['optimizer'])
         weights = {where: entry.weight for where, entry in self.entries.items()}
         staged = updater, updater.checked_states(states, weights)

@@ -14,9 +14,9 @@ import logging
 import math
 import weakref
 
-from .. import protocol as P
 from ..errors import ConfigError, KVPSError, ProtocolError
-from ..shm import SHM_DIR, Heap, Mapping, Segment
+from ..wire import protocol as P
+from ..wire.shm import SHM_DIR, Heap, Mapping, Segment
 
 log = logging.getLogger('kvps.server')
 

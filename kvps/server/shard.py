@@ -17,12 +17,12 @@ import os
 from .. import compression
 from ..errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInitializedError,
                       KVPSError, ShapeError)
-from ..protocol import ROW_SPARSE, TWO_BIT, identity_label
+from ..wire.protocol import ROW_SPARSE, TWO_BIT, identity_label
 from . import row_store
 from .entry import Entry, Lease
 from .optimizer_states import OptimizerStates
-from .placement import HostArrays, Placements
 from .row_store import RowGrad
+from .storage import HostArrays, Storage
 
 
 def _round_needed(entry, worker):
@@ -38,10 +38,10 @@ def _reply(token, failure):
 class Shard(OptimizerStates):
     """The keys one server holds and the rules for changing them."""
 
-    def __init__(self, num_workers, updater=None, placements=None):
+    def __init__(self, num_workers, updater=None, storage=None):
         self.num_workers = num_workers
         self.updater = updater
-        self.placements = placements or Placements(HostArrays())   # host or a CUDA device
+        self.storage = storage or Storage(HostArrays())   # host or a CUDA device
         self.entries = {}          # (key, part) -> Entry
         self._staged = None        # (updater, checked states) awaiting commit_states
         self.finished = {}         # worker -> pushes it made per key, frozen at finish
@@ -65,7 +65,7 @@ class Shard(OptimizerStates):
 
     def new_entry(self, key, part, dtype, shape, sync, data, device, **more):
         """An Entry holding a copy of ``data`` where its placement says."""
-        arrays = self.placements.for_key(device)
+        arrays = self.storage.for_key(device)
         return Entry(key, part, dtype, tuple(shape), sync, arrays.owned(data, dtype),
                      arrays=arrays, device=device, **more)
 
@@ -75,7 +75,7 @@ class Shard(OptimizerStates):
         if not entry.holds(dtype, shape) or nbytes != entry.weight.nbytes:
             raise ShapeError(f'key {entry.key!r}: init with {tuple(shape)} {dtype}, but the '
                              f'checkpoint holds {entry.shape} {entry.dtype}')
-        arrays = self.placements.for_key(device)
+        arrays = self.storage.for_key(device)
         if arrays is not entry.arrays:
             host = entry.arrays.to_host(entry.weight)
             entry.weight, entry.merge, entry.arrays = arrays.owned(host, dtype), None, arrays

@@ -12,15 +12,15 @@ import threading
 
 import numpy as np
 
-from .. import protocol as P
 from ..allocator import keep_freed_memory
 from ..arrays import flat_view
+from ..wire import protocol as P
 from .collectives import Collectives
 from .loop import SCHEDULER, WorkerIO, server_name
 from .messages import (WAVE_BYTES, copier, describe, fuse, live_collector, part_nbytes, payload,
                        row_writer)
 from .pending import Operation, PushWindow, Request
-from .sharding import Placement
+from .sharding import Sharding
 
 
 class DistClient(Collectives):
@@ -43,7 +43,7 @@ class DistClient(Collectives):
         self.rank = welcome['rank']
         self.num_workers = welcome['num_workers']
         self.num_servers = welcome['num_servers']
-        self.placement = Placement(self.num_servers, config.bigarray_bound,
+        self.sharding = Sharding(self.num_servers, config.bigarray_bound,
                                    config.partition_bytes)
         self._window = PushWindow(config.max_inflight_bytes)
         self._errors = collections.deque()     # errors of pushes, raised at the next wait
@@ -61,7 +61,7 @@ class DistClient(Collectives):
         return self.pid != os.getpid()
 
     def parts(self, key, size):
-        return [(p.server, p.part, p.start, p.stop) for p in self.placement.parts(key)]
+        return [(p.server, p.part, p.start, p.stop) for p in self.sharding.parts(key)]
 
     # -- data -----------------------------------------------------------------------------
     def stage(self, sizes):
@@ -147,7 +147,7 @@ class DistClient(Collectives):
         and splitting them would only add messages)."""
         staging, runs, start, held = self.io.staging, [], 0, 0
         for i, (key, out, _) in enumerate(items):
-            for part in self.placement.parts(key):
+            for part in self.sharding.parts(key):
                 nbytes = (part.stop - part.start) * out.itemsize
                 if staging is None or not staging.would_place(server_name(part.server), nbytes):
                     held += nbytes
@@ -208,7 +208,7 @@ class DistClient(Collectives):
         ops = []
         for key, table, ids, marks in items:
             width = table.shape[1]
-            for part in self.placement.parts(key):
+            for part in self.sharding.parts(key):
                 header = {'op': P.PULL_ROWS, 'key': key, 'part': part.part}
                 first, buffers = part.start // width, ()
                 if ids is not None:
@@ -232,7 +232,7 @@ class DistClient(Collectives):
         self._raise_pending_errors()
         ops = []
         for key, width, dtype, sink in items:
-            for part in self.placement.parts(key):
+            for part in self.sharding.parts(key):
                 header = {'op': P.PULL_ROWS, 'key': key, 'part': part.part, 'live': True}
                 sink.append(None)
                 ops.append(self._request(part.server, f'pull of rows of key {key!r}', header, (),
@@ -250,7 +250,7 @@ class DistClient(Collectives):
     def _parts_of(self, items):
         """``(key, part, array, dtype)`` for every part of every item, in order."""
         return [(key, part, array, dtype) for key, array, dtype in items
-                for part in self.placement.parts(key)]
+                for part in self.sharding.parts(key)]
 
     def barrier(self, digest=None):
         """Return when every worker is here and this worker's pushes are all applied: the

@@ -2,9 +2,10 @@
 
 import msgpack
 
-from .. import protocol as P, rows
+from .. import rows
 from ..errors import ConfigError, KVPSError, RemoteError
-from ..optimizer import needs_whole_tensors
+from ..optimizer.optimizers import needs_whole_tensors
+from ..wire import protocol as P
 from .messages import describe, fuse, state_collector
 
 _REFUSED = b'refused'   # rank 0's word at the barrier ending a collective the servers refused
@@ -18,7 +19,7 @@ class Collectives:
         """``items``: [(key, flat array, shape, dtype name)]. Rank 0's values win. ``device``:
         a device-side store asks servers to keep these keys on their GPUs if they have one."""
         for key, flat, shape, _ in items:
-            self.placement.place(key, flat.size, flat.itemsize, rows.width_of(shape))
+            self.sharding.place(key, flat.size, flat.itemsize, rows.width_of(shape))
         self._by_rank_0('init', lambda: self._wait_all(
             self._send_keys(P.INIT, items, {'sync': self.sync, 'device': device})))
         if self.rank != 0:
@@ -31,7 +32,7 @@ class Collectives:
         init = op == P.INIT
         parts = []
         for key, flat, shape, dtype in items:
-            places = self.placement.parts(key)
+            places = self.sharding.parts(key)
             for part in places if init else places[:1]:
                 parts.append((key, part, flat[part.start:part.stop] if init else None, dtype,
                               list(shape)))
@@ -118,12 +119,12 @@ class Collectives:
                               'their reason', remote_type='CollectiveRefused', node='rank 0')
 
     def balance_keys(self, total):
-        """A model of ``total`` elements is about to be initialized: see Placement.balance."""
-        self.placement.balance(total)
+        """A model of ``total`` elements is about to be initialized: see Sharding.balance."""
+        self.sharding.balance(total)
 
     def keep_keys_whole(self):
         """Keys initialized from now on go to one server each (see _require_whole_keys)."""
-        self.placement.keep_whole = True
+        self.sharding.keep_whole = True
 
     def _require_whole_keys(self, spec):
         """An optimizer whose update reads each weight whole (LAMB's norms) would get a
@@ -131,7 +132,7 @@ class Collectives:
         rank alike: placement is the same everywhere), else keep later keys whole."""
         if not needs_whole_tensors(spec):
             return
-        split = self.placement.split_keys()
+        split = self.sharding.split_keys()
         if split:
             raise ConfigError(
                 f'{spec["name"]} reads each weight whole, but key(s) '

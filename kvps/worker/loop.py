@@ -11,10 +11,10 @@ import logging
 import threading
 import time
 
-from .. import protocol as P
 from ..errors import KVPSError, PeerLostError, ProtocolError, StoreClosedError
-from ..link import SchedulerLink, decode_or_refusal
-from ..transport import Dealer, Poller, Waker, guard_from, new_context
+from ..wire import protocol as P
+from ..wire.link import SchedulerLink, decode_or_refusal
+from ..wire.transport import Dealer, Poller, Waker, guard_from, new_context
 from .pending import Operation, PendingTable, Request
 from .staging import Staging
 

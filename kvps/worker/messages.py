@@ -1,7 +1,8 @@
 """How a worker's requests are cut into messages and how their answers land: parts fused per server, pulled bytes written into the caller's arrays."""
 
-from .. import protocol as P, rows
+from .. import rows
 from ..errors import ProtocolError
+from ..wire import protocol as P
 
 FUSE_BYTES = 1 << 20   # socket bytes up to which parts share a message for the same server
 # Socket bytes a pushpull sends before the pull requests that follow them: small enough that

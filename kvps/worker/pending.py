@@ -3,8 +3,8 @@
 import collections
 import threading
 
-from .. import protocol as P
 from ..errors import RequestTimeout, from_remote
+from ..wire import protocol as P
 
 
 class Operation:

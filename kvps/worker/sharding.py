@@ -25,7 +25,7 @@ class Part:
     stop: int
 
 
-class Placement:
+class Sharding:
     """Decides and remembers which server holds which part of every key."""
 
     def __init__(self, num_servers, bigarray_bound, partition_bytes=None):

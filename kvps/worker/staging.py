@@ -11,9 +11,9 @@ take blocks (never waiting: a payload that finds no room goes through the socket
 import logging
 import os
 
-from .. import protocol as P
 from ..errors import KVPSError, ProtocolError
-from ..shm import MIN_BYTES, SHM_DIR, Mapping, Segment, aligned, segment_bytes
+from ..wire import protocol as P
+from ..wire.shm import MIN_BYTES, SHM_DIR, Mapping, Segment, aligned, segment_bytes
 
 log = logging.getLogger('kvps.worker')
 

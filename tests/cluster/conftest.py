@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvps.shm import remove_leftovers
+from kvps.wire.shm import remove_leftovers
 
 # Short bounds so that failure tests end quickly; generous enough for a loaded 2-core box.
 FAST = {'KVPS_HEARTBEAT_INTERVAL': '0.5', 'KVPS_HEARTBEAT_TIMEOUT': '6',

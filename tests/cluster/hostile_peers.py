@@ -10,8 +10,8 @@ import uuid
 
 import zmq
 
-from kvps import protocol as P
-from kvps.auth import TO_DEALER, TO_ROUTER, Guard
+from kvps.wire import protocol as P
+from kvps.wire.auth import TO_DEALER, TO_ROUTER, Guard
 
 SECRET = 'hostile-input-test-secret'
 

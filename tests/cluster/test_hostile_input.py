@@ -20,7 +20,7 @@ Every few dozen messages a probe checks that the node still answers. Then the re
 proceeds and must read back exactly what it initialized and get exact push/pull results, and
 every process must exit 0.
 
-Each insider message is classified beforehand by ``kvps.protocol.decode`` (the code the nodes
+Each insider message is classified beforehand by ``kvps.wire.protocol.decode`` (the code the nodes
 run): a ProtocolError must give one 'rejected' line in the node's log and no reply; a message
 that decodes must get exactly one reply (server) or one logged refusal (scheduler). Not sent:
 what a member may legitimately do and would change the job (PUSH/INIT to the real keys, a
@@ -40,8 +40,8 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from hostile_peers import CLUSTER_ENV, SECRET, FakeWorker, Output, Signed
-from kvps import protocol as P
-from kvps.auth import TO_ROUTER, Guard
+from kvps.wire import protocol as P
+from kvps.wire.auth import TO_ROUTER, Guard
 from kvps.errors import ProtocolError
 from kvps.optimizer import Optimizer
 
@@ -529,7 +529,7 @@ def test_fuzzed_server_and_scheduler_keep_serving_exact_values(by_hand, tmp_path
         ctx.destroy(linger=0)
 
     # Every message was refused or rejected with one logged reason, or answered, on the node.
-    assert server.text.count('kvps.transport WARNING refused a message from') == \
+    assert server.text.count('kvps.wire.transport WARNING refused a message from') == \
         server_out.expected['auth'] + server_in.expected['auth']
     # Today an outsider's message is logged a second time ('not a worker of this job') after
     # authentication refused it; either way is fine.

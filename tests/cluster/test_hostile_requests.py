@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from hostile_peers import CLUSTER_ENV, SECRET, Output, Signed, answers, lone_server, reply
-from kvps import protocol as P
+from kvps.wire import protocol as P
 
 pytestmark = [pytest.mark.cluster]
 
@@ -61,7 +61,7 @@ def test_hostile_shared_memory_requests_are_refused_per_key(by_hand, tmp_path):
     """A member naming segments that are not there or not theirs, files to reach them through
     that are not segments, or offsets outside its own segment, gets an error for that key;
     the server serves on."""
-    from kvps.shm import Segment
+    from kvps.wire.shm import Segment
     ctx = zmq.Context()
     segment = Segment.create(1 << 20)
     read, write = os.pipe()

@@ -11,12 +11,12 @@ import pytest
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 # Keys above KVPS_BIGARRAY_BOUND (here 100k elements) are split over both servers; 'small' stays
-# under the shared-memory threshold (kvps.shm.MIN_BYTES, 1 KiB). Every push and pull of at
+# under the shared-memory threshold (kvps.wire.shm.MIN_BYTES, 1 KiB). Every push and pull of at
 # least that size is counted by where its bytes went, by wrapping what the worker sends (pushes)
 # and the answers it gets (pulls).
 SCRIPT = '''
 from kvps.optimizer import create as optimizer
-from kvps.shm import MIN_BYTES
+from kvps.wire.shm import MIN_BYTES
 MODE, STEPS = os.environ['MODE'], 4
 SYNC = 'async' not in MODE
 SHAPES = {'big': (300, 1000), 'wide': (120000,), 'small': (50,), 'f64': (70000,)}

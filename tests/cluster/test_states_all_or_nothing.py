@@ -9,7 +9,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 # from the good one in key 1 only, so a server 0 that loads it alone changes its key 0.
 LOAD_SCRIPT = '''
 import copy
-from kvps import states
+from kvps.optimizer import states
 kv = kvps.create('dist_sync')
 kv.init([0, 1], [np.zeros(4, np.float32), np.zeros(4, np.float32)])
 kv.set_optimizer(kvps.optimizer.create('sgd', momentum=0.5))

@@ -128,7 +128,7 @@ SYNC_VS_SINGLE = '''
         replay = distance(snapshot(), at8)
     trainer.load_states(f'a{rank}.states')
     trainer.save_states(f'b{rank}.states')
-    from kvps import states
+    from kvps.optimizer import states
     same = states.read_file(f'a{rank}.states') == states.read_file(f'b{rank}.states')
     keys = len(states.read_file(f'a{rank}.states')['keys'])
     report(diff=diff, checksum=checksum, replay=replay, same=same, keys=keys,
@@ -246,7 +246,7 @@ GAN_FREEZING = '''
         step(ref, local, i, 1)
     diff = max(float((p - r).abs().max()) for p, r in zip(params, ref))
     trainer.save_states(f's{kv.rank}')
-    from kvps import states
+    from kvps.optimizer import states
     report(diff=diff, fused_at_start=fused_at_start, fused=len(trainer._layout.fused),
            keys=[k for k, _, _ in states.read_file(f's{kv.rank}')['keys']])
 '''

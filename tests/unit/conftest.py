@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvps.local import LocalBackend
+from kvps.kvstore.local import LocalBackend
 
 
 class RecordingBackend(LocalBackend):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvps.auth import PREFIX_BYTES, TO_DEALER, TO_ROUTER, Guard, new_secret
+from kvps.wire.auth import PREFIX_BYTES, TO_DEALER, TO_ROUTER, Guard, new_secret
 from kvps.errors import AuthError
 
 SECRET = new_secret()

@@ -6,7 +6,7 @@ import pytest
 
 import kvps
 from kvps import compression
-from kvps import protocol as P
+from kvps.wire import protocol as P
 from kvps.errors import ConfigError, DTypeError, ProtocolError
 
 
@@ -160,12 +160,12 @@ def test_setting_compression_again_keeps_what_was_not_sent():
 
 
 def bf16(values):
-    from kvps._kernels.common import f32_to_bf16
+    from kvps.optimizer.kernels.common import f32_to_bf16
     return f32_to_bf16(np.asarray(values, np.float32))
 
 
 def widened(array):
-    from kvps._kernels.common import bf16_to_f32
+    from kvps.optimizer.kernels.common import bf16_to_f32
     return bf16_to_f32(array) if array.dtype == np.uint16 else array.astype(np.float32)
 
 

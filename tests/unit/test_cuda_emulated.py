@@ -12,9 +12,9 @@ import types
 import numpy as np
 import pytest
 
-from kvps._kernels import cuda_kernels as C
-from kvps._kernels import cuda_source as src
-from kvps._kernels import numpy_kernels as K
+from kvps.optimizer.kernels import cuda_kernels as C
+from kvps.optimizer.kernels import cuda_source as src
+from kvps.optimizer.kernels import numpy_kernels as K
 from test_cuda_source import (BASE, CASES, DTYPES, FAKE_CUPY, NEEDS_T, Device, DeviceLike,
                               every_plan, live_states, state_dtype)
 

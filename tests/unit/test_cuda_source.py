@@ -10,8 +10,8 @@ import types
 import numpy as np
 import pytest
 
-from kvps._kernels import cuda_kernels as C
-from kvps._kernels import cuda_source as src
+from kvps.optimizer.kernels import cuda_kernels as C
+from kvps.optimizer.kernels import cuda_source as src
 
 BASE = dict(lr=0.05, wd=0.01, rescale_grad=0.5, clip_gradient=0.8)
 # (optimizer, state names, hyper-parameters, whether the momentum-like state is live)

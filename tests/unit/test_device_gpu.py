@@ -12,11 +12,11 @@ torch = pytest.importorskip('torch')
 if not torch.cuda.is_available():
     pytest.skip('no CUDA device', allow_module_level=True)
 
-import kvps  # noqa: E402
+import kvps
 from kvps import devices  # noqa: E402
 from kvps.errors import DTypeError  # noqa: E402
 from kvps.kvstore import KVStore  # noqa: E402
-from kvps.local import LocalBackend  # noqa: E402
+from kvps.kvstore.local import LocalBackend  # noqa: E402
 
 GPUS = [torch.device('cuda', i) for i in range(torch.cuda.device_count())]
 HAS_CUPY = importlib.util.find_spec('cupy') is not None

@@ -11,11 +11,11 @@ import pytest
 
 torch = pytest.importorskip('torch')
 
-import kvps  # noqa: E402
+import kvps
 from kvps import devices  # noqa: E402
 from kvps.errors import DTypeError  # noqa: E402
 from kvps.kvstore import KVStore  # noqa: E402
-from kvps.local import LocalBackend  # noqa: E402
+from kvps.kvstore.local import LocalBackend  # noqa: E402
 
 DEVICE_NAMES = ['device', 'dist_sync_device', 'dist_device_sync', 'dist_async_device',
                 'local_allreduce_device']
@@ -231,7 +231,7 @@ def test_trainer_refuses_cuda_parameters_it_could_not_move_or_update():
     """The checks read only where each tensor lives, so a stand-in that says 'cuda:0' is
     exactly what they see; the real GPU path is in test_device_gpu.py."""
     from types import SimpleNamespace
-    from kvps._trainer_params import Param, check_devices
+    from kvps.trainer.params import Param, check_devices
     on_gpu = [Param(0, 'w', SimpleNamespace(device=torch.device('cuda', 0),
                                             requires_grad=True))]
     for name in ('dist_sync', 'dist_async', 'local'):

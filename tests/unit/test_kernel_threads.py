@@ -6,10 +6,10 @@ import os
 import numpy as np
 import pytest
 
-from kvps._kernels import numpy_kernels as K
+from kvps.optimizer.kernels import numpy_kernels as K
 from kvps.config import Config
 from kvps.errors import ConfigError
-from kvps.server.placement import use_update_threads
+from kvps.server.storage import use_update_threads
 from test_cuda_source import BASE, CASES, DTYPES, NEEDS_T, live_states, state_dtype
 
 N = 5 * K.BLOCK + 123   # a short last block, and spans that end inside a thread's share

@@ -5,9 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from kvps._kernels import KERNEL_NAMES, kernels_for, multi_apply, numpy_kernels as K
-from kvps._kernels import numpy_packing
-from kvps._kernels.numpy_packing import PACK_UP_TO, Slabs
+from kvps.optimizer.kernels import KERNEL_NAMES, kernels_for, multi_apply, numpy_kernels as K
+from kvps.optimizer.kernels import numpy_packing
+from kvps.optimizer.kernels.numpy_packing import PACK_UP_TO, Slabs
 from kvps.errors import DTypeError, ShapeError
 
 STEPS = 20

@@ -13,10 +13,10 @@ except Exception:  # no driver, or a broken CUDA install: same as no GPU
 if _DEVICES == 0:
     pytest.skip('no CUDA device', allow_module_level=True)
 
-from kvps._kernels import cuda_kernels as C  # noqa: E402
-from kvps._kernels import kernels_for, multi_apply, numpy_kernels as K  # noqa: E402
+from kvps.optimizer.kernels import cuda_kernels as C  # noqa: E402
+from kvps.optimizer.kernels import kernels_for, multi_apply, numpy_kernels as K  # noqa: E402
 from kvps.optimizer import create  # noqa: E402
-from kvps.server.updater import Updater  # noqa: E402
+from kvps.optimizer.updater import Updater  # noqa: E402
 
 from test_cuda_source import BASE, CASES, DTYPES, NEEDS_T, live_states, state_dtype  # noqa: E402,E501
 

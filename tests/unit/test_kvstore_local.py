@@ -565,7 +565,7 @@ def test_kvps_log_level_reaches_the_workers_own_log_lines():
     quiet its warnings. (A subprocess: pytest holds handlers on the root logger.)"""
     import subprocess
     import sys
-    code = ('import logging, kvps.kvstore as k; log = logging.getLogger("kvps.worker")\n'
+    code = ('import logging, kvps.kvstore.job as k; log = logging.getLogger("kvps.worker")\n'
             'k._worker_logging("DEBUG"); log.debug("shown")\n'
             'k._worker_logging("ERROR"); log.warning("quieted")\n')
     run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,

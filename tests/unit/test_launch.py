@@ -14,10 +14,10 @@ import time
 
 import pytest
 
-from kvps import _launch_supervise, launch
-from kvps._launch_procs import ProcSpec
-from kvps._launch_supervise import Supervisor, run_specs
 from kvps.config import Config
+from kvps.launch import cli as launch, supervise as launch_supervise
+from kvps.launch.processes import ProcSpec
+from kvps.launch.supervise import Supervisor, run_specs
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -511,8 +511,8 @@ def _launcher_subprocess(code, count):
 
 SLEEPERS = '''
     import sys
-    from kvps._launch_procs import ProcSpec
-    from kvps._launch_supervise import run_specs
+    from kvps.launch.processes import ProcSpec
+    from kvps.launch.supervise import run_specs
     code = 'import os, time; print("pid", os.getpid(), flush=True); time.sleep(60)'
     specs = [ProcSpec('server', r, (sys.executable, '-c', code), {}) for r in (0, 1)]
     code = ('import os, subprocess, time; p = subprocess.Popen(["sleep", "60"]); '
@@ -613,7 +613,7 @@ def test_scheduler_that_never_writes_its_port(fake_node, tmp_path, monkeypatch):
     # loaded machine had not printed it 0.5 s after it was spawned ('printed nothing').
     printed = tmp_path / 'printed'
     clock = _ClockFrom(printed)
-    monkeypatch.setattr(_launch_supervise, 'time', clock)
+    monkeypatch.setattr(launch_supervise, 'time', clock)
     err = io.StringIO()
     rc = launch.run(_opts('--connect-timeout', '0.5', '--env', 'FAKE_SCHEDULER_SILENT=1',
                           '--env', 'FAKE_SCHEDULER_SLEEP=60', '--env', f'FAKE_PRINTED={printed}'),

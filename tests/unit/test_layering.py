@@ -1,18 +1,40 @@
-"""DESIGN.md's import rules and the public API, pinned by walking the AST."""
+"""DESIGN.md's import rules (as ranks of folders) and the public API, pinned by walking the AST."""
 
 import ast
+import importlib
 from pathlib import Path
 
 import kvps
 
 PKG = Path(kvps.__file__).parent
 ROLES = {'scheduler', 'server', 'worker'}
+# Each top-level module or package of kvps and its rank: a module imports only its own unit
+# and units of a lower rank. Values and the wire at the bottom, the roles above them, the
+# store and the Trainer on top; the launcher beside the top, imported by nothing.
+RANKS = {
+    'errors': 0,
+    'config': 1, 'atomic': 1, 'allocator': 1,
+    'wire': 2, 'optimizer': 2,                       # the wire format; optimizers and kernels
+    'arrays': 3,                                     # values, one on the other
+    'rows': 4, 'compression': 4, 'devices': 4,
+    'scheduler': 5, 'server': 5, 'worker': 5,        # the roles, which never import each other
+    'node': 6,                                       # runs a scheduler or server role
+    'kvstore': 7,
+    'trainer': 8, 'launch': 8,
+    '__init__': 9,
+}
+
+
+def unit_of(path):
+    """The top-level unit a kvps source file belongs to ('server', 'arrays', '__init__')."""
+    first = path.relative_to(PKG).parts[0]
+    return first[:-3] if first.endswith('.py') else first
 
 
 def imports_of(path):
     """Absolute module names imported by a kvps source file (relative imports resolved)."""
     parts = path.relative_to(PKG.parent).with_suffix('').parts
-    package = parts[:-1] if parts[-1] != '__init__' else parts[:-1]
+    package = parts[:-1]
     names = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -28,33 +50,59 @@ def imports_of(path):
     return names
 
 
+def units_imported(path):
+    """The kvps units a source file imports (its own excluded)."""
+    own = unit_of(path)
+    units = {m.split('.')[1] for m in imports_of(path)
+             if m.startswith('kvps.') and m.split('.')[1] in RANKS}
+    return units - {own}
+
+
 def sources():
-    return [p for p in PKG.rglob('*.py')]
+    return list(PKG.rglob('*.py'))
+
+
+def test_every_unit_has_a_rank():
+    assert {unit_of(p) for p in sources()} == set(RANKS)
+
+
+def test_imports_only_go_down():
+    for path in sources():
+        own = unit_of(path)
+        upward = {u for u in units_imported(path) if RANKS[u] >= RANKS[own]}
+        assert not upward, f'{path.relative_to(PKG)} ({own}) imports {sorted(upward)}'
+
+
+def test_role_packages_never_import_each_other_and_nothing_imports_launch():
+    for path in sources():
+        units = units_imported(path)
+        assert 'launch' not in units, f'{path} imports launch'
+        if unit_of(path) in ROLES:
+            assert not units & ROLES, f'{path} imports another role'
+
+
+def test_only_the_stores_and_the_trainer_see_gpu_values():
+    """devices (GPU values: sums on the device, pinned transfers) is for the store and the
+    Trainer; the roles below them handle host buffers (a server's GPU shards use the kernels'
+    cupy arrays, not devices)."""
+    for path in sources():
+        if 'devices' in units_imported(path):
+            assert unit_of(path) in ('kvstore', 'trainer'), path
 
 
 def test_only_transport_imports_zmq():
     for path in sources():
         if any(n.split('.')[0] == 'zmq' for n in imports_of(path)):
-            assert path.name == 'transport.py', f'{path} imports zmq'
+            assert path.relative_to(PKG).as_posix() == 'wire/transport.py', \
+                f'{path} imports zmq'
 
 
-def test_only_config_reads_the_environment():
+def test_only_config_and_the_launcher_read_the_environment():
     for path in sources():
-        if path.name in ('config.py', 'launch.py') or path.name.startswith('_launch'):
+        if path.name == 'config.py' or unit_of(path) == 'launch':
             continue
         text = path.read_text()
         assert 'os.environ' not in text and 'getenv' not in text, f'{path} reads os.environ'
-
-
-def test_role_packages_never_import_each_other_and_nothing_imports_launch():
-    for path in sources():
-        rel = path.relative_to(PKG).parts
-        mods = imports_of(path)
-        assert not any(m.startswith('kvps.launch') for m in mods), f'{path} imports launch'
-        if rel[0] in ROLES:
-            others = ROLES - {rel[0]}
-            assert not any(m.split('.')[1:2] and m.split('.')[1] in others for m in mods
-                           if m.startswith('kvps.')), f'{path} imports another role'
 
 
 def test_torch_and_cupy_are_lazy():
@@ -69,34 +117,61 @@ def test_torch_and_cupy_are_lazy():
                     f'{path} imports torch/cupy at module level'
 
 
-def test_public_api():
-    assert {'create', 'KVStore', 'KVPSError', 'PeerLostError', 'RemoteError',
-            'RequestTimeout', '__version__'} <= set(kvps.__all__)
-    for name in kvps.__all__:
-        assert hasattr(kvps, name), name
-    assert kvps.kvstore.create is kvps.create
-
-
-def test_devices_sits_between_arrays_and_the_stores():
-    """devices (GPU values) builds on arrays and _kernels; only the stores and the Trainer use
-    it, so no layer below them learns about GPUs."""
-    below = ('kvps.errors', 'kvps.protocol', 'kvps.arrays', 'kvps._kernels')
-    mods = [m for m in imports_of(PKG / 'devices.py') if m.startswith('kvps.')]
-    assert all(m.startswith(below) for m in mods), mods
-    lower = {'errors', 'config', 'protocol', 'arrays', 'optimizer', 'transport', 'shm'}
-    for path in sources():
-        rel = path.relative_to(PKG).parts
-        if rel[0] in ROLES | {'_kernels'} or path.stem in lower:
-            assert not any(m.startswith('kvps.devices') for m in imports_of(path)), path
-
-
-def test_shm_sits_beside_protocol_below_the_roles():
-    """shm (segments, the ring, offset checks) knows nothing of sockets, roles or config: the
-    worker's staging and the server's regions build on it, and the launcher (or its sweeper,
-    once it is killed) removes what a killed worker left."""
-    mods = [m for m in imports_of(PKG / 'shm.py') if m.startswith('kvps.')]
+def test_shm_is_used_by_the_roles_and_the_launcher_only():
+    """wire.shm (segments, the ring, offset checks) knows nothing of sockets, roles or
+    config: the worker's staging and the server's regions build on it, and the launcher
+    (or its sweeper, once it is killed) removes what a killed worker left."""
+    mods = [m for m in imports_of(PKG / 'wire' / 'shm.py') if m.startswith('kvps.')]
     assert all(m.startswith('kvps.errors') for m in mods), mods
     for path in sources():
-        rel = path.relative_to(PKG).parts
-        if rel[0] not in ROLES and path.stem not in ('shm', '_launch_supervise', '_launch_sweeper'):
-            assert not any(m.startswith('kvps.shm') for m in imports_of(path)), path
+        if unit_of(path) not in ROLES | {'launch'} and path.name != 'shm.py':
+            assert not any(m.startswith('kvps.wire.shm') for m in imports_of(path)), path
+
+
+def test_no_module_over_about_400_lines():
+    long = {str(p.relative_to(PKG)): n for p in sources()
+            if (n := len(p.read_text().splitlines())) > 420}
+    assert not long, long
+
+
+def test_every_module_opens_with_a_docstring():
+    for path in sources():
+        tree = ast.parse(path.read_text())
+        assert ast.get_docstring(tree), f'{path} has no module docstring'
+
+
+# -- the public API -----------------------------------------------------------------------
+ERRORS = {'KVPSError', 'ConfigError', 'ProtocolError', 'TransportError', 'RequestTimeout',
+          'PeerLostError', 'RemoteError', 'AuthError', 'KeyNotInitializedError',
+          'DuplicateInitError', 'ShapeError', 'DTypeError', 'KeyTypeError',
+          'ParameterMismatchError', 'StaleGradientError', 'StoreClosedError'}
+PUBLIC = {
+    'kvps': {'create', 'KVStore', 'Trainer', 'RowSparse', 'kvstore', 'optimizer',
+             '__version__'} | ERRORS,
+    'kvps.kvstore': {'create', 'KVStore', 'KNOWN_TYPES', 'parse_type',
+                     'check_compression_type'},
+    'kvps.optimizer': {'Optimizer', 'SGD', 'NAG', 'Adam', 'AdamW', 'AdaGrad', 'RMSProp', 'LAMB',
+                       'Ftrl', 'Signum', 'Test', 'create', 'register', 'registered',
+                       'LRScheduler', 'FactorScheduler', 'MultiFactorScheduler',
+                       'CosineScheduler', 'PolyScheduler', 'create_scheduler'},
+    'kvps.trainer': {'Trainer'},
+    'kvps.launch': {'main'},
+}
+
+
+def test_public_api_is_pinned():
+    for name, expected in PUBLIC.items():
+        module = importlib.import_module(name)
+        assert set(module.__all__) == expected, name
+        for attr in module.__all__:
+            assert hasattr(module, attr), f'{name}.{attr}'
+
+
+def test_entry_points_do_not_move():
+    import kvps.launch
+    assert kvps.kvstore.create is kvps.create
+    assert kvps.optimizer.create('sgd').name == 'sgd'
+    assert kvps.Trainer is kvps.trainer.Trainer
+    assert callable(kvps.launch.main)
+    assert (PKG / 'launch' / '__main__.py').exists() and (PKG / 'node.py').exists()
+    assert issubclass(kvps.PeerLostError, kvps.KVPSError)

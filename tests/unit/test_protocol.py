@@ -4,7 +4,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvps import protocol as P
+from kvps.wire import protocol as P
 from kvps.errors import ProtocolError
 
 

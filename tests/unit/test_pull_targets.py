@@ -6,7 +6,7 @@ import torch
 
 from kvps.errors import DTypeError
 from kvps.kvstore import KVStore
-from kvps.local import LocalBackend
+from kvps.kvstore.local import LocalBackend
 
 # Targets that pass the shape and dtype checks (float64, shape (3,)) but cannot be written.
 BAD_TARGETS = {

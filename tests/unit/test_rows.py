@@ -8,8 +8,8 @@ import kvps
 from kvps import rows
 from kvps.errors import DTypeError, ProtocolError, ShapeError
 from kvps.server.shard import Shard
-from kvps.server.updater import Updater
-from kvps.worker.sharding import Placement
+from kvps.optimizer.updater import Updater
+from kvps.worker.sharding import Sharding
 
 W0, W1 = b'worker-0', b'worker-1'
 
@@ -261,7 +261,7 @@ def test_another_servers_counts_ask_for_every_row():
 
 # -- placement -----------------------------------------------------------------------------
 def test_split_keys_are_cut_between_rows_unless_they_have_fewer_rows_than_servers():
-    placement = Placement(3, 10)
+    placement = Sharding(3, 10)
     parts = placement.place('emb', 7 * 4, 4, width=4)
     assert [(p.start, p.stop) for p in parts] == [(0, 8), (8, 16), (16, 28)]
     parts = placement.place('wide', 2 * 30, 4, width=30)   # 2 rows, 3 servers: by elements

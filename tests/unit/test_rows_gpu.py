@@ -14,16 +14,16 @@ if not HAS_GPU:
 
 import torch  # noqa: E402
 
-import kvps  # noqa: E402
+import kvps
 from kvps import rows  # noqa: E402
-from kvps.server.placement import CudaArrays, HostArrays, Placements  # noqa: E402
+from kvps.server.storage import CudaArrays, HostArrays, Storage  # noqa: E402
 from kvps.server.shard import Shard  # noqa: E402
-from kvps.server.updater import Updater  # noqa: E402
+from kvps.optimizer.updater import Updater  # noqa: E402
 
 
 def run_shard(arrays, optimizer):
     shard = Shard(2, Updater(kvps.optimizer.create(optimizer, learning_rate=0.1, wd=0.01)),
-                  placements=Placements(arrays, arrays))
+                  storage=Storage(arrays, arrays))
     start = np.arange(24, dtype=np.float32)
     shard.init('i', 'k', 0, 'float32', [8, 3], True, memoryview(start).cast('B'))
     for step in range(3):

@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
-from kvps._kernels import numpy_kernels as K
+from kvps.optimizer.kernels import numpy_kernels as K
 from kvps.errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInitializedError,
                          KVPSError, ShapeError)
 from kvps.optimizer import FactorScheduler, create
 from kvps.server.shard import Shard
-from kvps.server.updater import Updater
+from kvps.optimizer.updater import Updater
 
 W0, W1, W2 = b'worker-0', b'worker-1', b'worker-2'
 

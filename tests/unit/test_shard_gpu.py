@@ -12,8 +12,8 @@ except Exception:  # no driver
 if not HAS_GPU:
     pytest.skip('no CUDA device', allow_module_level=True)
 
-from kvps.server.placement import CudaArrays  # noqa: E402
-from test_shard_placement import assert_like_host  # noqa: E402
+from kvps.server.storage import CudaArrays  # noqa: E402
+from test_shard_storage import assert_like_host  # noqa: E402
 
 
 @pytest.mark.parametrize('sync', [True, False])
@@ -23,19 +23,19 @@ def test_gpu_shard_matches_the_host_shard(sync, optimizer):
 
 
 def test_gpu_shard_keeps_its_weights_on_the_device():
-    from kvps.server.placement import Placements
+    from kvps.server.storage import Storage
     from kvps.server.shard import Shard
     gpu = CudaArrays()
-    shard = Shard(1, placements=Placements(gpu, gpu))
+    shard = Shard(1, storage=Storage(gpu, gpu))
     shard.init('i', 'k', 0, 'float32', [3], True,
                memoryview(np.array([1, 2, 3], np.float32)).cast('B'))
     assert isinstance(shard.entries[('k', 0)].weight, cupy.ndarray)
 
 
 def test_auto_puts_device_side_keys_on_this_gpu():
-    from kvps.server.placement import for_device
+    from kvps.server.storage import for_device
     from kvps.server.shard import Shard
-    shard = Shard(1, placements=for_device('auto'))
+    shard = Shard(1, storage=for_device('auto'))
     one = memoryview(np.array([1, 2, 3], np.float32)).cast('B')
     shard.init('i', 'dev', 0, 'float32', [3], True, one, device=True)
     shard.init('i', 'host', 0, 'float32', [3], True, one)

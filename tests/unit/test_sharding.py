@@ -2,11 +2,11 @@
 
 import pytest
 
-from kvps.worker.sharding import Placement
+from kvps.worker.sharding import Sharding
 
 
 def test_big_array_is_split_across_all_servers_and_covers_every_element():
-    placement = Placement(num_servers=3, bigarray_bound=10)
+    placement = Sharding(num_servers=3, bigarray_bound=10)
     parts = placement.place('big', 100, 4)
     assert sorted(p.server for p in parts) == [0, 1, 2]
     assert [p.part for p in parts] == [0, 1, 2]
@@ -16,13 +16,13 @@ def test_big_array_is_split_across_all_servers_and_covers_every_element():
 
 
 def test_a_key_of_bound_elements_is_split_as_in_mxnet_and_one_server_never_splits():
-    assert len(Placement(2, 10).place('k', 9, 4)) == 1
-    assert len(Placement(2, 10).place('k', 10, 4)) == 2   # MXNet: size < bound stays whole
-    assert len(Placement(1, 10).place('k', 1000, 4)) == 1
+    assert len(Sharding(2, 10).place('k', 9, 4)) == 1
+    assert len(Sharding(2, 10).place('k', 10, 4)) == 2   # MXNet: size < bound stays whole
+    assert len(Sharding(1, 10).place('k', 1000, 4)) == 1
 
 
 def test_small_keys_balance_bytes_not_counts():
-    placement = Placement(num_servers=2, bigarray_bound=10**6)
+    placement = Sharding(num_servers=2, bigarray_bound=10**6)
     placement.place('a', 1000, 4)             # server 0: 4000 bytes
     servers = [placement.place(k, 10, 4)[0].server for k in 'bcdefgh']
     assert set(servers) == {1}                # all the small ones go to the lighter server
@@ -33,11 +33,11 @@ def test_a_balanced_model_of_few_big_tensors_loads_no_server_above_one_and_a_hal
     # the 'wide' MLP: 784x1024, two 1024x1024, 1024x10 and its biases, on four servers
     sizes = [802816, 1048576, 1048576, 10240, 3082]
     total = sum(sizes)
-    mxnet = Placement(4, 10**6)   # the 784x1024 tensor stays whole: one server gets 1.8x a share
+    mxnet = Sharding(4, 10**6)   # the 784x1024 tensor stays whole: one server gets 1.8x a share
     for key, n in enumerate(sizes):
         mxnet.place(key, n, 4)
     assert max(mxnet.load) > 1.8 * sum(mxnet.load) / 4
-    balanced = Placement(4, 10**6)
+    balanced = Sharding(4, 10**6)
     balanced.balance(total)
     assert balanced.bound == total // 8
     for key, n in enumerate(sizes):
@@ -47,23 +47,23 @@ def test_a_balanced_model_of_few_big_tensors_loads_no_server_above_one_and_a_hal
 
 
 def test_balancing_never_raises_the_bound_nor_splits_small_models_or_one_server():
-    placement = Placement(2, 1000)
+    placement = Sharding(2, 1000)
     placement.balance(10**9)
     assert placement.bound == 1000                     # the configured bound stays the cap
-    placement = Placement(2, 10**6)
+    placement = Sharding(2, 10**6)
     placement.balance(100_000)
     assert placement.bound == 1 << 16                  # tiny keys are never split
-    placement = Placement(1, 10**6)
+    placement = Sharding(1, 10**6)
     placement.balance(10**8)
     assert placement.bound == 10**6                    # one server: nothing to balance
 
 
 def test_placement_is_deterministic_and_remembered():
     def run():
-        p = Placement(3, 50)
+        p = Sharding(3, 50)
         return [p.place(k, n, 4) for k, n in [(0, 10), (1, 100), (2, 7), (3, 60)]]
     assert run() == run()
-    p = Placement(2, 50)
+    p = Sharding(2, 50)
     first = p.place('x', 10, 4)
     assert p.place('x', 10, 4) == first == p.parts('x')
 
@@ -91,7 +91,7 @@ def test_a_message_lists_no_more_keys_than_a_header_may_carry(key_of):
     would the DATA answer of a pull be; so are an init's and a check's, which list shapes.
     Every field here packs to its widest."""
     import numpy as np
-    from kvps import protocol as P
+    from kvps.wire import protocol as P
     from kvps.worker.messages import fuse
     from kvps.worker.sharding import Part
     widest = 2 ** 64 - 1
@@ -127,22 +127,22 @@ def test_a_message_lists_no_more_keys_than_a_header_may_carry(key_of):
 
 def test_keys_over_the_partition_size_are_cut_in_whole_rounds_of_the_servers():
     """As BytePS: parts of at most partition_bytes, as many on every server."""
-    one = Placement(1, 10**6, partition_bytes=1000)
+    one = Sharding(1, 10**6, partition_bytes=1000)
     parts = one.place('k', 1001, 4)            # 4004 bytes: 5 parts on the one server
     assert [p.server for p in parts] == [0] * 5 and [p.part for p in parts] == list(range(5))
     assert parts[0].start == 0 and parts[-1].stop == 1001
     assert all(a.stop == b.start for a, b in zip(parts, parts[1:]))
     assert max((p.stop - p.start) * 4 for p in parts) <= 1000
-    three = Placement(3, 10**6, partition_bytes=1000)
+    three = Sharding(3, 10**6, partition_bytes=1000)
     parts = three.place('k', 1001, 4)          # 5 parts rounded up to 6: two per server
     assert sorted(p.server for p in parts) == [0, 0, 1, 1, 2, 2]
     assert three.load == [1332, 1336, 1336]
     assert len(three.place('small', 250, 4)) == 1                  # 1000 bytes: whole
-    assert Placement(2, 10**6).place('k', 10**5, 4)[0].stop == 10**5   # None: never cut
+    assert Sharding(2, 10**6).place('k', 10**5, 4)[0].stop == 10**5   # None: never cut
 
 
 def test_partitions_are_cut_between_rows_and_never_when_keys_stay_whole():
-    placement = Placement(2, 10**6, partition_bytes=4000)
+    placement = Sharding(2, 10**6, partition_bytes=4000)
     parts = placement.place('table', 100 * 30, 4, width=30)        # 12000 bytes: 4 parts
     assert len(parts) == 4 and all(p.start % 30 == 0 for p in parts)
     placement.keep_whole = True                # LAMB reads each weight whole
@@ -153,7 +153,7 @@ def test_a_pull_answer_that_does_not_match_the_request_fails_it():
     """A DATA answer lists no keys (it answers the pull's items in order): the worker checks
     that it answers each of them, with a frame of each one's size, before writing any."""
     import numpy as np
-    from kvps import protocol as P
+    from kvps.wire import protocol as P
     from kvps.errors import ProtocolError
     from kvps.worker.messages import copier
     from kvps.worker.sharding import Part

@@ -10,16 +10,16 @@ import os
 import numpy as np
 import pytest
 
-from kvps import protocol as P
-from kvps import shm
-from kvps._kernels.numpy_packing import PACK_UP_TO
+from kvps.wire import protocol as P
+from kvps.wire import shm
+from kvps.optimizer.kernels.numpy_packing import PACK_UP_TO
 from kvps.config import Config
 from kvps.errors import KVPSError, ProtocolError
 from kvps.server.regions import Regions
-from kvps.server.placement import HostArrays, Placements
+from kvps.server.storage import HostArrays, Storage
 from kvps.server.shard import Shard
-from kvps.shm import (ALIGN, HEADER_BYTES, Heap, Mapping, Ring, Segment, aligned,
-                      remove_leftovers)
+from kvps.wire.shm import (ALIGN, HEADER_BYTES, Heap, Mapping, Ring, Segment, aligned,
+                           remove_leftovers)
 from kvps.worker.staging import Arena, Staging
 
 KB = 1024
@@ -351,9 +351,9 @@ def test_an_arena_weight_is_lent_in_place_and_never_changed_before_the_worker_co
     staging = Staging(worker_segment)
     staging.map_arena('server 0', {'arena': arena})
     assert 'server 0' in staging.arenas
-    placements = Placements(HostArrays())
-    placements.use_arena(regions.arena)
-    shard = Shard(1, placements=placements)
+    storage = Storage(HostArrays())
+    storage.use_arena(regions.arena)
+    shard = Shard(1, storage=storage)
     n = PACK_UP_TO + 1   # not a small key (those share chunks): a block of its own
     shard.init('i', 'k', 0, 'float32', [n], True, np.ones(n, np.float32).tobytes())
     shard.push('p', b'worker-0', 'k', 0, 'float32', True, np.full(n, 2, np.float32).tobytes())

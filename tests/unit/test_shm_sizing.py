@@ -7,12 +7,12 @@ import types
 
 import pytest
 
-from kvps import protocol as P
-from kvps import shm
+from kvps.wire import protocol as P
+from kvps.wire import shm
 from kvps.config import Config
 from kvps.errors import ConfigError
 from kvps.server.regions import Regions
-from kvps.shm import Segment, segment_bytes, share_of
+from kvps.wire.shm import Segment, segment_bytes, share_of
 from kvps.worker.loop import WorkerIO
 from kvps.worker.staging import Staging
 

@@ -2,7 +2,7 @@
 
 import logging
 
-from kvps import states
+from kvps.optimizer import states
 
 
 def blob(*values):

@@ -7,10 +7,10 @@ import pytest
 
 torch = pytest.importorskip('torch')
 
-import kvps  # noqa: E402
-from kvps import _trainer_params  # noqa: E402
+import kvps
+from kvps.trainer import params as _trainer_params  # noqa: E402
 from kvps.kvstore import KVStore  # noqa: E402
-from kvps.local import LocalBackend  # noqa: E402
+from kvps.kvstore.local import LocalBackend  # noqa: E402
 from kvps.optimizer import create as create_optimizer  # noqa: E402
 from kvps import StaleGradientError, Trainer  # noqa: E402
 from kvps.errors import ConfigError  # noqa: E402

@@ -4,11 +4,12 @@ import pytest
 
 torch = pytest.importorskip('torch')
 
-import kvps  # noqa: E402
-from kvps import Trainer, states  # noqa: E402
-from kvps._trainer_fusion import FUSE_BELOW_BYTES  # noqa: E402
+import kvps
+from kvps import Trainer
+from kvps.optimizer import states  # noqa: E402
+from kvps.trainer.fusion import FUSE_BELOW_BYTES  # noqa: E402
 from kvps.kvstore import KVStore  # noqa: E402
-from kvps.local import LocalBackend  # noqa: E402
+from kvps.kvstore.local import LocalBackend  # noqa: E402
 
 
 def store(name='dist_sync'):
@@ -69,8 +70,8 @@ def test_layout_groups_by_dtype_and_multiplier_and_leaves_the_rest_alone():
 def test_a_fused_key_holds_parameters_of_one_device():
     """CUDA parameters are fused as CPU ones are, one device per key (torch.cat packs them);
     the meta device stands in for a GPU here: Layout reads only sizes, dtypes and devices."""
-    from kvps._trainer_fusion import Layout
-    from kvps._trainer_params import Param
+    from kvps.trainer.fusion import Layout
+    from kvps.trainer.params import Param
     devices = ['cpu', 'meta', 'cpu', 'meta', 'meta']
     params = [Param(i, f'p{i}', torch.nn.Parameter(torch.ones(4, device=d)))
               for i, d in enumerate(devices)]
@@ -212,7 +213,7 @@ def test_gradients_bucketed_from_several_threads_each_leave_once():
     gradient they add leaves in exactly one push."""
     import sys
     import threading
-    from kvps._trainer_fusion import PushBucket
+    from kvps.trainer.fusion import PushBucket
 
     class Recording:
         def __init__(self):

@@ -8,11 +8,11 @@ import socket
 import numpy as np
 import pytest
 
-from kvps import transport
+from kvps.wire import transport
 from kvps.config import Config
 from kvps.errors import ConfigError
-from kvps.transport import (Dealer, Router, Socket, advertised_host, interface_address,
-                            new_context, resolve)
+from kvps.wire.transport import (Dealer, Router, Socket, advertised_host, interface_address,
+                                 new_context, resolve)
 
 BIG = 1 << 20      # above the copy threshold: sent in place, so tracked
 SMALL = 1 << 10    # below it: copied at send time
@@ -96,7 +96,7 @@ def failing_dns(monkeypatch, failures):
 
 def test_an_unresolvable_scheduler_host_is_reported_once_while_retrying(monkeypatch, caplog):
     calls = failing_dns(monkeypatch, failures=5)
-    with caplog.at_level(logging.WARNING, logger='kvps.transport'):
+    with caplog.at_level(logging.WARNING, logger='kvps.wire.transport'):
         assert resolve('sched.example', timeout_s=120) == '10.0.0.7'
     assert len(calls) == 6
     [record] = caplog.records
@@ -108,14 +108,14 @@ def test_an_unresolvable_scheduler_host_is_reported_once_while_retrying(monkeypa
 
 def test_giving_up_on_dns_raises_after_the_one_warning(monkeypatch, caplog):
     calls = failing_dns(monkeypatch, failures=10 ** 6)
-    with caplog.at_level(logging.WARNING, logger='kvps.transport'):
+    with caplog.at_level(logging.WARNING, logger='kvps.wire.transport'):
         with pytest.raises(ConfigError, match="cannot resolve scheduler host 'sched.example'"):
             resolve('sched.example', timeout_s=3)
     assert len(calls) > 2 and len(caplog.records) == 1
 
 
 def test_a_resolvable_host_logs_nothing(caplog):
-    with caplog.at_level(logging.WARNING, logger='kvps.transport'):
+    with caplog.at_level(logging.WARNING, logger='kvps.wire.transport'):
         assert resolve('127.0.0.1', timeout_s=1) == '127.0.0.1'
     assert not caplog.records
 

@@ -7,10 +7,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvps._kernels import numpy_kernels as K
+from kvps.optimizer.kernels import numpy_kernels as K
 from kvps.errors import ConfigError, DTypeError, ShapeError
 from kvps.optimizer import FactorScheduler, create
-from kvps.server.updater import Updater
+from kvps.optimizer.updater import Updater
 
 RNG = np.random.default_rng(7)
 
@@ -242,7 +242,7 @@ def test_malformed_states_are_config_errors(bad):
 
 def test_importing_and_updating_never_imports_cupy():
     code = ('import sys, numpy as np\n'
-            'from kvps.server.updater import Updater\n'
+            'from kvps.optimizer.updater import Updater\n'
             'from kvps.optimizer import create\n'
             'Updater(create("adam")).update(0, np.ones(3), np.ones(3))\n'
             'assert "cupy" not in sys.modules and "torch" not in sys.modules\n')

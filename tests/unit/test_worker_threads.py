@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from kvps import protocol as P
+from kvps.wire import protocol as P
 from kvps.config import Config
 from kvps.errors import RequestTimeout, StoreClosedError
 from kvps.worker.loop import WorkerIO

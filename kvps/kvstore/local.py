@@ -1,0 +1,185 @@
+"""The in-process backend for 'local' and 'device' stores: the server's Shard, no sockets."""
+
+import functools
+import threading
+
+import numpy as np
+
+from .. import rows
+from ..arrays import flat_view
+from ..errors import ConfigError
+from ..server.row_store import LIVE
+from ..server.shard import Shard
+from ..wire.protocol import PUSH_CODECS
+
+_ME = b'local'
+
+
+class FunctionUpdater:
+    """MXNet's push updater: ``fn(key, merged, stored)`` changes ``stored`` in place, given as
+    numpy arrays of the key's shape. It runs in this process, where the caller wrote it."""
+
+    def __init__(self, fn, shape_of):
+        self.fn, self._shape_of = fn, shape_of
+        self._failure = None
+
+    def update(self, key, weight, grad, part=0):
+        if isinstance(grad, tuple):   # a round's pushes handed over unsummed
+            grad = np.add.reduce(grad)
+        shape = self._shape_of(key)
+        try:
+            self.fn(key, grad.reshape(shape), weight.reshape(shape))   # views: in place
+        except Exception as exc:  # the push raises it once its round is closed, so the
+            self._failure = self._failure or exc   # store stays usable (pulls see the key)
+
+    def raise_failure(self):
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def update_many(self, items, step=0):
+        """A Python updater has no lr scheduler: ``step`` means nothing to it."""
+        for key, part, weight, grad in items:
+            self.update(key, weight, grad, part)
+
+    def retune(self, spec):
+        return False     # an optimizer set later replaces the function
+
+    def get_states(self, dump_optimizer):
+        raise ConfigError('the store runs a Python updater (set with _set_updater): it keeps '
+                          'no optimizer state kvps can save')
+
+    set_states = checked_states = get_states
+
+
+def _serialized(method):
+    """One call at a time: the shard's rounds are not thread-safe, and a store may be shared
+    by the threads of a process (MXNet's engine serializes calls too)."""
+    @functools.wraps(method)
+    def serialized(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return serialized
+
+
+class LocalBackend:
+    """One process is the whole job: rank 0 of 1, every push is a complete round."""
+
+    rank = 0
+    num_workers = 1
+    sync = True
+
+    def __init__(self):
+        self.shard = Shard(num_workers=1)
+        self.lock = threading.RLock()
+        self.keys = {}            # key -> (shape, dtype name), as the KVStore checks them
+        self.closed = False
+
+    @_serialized
+    def init(self, items, device=False):
+        """In this process, keys stay in host memory; device values are summed on their GPU
+        before they get here."""
+        for key, flat, shape, dtype in items:
+            self.shard.init(None, key, 0, dtype, shape, True, memoryview(flat).cast('B'))
+
+    def stage(self, sizes):
+        """Pushes are applied before push returns: a copy anywhere will do."""
+        return [None] * len(sizes)
+
+    @_serialized
+    def push(self, items):
+        def push_each():   # updates together, as a server does for one message
+            replies = []
+            for key, flat, dtype in items:
+                data = flat[0] if dtype in PUSH_CODECS else flat   # encoded: one part
+                replies += self.shard.push(None, _ME, key, 0, dtype, True,
+                                           memoryview(data).cast('B'))
+            return replies
+        replies = self.shard.together(push_each)
+        if isinstance(self.shard.updater, FunctionUpdater):
+            self.shard.updater.raise_failure()
+        for kind, _, payload in replies:   # a key the optimizer could not update
+            if kind == 'error':
+                raise payload
+
+    def pushpull(self, pushes, pulls):
+        """Push then pull: nothing to overlap in one process."""
+        self.push(pushes)
+        self.pull(pulls)
+
+    def pull_begin(self, items):
+        """Pull now (nothing is in flight in one process); the wait is a no-op."""
+        self.pull(items)
+        return lambda: None
+
+    @_serialized
+    def pull(self, items):
+        for key, out, _ in items:
+            (_, _, (_, value, lease)), = self.shard.pull(None, _ME, key, 0)
+            flat = flat_view(out)
+            if flat is not None:
+                np.copyto(flat, value)
+            else:
+                np.copyto(out, value.reshape(out.shape))
+            lease.released = True
+
+    def pull_rows_begin(self, items):
+        """Pull the rows now (nothing is in flight in one process); the wait is a no-op."""
+        self.pull_rows(items)
+        return lambda: None
+
+    @_serialized
+    def pull_rows(self, items):
+        """As DistClient.pull_rows: some rows of each key into its table."""
+        for key, table, ids, marks in items:
+            since = marks.get(0) if ids is None else None
+            asked = None if ids is None else memoryview(ids).cast('B')
+            (_, _, (epoch, count, payload)), = self.shard.pull(None, _ME, key, 0, (asked, since))
+            got, values = rows.decode(payload, table.shape[1], table.dtype, table.shape[0])
+            table[got] = values
+            if ids is None:
+                marks[0] = [epoch, count]
+
+    @_serialized
+    def pull_live_begin(self, items):
+        """As DistClient.pull_live_begin, answered at once."""
+        for key, width, dtype, sink in items:
+            (_, _, (_, _, payload)), = self.shard.pull(None, _ME, key, 0, (None, LIVE))
+            sink.append(rows.decode(payload, width, dtype, self.shard.entries[key, 0].n // width))
+        return lambda: None
+
+    @_serialized
+    def set_optimizer(self, spec):
+        self.shard.set_optimizer(spec)
+
+    @_serialized
+    def set_updater(self, fn):
+        self.shard.updater = FunctionUpdater(fn, lambda key: self.shard.entries[key, 0].shape)
+
+    @_serialized
+    def get_states(self, dump_optimizer):
+        return [self.shard.get_states(dump_optimizer)]
+
+    @_serialized
+    def set_states(self, per_server):
+        self.shard.set_states(per_server[0])
+
+    num_servers = 1
+
+    def keep_keys_whole(self):
+        pass      # one shard holds every key whole
+
+    def balance_keys(self, total):
+        pass
+
+    def parts(self, key, size):
+        return [(0, 0, 0, size)]
+
+    def barrier(self, digest=None):
+        return []     # one worker always agrees with itself
+
+    def wait_pushes(self):
+        pass
+
+    def close(self):
+        self.closed = True

@@ -1,0 +1,333 @@
+"""KVStore, MXNet's KVStore API over a backend (in this process, or the job's servers), and `create(name)`."""
+
+import math
+
+from .. import arrays, compression, devices, rows
+from ..errors import ConfigError, DuplicateInitError, KeyNotInitializedError
+from ..optimizer import states
+from . import row_calls as _store_rows
+from .job import dist_backend
+from .keys import StoreKeys
+from .local import LocalBackend
+from .types import CAPABILITIES, check_compression_type, parse_type
+
+
+class KVStore(StoreKeys):
+    """Keys to arrays, shared by every worker of the job (MXNet's KVStore interface).
+
+    The threads of a process may share a store, as ps-lite's KVWorker allows: push and pull
+    may be called from several threads at once (a pull waiting on a server does not hold
+    back another thread's push). Give each thread its own keys: in dist_sync every worker must
+    push a key once per round, and a compressed key's residual is not shared between
+    pushes made at once. The collective calls (init, set_optimizer, load_optimizer_states,
+    barrier) must come in the same order on every worker, so make them from one thread. A
+    push's error is raised by the next call that waits, in whichever thread. close() is not
+    meant to race with other calls: a call still under way, or made after it, raises
+    StoreClosedError."""
+
+    OPTIMIZER = 'optimizer'    # MXNet's name of the one capability (is_capable)
+
+    def __init__(self, name, backend):
+        self._type = name
+        self._device = parse_type(name)[2]   # GPU values are taken by device stores only
+        self._backend = backend
+        # key -> (shape, dtype name), kept by the backend: every store of one process's job
+        # membership sees the keys any of them initialized, as the servers do
+        self._meta = backend.keys
+        self._init_keys()
+        self._codec = None         # gradient compression of pushes (set_gradient_compression)
+        self._residuals = {}       # what compressed pushes have not sent yet, per key part
+
+    # -- identity -------------------------------------------------------------------------
+    @property
+    def type(self):
+        return self._type
+
+    @property
+    def rank(self):
+        return self._backend.rank
+
+    @property
+    def num_workers(self):
+        return self._backend.num_workers
+
+    def is_capable(self, capability):
+        """MXNet's capability query: kvps stores can all run optimizers on the servers. As in
+        MXNet, a capability it does not know is a ValueError (not False: a misspelled name
+        must not read as "unsupported")."""
+        if capability.lower() not in CAPABILITIES:
+            raise ValueError(f'Unknown capability: {capability}')
+        return True
+
+    # -- the data API ---------------------------------------------------------------------
+    def init(self, key, value):
+        """Initialize keys (collective: every worker calls it; rank 0's values are stored)."""
+        self._open()
+        items = []
+        for k, values in self._pairs(key, value):
+            if k in self._meta:
+                raise DuplicateInitError(f'key {k!r} is already initialized')
+            if len(values) > 1:   # MXNet: a duplicate init of the key
+                raise DuplicateInitError(f'init takes one value per key; key {k!r} got '
+                                         f'{len(values)}')
+            v = values[0]
+            if rows.is_row_sparse(v):   # it has no shape of its own: the table's is unknown
+                raise TypeError(f'key {k!r}: init takes a dense value of the whole key (zeros '
+                                'for an embedding); rows are pushed once it exists')
+            shape, dtype = arrays.shape_of(v), arrays.dtype_name(v)
+            items.append((k, self._host_copies([(k, [v])])[0], shape, dtype))
+        self._backend.init(items, device=self._device)
+        for k, _, shape, dtype in items:
+            self._meta[k] = (shape, dtype)
+
+    def push(self, key, value, priority=0):
+        """Send values (a list per key is summed first); returns without waiting."""
+        self._open()
+        self._backend.push(self._push_items(key, value))
+
+    def _push_items(self, key, value):
+        """What the backend sends for a push: every value checked before anything is sent,
+        then kvps-owned copies (compressed when compression is on)."""
+        pairs = self._pairs(key, value)
+        sparse = {}
+        for k, values in pairs:
+            shape, dtype = self._known(k)
+            for v in values:
+                if rows.is_row_sparse(v):
+                    sparse[k] = True    # checked as its rows are read
+                else:
+                    arrays.check_like(v, shape, dtype, k, 'pushed value')
+        if sparse:   # some rows travel alone (never compressed), the rest as below
+            items = [_store_rows.push_item(self, k, values) if k in sparse else None
+                     for k, values in pairs]
+            dense = iter(self._push_items_dense([p for p in pairs if p[0] not in sparse]))
+            return [item or next(dense) for item in items]
+        return self._push_items_dense(pairs)
+
+    def _push_items_dense(self, pairs):
+        codec = self._codec   # read once: another thread may turn compression off meanwhile
+        if codec is not None:
+            for k, _ in pairs:
+                compression.check_compressible(k, self._meta[k][1])
+            return [(k, self._encoded(codec, k, values), codec.name) for k, values in pairs]
+        copies = self._host_copies(pairs, stage=True)
+        return [(k, copy, self._meta[k][1]) for (k, _), copy in zip(pairs, copies)]
+
+    def set_gradient_compression(self, compression_params):
+        """Compress pushed gradients, as MXNet does: ``{'type': '2bit', 'threshold': 0.5}``
+        sends each element as +threshold, -threshold or 0 and keeps the difference on this
+        worker for later pushes (``None`` or type 'none': off). Pulls stay exact. Every worker
+        should set the same; see kvps.compression. 'device' and 'dist*' stores only, as in
+        MXNet: any other type raises ConfigError."""
+        check_compression_type(self._type)
+        self._codec = compression.parse(compression_params, self._residuals)
+
+    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+        """Write the current values into ``out`` (in place), after this worker's pushes."""
+        if out is None:
+            raise TypeError('pull needs out= (the arrays to write into)')
+        self._open()
+        landings, items = self._pull_items(key, out)
+        self._backend.pull(items)
+        self._land(landings)
+
+    def _pull_begin(self, key, out):
+        """Send a pull's requests now; returns a function that waits for the answers (and
+        lands them on GPUs). The Trainer pulls a key right behind its push this way, so its
+        result comes back while backward still runs."""
+        self._open()
+        landings, items = self._pull_items(key, out)
+        wait = self._backend.pull_begin(items)
+
+        def landed():
+            wait()
+            self._land(landings)
+        return landed
+
+    def _pull_items(self, key, out):
+        """``(landings, backend items)`` for a pull into ``out``, every target checked first
+        (a pull raises before it writes any of them). GPU targets are pulled into a pinned
+        host buffer and copied onto each device from there: landing ``(buffer, targets)``;
+        host targets are pulled into the first one, which feeds the rest: landing ``(None,
+        their numpy views)``."""
+        landings, items = [], []
+        for k, targets in self._pairs(key, out):
+            shape, dtype = self._known(k)
+            for t in targets:
+                if rows.is_row_sparse(t):
+                    raise TypeError(f'key {k!r}: pull into dense arrays or tensors (row-sparse '
+                                    'values are for push; row_sparse_pull pulls some rows)')
+                arrays.check_like(t, shape, dtype, k, 'pull target')
+            gpu = self._on_gpu(k, targets)   # first: it names the device store types
+            views = devices.check_targets(targets, k)
+            if gpu:
+                host = devices.pull_buffer(targets)
+                landings.append((host, targets))
+                items.append((k, arrays.as_numpy(host), dtype))
+            else:
+                landings.append((None, views))
+                items.append((k, views[0], dtype))
+        return landings, items
+
+    @staticmethod
+    def _land(landings):
+        """Copy what a pull wrote into its first target or host buffer onto the rest."""
+        for host, targets in landings:
+            if host is not None:
+                devices.land(host, targets)
+            else:
+                for view in targets[1:]:
+                    view[...] = targets[0]
+
+    def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
+        """Write rows ``row_ids`` of the key's current value into those rows of ``out`` (an
+        array or tensor of the key's shape; its other rows are left as they are), after this
+        worker's pushes, as MXNet's: an embedding's worker pulls the rows its next batch
+        reads. A list of keys takes a list of ``out`` and of ``row_ids``; a key with several
+        targets, one row_ids per target (or one for all). Ids may repeat and come in any
+        order."""
+        if out is None:
+            raise TypeError('row_sparse_pull needs out= (the arrays to write rows into)')
+        self._open()
+        _store_rows.pull(self, key, out, row_ids)
+
+    def _pull_changed(self, key, out, marks):
+        """Write into ``out`` (contiguous, host memory) the rows of ``key`` that changed since
+        the last such pull with the same ``marks`` (a dict the caller keeps; empty: every
+        row): the Trainer's pull of an embedding that its servers update row by row. Sends
+        the requests and returns the wait for their answers."""
+        self._open()
+        return _store_rows.pull_begin(self, key, out, marks=marks)
+
+    def _pull_live(self, keys):
+        """Send requests for the rows each of ``keys`` got from its last push of rows (the
+        Trainer's summed sparse gradients, servers without an optimizer); returns the wait,
+        which gives {key: (ids, rows)}."""
+        self._open()
+        return _store_rows.pull_live_begin(self, keys)
+
+    def pushpull(self, key, value, out=None, priority=0):
+        """Push then pull; with ``out=None`` the result is written into ``value``. Every
+        value and target is checked before anything is sent; on a dist store each key's pull
+        request follows its push closely, so results come back while later keys are still
+        being pushed."""
+        self._open()
+        landings, pulls = self._pull_items(key, value if out is None else out)
+        pushes = self._push_items(key, value)
+        self._backend.pushpull(pushes, pulls)
+        self._land(landings)
+
+    def broadcast(self, key, value, out, priority=0):
+        """Initialize with rank 0's ``value`` and pull it into ``out`` on every worker."""
+        self.init(key, value)
+        self.pull(key, out, priority)
+
+    def barrier(self):
+        """Wait until every worker arrives and all of this worker's pushes are applied."""
+        self._open()
+        self._backend.barrier()
+
+    _barrier = barrier     # MXNet's spelling
+
+    def agree(self, value):
+        """A barrier at which every worker offers ``value`` (bytes, at most 64: a digest of
+        what must be the same everywhere); returns the ranks whose value differs from rank
+        0's, [] when all agree. Collective; a kvps extension of the MXNet API."""
+        self._open()
+        value = bytes(value)
+        if len(value) > 64:
+            raise ValueError(f'agree takes at most 64 bytes (a digest), got {len(value)}')
+        return self._backend.barrier(value)
+
+    def set_optimizer(self, optimizer):
+        """Run ``optimizer`` on the servers for every later push (collective). Setting the
+        same kind of optimizer again changes its hyper-parameters and keeps its state."""
+        if isinstance(optimizer, dict):
+            spec = optimizer
+        elif hasattr(optimizer, 'to_spec'):
+            spec = optimizer.to_spec()
+        else:
+            raise TypeError('set_optimizer takes a kvps optimizer (kvps.optimizer.create(...)) '
+                            f'or its spec, got {type(optimizer).__name__}')
+        self._open()
+        self._backend.set_optimizer(spec)
+
+    def _set_updater(self, updater):
+        """MXNet's push updater for a store in this process ('local', 'device'): every later
+        push runs ``updater(key, merged, stored)``, which changes ``stored`` in place (numpy
+        arrays of the key's shape) instead of replacing it; set_optimizer replaces it. A
+        distributed store refuses: its servers run only optimizers sent as data, never code."""
+        if not callable(updater):
+            raise TypeError(f'the updater must be callable, got {type(updater).__name__}')
+        self._open()
+        setter = getattr(self._backend, 'set_updater', None)
+        if setter is None:
+            raise ConfigError(
+                f'a {self._type!r} store cannot take a Python updater: its servers run only '
+                'optimizers sent as plain data (kvps never sends code). Use '
+                'kv.set_optimizer(kvps.optimizer.create(...)), or update on the workers '
+                '(kvps.Trainer(..., update_on_kvstore=False))')
+        setter(updater)
+
+    set_updater = _set_updater
+
+    def save_optimizer_states(self, fname, dump_optimizer=False):
+        """Save the servers' optimizer state (every shard, whole keys) to ``fname``."""
+        states.write_file(fname, self._get_optimizer_states(dump_optimizer))
+
+    def load_optimizer_states(self, fname):
+        """Load a file from save_optimizer_states into the servers (collective in dist
+        stores: every worker calls it; rank 0 sends). A file that does not fit the store
+        changes no server's state, and the error names it."""
+        merged = states.read_file(fname)
+        try:
+            self._set_optimizer_states(merged)
+        except (ConfigError, KeyNotInitializedError) as exc:
+            exc.args = (f'{fname}: {exc}',) + exc.args[1:]
+            raise
+
+    def _get_optimizer_states(self, dump_optimizer=False):
+        """The servers' optimizer state as whole keys (kvps.optimizer.states' file contents)."""
+        self._open()
+        return states.merge(self._backend.get_states(dump_optimizer), self._parts)
+
+    def _set_optimizer_states(self, merged):
+        """Install whole-key state (as _get_optimizer_states gives) on the servers, in place
+        of theirs (collective, as load_optimizer_states)."""
+        self._open()
+        for key, _, _ in merged.get('keys', ()) if isinstance(merged, dict) else ():
+            self._known(key)
+        self._backend.set_states(states.split(merged, self._backend.num_servers, self._parts))
+
+    def _balance_keys(self, total):
+        """A model of ``total`` elements is about to be initialized (the Trainer's): split
+        its keys finely enough that every server carries about the same bytes."""
+        self._backend.balance_keys(total)
+
+    def _keep_keys_whole(self):
+        """Place keys initialized from now on on one server each, whatever their size: for an
+        optimizer that reads each weight whole (LAMB), which will be set after init."""
+        self._backend.keep_keys_whole()
+
+    def _parts(self, key):
+        shape, _ = self._known(key)
+        # math.prod, not np.prod: asked for every key of every push (np.prod costs ~5 us)
+        return self._backend.parts(key, math.prod(shape))
+
+    def close(self):
+        """Flush and leave the job (also done at interpreter exit)."""
+        self._backend.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+
+def create(name='local'):
+    """Create a KVStore: 'local'/'device' in this process, 'dist_*' across the job."""
+    distributed, sync, _ = parse_type(name)
+    backend = dist_backend(sync) if distributed else LocalBackend()
+    return KVStore(name, backend)

@@ -1,0 +1,337 @@
+"""Run generic process specs, prefix their output, stop them all on the first failure, reap all."""
+
+import codecs
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from ..wire.shm import remove_leftovers
+from .processes import Child, describe, exit_code, pdeathsig_preexec
+
+TAIL_LINES = 20
+_READ_CHUNK = 1 << 16
+_POLL = 0.05
+# How long the other workers may take to exit too once one left before the job formed: all
+# of them exiting 0 is a job that never meant to join (nothing failed); any still running
+# after that wait for a peer that is gone.
+UNJOINED_GRACE = 10.0
+
+class Supervisor:
+    """Starts specs, prints their output prefixed, and turns the first failure into a teardown.
+
+    Events (child exits, signals to the launcher) arrive on one queue and are handled only in
+    the thread that created the Supervisor, which must also be the thread that calls start().
+    """
+
+    def __init__(self, out=None, err=None, grace=5.0, tail_lines=TAIL_LINES, restarts=None,
+                 primary_role='worker', formed_file=None, unjoined_grace=UNJOINED_GRACE,
+                 blame_file=None, sweeper=None):
+        self.out = out if out is not None else sys.stdout
+        self.err = err if err is not None else sys.stderr
+        self.grace = grace
+        self.tail_lines = tail_lines
+        self.children = []
+        self.stopped = None      # exit code once the job has been stopped
+        self._events = queue.SimpleQueue()  # put() is reentrant: safe from signal handlers
+        self._lock = threading.Lock()       # one writer at a time on out and err
+        self._failure = None                # (child, why) of the root cause
+        self.restarts = dict(restarts or {})  # role -> restarts left over the whole job
+        self.primary_role = primary_role
+        # Written once every node has registered; until then, a primary child exiting 0 left
+        # without joining and the others can never start.
+        self.formed_file = formed_file
+        self.unjoined_grace = unjoined_grace
+        self._unjoined = None              # (first such child, when the others must be done)
+        # JSON {'blame': [[role, rank], ...], 'reason': ...}, written by the job's coordinator
+        # when a child ends the job without exiting first (found lost, never registered)
+        self.blame_file = blame_file
+        self.sweeper = sweeper             # a Sweeper: told each child, closed at stop
+
+    # -- output --------------------------------------------------------------------------
+
+    def _write(self, stream, text):
+        with self._lock:
+            try:
+                stream.write(text)
+                stream.flush()
+            except (BrokenPipeError, ValueError):  # our reader went away: keep draining pipes
+                pass
+
+    def say(self, message):
+        """One line from the launcher itself, on err."""
+        self._write(self.err, f'kvps.launch: {message}\n')
+
+    def _pump(self, child):
+        """Copy a child's merged stdout+stderr to out, one prefixed line at a time."""
+        decoder = codecs.getincrementaldecoder('utf-8')(errors='replace')
+        prefix = f'[{child.name}] '
+        stream = child.proc.stdout
+        while True:
+            chunk = stream.readline(_READ_CHUNK)
+            text = decoder.decode(chunk, final=not chunk)
+            if text:
+                line = text if text.endswith('\n') else text + '\n'
+                child.tail.append(line)
+                self._write(self.out, prefix + line)
+            if not chunk:
+                break
+        stream.close()
+
+    # -- starting ------------------------------------------------------------------------
+
+    def start(self, spec):
+        """Start one spec; returns its child, or None (reported, job stopped) if it cannot run."""
+        try:
+            proc = subprocess.Popen(
+                list(spec.argv), env=spec.env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=pdeathsig_preexec())
+        except OSError as exc:
+            self.say(f'cannot start {spec.name} ({spec.argv[0]}): {exc}')
+            self.stop(127 if isinstance(exc, FileNotFoundError) else 126)
+            return None
+        child = Child(spec, proc, self.tail_lines)
+        self.children.append(child)
+        if self.sweeper is not None:
+            self.sweeper.watch(child.pid)
+        child.reader = threading.Thread(target=self._pump, args=(child,), daemon=True,
+                                        name=f'kvps-out-{child.name}')
+        child.reader.start()
+        threading.Thread(target=self._await_exit, args=(child,), daemon=True,
+                         name=f'kvps-wait-{child.name}').start()
+        return child
+
+    def _await_exit(self, child):
+        child.proc.wait()
+        self._events.put(('exit', child))
+
+    # -- events --------------------------------------------------------------------------
+
+    def on_signal(self, signum, frame=None):
+        """Signal handler: forward through the event queue (handled in the supervising thread)."""
+        self._events.put(('signal', signum))
+
+    def _next_event(self, timeout):
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def poll(self, timeout):
+        """Handle at most one event within `timeout` s; returns the exit code if the job stopped."""
+        event = self._next_event(timeout)
+        if event is None or self.stopped is not None:
+            return self.stopped
+        kind, what = event
+        if kind == 'signal':
+            self.say(f'got {signal.Signals(what).name}; stopping all processes')
+            return self.stop(128 + what)
+        what.done = True
+        if what.returncode != 0:
+            blamed = self._blamed()   # this exit may only be the job ending because of it
+            if blamed is not None:
+                return self.fail(*blamed)
+            if not self._restart(what):
+                return self.fail(what)
+        if what.returncode == 0 and self._unjoined is None and self._left_unformed(what):
+            self._unjoined = (what, time.monotonic() + self.unjoined_grace)
+        return self.stopped
+
+    def _left_unformed(self, child):
+        return (child.spec.role == self.primary_role and self.formed_file is not None
+                and not os.path.exists(self.formed_file))
+
+    def _check_unjoined(self):
+        """Once a primary child left before the job formed: stop with 0 when every primary
+        child did (they never meant to join), else fail it when the others outlast the grace
+        (they wait for it in vain)."""
+        child, deadline = self._unjoined
+        if os.path.exists(self.formed_file):   # it had registered after all: liveness decides
+            self._unjoined = None
+        elif all(c.done for c in self.children if c.spec.role == self.primary_role):
+            self.say(f'no {self.primary_role} joined the job (none created a distributed '
+                     'kvstore); stopping the rest')
+            self.stop(0)
+        elif time.monotonic() >= deadline:
+            self.fail(child, 'exited with exit code 0 without joining the job (it never '
+                             'created a distributed kvstore), so the job can never start')
+
+    def _blamed(self):
+        """``(child, why)`` for the child the coordinator named in the blame file, if any."""
+        if self.blame_file is None:
+            return None
+        try:
+            with open(self.blame_file, encoding='utf-8') as f:
+                verdict = json.load(f)
+            named, reason = verdict['blame'], str(verdict['reason'])
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            self.say(f'ignored {self.blame_file}: {exc!r}')
+            return None
+        for child in reversed(self.children):   # a restarted spec's latest process
+            if [child.spec.role, child.spec.rank] in named:
+                return child, f'the scheduler ended the job: {reason}'
+        return None
+
+    def _restart(self, child):
+        """Start a failed child's spec again if its role has restarts left and the job is still
+        running (some primary child is); return whether it did."""
+        left = self.restarts.get(child.spec.role, 0)
+        if left <= 0 or all(c.done for c in self.children if c.spec.role == self.primary_role):
+            return False
+        self.restarts[child.spec.role] = left - 1
+        self.say(f'{child.name} (pid {child.pid}) failed: {describe(child.returncode)}; '
+                 f'restarting it ({left - 1} restart(s) left)')
+        return self.start(child.spec) is not None
+
+    def fail(self, child, why=None):
+        """Stop the job because `child` failed; it is the root cause if nothing failed before."""
+        if self.stopped is not None:  # already stopping: later exits are consequences
+            return self.stopped
+        why = why or describe(child.returncode)
+        self._failure = (child, why)
+        self.say(f'{child.name} (pid {child.pid}) failed first: {why}; '
+                 f'stopping the other processes')
+        code = child.returncode   # None: still running (stopped, or never joined the job)
+        return self.stop((exit_code(code) if code is not None else 0) or 1)
+
+    # -- waiting -------------------------------------------------------------------------
+
+    def wait_for_port(self, child, path, timeout):
+        """Wait for `child` to write a port number to `path`; returns it, or None (job stopped)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            port = _read_port(path)
+            if port is not None:
+                return port
+            if child.done and child.returncode == 0:
+                self.fail(child, 'exited with exit code 0 before writing its port file')
+                return None
+            if self.poll(_POLL) is not None:
+                return None
+        # as a failure: its output (what it was stuck on) is shown after the teardown
+        self.fail(child, f'did not write its port file within {timeout:g} s (--connect-timeout)')
+        return None
+
+    def supervise(self, shutdown_timeout):
+        """Run until every child has exited; returns the launcher's exit code.
+
+        When every `primary_role` child has exited 0 the others must exit on their own within
+        `shutdown_timeout` s; any that do not are reported and killed (exit code 1).
+        """
+        primary_role = self.primary_role
+        deadline = None
+        while self.stopped is None:
+            running = [c for c in self.children if not c.done]
+            if not running:
+                return self.stop(0)
+            if self._unjoined is not None:
+                self._check_unjoined()
+                if self.stopped is not None:
+                    break
+            if deadline is None and all(c.done for c in self.children
+                                        if c.spec.role == primary_role):
+                deadline = time.monotonic() + shutdown_timeout
+            if deadline is not None and time.monotonic() >= deadline:
+                for child in running:
+                    self.say(f'{child.name} did not exit within {shutdown_timeout:g} s '
+                             f'after all {primary_role}s finished')
+                return self.stop(1)
+            left = _POLL if deadline is None else deadline - time.monotonic()
+            self.poll(max(0.0, min(_POLL, left)))
+        return self.stopped
+
+    # -- stopping ------------------------------------------------------------------------
+
+    def stop(self, code):
+        """Terminate every child's process group, kill what outlives the grace, reap, report."""
+        if self.stopped is not None:
+            return self.stopped
+        self.stopped = code
+        self._terminate_all()
+        for child in self.children:
+            try:
+                child.proc.wait(timeout=self.grace + 5.0)
+            except subprocess.TimeoutExpired:  # unkillable (stuck in the kernel): don't hang
+                self.say(f'{child.name} (pid {child.pid}) survived SIGKILL')
+        deadline = time.monotonic() + 2.0  # a setsid'd grandchild may hold a pipe open
+        for child in self.children:
+            child.reader.join(timeout=max(0.0, deadline - time.monotonic()))
+            remove_leftovers(child.pid)   # a worker killed while its segment had a name
+        if self.sweeper is not None:
+            self.sweeper.close()
+        self._report()
+        return code
+
+    def _terminate_all(self):
+        for child in self.children:
+            child.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline and any(c.group_alive() for c in self.children):
+            event = self._next_event(min(_POLL, max(0.0, deadline - time.monotonic())))
+            if event is not None and event[0] == 'signal':
+                self.say(f'got {signal.Signals(event[1]).name} again; killing all processes')
+                break
+        for child in self.children:
+            if child.group_alive():
+                child.signal_group(signal.SIGKILL)
+
+    def _report(self):
+        if self._failure is None:
+            return
+        child, why = self._failure
+        lines = list(child.tail)
+        text = f'kvps.launch: {child.name} (pid {child.pid}) failed first: {why}\n'
+        if lines:
+            text += f'kvps.launch: output of {child.name}, last {len(lines)} lines:\n'
+            text += ''.join(f'[{child.name}] {line}' for line in lines)
+        else:
+            text += f'kvps.launch: {child.name} printed nothing\n'
+        self._write(self.err, text)
+
+
+def _read_port(path):
+    """The port in `path`, or None while it is absent, incomplete or not yet a valid port."""
+    try:
+        with open(path, encoding='ascii', errors='replace') as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None
+    return int(text) if text.isdigit() and 0 < int(text) < 65536 else None
+
+
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def forwarding_signals(supervisor):
+    """Route SIGINT/SIGTERM/SIGHUP to the supervisor while the job runs (main thread only)."""
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in FORWARDED_SIGNALS:
+            saved[signum] = signal.signal(signum, supervisor.on_signal)
+    try:
+        yield supervisor
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+
+def run_specs(specs, grace=5.0, shutdown_timeout=600.0, out=None, err=None):
+    """Start every spec, supervise them and return the exit code (for tests and simple uses)."""
+    supervisor = Supervisor(out=out, err=err, grace=grace)
+    with forwarding_signals(supervisor):
+        try:
+            for spec in specs:
+                if supervisor.start(spec) is None:
+                    return supervisor.stopped
+            return supervisor.supervise(shutdown_timeout)
+        finally:
+            supervisor.stop(supervisor.stopped if supervisor.stopped is not None else 1)

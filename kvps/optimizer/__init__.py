@@ -1,0 +1,10 @@
+"""Optimizers and lr schedulers as plain data (MXNet's names), and what runs them: the updater and its fused kernels."""
+
+from .lr_scheduler import (CosineScheduler, FactorScheduler, LRScheduler, MultiFactorScheduler,
+                           PolyScheduler, create_scheduler)
+from .optimizers import (LAMB, NAG, SGD, AdaGrad, Adam, AdamW, Ftrl, Optimizer, RMSProp, Signum,
+                         Test, create, register, registered)
+
+__all__ = ['Optimizer', 'SGD', 'NAG', 'Adam', 'AdamW', 'AdaGrad', 'RMSProp', 'LAMB', 'Ftrl',
+           'Signum', 'Test', 'create', 'register', 'registered', 'LRScheduler', 'FactorScheduler',
+           'MultiFactorScheduler', 'CosineScheduler', 'PolyScheduler', 'create_scheduler']

@@ -1,0 +1,56 @@
+"""Optimizer update kernels: numpy reference and cupy/CUDA, chosen by where the array lives.
+
+Both modules expose the same functions (`sgd_update`, `nag_update`, `adam_update`,
+`adamw_update`, `adagrad_update`, `rmsprop_update`, `lamb_update`, `ftrl_update`,
+`signum_update`, `test_update`) with the same signatures, plus `zeros_like`, `widen`,
+`add_widened`, `narrow`, `to_host`, `from_host` and `multi_update`. cupy is imported only
+when a cupy array shows up.
+"""
+
+import importlib
+
+import numpy as np
+
+from ...errors import DTypeError
+
+KERNEL_NAMES = ('sgd_update', 'nag_update', 'adam_update', 'adamw_update', 'adagrad_update',
+                'rmsprop_update', 'lamb_update', 'ftrl_update', 'signum_update', 'test_update')
+
+
+def is_cupy(array):
+    """True for cupy arrays, detected without importing cupy."""
+    return type(array).__module__.startswith('cupy')
+
+
+def kernels_for(array):
+    """The kernel module for an array: cuda_kernels for cupy arrays, numpy_kernels for numpy."""
+    if type(array) is np.ndarray:   # asked several times per key and update: answered first
+        return _loaded('numpy_kernels')
+    if is_cupy(array):
+        return _loaded('cuda_kernels')
+    if isinstance(array, np.ndarray):
+        return _loaded('numpy_kernels')
+    raise DTypeError(f'no optimizer kernels for {type(array).__module__}.'
+                     f'{type(array).__name__}; expected a numpy or cupy array')
+
+
+_MODULES = {}
+
+
+def _loaded(name):
+    """A kernel module, imported the first time it is needed (cuda_kernels imports cupy)."""
+    module = _MODULES.get(name)
+    if module is None:
+        module = _MODULES[name] = importlib.import_module(f'kvps.optimizer.kernels.{name}')
+    return module
+
+
+def multi_apply(calls):
+    """Run many updates, e.g. one per small key: calls is [(kernel name, args, kwargs)] with
+    the weight first in args. Calls are grouped by device module and handed to its
+    `multi_update` in their original order (a key's updates never reorder)."""
+    groups = {}
+    for call in calls:
+        groups.setdefault(kernels_for(call[1][0]), []).append(call)
+    for module, group in groups.items():
+        module.multi_update(group)

@@ -1,0 +1,375 @@
+"""Runs one optimizer's fused kernels over many keys, with per-key state and update counts."""
+
+import numpy as np
+
+from ..errors import ConfigError, DTypeError, ShapeError
+from .kernels import common, kernels_for, multi_apply, numpy_kernels
+from .kernels.numpy_packing import PACK_UP_TO, Slabs
+from .optimizers import Optimizer
+
+STATE_FORMAT = 'kvps.updater.states/1'
+_LOW_PRECISION = ('float16', 'uint16')  # uint16 storage is bfloat16
+_STATE_DTYPES = {'float16': np.float16, 'float32': np.float32, 'float64': np.float64,
+                 'bfloat16': np.uint16}
+STATE_ITEMSIZE = {name: np.dtype(t).itemsize for name, t in _STATE_DTYPES.items()}
+_HOST_DTYPES = frozenset(map(np.dtype, _STATE_DTYPES.values()))   # the kernels' dtypes
+
+
+class Updater:
+    """Runs one optimizer over many keys on a server shard (or in the local store).
+
+    State per (key, part) is created on the first update, on the weight's device: the
+    optimizer's state arrays, plus 'weight32', the fp32 master copy, for float16/bfloat16
+    weights under multi_precision. Without multi_precision low-precision states keep the
+    weight's dtype (arithmetic still runs in fp32 and rounds once per step, as on a GPU),
+    except for optimizers with fp32_states (LAMB, as in MXNet).
+    Update counts are kept per (key, part) and drive the lr scheduler as in MXNet: a key's
+    count is incremented before its lr is computed, and num_update = the max over keys
+    (in sync rounds at least the workers' push ``step``: the keys of other servers count).
+    """
+
+    def __init__(self, optimizer):
+        if isinstance(optimizer, dict):
+            optimizer = Optimizer.from_spec(optimizer)
+        if not isinstance(optimizer, Optimizer):
+            raise ConfigError(f'Updater needs an Optimizer or its spec dict, got '
+                              f'{type(optimizer).__name__}')
+        self._opt = optimizer
+        self._states = {}   # (key, part) -> {state name: array}
+        self._counts = {}   # (key, part) -> updates applied
+        # (key, part) -> (id of its state, weight dtype, shape, kernels) last checked to fit
+        self._fits = {}
+        self._num_update = optimizer.begin_num_update
+        # Host states of small keys, cut end to end: they are updated in place, packed.
+        self._slabs = Slabs()
+
+    @property
+    def optimizer(self):
+        return self._opt
+
+    def retune(self, optimizer):
+        """Take ``optimizer``'s hyper-parameters and keep every key's state and count, if it
+        is the same kind of optimizer with the same state; return whether it was."""
+        if isinstance(optimizer, dict):
+            optimizer = Optimizer.from_spec(optimizer)
+        same = (optimizer.name == self._opt.name and
+                optimizer.state_names() == self._opt.state_names() and
+                optimizer.multi_precision == self._opt.multi_precision)
+        if same:
+            self._opt = optimizer
+            self._opt.num_update = self._num_update
+        return same
+
+    @property
+    def num_update(self):
+        return self._num_update
+
+    def update(self, key, weight, grad, part=0):
+        """weight <- optimizer step with the summed grad, in place. grad may be clobbered."""
+        self.update_many([(key, part, weight, grad)])
+
+    def update_many(self, items, step=0):
+        """Multi-tensor apply over [(key, part, weight, grad), ...]. Everything is checked
+        before any count moves or any weight changes; then all counts tick (MXNet's
+        aggregated update), then the kernels run. ``step``: the workers' count of pushes of
+        their most pushed key (a sync round), which num_update is brought up to: a server
+        holding some of the keys then schedules the lr as one holding all of them would."""
+        checked = [self._check(key, part, weight, grad) for key, part, weight, grad in items]
+        counts = [self._tick(key, part) for key, part, _, _ in items]
+        self._num_update = max(self._num_update, self._opt.begin_num_update + step)
+        self._opt.num_update = self._num_update
+        multi_apply(self._calls([(key, weight, grad, state, count) for (key, _, weight, _),
+                                 (grad, state), count in zip(items, checked, counts)]))
+
+    @property
+    def updates_rows(self):
+        """Whether pushed rows are updated alone (MXNet's lazy_update, on by default for sgd
+        and adam); else the server applies them as the dense gradient they stand for."""
+        return getattr(self._opt, 'lazy_update', False) and not self._opt.whole_tensor
+
+    def update_rows(self, key, part, weight, ids, grad, width):
+        """MXNet's lazy update: only rows ``ids`` (sorted, unique) of ``weight`` (flat, rows
+        of ``width``) and of its optimizer state change, by ``grad`` (len(ids) x width); wd,
+        momentum and moments of the other rows wait until a gradient reaches them. The
+        key's update count ticks as for any update."""
+        _check_dtype(key, 'weight', weight)
+        _check_dtype(key, 'grad', grad)
+        kernels = kernels_for(weight)
+        state = self._state_for(key, part, weight, kernels)
+        count = self._tick(key, part)
+        self._opt.num_update = self._num_update
+        ids = kernels.from_host(ids, weight)   # a GPU weight takes its index on its device
+        picked = {name: array.reshape(-1, width)[ids] for name, array in state.items()}
+        rows = weight.reshape(-1, width)[ids]
+        multi_apply(self._calls([(key, rows.reshape(-1), grad.reshape(-1),
+                                  {n: a.reshape(-1) for n, a in picked.items()}, count)]))
+        weight.reshape(-1, width)[ids] = rows
+        for name, array in state.items():
+            array.reshape(-1, width)[ids] = picked[name]
+
+    # -- per update --------------------------------------------------------------------------
+    def _check(self, key, part, weight, grad):
+        """``(grad, state)`` for one update, both checked. ``grad``: an array, or a tuple of
+        host arrays to be summed (a sync round's last pushes: the numpy kernels add them
+        block by block, in the pass of the update), each checked alike."""
+        if _plain_host_update(weight, grad):   # most updates: nothing to say, nothing to fix
+            return grad, self._state_for(key, part, weight, numpy_kernels)
+        kernels = kernels_for(weight)
+        _check_dtype(key, 'weight', weight)
+        if type(weight) is np.ndarray and (not weight.flags.c_contiguous
+                                           or not weight.flags.writeable):
+            raise ShapeError(f'key {key!r}: the stored weight must be a writable '
+                             'C-contiguous array')
+        if type(grad) is tuple:
+            grad = tuple(self._checked_grad(key, part, weight, kernels, g) for g in grad)
+        else:
+            grad = self._checked_grad(key, part, weight, kernels, grad)
+        return grad, self._state_for(key, part, weight, kernels)
+
+    @staticmethod
+    def _checked_grad(key, part, weight, kernels, grad):
+        """``grad`` (made contiguous if need be) once it fits ``weight``; else the error."""
+        if type(grad) is not type(weight) and kernels_for(grad) is not kernels:
+            raise DTypeError(f'key {key!r}: weight and grad live on different devices '
+                             f'({type(weight).__module__} vs {type(grad).__module__})')
+        _check_dtype(key, 'grad', grad)
+        if grad.shape != weight.shape and tuple(grad.shape) != tuple(weight.shape):
+            raise ShapeError(f'key {key!r} part {part}: grad shape {tuple(grad.shape)} does not '
+                             f'match the stored weight shape {tuple(weight.shape)}')
+        if type(grad) is np.ndarray and not grad.flags.c_contiguous:
+            grad = np.ascontiguousarray(grad)
+        return grad
+
+    def _state_for(self, key, part, weight, kernels):
+        """The key's state, made on its first update; checked against the weight the first
+        time they meet (a state restored by set_states may not fit; a weight may have moved
+        to another device), not at every update."""
+        state = self._states.get((key, part))
+        if state is None:
+            state = self._states[(key, part)] = self._new_state(weight, kernels)
+        fit = (id(state), weight.dtype, weight.shape, kernels)
+        if self._fits.get((key, part)) != fit:
+            self._fit(key, part, state, weight, kernels)
+            self._fits[(key, part)] = fit
+        return state
+
+    def _fit(self, key, part, state, weight, kernels):
+        """Check ``state`` against ``weight``, moving it to the weight's device if need be."""
+        misfit = _misfit(self._opt, key, part, state, weight)
+        if misfit is not None:
+            error, message = misfit
+            raise error(message)
+        for name, arr in list(state.items()):
+            if kernels_for(arr) is not kernels:  # restored by set_states, or device moved
+                state[name] = kernels.from_host(kernels_for(arr).to_host(arr), weight)
+
+    def _new_state(self, weight, kernels):
+        state = {}
+        if _wants_master(self._opt, weight):
+            state['weight32'] = kernels.widen(weight)
+        for name in self._opt.state_names():
+            state[name] = kernels.zeros_like(weight, _state_dtype(self._opt, weight))
+        return self._in_slabs(state)
+
+    def _in_slabs(self, state):
+        """``state`` with its small host arrays moved into the slabs, which lay the states
+        of keys side by side in the order they are made (for packed passes in place)."""
+        return {name: self._slabs.copy(name, array)
+                if type(array) is np.ndarray and array.size <= PACK_UP_TO else array
+                for name, array in state.items()}
+
+    def _tick(self, key, part):
+        count = self._counts.get((key, part), self._opt.begin_num_update) + 1
+        self._counts[(key, part)] = count
+        self._num_update = max(self._num_update, count)
+        return count
+
+    def _calls(self, updates):
+        """The kernel calls ``(name, args, kwargs)`` of ``updates``, each ``(key, weight,
+        grad, state, count)``. Every call of one optimizer builds its kwargs in one order
+        (multi_update packs calls whose scalars are equal)."""
+        opt, calls = self._opt, []
+        lr_of, wd_of = self._lr_wd_of(opt)
+        kernel, names, rescale, clip = (opt.kernel, opt.kernel_states, opt.rescale_grad,
+                                        opt.clip_gradient)
+        by_count = {}   # count -> the kernel's hyper-parameters: most keys share a count
+        # Keys without a master copy that share a count, lr and wd share one kwargs dict
+        # (kernels only read it), which multi_update also reads once for all of them.
+        shared = {}
+        for key, weight, grad, state, count in updates:
+            lr, wd, weight32 = lr_of(key), wd_of(key), state.get('weight32')
+            same = (count, *common.signed_key((lr, wd)))
+            kwargs = shared.get(same) if weight32 is None else None
+            if kwargs is None:
+                more = by_count.get(count)
+                if more is None:
+                    more = by_count[count] = opt.kernel_args(count)
+                kwargs = dict(lr=lr, wd=wd, rescale_grad=rescale, clip_gradient=clip,
+                              weight32=weight32, **more)
+                if weight32 is None:
+                    shared[same] = kwargs
+            calls.append((kernel, (weight, grad, *map(state.get, names)), kwargs))
+        return calls
+
+    def _lr_wd_of(self, opt):
+        """Functions giving each key's lr and wd as ``opt.get_lr``/``get_wd`` do, with the
+        scheduler asked once for all keys of an update (a registered optimizer that overrides
+        either is asked per key)."""
+        num_update = self._num_update
+        if type(opt).get_lr is not Optimizer.get_lr or type(opt).get_wd is not Optimizer.get_wd:
+            return (lambda key: opt.get_lr(key, num_update)), opt.get_wd
+        lr, lr_mult, wd, wd_mult = opt.base_lr(num_update), opt.lr_mult, opt.wd, opt.wd_mult
+        return (lambda key: lr * lr_mult.get(key, 1.0)), (lambda key: wd * wd_mult.get(key, 1.0))
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def get_states(self, dump_optimizer=False):
+        """All optimizer state as msgpack-able plain data (arrays copied to the host).
+
+        {'format': 'kvps.updater.states/1', 'num_update': int,
+         'counts': [[key, part, count], ...],
+         'states': [[key, part, {name: {'dtype', 'shape', 'data'}}], ...],
+         'optimizer': spec}  (the last only with dump_optimizer=True)
+        Keys sit in lists, not map keys, so int keys survive msgpack's default strict_map_key.
+        """
+        out = {'format': STATE_FORMAT, 'num_update': self._num_update,
+               'counts': [[k, p, c] for (k, p), c in self._counts.items()],
+               'states': [[k, p, {n: _pack(a) for n, a in st.items()}]
+                          for (k, p), st in self._states.items()]}
+        if dump_optimizer:
+            out['optimizer'] = self._opt.to_spec()
+        return out
+
+    def set_states(self, states, weights=None):
+        """Restore what get_states returned (the optimizer too, when it was dumped), checked
+        against ``weights`` as checked_states does."""
+        self.install(self.checked_states(states, weights))
+
+    def checked_states(self, states, weights=None):
+        """What ``install`` takes for ``states`` (as get_states returns), every part checked
+        and nothing changed yet: ConfigError (naming the key) if any of it does not fit.
+        ``weights``: {(key, part): weight} where known; a state that does not fit its weight
+        (dtype, shape, fp32 master copy) is refused here, not at the key's next update."""
+        if not isinstance(states, dict) or states.get('format') != STATE_FORMAT:
+            raise ConfigError(f'set_states: not a kvps updater state dict (format '
+                              f'{STATE_FORMAT!r} expected)')
+        opt = Optimizer.from_spec(states['optimizer']) if 'optimizer' in states else self._opt
+        try:
+            counts = {(k, int(p)): int(c) for k, p, c in states['counts']}
+            restored = dict(_unpacked_state(*item) for item in states['states'])
+            num_update = int(states['num_update'])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ConfigError(f'set_states: malformed state dict ({exc})') from None
+        _check_state_names(opt, restored)
+        for where, state in restored.items():
+            misfit = _misfit(opt, *where, state, weights[where]) if where in (weights or ()) \
+                else None
+            if misfit is not None:
+                raise ConfigError(misfit[1])
+        return opt, counts, restored, num_update
+
+    def install(self, checked):
+        """Take ``checked`` (from checked_states) in place of every key's state and count."""
+        opt, self._counts, states, num_update = checked
+        self._states = {where: self._in_slabs(state) for where, state in states.items()}
+        self._opt = opt
+        self._fits = {}
+        self._num_update = opt.num_update = num_update
+
+
+def _unpacked_state(key, part, state):
+    """``((key, part), {name: array})`` of one saved state; the error names the key."""
+    try:
+        return (key, int(part)), {str(n): _unpack(a) for n, a in state.items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ConfigError(f'set_states: key {key!r} part {part}: malformed optimizer state '
+                          f'({exc})') from None
+
+
+def _misfit(opt, key, part, state, weight):
+    """``(error type, message)`` if ``state`` was not made for ``weight`` under ``opt`` (a
+    state of another job's key: another dtype, shape or multi_precision), else None."""
+    where, dtype = f'key {key!r} part {part}', common.dtype_name(weight)
+    if _wants_master(opt, weight) != ('weight32' in state):
+        return DTypeError, (
+            f'{where}: the optimizer state holds an fp32 master weight, but this {dtype} key '
+            'keeps none (only float16 and bfloat16 keys keep one, under multi_precision)'
+            if 'weight32' in state else
+            f'{where}: the optimizer state holds no fp32 master weight, but this {dtype} key '
+            'keeps one under multi_precision')
+    want = np.dtype(_state_dtype(opt, weight))
+    for name, arr in state.items():
+        if tuple(arr.shape) != tuple(weight.shape):
+            return ShapeError, (f'{where}: optimizer state {name!r} has shape '
+                                f'{tuple(arr.shape)}, the key part {tuple(weight.shape)}')
+        need = np.dtype(np.float32) if name == 'weight32' else want
+        if arr.dtype != need:
+            return DTypeError, (f'{where}: optimizer state {name!r} is {_name(arr.dtype)}, but '
+                                f'the key is {dtype}, whose state is {_name(need)}')
+    return None
+
+
+def _wants_master(opt, weight):
+    return opt.multi_precision and common.storage_name(weight) in _LOW_PRECISION
+
+
+def _state_dtype(opt, weight):
+    low = common.storage_name(weight) in _LOW_PRECISION
+    return np.float32 if low and (opt.multi_precision or opt.fp32_states) else weight.dtype
+
+
+def _name(dtype):
+    """kvps's name of a numpy dtype: uint16 storage is bfloat16."""
+    return 'bfloat16' if dtype == np.uint16 else str(dtype)
+
+
+def _plain_host_update(weight, grad):
+    """Whether a weight and its grad (or tuple of grads) pass every check of
+    ``Updater._check`` as they are: host arrays of a kernel dtype and of one shape, C-contiguous,
+    the weight writable. Asked for every key of every round, so in as few steps as Python
+    allows; anything else takes the checks that say what is wrong."""
+    if type(weight) is not np.ndarray or weight.dtype not in _HOST_DTYPES:
+        return False
+    flags, shape = weight.flags, weight.shape
+    if not (flags.c_contiguous and flags.writeable):
+        return False
+    for g in grad if type(grad) is tuple else (grad,):
+        if type(g) is not np.ndarray or g.dtype not in _HOST_DTYPES or g.shape != shape \
+                or not g.flags.c_contiguous:
+            return False
+    return True
+
+
+def _check_dtype(key, label, array):
+    if common.storage_name(array) not in common.WEIGHT_DTYPES:
+        raise DTypeError(f'key {key!r}: {label} dtype {array.dtype} is not supported; '
+                         'use float16, float32, float64 or bfloat16 (uint16 storage)')
+
+
+def _check_state_names(opt, restored):
+    """States saved under another optimizer (adam's mean and var for sgd with momentum, say)
+    would be silently ignored or fail every update: refuse them at load."""
+    want = set(opt.state_names())
+    for (key, part), state in restored.items():
+        have = set(state) - {'weight32'}
+        if have != want:
+            raise ConfigError(
+                f'set_states: key {key!r} part {part} holds optimizer state '
+                f'{sorted(have) or "none"}, but {opt.name} keeps {sorted(want) or "none"}: the '
+                'states were saved under another optimizer. Set that optimizer first, or save '
+                'with dump_optimizer=True so that the file carries it')
+
+
+def _pack(array):
+    host = kernels_for(array).to_host(array)
+    return {'dtype': common.dtype_name(host), 'shape': list(host.shape), 'data': host.tobytes()}
+
+
+def _unpack(blob):
+    dtype = _STATE_DTYPES.get(blob.get('dtype'))
+    if dtype is None:
+        raise ValueError(f'unknown state dtype {blob.get("dtype")!r}')
+    shape = tuple(int(s) for s in blob['shape'])
+    data = blob['data']
+    if len(data) != int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize:
+        raise ValueError(f'state data of {len(data)} bytes does not fit shape {shape}')
+    return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
