@@ -11,6 +11,7 @@ test accuracy. Nothing is downloaded: the digits ship inside scikit-learn.
 """
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -19,6 +20,11 @@ import numpy as np
 import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
+
+try:
+    from tqdm import tqdm   # the `examples` extra installs it; without it there is no bar
+except ImportError:
+    tqdm = None
 
 import kvps
 from kvps import Trainer
@@ -67,20 +73,22 @@ def make_model(hidden, rank, device):
                                torch.nn.Linear(hidden, 10)).to(device)
 
 
-class Progress:
-    """A plain-text bar, redrawn in place on a terminal; one line per epoch otherwise."""
+def progress(enabled, epoch, epochs, steps):
+    """Rank 0's tqdm bar for one epoch (None: no bar). On a terminal tqdm redraws it in place;
+    in a log (under kvps.launch every process writes to a pipe) it stays silent and
+    ``finish`` prints the finished bar once, one line per epoch."""
+    if not enabled or tqdm is None:
+        return None
+    quiet = not sys.stdout.isatty()
+    return tqdm(total=steps, desc=f'epoch {epoch}/{epochs}', file=sys.stdout,
+                delay=math.inf if quiet else 0)
 
-    def __init__(self, enabled, epochs, steps):
-        self.enabled, self.epochs, self.steps = enabled, epochs, steps
-        self.tty = sys.stdout.isatty()
 
-    def show(self, epoch, step, loss):
-        if not self.enabled or not (self.tty or step == self.steps):
-            return
-        filled = round(20 * step / self.steps)
-        line = f'[{"#" * filled}{"." * (20 - filled)}] epoch {epoch}/{self.epochs} loss {loss:.3f}'
-        end = '\n' if step == self.steps else ''
-        print(f'\r{line}' if self.tty else line, end=end, flush=True)
+def finish(bar):
+    if bar is not None:
+        bar.close()
+        if bar.delay:   # silent so far: the log's one line
+            print(bar, flush=True)
 
 
 def train(args, model, trainer, x, y, num_workers):
@@ -89,12 +97,12 @@ def train(args, model, trainer, x, y, num_workers):
     steps = (len(x) // num_workers) // args.batch_size
     shard_x = torch.from_numpy(x[rank::num_workers]).to(args.device)
     shard_y = torch.from_numpy(y[rank::num_workers]).to(args.device)
-    progress = Progress(rank == 0, args.epochs, steps)
     rng = np.random.default_rng(rank)
     loss_fn = torch.nn.CrossEntropyLoss(reduction='sum')
     for epoch in range(1, args.epochs + 1):
         order = torch.from_numpy(rng.permutation(len(shard_x))).to(args.device)
         total = 0.0
+        bar = progress(rank == 0, epoch, args.epochs, steps)
         for step in range(1, steps + 1):
             idx = order[(step - 1) * args.batch_size: step * args.batch_size]
             trainer.zero_grad()
@@ -104,7 +112,10 @@ def train(args, model, trainer, x, y, num_workers):
             # equal to a single-process step on every worker's samples together.
             trainer.step(args.batch_size * num_workers)
             total += loss.item() / args.batch_size
-            progress.show(epoch, step, total / step)
+            if bar is not None:
+                bar.set_postfix(loss=f'{total / step:.3f}', refresh=False)
+                bar.update()
+        finish(bar)
 
 
 def accuracy(model, x, y, device):
