@@ -69,13 +69,32 @@ def test_to_env_round_trips():
     assert Config.from_env(c.to_env()) == c
 
 
-def test_readme_lists_every_variable_as_config_describes_it():
+def test_docs_list_every_variable_as_config_describes_it():
     from pathlib import Path
-    readme = (Path(__file__).resolve().parents[2] / 'README.md').read_text()
-    assert markdown_table() in readme, 'regenerate README\'s table: kvps.config.markdown_table()'
+    env = (Path(__file__).resolve().parents[2] / 'docs' / 'env.md').read_text()
+    assert markdown_table() in env, 'regenerate docs/env.md\'s table: kvps.config.markdown_table()'
     for var in VARS:
         for name in var.names:
-            assert f'`{name}`' in readme, f'{name} missing from README'
+            assert f'`{name}`' in env, f'{name} missing from docs/env.md'
+
+
+def test_readme_configuration_table_names_only_real_variables():
+    """README's short table (the settings people change most) names variables kvps reads."""
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[2] / 'README.md').read_text()
+    section = readme.split('\n## Configuration\n', 1)[1].split('\n## ', 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith('| `')]
+    assert len(rows) >= 5, section
+    defaults = {}   # every name and alias -> its default as the generated table writes it
+    for row in markdown_table().splitlines()[2:]:
+        names, aliases, default = row.split(' | ')[:3]
+        for name in re.findall(r'`([A-Z0-9_]+)`', names + aliases):
+            defaults[name] = default
+    for row in rows:
+        name, default = re.match(r'\| `([A-Z0-9_]+)` \| ([^|]*) \|', row).groups()
+        assert name in defaults, f'README names {name}, which kvps does not read'
+        assert default.strip() == defaults[name], f'README gives {name} another default'
 
 
 def test_recovery_needs_a_checkpoint_that_is_written_during_the_job():
