@@ -22,7 +22,7 @@ class EarlyPulls:
     def __init__(self, kv, weights, gradient_buffer):
         """``weights``: the servers update (pulls bring weights, else summed gradients);
         ``gradient_buffer(param)``: where a parameter's summed gradient is pulled."""
-        self._begin = getattr(kv, '_pull_begin', None)   # None: a store of the user's own
+        self._begin = getattr(kv, 'pull_begin', None)   # None: a store of the user's own
         self._weights, self._gradient_buffer = weights, gradient_buffer
         self._staged = {}        # key -> a parameter's pulled weights until step()
         self._waits = {}         # key -> the wait of the pull that carries it

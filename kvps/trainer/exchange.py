@@ -30,7 +30,7 @@ class GradientExchange:
         if is_dense(grad):
             self._row_keys.discard(p.key)
             return grad
-        if hasattr(self._kv, '_pull_changed') and p.tensor.device.type == 'cpu' \
+        if hasattr(self._kv, 'pull_changed_rows_begin') and p.tensor.device.type == 'cpu' \
                 and p.tensor.is_contiguous() and grad.sparse_dim() == 1:
             self._row_keys.add(p.key)
             return grad
@@ -89,9 +89,9 @@ class GradientExchange:
         changed into the weights, or the rows of the summed gradient (workers update)."""
         keys = [key for key, _ in by_rows]
         if self._update_on_kvstore:
-            return self._kv._pull_changed(keys, [p.tensor.detach() for _, p in by_rows],
-                                          self._row_marks)
-        return self._kv._pull_live(keys)
+            return self._kv.pull_changed_rows_begin(
+                keys, [p.tensor.detach() for _, p in by_rows], self._row_marks)
+        return self._kv.pull_pushed_rows_begin(keys)
 
     def _land_rows(self, by_rows, got, into_grads):
         """Workers update: keep the summed rows for _update (a lazy update of those rows);

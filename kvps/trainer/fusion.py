@@ -198,8 +198,8 @@ def split_partly_frozen(kv, layout, server_has_optimizer):
     kv.init([p.key for p in members], [p.tensor for p in members])
     if server_has_optimizer:
         # Nobody pushes until this collective ends, so the servers' state is still now.
-        merged = kv._get_optimizer_states(dump_optimizer=True)
-        kv._set_optimizer_states(states.unfuse(merged, layout.ranges(mixed)))
+        merged = kv.get_optimizer_states(dump_optimizer=True)
+        kv.set_optimizer_states(states.unfuse(merged, layout.ranges(mixed)))
     for fused in mixed:
         layout.dissolve(fused)
         fused.arrived = {}

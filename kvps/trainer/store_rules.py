@@ -76,7 +76,7 @@ def save_server_states(kv, fname, layout):
             raise no_server_states('save_states')
         kv.save_optimizer_states(fname, dump_optimizer=True)
         return
-    merged = states.unfuse(kv._get_optimizer_states(dump_optimizer=True), layout.ranges())
+    merged = states.unfuse(kv.get_optimizer_states(dump_optimizer=True), layout.ranges())
     merged['optimizer'] = layout.file_spec(merged['optimizer'])
     states.write_file(fname, merged)
 
@@ -92,7 +92,7 @@ def load_server_states(kv, fname, layout):
     merged = states.fuse(states.read_file(fname), layout.ranges())
     if 'optimizer' in merged:   # it replaces the servers' own: it must know the fused keys
         merged['optimizer'] = layout.server_spec(merged['optimizer'])
-    kv._set_optimizer_states(merged)
+    kv.set_optimizer_states(merged)
 
 
 def no_server_states(what):

@@ -97,7 +97,7 @@ class Trainer(GradientExchange):
         """Fused keys need a kvps store (its state calls translate them to parameters), and
         an update that is elementwise when the servers run it (not LAMB's whole-tensor
         norms), by servers of a distributed store."""
-        if not fuse or self._kv is None or not hasattr(self._kv, '_get_optimizer_states'):
+        if not fuse or self._kv is None or not hasattr(self._kv, 'get_optimizer_states'):
             return False
         if self._update_on_kvstore and not self._distributed:
             return False   # alone a stale parameter is skipped: a shared key would move it
@@ -232,11 +232,11 @@ class Trainer(GradientExchange):
     def _init_store(self):
         """Prove the workers agree on the parameters, then broadcast rank 0's weights."""
         check_same_everywhere(self._kv, self._params, self._layout.digest())
-        balance = getattr(self._kv, '_balance_keys', None)   # a kvps store's
+        balance = getattr(self._kv, 'balance_keys', None)   # a kvps store's
         if balance is not None:
             balance(sum(p.tensor.numel() for p in self._params))
         if self._update_on_kvstore and self._optimizer.whole_tensor:
-            keep_whole = getattr(self._kv, '_keep_keys_whole', None)   # a kvps store's
+            keep_whole = getattr(self._kv, 'keep_keys_whole', None)   # a kvps store's
             if keep_whole is not None:
                 keep_whole()   # the servers get the optimizer at the first step, after init
         entries = self._layout.store_keys(self._params)

@@ -429,9 +429,9 @@ class PullLog(PushLog):
         self.calls.append(('pull at step', sorted(key)))
         super().pull(key, out, priority)
 
-    def _pull_begin(self, key, out):
+    def pull_begin(self, key, out):
         self.calls.append(('pull', sorted(key)))
-        return super()._pull_begin(key, out)
+        return super().pull_begin(key, out)
 
 
 @pytest.mark.parametrize('servers_update', [True, False])

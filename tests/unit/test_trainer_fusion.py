@@ -51,7 +51,7 @@ OPTIMIZERS = [('sgd', {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 0.01}),
 
 
 def keys_of(trainer):
-    return sorted(trainer.kvstore._meta)
+    return sorted(trainer.kvstore._keys.meta)
 
 
 def test_layout_groups_by_dtype_and_multiplier_and_leaves_the_rest_alone():
