@@ -102,7 +102,8 @@ for step in range(4):
     trainer.step(8)
     trainer.zero_grad()
 sparse, dense = (m.emb.weight.detach() for m in models)
-report(rows=sorted(trainer._row_keys), close=bool(torch.allclose(sparse, dense, atol=1e-6)),
+report(rows=sorted(trainer._exchange.row_keys),
+       close=bool(torch.allclose(sparse, dense, atol=1e-6)),
        out=bool(torch.allclose(models[0].out.weight, models[1].out.weight, atol=1e-6)),
        moved=int((sparse != start).any(1).sum()), checksum=float(sparse.double().sum()))
 '''
