@@ -1,4 +1,5 @@
-"""A process's one membership in the job (shared by its distributed stores): joined once, logged, left at exit."""
+"""A process's one membership in the job (shared by its distributed stores): joined once,
+logged, left at exit."""
 
 import atexit
 import logging

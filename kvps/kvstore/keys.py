@@ -1,13 +1,14 @@
-"""The KVStore's keys and values as calls give them: keys checked (one kind per store, 64-bit ints or short strs) and grouped with their values, values copied for the backend."""
+"""The KVStore's keys and values as calls give them: keys checked (one kind per store, 64-bit
+ints or short strs) and grouped with their values, values copied for the backend."""
 
+import math
 import operator
-import os
 import threading
 
 import numpy as np
 
 from .. import arrays, compression, devices, rows
-from ..errors import KeyNotInitializedError, KeyTypeError, StoreClosedError
+from ..errors import KeyNotInitializedError, KeyTypeError
 from ..wire.protocol import MAX_KEY_CHARS
 
 # Keys travel as msgpack ints: 64 bits, signed or unsigned.
@@ -15,29 +16,34 @@ _KEY_MIN, _KEY_END = -2 ** 63, 2 ** 64
 
 
 class StoreKeys:
-    """Key checks and value copies of a KVStore (``self._key_kind``, ``self._meta``,
-    ``self._backend``, ``self._device``, ``self._type``)."""
+    """A store's keys (their kind, shapes, dtypes and parts) and the copies of values it hands
+    its backend; the store and its row calls hold one and ask it."""
 
-    def _init_keys(self):
+    def __init__(self, name, backend, device):
+        """``name``: the store's type; ``device``: GPU values take the device path."""
+        self._name, self._backend, self.device = name, backend, device
+        # key -> (shape, dtype name), kept by the backend: every store of one process's job
+        # membership sees the keys any of them initialized, as the servers do
+        self.meta = backend.keys
         self._key_kind = None
         self._kind_lock = threading.Lock()   # the first keys of two threads settle one kind
         # key -> its parts' bounds (None: one part); a key is placed once, at init, and asked
         # for at every push
         self._cut_cache = {}
 
-    def _pairs(self, key, value):
+    def pairs(self, key, value):
         """Normalize (key, value) into [(key, [values...])] as MXNet does: a key given
         more than once in a call is one key with all their values (pushed: summed; pulled:
         each written), in the order of its first appearance."""
         if not isinstance(key, (list, tuple)):
-            return [(self._check_key(key), self._as_list(value))]
+            return [(self.check_key(key), as_values(value))]
         if not isinstance(value, (list, tuple)) or len(value) != len(key):
             raise ValueError('a list of keys needs a list of values of the same length')
         grouped = {}
-        check_key, as_list = self._check_key, self._as_list
+        check_key = self.check_key
         for k, v in zip(key, value):
             k = check_key(k)
-            values = as_list(v)
+            values = as_values(v)
             had = grouped.get(k)
             if had is None:
                 grouped[k] = values
@@ -45,17 +51,7 @@ class StoreKeys:
                 had.extend(values)
         return list(grouped.items())
 
-    @staticmethod
-    def _as_list(value):
-        if type(value) is np.ndarray:   # the common case, answered first: runs for every key
-            return [value]
-        values = list(value) if isinstance(value, (list, tuple)) else [value]
-        if not values or not all(devices.is_value(v) or rows.is_row_sparse(v) for v in values):
-            raise TypeError('values must be numpy arrays, torch tensors or cupy arrays, or '
-                            'kvps.RowSparse rows (or lists of them)')
-        return values
-
-    def _check_key(self, key):
+    def check_key(self, key):
         """The key as a plain int or str (numpy integers from ``np.arange``, IntEnum and str
         subclasses are taken by value; bool, float and the rest are refused)."""
         if type(key) is int and self._key_kind is int and _KEY_MIN <= key < _KEY_END:
@@ -78,25 +74,19 @@ class StoreKeys:
                                f'{kind.__name__} key {key!r} (one kind per store)')
         return key
 
-    def _open(self):
-        if self._backend.closed:
-            raise StoreClosedError(f'this {self._type!r} store is closed (kv.close() or '
-                                   'interpreter exit); it takes no more calls')
-        if getattr(self._backend, 'forked', False):   # (distributed stores only)
-            raise StoreClosedError(forked_message(self._backend.pid))
-
-    def _known(self, key):
-        meta = self._meta.get(key)
+    def known(self, key):
+        """``(shape, dtype name)`` of an initialized key; KeyNotInitializedError else."""
+        meta = self.meta.get(key)
         if meta is None:
             raise KeyNotInitializedError(f'key {key!r} is not initialized; call '
                                          f'kv.init({key!r}, value) first')
         return meta
 
-    def _encoded(self, codec, key, values):
+    def encoded(self, codec, key, values):
         """One compressed payload per part of the key (as the backend splits it), each in
         the memory the backend sends from when it has some."""
-        grad = self._host_copies([(key, values)])[0]
-        parts = self._parts(key)
+        grad = self.host_copies([(key, values)])[0]
+        parts = self.parts(key)
         sizes = [compression.nbytes(codec.name, stop - start)
                  for _, _, start, stop in parts]
         payloads = []
@@ -105,12 +95,13 @@ class StoreKeys:
             payloads.append(codec.encode(key, part, grad[start:stop], out))
         return payloads
 
-    def _on_gpu(self, key, values):
+    def on_gpu(self, key, values):
+        """Whether ``values`` of ``key`` take the device path (summed on their GPU)."""
         if len(values) == 1 and type(values[0]) is np.ndarray:   # most calls: answered at once
             return False
-        return devices.takes_device_path(values, self._device, self._type, key)
+        return devices.takes_device_path(values, self.device, self._name, key)
 
-    def _host_copies(self, pairs, stage=False):
+    def host_copies(self, pairs, stage=False):
         """What the backend is given for each ``(key, values)``: a kvps-owned flat host copy
         of the values' sum (the caller's memory is never handed over). GPU values are summed
         on their device and staged through pinned memory; host values are summed by numpy,
@@ -118,8 +109,8 @@ class StoreKeys:
         memory: the one copy a push makes), and for a key in several parts as a list of one
         copy per part, each in a block of its own: a value bigger than the free shared
         memory then still sends most of its parts through it, not all over the socket."""
-        gpu = [self._on_gpu(key, values) for key, values in pairs]
-        cuts = [self._cuts(key) if stage and not on_gpu else None
+        gpu = [self.on_gpu(key, values) for key, values in pairs]
+        cuts = [self.cuts(key) if stage and not on_gpu else None
                 for on_gpu, (key, _) in zip(gpu, pairs)]
         sizes = [[0] if on_gpu else [values[0].nbytes] if cut is None else
                  [(b - a) * values[0].itemsize for a, b in cut]
@@ -138,15 +129,32 @@ class StoreKeys:
                 copies.append([_summed([f[a:b] for f in flats], next(blocks)) for a, b in cut])
         return copies
 
-    def _cuts(self, key):
+    def parts(self, key):
+        """``[(server, part, start, stop)]`` of an initialized key, as its backend placed it."""
+        shape, _ = self.known(key)
+        # math.prod, not np.prod: asked for every key of every push (np.prod costs ~5 us)
+        return self._backend.parts(key, math.prod(shape))
+
+    def cuts(self, key):
         """``[(start, stop)]`` of each part of a key in several, else None."""
         try:
             return self._cut_cache[key]
         except KeyError:
-            parts = self._parts(key)
+            parts = self.parts(key)
             cuts = None if len(parts) < 2 else [(start, stop) for _, _, start, stop in parts]
             self._cut_cache[key] = cuts
             return cuts
+
+
+def as_values(value):
+    """A call's value for one key as a list (a list of values: one per device, summed)."""
+    if type(value) is np.ndarray:   # the common case, answered first: runs for every key
+        return [value]
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not values or not all(devices.is_value(v) or rows.is_row_sparse(v) for v in values):
+        raise TypeError('values must be numpy arrays, torch tensors or cupy arrays, or '
+                        'kvps.RowSparse rows (or lists of them)')
+    return values
 
 
 def _summed(values, into):
@@ -154,10 +162,3 @@ def _summed(values, into):
     return arrays.sum_values(values, into) if len(values) > 1 else \
         arrays.flat_copy(values[0], into)
 
-
-def forked_message(owner):
-    """Why a process forked from the worker ``owner`` cannot use the worker's store."""
-    return (f'this process ({os.getpid()}) was forked from the worker that joined the job '
-            f'({owner}); the store\'s sockets and I/O thread stay with that process, so a '
-            'forked child cannot use it (it would wait for answers that never come): call '
-            'kvps from the worker process')

@@ -1,6 +1,7 @@
 """The in-process backend for 'local' and 'device' stores: the server's Shard, no sockets."""
 
 import functools
+import os
 import threading
 
 import numpy as np
@@ -63,17 +64,21 @@ def _serialized(method):
 
 
 class LocalBackend:
-    """One process is the whole job: rank 0 of 1, every push is a complete round."""
+    """One process is the whole job: rank 0 of 1, every push is a complete round. A
+    kvps.kvstore.backend.Backend: the contracts of its methods are written there."""
 
     rank = 0
     num_workers = 1
+    num_servers = 1
     sync = True
+    forked = False   # plain memory and no threads of its own: a forked child may use its copy
 
     def __init__(self):
         self.shard = Shard(num_workers=1)
         self.lock = threading.RLock()
         self.keys = {}            # key -> (shape, dtype name), as the KVStore checks them
         self.closed = False
+        self.pid = os.getpid()
 
     @_serialized
     def init(self, items, device=False):
@@ -163,8 +168,6 @@ class LocalBackend:
     @_serialized
     def set_states(self, per_server):
         self.shard.set_states(per_server[0])
-
-    num_servers = 1
 
     def keep_keys_whole(self):
         pass      # one shard holds every key whole

@@ -1,4 +1,9 @@
-"""The KVStore's row-sparse calls: pushes of some rows, and pulls of some rows or of the rows changed since the last look."""
+"""The KVStore's row-sparse calls: pushes of some rows, and pulls of some rows or of the rows
+changed since the last look.
+
+Each takes the store's keys (kvps.kvstore.keys.StoreKeys: checks, shapes, parts, copies) and its
+backend explicitly; the store has checked that it is open.
+"""
 
 import numpy as np
 
@@ -7,72 +12,63 @@ from ..errors import ShapeError
 from ..wire.protocol import DTYPES, ROW_SPARSE
 
 
-def push_item(store, key, values):
+def push_item(keys, backend, key, values):
     """The backend's push item for ``values`` of ``key`` when some are row-sparse: the rows
     alone (one payload per part), or the dense sum where the key is split inside its rows."""
-    shape, dtype = store._known(key)
+    shape, dtype = keys.known(key)
     pieces = [rows.host_rows(v, shape, dtype, key) for v in values if rows.is_row_sparse(v)]
     ids, table = rows.union_sum(pieces, rows.width_of(shape), dtype)
     dense = [v for v in values if not rows.is_row_sparse(v)]
-    edges = _row_edges(store, key, shape)
+    edges = _row_edges(keys, key, shape)
     if dense or edges is None:
         whole = np.zeros((shape[0], rows.width_of(shape)), table.dtype)
         whole[ids] = table
-        return (key, *_dense_sum(store, key, [whole.reshape(shape), *dense]))
+        return (key, *_dense_sum(keys, key, [whole.reshape(shape), *dense]))
     pieces = rows.split(ids, table, edges)
-    blocks = store._backend.stage([i.nbytes + r.nbytes for i, r in pieces])
+    blocks = backend.stage([i.nbytes + r.nbytes for i, r in pieces])
     return key, [rows.encode(i, r, block) for (i, r), block in zip(pieces, blocks)], ROW_SPARSE
 
 
-def _dense_sum(store, key, values):
+def _dense_sum(keys, key, values):
     """``(flat copy, dtype)``: the sum of dense ``values`` (a host one first)."""
     if len(values) > 1 and any(devices.on_gpu(v) for v in values):
         values = [values[0], *(arrays.as_numpy(devices.as_torch(v).cpu()) for v in values[1:])]
-    return store._host_copies([(key, values)])[0], store._meta[key][1]
+    return keys.host_copies([(key, values)])[0], keys.known(key)[1]
 
 
-def _row_edges(store, key, shape):
+def _row_edges(keys, key, shape):
     """First row of every part of ``key`` and the end, or None where a part starts inside a
     row (a key with fewer rows than servers)."""
     width = rows.width_of(shape)
-    parts = store._parts(key)
+    parts = keys.parts(key)
     if any(start % width for _, _, start, _ in parts):
         return None
     return [start // width for _, _, start, _ in parts] + [parts[-1][3] // width]
 
 
-def pull(store, key, out, row_ids=None, marks=None):
+def pull(keys, backend, key, out, row_ids=None, marks=None):
     """Write rows ``row_ids`` of each key into its ``out`` (MXNet's row_sparse_pull); with
     ``marks`` instead (a dict per key, kept by the caller between calls), the rows changed
     since the last such pull. Everything is checked before anything is asked."""
-    pull_begin(store, key, out, row_ids, marks)()
+    pull_begin(keys, backend, key, out, row_ids, marks)()
 
 
-def pull_begin(store, key, out, row_ids=None, marks=None):
+def pull_begin(keys, backend, key, out, row_ids=None, marks=None):
     """``pull``'s requests sent now; returns the wait for their answers."""
-    if isinstance(key, (list, tuple)):
-        keys, outs = key, out
-        ids = row_ids if marks is None else [None] * len(key)
-        if not (isinstance(outs, (list, tuple)) and isinstance(ids, (list, tuple))
-                and len(outs) == len(ids) == len(keys)):
-            raise ValueError('row_sparse_pull of a list of keys takes a list of out and a list '
-                             'of row_ids, one per key')
-    else:
-        keys, outs, ids = [key], [out], [row_ids]
     asked, landings = [], []
-    for k, o, i in zip(keys, outs, ids):
-        k = store._check_key(k)
+    for k, o, i in _per_key(key, out, row_ids, marks):
+        k = keys.check_key(k)
         targets = list(o) if isinstance(o, (list, tuple)) else [o]
         each = list(i) if _one_per_target(i) else [i] * len(targets)
         if len(each) != len(targets):
             raise ValueError(f'key {k!r}: {len(targets)} targets but {len(each)} row_ids')
         for target, wanted in zip(targets, each):
-            table, landing = _table(store, k, target, wanted, marks)
-            asked.append((k, table, landing[1], None if marks is None else marks.setdefault(k, {})))
+            table, landing = _table(keys, k, target, wanted, marks)
+            asked.append((k, table, landing[1],
+                          None if marks is None else marks.setdefault(k, {})))
             landings.append(landing)
-    store._open()
-    wait = store._backend.pull_rows_begin(
-        [item for item in asked if not _pulled_whole(store, *item)])
+    wait = backend.pull_rows_begin(
+        [item for item in asked if not _pulled_whole(keys, backend, *item)])
 
     def landed():
         wait()
@@ -82,16 +78,28 @@ def pull_begin(store, key, out, row_ids=None, marks=None):
     return landed
 
 
+def _per_key(key, out, row_ids, marks):
+    """``(key, out, row_ids)`` of each key of a call (a key, or a list of keys)."""
+    if not isinstance(key, (list, tuple)):
+        return [(key, out, row_ids)]
+    ids = row_ids if marks is None else [None] * len(key)
+    if not (isinstance(out, (list, tuple)) and isinstance(ids, (list, tuple))
+            and len(out) == len(ids) == len(key)):
+        raise ValueError('row_sparse_pull of a list of keys takes a list of out and a list '
+                         'of row_ids, one per key')
+    return zip(key, out, ids)
+
+
 def _one_per_target(row_ids):
     """Whether ``row_ids`` is a list of id arrays, one per target (not a list of ids)."""
     return isinstance(row_ids, (list, tuple)) and any(
         not isinstance(i, (int, np.integer)) for i in row_ids)
 
 
-def _pulled_whole(store, key, table, ids, marks):
+def _pulled_whole(keys, backend, key, table, ids, marks):
     """Pull ``key`` whole into ``table``'s rows ``ids`` (None: all) if its parts split rows
     (a key with fewer rows than servers: a few rows, so little to save); True if it did."""
-    whole = _whole_if_split(store, key)
+    whole = _whole_if_split(keys, backend, key)
     if whole is None:
         return False
     if ids is None:
@@ -101,21 +109,21 @@ def _pulled_whole(store, key, table, ids, marks):
     return True
 
 
-def _whole_if_split(store, key):
+def _whole_if_split(keys, backend, key):
     """Where ``key``'s parts start inside rows, its value pulled whole as a 2-D (rows x
     width) host table; else None (its parts answer row requests)."""
-    shape, dtype = store._known(key)
-    if _row_edges(store, key, shape) is not None:
+    shape, dtype = keys.known(key)
+    if _row_edges(keys, key, shape) is not None:
         return None
     whole = np.empty((shape[0], rows.width_of(shape)), DTYPES[dtype])
-    store._backend.pull([(key, whole.reshape(-1), dtype)])
+    backend.pull([(key, whole.reshape(-1), dtype)])
     return whole
 
 
-def _table(store, key, target, wanted, marks):
+def _table(keys, key, target, wanted, marks):
     """``(table, landing)`` for one target: the 2-D view the backend writes rows into, and
     ``(GPU target or None, ids, table)`` that copies them from a host table to a GPU."""
-    shape, dtype = store._known(key)
+    shape, dtype = keys.known(key)
     if rows.is_row_sparse(target):
         raise TypeError(f'key {key!r}: pull into a dense array or tensor of the key\'s shape')
     arrays.check_like(target, shape, dtype, key, 'pull target')
@@ -140,21 +148,21 @@ def _checked_ids(key, wanted, num_rows):
     return np.unique(rows.checked_ids(wanted, num_rows, key))
 
 
-def pull_live_begin(store, keys):
+def pull_live_begin(keys, backend, asked_keys):
     """Ask for the rows of each key's value that its last push of rows made (servers without
     an optimizer: the round's summed rows; every row of a dense value); returns the wait,
     which gives {key: (sorted ids, rows as a 2-D host array)}. A key split inside its rows
     is pulled whole."""
     sinks, whole, items = {}, {}, []
-    for key in keys:
-        table = _whole_if_split(store, key)
+    for key in asked_keys:
+        table = _whole_if_split(keys, backend, key)
         if table is not None:
             whole[key] = table
             continue
-        shape, dtype = store._known(key)
+        shape, dtype = keys.known(key)
         sinks[key] = []
         items.append((key, rows.width_of(shape), DTYPES[dtype], sinks[key]))
-    wait = store._backend.pull_live_begin(items)
+    wait = backend.pull_live_begin(items)
 
     def landed():
         wait()

@@ -1,18 +1,19 @@
-"""KVStore, MXNet's KVStore API over a backend (in this process, or the job's servers), and `create(name)`."""
+"""KVStore, MXNet's KVStore API over a backend (in this process, or the job's servers), and
+`create(name)`."""
 
-import math
+import os
 
 from .. import arrays, compression, devices, rows
-from ..errors import ConfigError, DuplicateInitError, KeyNotInitializedError
+from ..errors import ConfigError, DuplicateInitError, KeyNotInitializedError, StoreClosedError
 from ..optimizer import states
-from . import row_calls as _store_rows
+from . import row_calls
 from .job import dist_backend
 from .keys import StoreKeys
 from .local import LocalBackend
 from .types import CAPABILITIES, check_compression_type, parse_type
 
 
-class KVStore(StoreKeys):
+class KVStore:
     """Keys to arrays, shared by every worker of the job (MXNet's KVStore interface).
 
     The threads of a process may share a store, as ps-lite's KVWorker allows: push and pull
@@ -23,18 +24,20 @@ class KVStore(StoreKeys):
     barrier) must come in the same order on every worker, so make them from one thread. A
     push's error is raised by the next call that waits, in whichever thread. close() is not
     meant to race with other calls: a call still under way, or made after it, raises
-    StoreClosedError."""
+    StoreClosedError.
+
+    Besides MXNet's calls it has a few of kvps's own, which kvps.Trainer uses: pull_begin,
+    pull_changed_rows_begin, pull_pushed_rows_begin, get/set_optimizer_states, agree,
+    balance_keys and keep_keys_whole."""
 
     OPTIMIZER = 'optimizer'    # MXNet's name of the one capability (is_capable)
 
     def __init__(self, name, backend):
+        """``backend``: a kvps.kvstore.backend.Backend (LocalBackend, or the job's DistClient)."""
         self._type = name
-        self._device = parse_type(name)[2]   # GPU values are taken by device stores only
         self._backend = backend
-        # key -> (shape, dtype name), kept by the backend: every store of one process's job
-        # membership sees the keys any of them initialized, as the servers do
-        self._meta = backend.keys
-        self._init_keys()
+        # GPU values are taken by device stores only
+        self._keys = StoreKeys(name, backend, device=parse_type(name)[2])
         self._codec = None         # gradient compression of pushes (set_gradient_compression)
         self._residuals = {}       # what compressed pushes have not sent yet, per key part
 
@@ -64,8 +67,8 @@ class KVStore(StoreKeys):
         """Initialize keys (collective: every worker calls it; rank 0's values are stored)."""
         self._open()
         items = []
-        for k, values in self._pairs(key, value):
-            if k in self._meta:
+        for k, values in self._keys.pairs(key, value):
+            if k in self._keys.meta:
                 raise DuplicateInitError(f'key {k!r} is already initialized')
             if len(values) > 1:   # MXNet: a duplicate init of the key
                 raise DuplicateInitError(f'init takes one value per key; key {k!r} got '
@@ -75,10 +78,10 @@ class KVStore(StoreKeys):
                 raise TypeError(f'key {k!r}: init takes a dense value of the whole key (zeros '
                                 'for an embedding); rows are pushed once it exists')
             shape, dtype = arrays.shape_of(v), arrays.dtype_name(v)
-            items.append((k, self._host_copies([(k, [v])])[0], shape, dtype))
-        self._backend.init(items, device=self._device)
+            items.append((k, self._keys.host_copies([(k, [v])])[0], shape, dtype))
+        self._backend.init(items, device=self._keys.device)
         for k, _, shape, dtype in items:
-            self._meta[k] = (shape, dtype)
+            self._keys.meta[k] = (shape, dtype)
 
     def push(self, key, value, priority=0):
         """Send values (a list per key is summed first); returns without waiting."""
@@ -88,17 +91,18 @@ class KVStore(StoreKeys):
     def _push_items(self, key, value):
         """What the backend sends for a push: every value checked before anything is sent,
         then kvps-owned copies (compressed when compression is on)."""
-        pairs = self._pairs(key, value)
+        pairs = self._keys.pairs(key, value)
         sparse = {}
         for k, values in pairs:
-            shape, dtype = self._known(k)
+            shape, dtype = self._keys.known(k)
             for v in values:
                 if rows.is_row_sparse(v):
                     sparse[k] = True    # checked as its rows are read
                 else:
                     arrays.check_like(v, shape, dtype, k, 'pushed value')
         if sparse:   # some rows travel alone (never compressed), the rest as below
-            items = [_store_rows.push_item(self, k, values) if k in sparse else None
+            items = [row_calls.push_item(self._keys, self._backend, k, values) if k in sparse
+                     else None
                      for k, values in pairs]
             dense = iter(self._push_items_dense([p for p in pairs if p[0] not in sparse]))
             return [item or next(dense) for item in items]
@@ -106,12 +110,14 @@ class KVStore(StoreKeys):
 
     def _push_items_dense(self, pairs):
         codec = self._codec   # read once: another thread may turn compression off meanwhile
+        meta = self._keys.meta
         if codec is not None:
             for k, _ in pairs:
-                compression.check_compressible(k, self._meta[k][1])
-            return [(k, self._encoded(codec, k, values), codec.name) for k, values in pairs]
-        copies = self._host_copies(pairs, stage=True)
-        return [(k, copy, self._meta[k][1]) for (k, _), copy in zip(pairs, copies)]
+                compression.check_compressible(k, meta[k][1])
+            return [(k, self._keys.encoded(codec, k, values), codec.name)
+                    for k, values in pairs]
+        copies = self._keys.host_copies(pairs, stage=True)
+        return [(k, copy, meta[k][1]) for (k, _), copy in zip(pairs, copies)]
 
     def set_gradient_compression(self, compression_params):
         """Compress pushed gradients, as MXNet does: ``{'type': '2bit', 'threshold': 0.5}``
@@ -131,10 +137,11 @@ class KVStore(StoreKeys):
         self._backend.pull(items)
         self._land(landings)
 
-    def _pull_begin(self, key, out):
-        """Send a pull's requests now; returns a function that waits for the answers (and
-        lands them on GPUs). The Trainer pulls a key right behind its push this way, so its
-        result comes back while backward still runs."""
+    def pull_begin(self, key, out):
+        """A pull started now and waited for later (a kvps extension of MXNet's API): sends
+        pull's requests and returns a function that waits for the answers (and lands them on
+        GPUs). The Trainer pulls a key right behind its push this way, so its result comes
+        back while backward still runs."""
         self._open()
         landings, items = self._pull_items(key, out)
         wait = self._backend.pull_begin(items)
@@ -151,14 +158,14 @@ class KVStore(StoreKeys):
         host targets are pulled into the first one, which feeds the rest: landing ``(None,
         their numpy views)``."""
         landings, items = [], []
-        for k, targets in self._pairs(key, out):
-            shape, dtype = self._known(k)
+        for k, targets in self._keys.pairs(key, out):
+            shape, dtype = self._keys.known(k)
             for t in targets:
                 if rows.is_row_sparse(t):
                     raise TypeError(f'key {k!r}: pull into dense arrays or tensors (row-sparse '
                                     'values are for push; row_sparse_pull pulls some rows)')
                 arrays.check_like(t, shape, dtype, k, 'pull target')
-            gpu = self._on_gpu(k, targets)   # first: it names the device store types
+            gpu = self._keys.on_gpu(k, targets)   # first: it names the device store types
             views = devices.check_targets(targets, k)
             if gpu:
                 host = devices.pull_buffer(targets)
@@ -189,22 +196,24 @@ class KVStore(StoreKeys):
         if out is None:
             raise TypeError('row_sparse_pull needs out= (the arrays to write rows into)')
         self._open()
-        _store_rows.pull(self, key, out, row_ids)
+        row_calls.pull(self._keys, self._backend, key, out, row_ids)
 
-    def _pull_changed(self, key, out, marks):
-        """Write into ``out`` (contiguous, host memory) the rows of ``key`` that changed since
-        the last such pull with the same ``marks`` (a dict the caller keeps; empty: every
-        row): the Trainer's pull of an embedding that its servers update row by row. Sends
-        the requests and returns the wait for their answers."""
+    def pull_changed_rows_begin(self, key, out, marks):
+        """Rows changed since a mark (a kvps extension of MXNet's API): write into ``out``
+        (contiguous, host memory) the rows of ``key`` that changed since the last such pull
+        with the same ``marks`` (a dict the caller keeps; empty: every row), as the Trainer
+        pulls an embedding that its servers update row by row. Sends the requests now and
+        returns the wait for their answers."""
         self._open()
-        return _store_rows.pull_begin(self, key, out, marks=marks)
+        return row_calls.pull_begin(self._keys, self._backend, key, out, marks=marks)
 
-    def _pull_live(self, keys):
-        """Send requests for the rows each of ``keys`` got from its last push of rows (the
-        Trainer's summed sparse gradients, servers without an optimizer); returns the wait,
-        which gives {key: (ids, rows)}."""
+    def pull_pushed_rows_begin(self, keys):
+        """The rows of the last push (a kvps extension of MXNet's API): sends requests for
+        the rows each of ``keys`` got from its last push of rows (the Trainer's summed sparse
+        gradients, on servers without an optimizer); returns the wait, which gives {key:
+        (sorted ids, rows as a 2-D host array)}."""
         self._open()
-        return _store_rows.pull_live_begin(self, keys)
+        return row_calls.pull_live_begin(self._keys, self._backend, keys)
 
     def pushpull(self, key, value, out=None, priority=0):
         """Push then pull; with ``out=None`` the result is written into ``value``. Every
@@ -260,20 +269,13 @@ class KVStore(StoreKeys):
         if not callable(updater):
             raise TypeError(f'the updater must be callable, got {type(updater).__name__}')
         self._open()
-        setter = getattr(self._backend, 'set_updater', None)
-        if setter is None:
-            raise ConfigError(
-                f'a {self._type!r} store cannot take a Python updater: its servers run only '
-                'optimizers sent as plain data (kvps never sends code). Use '
-                'kv.set_optimizer(kvps.optimizer.create(...)), or update on the workers '
-                '(kvps.Trainer(..., update_on_kvstore=False))')
-        setter(updater)
+        self._backend.set_updater(updater)
 
     set_updater = _set_updater
 
     def save_optimizer_states(self, fname, dump_optimizer=False):
         """Save the servers' optimizer state (every shard, whole keys) to ``fname``."""
-        states.write_file(fname, self._get_optimizer_states(dump_optimizer))
+        states.write_file(fname, self.get_optimizer_states(dump_optimizer))
 
     def load_optimizer_states(self, fname):
         """Load a file from save_optimizer_states into the servers (collective in dist
@@ -281,42 +283,52 @@ class KVStore(StoreKeys):
         changes no server's state, and the error names it."""
         merged = states.read_file(fname)
         try:
-            self._set_optimizer_states(merged)
+            self.set_optimizer_states(merged)
         except (ConfigError, KeyNotInitializedError) as exc:
             exc.args = (f'{fname}: {exc}',) + exc.args[1:]
             raise
 
-    def _get_optimizer_states(self, dump_optimizer=False):
-        """The servers' optimizer state as whole keys (kvps.optimizer.states' file contents)."""
+    def get_optimizer_states(self, dump_optimizer=False):
+        """Optimizer state as whole keys (a kvps extension of MXNet's API): the servers'
+        state of every key, its parts joined (kvps.optimizer.states' file contents), which
+        save_optimizer_states writes; ``dump_optimizer``: with the optimizer."""
         self._open()
-        return states.merge(self._backend.get_states(dump_optimizer), self._parts)
+        return states.merge(self._backend.get_states(dump_optimizer), self._keys.parts)
 
-    def _set_optimizer_states(self, merged):
-        """Install whole-key state (as _get_optimizer_states gives) on the servers, in place
-        of theirs (collective, as load_optimizer_states)."""
+    def set_optimizer_states(self, merged):
+        """Install whole-key state (as get_optimizer_states gives it; a kvps extension of
+        MXNet's API) on the servers, in place of theirs (collective, as
+        load_optimizer_states): a state that does not fit changes no server's state."""
         self._open()
         for key, _, _ in merged.get('keys', ()) if isinstance(merged, dict) else ():
-            self._known(key)
-        self._backend.set_states(states.split(merged, self._backend.num_servers, self._parts))
+            self._keys.known(key)
+        self._backend.set_states(states.split(merged, self._backend.num_servers,
+                                              self._keys.parts))
 
-    def _balance_keys(self, total):
-        """A model of ``total`` elements is about to be initialized (the Trainer's): split
-        its keys finely enough that every server carries about the same bytes."""
+    def balance_keys(self, total):
+        """A placement hint (a kvps extension of MXNet's API): a model of ``total`` elements
+        is about to be initialized (the Trainer's), so split its keys finely enough that
+        every server carries about the same bytes."""
         self._backend.balance_keys(total)
 
-    def _keep_keys_whole(self):
-        """Place keys initialized from now on on one server each, whatever their size: for an
-        optimizer that reads each weight whole (LAMB), which will be set after init."""
+    def keep_keys_whole(self):
+        """A placement hint (a kvps extension of MXNet's API): place keys initialized from
+        now on on one server each, whatever their size, for an optimizer that reads each
+        weight whole (LAMB) and will be set after init."""
         self._backend.keep_keys_whole()
-
-    def _parts(self, key):
-        shape, _ = self._known(key)
-        # math.prod, not np.prod: asked for every key of every push (np.prod costs ~5 us)
-        return self._backend.parts(key, math.prod(shape))
 
     def close(self):
         """Flush and leave the job (also done at interpreter exit)."""
         self._backend.close()
+
+    def _open(self):
+        """Refuse a call on a closed store, or from a process forked from its owner."""
+        backend = self._backend
+        if backend.closed:
+            raise StoreClosedError(f'this {self._type!r} store is closed (kv.close() or '
+                                   'interpreter exit); it takes no more calls')
+        if backend.forked:
+            raise StoreClosedError(forked_message(backend.pid))
 
     def __enter__(self):
         return self
@@ -325,9 +337,16 @@ class KVStore(StoreKeys):
         self.close()
 
 
-
 def create(name='local'):
     """Create a KVStore: 'local'/'device' in this process, 'dist_*' across the job."""
     distributed, sync, _ = parse_type(name)
     backend = dist_backend(sync) if distributed else LocalBackend()
     return KVStore(name, backend)
+
+
+def forked_message(owner):
+    """Why a process forked from the worker ``owner`` cannot use the worker's store."""
+    return (f'this process ({os.getpid()}) was forked from the worker that joined the job '
+            f'({owner}); the store\'s sockets and I/O thread stay with that process, so a '
+            'forked child cannot use it (it would wait for answers that never come): call '
+            'kvps from the worker process')

@@ -20,9 +20,10 @@ class EarlyPulls:
     """Pulls started by ``start`` (from autograd's threads), waited for by ``finish``."""
 
     def __init__(self, kv, weights, gradient_buffer):
-        """``weights``: the servers update (pulls bring weights, else summed gradients);
-        ``gradient_buffer(param)``: where a parameter's summed gradient is pulled."""
-        self._begin = getattr(kv, '_pull_begin', None)   # None: a store of the user's own
+        """``kv``: a kvps KVStore (its pull_begin); ``weights``: the servers update (pulls
+        bring weights, else summed gradients); ``gradient_buffer(param)``: where a
+        parameter's summed gradient is pulled."""
+        self._begin = kv.pull_begin
         self._weights, self._gradient_buffer = weights, gradient_buffer
         self._staged = {}        # key -> a parameter's pulled weights until step()
         self._waits = {}         # key -> the wait of the pull that carries it
@@ -30,8 +31,6 @@ class EarlyPulls:
 
     def start(self, keys, entries):
         """Pull ``keys`` (just pushed; ``entries``: their parameters or fused keys)."""
-        if self._begin is None:
-            return
         with self._lock:   # buffers are made on first use, maybe on two threads at once
             targets = [self._target(entry) for entry in entries]
         wait = self._begin(list(keys), targets)
@@ -66,3 +65,19 @@ class EarlyPulls:
     def staged(self, key):
         """The weights an early pull brought for parameter ``key`` (servers update)."""
         return self._staged[key]
+
+
+class NoEarlyPulls:
+    """A store that cannot pull early (one of the user's own): every key is pulled at step."""
+
+    def start(self, keys, entries):
+        pass
+
+    def started(self):
+        return set()
+
+    def finish(self):
+        return set()
+
+
+NO_EARLY_PULLS = NoEarlyPulls()

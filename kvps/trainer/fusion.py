@@ -1,11 +1,12 @@
-"""How the Trainer's gradients travel: small parameters fused back to back into shared store keys (as DDP's buckets and Horovod's fusion buffer pack tensors), and pushes bucketed while backward runs."""
+"""How the Trainer's gradients travel: small parameters fused back to back into shared store
+keys (as DDP's buckets and Horovod's fusion buffer pack tensors), and pushes bucketed while
+backward runs."""
 
 import hashlib
 import logging
 import threading
 
 from .. import rows
-from ..optimizer import states
 
 log = logging.getLogger('kvps')
 
@@ -184,22 +185,22 @@ class Layout:
                            for attr in ('lr_mult', 'wd_mult')}}
 
 
-def split_partly_frozen(kv, layout, server_has_optimizer):
+def split_partly_frozen(store, layout, server_has_optimizer):
     """Give the members of fused keys now partly frozen keys of their own, and return theirs
     (collective; every worker freezes alike): the servers update a key whole, and a frozen
     member must not move (weight decay, momentum). Weights and optimizer state move over
-    exactly, so the parameters train on as they would have unfused."""
+    exactly, so the parameters train on as they would have unfused. ``store``: the Trainer's
+    store view (a kvps store: only they have fused keys)."""
     mixed = [f for f in layout.fused if 0 < f.trainable_count() < len(f.members)]
     if not mixed:
         return []
-    kv.barrier()   # every worker's pushes so far are applied: the values are final
-    pull_weights(kv, [(f.first_key, f.key, f) for f in mixed])
+    store.barrier()   # every worker's pushes so far are applied: the values are final
+    pull_weights(store, [(f.first_key, f.key, f) for f in mixed])
     members = [p for f in mixed for p in f.members]
-    kv.init([p.key for p in members], [p.tensor for p in members])
+    store.init([p.key for p in members], [p.tensor for p in members])
     if server_has_optimizer:
         # Nobody pushes until this collective ends, so the servers' state is still now.
-        merged = kv._get_optimizer_states(dump_optimizer=True)
-        kv._set_optimizer_states(states.unfuse(merged, layout.ranges(mixed)))
+        store.unfuse_server_states(layout.ranges(mixed))
     for fused in mixed:
         layout.dissolve(fused)
         fused.arrived = {}
@@ -208,9 +209,9 @@ def split_partly_frozen(kv, layout, server_has_optimizer):
     return [p.key for p in members]
 
 
-def pull_weights(kv, entries):
+def pull_weights(store, entries):
     """Pull ``entries`` (as Layout.store_keys gives) into the parameters."""
-    kv.pull([key for _, key, _ in entries], out=[weights_of(entry) for _, _, entry in entries])
+    store.pull([key for _, key, _ in entries], out=[weights_of(entry) for _, _, entry in entries])
     for _, _, entry in entries:
         if isinstance(entry, FusedKey):
             entry.scatter_weights()
@@ -232,17 +233,23 @@ def _nbytes(value):
     return value.numel() * value.element_size()
 
 
+def check_bucket_bytes(cap):
+    """Refuse a bucket size that is not an int >= 0 (ValueError)."""
+    if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
+        raise ValueError(f'bucket_bytes must be an int >= 0, got {cap!r}')
+
+
 class PushBucket:
     """Gradients waiting to leave in one push (one message per server for their small parts),
     sent once they hold ``cap`` bytes, when backward ends, or at ``step``: many small
     tensors cost a few messages instead of one each, and a gradient still leaves before
     backward returns, so code run between backward and step never changes what was sent."""
 
-    def __init__(self, kv, cap, after_push=None):
-        """``after_push(keys, entries)`` runs right after each push leaves."""
-        if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
-            raise ValueError(f'bucket_bytes must be an int >= 0, got {cap!r}')
-        self._kv, self._cap, self._after_push = kv, cap, after_push
+    def __init__(self, store, cap, after_push=None):
+        """``store``: what takes ``push(keys, values)``; ``after_push(keys, entries)`` runs
+        right after each push leaves."""
+        check_bucket_bytes(cap)
+        self._store, self._cap, self._after_push = store, cap, after_push
         self._keys, self._values, self._entries, self._bytes = [], [], [], 0
         self._callback_queued = False
         # Hooks of parameters on several GPUs run on autograd's per-device threads at once
@@ -265,7 +272,7 @@ class PushBucket:
             keys, values, entries = self._keys, self._values, self._entries
             self._keys, self._values, self._entries, self._bytes = [], [], [], 0
         if keys:
-            self._kv.push(keys, values)
+            self._store.push(keys, values)
             if self._after_push is not None:
                 self._after_push(keys, entries)
 

@@ -1,4 +1,5 @@
-"""The Trainer's parameter table: normalizing what users pass, and proving every worker agrees on it."""
+"""The Trainer's parameter table: normalizing what users pass, and proving every worker agrees
+on it."""
 
 import dataclasses
 import hashlib

@@ -1,27 +1,27 @@
-"""Gluon's Trainer for torch parameters: gradients summed through a KVStore, updates by kvps's kernels."""
+"""Gluon's Trainer for torch parameters: gradients summed through a KVStore, updates by kvps's
+kernels."""
 
 import os
 import warnings
 import weakref
 
-from .. import arrays
-from ..devices import kernel_view, put_rows
 from ..errors import ConfigError, DuplicateInitError, ParameterMismatchError, StaleGradientError
 from ..optimizer import optimizers as opt_mod
-from ..optimizer.updater import Updater
-from .early_pulls import EarlyPulls
-from .exchange import GradientExchange, dense
-from .fusion import Layout, PushBucket, pull_weights, split_partly_frozen, weights_of
-from .params import check_devices, check_same_everywhere, collect, merge_mults
-from .store_rules import (check_compression, load_local_states, load_server_states, read_optimizer,
-                          resolve, save_local_states, save_server_states, split_local_state)
+from .exchange import Exchange
+from .fusion import Layout, check_bucket_bytes, pull_weights, split_partly_frozen, weights_of
+from .grads import GradientLog
+from .local_updates import LocalUpdates
+from .mode import Mode
+from .params import check_devices, collect, merge_mults
+from .state_files import read_optimizer
+from .stores import check_compression, open_store
 
 __all__ = ['Trainer', 'ParameterMismatchError', 'StaleGradientError']
 
 BUCKET_BYTES = 4 << 20   # gradients per push while backward runs (DDP's default is 25 MB)
 
 
-class Trainer(GradientExchange):
+class Trainer:
     """Applies an optimizer to torch parameters, as ``mxnet.gluon.Trainer`` does.
 
     ``params``: a module, its ``named_parameters()``, a dict name -> parameter, or a list of
@@ -56,52 +56,32 @@ class Trainer(GradientExchange):
         merge_mults(self._optimizer, self._params)
         self._scale = self._optimizer.rescale_grad
         check_compression(kvstore, compression_params)
-        self._kv, self._update_on_kvstore = resolve(kvstore, update_on_kvstore)
-        check_devices(self._params, self._kv, self._update_on_kvstore)
-        self._distributed = self._kv is not None and 'dist' in self._kv.type
-        self._updater = None if self._update_on_kvstore else Updater(self._optimizer)
+        # The store's view (stores.KvpsStore or UserStore), or None; and the mode, once
+        self._store, on_servers = open_store(kvstore, update_on_kvstore)
+        check_devices(self._params, self._store, on_servers)
+        self._mode = Mode.choose(self._store, on_servers, self._optimizer, fuse, overlap)
+        if self._store is not None:
+            check_bucket_bytes(bucket_bytes)   # before the layout reads it
+        self._layout = Layout(self._params, self._optimizer, bucket_bytes, self._mode.fused,
+                              whole_updates=self._mode.whole_updates)
+        self._local = None if on_servers else LocalUpdates(self._optimizer, self._params,
+                                                            self._layout)
+        self._grads = GradientLog(self._mode.distributed)
         self._server_has_optimizer = False
         self._batch_size_known = False    # a step (of this job) has set rescale_grad
-        self._fresh, self._pushed, self._reduced = set(), set(), False
-        self._summed = {}          # key -> where step() pulls a summed gradient (workers update)
-        self._seen_grads = {}
-        # Parameters whose gradients come sparse (nn.Embedding(sparse=True)) push their rows
-        # alone; when the servers update, they pull back only the rows changed since
-        # (``_row_marks``: what each one saw last).
-        self._row_keys, self._row_marks = set(), {}
-        self._row_sums = {}        # key -> (ids, rows) of its summed gradient (workers update)
-        self._bucket = self._early = None
-        if self._kv is not None:
-            self._bucket = PushBucket(self._kv, bucket_bytes, self._pull_early)
-            self._early = EarlyPulls(self._kv, self._update_on_kvstore,
-                                     lambda p: self._pull_target(p, into_grads=False))
-        # A whole pass per fused key on the workers needs every member updated at every
-        # step: so in distributed mode (not alone, where stale parameters are skipped).
-        self._layout = Layout(self._params, self._optimizer, bucket_bytes, self._can_fuse(fuse),
-                              whole_updates=self._distributed and not self._update_on_kvstore)
-        for fused in self._layout.fused:   # workers update members on views of the sum
-            self._summed.update((p.key, view) for p, view in zip(fused.members, fused.grad_views))
-        if self._kv is not None:
-            self._set_compression(compression_params)
+        self._reduced = False      # 'grads' or 'buffers': where this step's sums are
+        self._exchange = None
+        if self._store is not None:
+            self._exchange = Exchange(self._store, self._mode, self._layout, bucket_bytes,
+                                      self._grads)
+            if compression_params:
+                self._store.set_compression(compression_params)
             self._init_store()
-        self._overlap = bool(overlap) and self._distributed
-        # Servers without an optimizer just sum, so gradients may flow from the first backward;
-        # with update_on_kvstore they must wait until step() has sent the optimizer (it needs
-        # rescale_grad, i.e. the batch size).
-        self._armed = self._overlap and not self._update_on_kvstore
+        # Gradients leave as backward makes them (see Mode.sends_from_first_backward)
+        self._armed = self._mode.sends_from_first_backward
         self._hooks = {}           # key -> handle of the hook sending its gradient
         self._hook_trainable()
-        self._note_grads()
-
-    def _can_fuse(self, fuse):
-        """Fused keys need a kvps store (its state calls translate them to parameters), and
-        an update that is elementwise when the servers run it (not LAMB's whole-tensor
-        norms), by servers of a distributed store."""
-        if not fuse or self._kv is None or not hasattr(self._kv, '_get_optimizer_states'):
-            return False
-        if self._update_on_kvstore and not self._distributed:
-            return False   # alone a stale parameter is skipped: a shared key would move it
-        return not (self._update_on_kvstore and self._optimizer.whole_tensor)
+        self._grads.next_step(self._trainable)
 
     def _hook_trainable(self):
         """Take the parameters requiring grad now as this step's ``_trainable`` (read at
@@ -126,19 +106,19 @@ class Trainer(GradientExchange):
     @property
     def kvstore(self):
         """The store gradients go through, or None (single process, local updates)."""
-        return self._kv
+        return None if self._store is None else self._store.kv
 
     @property
     def update_on_kvstore(self):
         """True when the servers run the optimizer; False when every worker updates itself."""
-        return self._update_on_kvstore
+        return self._mode.on_servers
 
     def set_learning_rate(self, lr):
         """Set the optimizer's learning rate; with update_on_kvstore the servers' copy follows
         at once, so in distributed mode every worker must call this at the same point."""
         self._optimizer.set_learning_rate(lr)
-        if self._kv is not None and self._update_on_kvstore and self._server_has_optimizer:
-            if self._pushed:
+        if self._mode.on_servers and self._server_has_optimizer:
+            if self._exchange.pushed:
                 warnings.warn(
                     'set_learning_rate between backward() and step(): this step\'s gradients '
                     'already left for the servers (overlap), which apply them at the old rate; '
@@ -157,17 +137,17 @@ class Trainer(GradientExchange):
                 'ignore what was done to .grad in between (clipping, say)')
         self._hook_trainable()
         self._rescale(batch_size)
-        if self._update_on_kvstore:
+        if self._mode.on_servers:
             self._dissolve_mixed()
-        self._check_stale(ignore_stale_grad)
+        self._grads.check(self._trainable, ignore_stale_grad)
         self._allreduce_grads(into_grads=False)
-        if not self._update_on_kvstore:
-            self._update(ignore_stale_grad)
+        if not self._mode.on_servers:
+            self._update()
         self._end_step()
 
     def allreduce_grads(self):
         """Sum every worker's gradients into each ``param.grad`` (update_on_kvstore=False)."""
-        if self._kv is not None and self._update_on_kvstore:
+        if self._mode.on_servers:
             raise RuntimeError('allreduce_grads() is not possible when the servers update the '
                                'parameters; create the Trainer with update_on_kvstore=False')
         self._hook_trainable()
@@ -175,17 +155,17 @@ class Trainer(GradientExchange):
 
     def update(self, batch_size, ignore_stale_grad=False):
         """Apply the optimizer to the (reduced) gradients; pairs with allreduce_grads()."""
-        if self._kv is not None and self._update_on_kvstore:
+        if self._mode.on_servers:
             raise RuntimeError('update() is not possible when the servers update the '
                                'parameters; use step(), or update_on_kvstore=False')
-        if self._distributed and not self._reduced:
+        if self._mode.distributed and not self._reduced:
             raise RuntimeError('call allreduce_grads() before update() in distributed mode '
                                '(or use step()); updating with local gradients would make '
                                'the workers\' parameters diverge')
         self._hook_trainable()
         self._rescale(batch_size)
-        self._check_stale(ignore_stale_grad)
-        self._update(ignore_stale_grad)
+        self._grads.check(self._trainable, ignore_stale_grad)
+        self._update()
         self._end_step()
 
     def zero_grad(self, set_to_none=True):
@@ -204,45 +184,40 @@ class Trainer(GradientExchange):
         One format whoever runs the optimizer: a file saved with update_on_kvstore=True
         loads into a Trainer that updates locally, and the other way round."""
         fname = os.fspath(fname)
-        if self._kv is not None and self._update_on_kvstore and self._server_has_optimizer:
-            save_server_states(self._kv, fname, self._layout)
+        if self._mode.on_servers and self._server_has_optimizer:
+            self._store.save_server_states(fname, self._layout)
         else:  # local updates, or servers that have not updated anything yet
-            updater = self._updater or Updater(self._optimizer)
-            save_local_states(updater, fname, self._sizes(), self._local_ranges())
+            local = self._local or LocalUpdates(self._optimizer, self._params, self._layout)
+            local.save(fname)
 
     def load_states(self, fname):
         """Restore what save_states wrote (collective when the servers run the optimizer)."""
         fname = os.fspath(fname)
-        if self._kv is not None and self._update_on_kvstore:
+        if self._mode.on_servers:
             optimizer = read_optimizer(fname, self._optimizer)
             if not self._server_has_optimizer:
                 self._send_optimizer(optimizer)
                 self._server_has_optimizer = True
-            load_server_states(self._kv, fname, self._layout)
+            self._store.load_server_states(fname, self._layout)
             self._optimizer = optimizer
             # its rescale_grad is the saving job's; the next step sends this job's (the same
             # kind of optimizer again keeps the state just loaded)
             self._batch_size_known = False
         else:
-            load_local_states(self._updater, fname, self._sizes(), self._local_ranges(),
-                              self._local_weights())
-            self._optimizer = self._updater.optimizer
+            self._local.load(fname)
+            self._optimizer = self._local.optimizer
 
     # -- internals: setup ------------------------------------------------------------------
     def _init_store(self):
         """Prove the workers agree on the parameters, then broadcast rank 0's weights."""
-        check_same_everywhere(self._kv, self._params, self._layout.digest())
-        balance = getattr(self._kv, '_balance_keys', None)   # a kvps store's
-        if balance is not None:
-            balance(sum(p.tensor.numel() for p in self._params))
-        if self._update_on_kvstore and self._optimizer.whole_tensor:
-            keep_whole = getattr(self._kv, '_keep_keys_whole', None)   # a kvps store's
-            if keep_whole is not None:
-                keep_whole()   # the servers get the optimizer at the first step, after init
+        self._store.agree_on(self._params, self._layout.digest())
+        # the servers get an optimizer that reads weights whole at the first step, after init
+        self._store.prepare_init(sum(p.tensor.numel() for p in self._params),
+                                 keep_whole=self._mode.on_servers and self._optimizer.whole_tensor)
         entries = self._layout.store_keys(self._params)
         keys = [key for _, key, _ in entries]
         try:   # refused alike on every worker (they hold the same key table), before sending
-            self._kv.init(keys, [weights_of(entry, gather=True) for _, _, entry in entries])
+            self._store.init(keys, [weights_of(entry, gather=True) for _, _, entry in entries])
         except DuplicateInitError as exc:
             raise DuplicateInitError(
                 f'{exc}: this store already holds keys (another Trainer, or kv.init calls of '
@@ -252,36 +227,22 @@ class Trainer(GradientExchange):
                 'trains those requiring grad at each step, so freeze the other model with '
                 'requires_grad_(False), and lr_mult/wd_mult attributes on parameters set their '
                 'own rates') from None
-        pull_weights(self._kv, entries)
-
-    def _set_compression(self, compression_params):
-        if not compression_params:
-            return
-        setter = getattr(self._kv, 'set_gradient_compression', None)
-        if setter is None:   # a store object of the user's own making
-            warnings.warn(f'the store {type(self._kv).__name__} has no '
-                          'set_gradient_compression; compression_params are ignored and '
-                          'gradients travel at full precision', stacklevel=3)
-        else:
-            setter(compression_params)
-
-    def _sizes(self):
-        return {p.key: p.tensor.numel() for p in self._params}
+        pull_weights(self._store, entries)
 
     # -- internals: one step ---------------------------------------------------------------
     def _rescale(self, batch_size):
         """optimizer.rescale_grad = scale / batch_size, kept in step with the servers' copy."""
         rescale = self._scale / batch_size
         changed = rescale != self._optimizer.rescale_grad
-        if changed and self._batch_size_known and self._update_on_kvstore \
-                and self._server_has_optimizer and self._distributed:
+        if changed and self._batch_size_known and self._mode.on_servers \
+                and self._server_has_optimizer and self._mode.distributed:
             raise ConfigError(  # MXNet raises here too: the servers hold the old rescale_grad
                 f'batch_size changed (rescale_grad {self._optimizer.rescale_grad} -> {rescale}) '
                 'while the servers run the optimizer: they keep normalizing by the first '
                 'batch size. Keep batch_size constant, or use update_on_kvstore=False')
         self._optimizer.rescale_grad = rescale
         self._batch_size_known = True
-        if self._kv is not None and self._update_on_kvstore:
+        if self._mode.on_servers:
             if not self._server_has_optimizer:   # collective: the first step
                 self._send_optimizer(self._optimizer)
                 self._server_has_optimizer = True
@@ -296,143 +257,47 @@ class Trainer(GradientExchange):
     def _send_optimizer(self, optimizer):
         """Install ``optimizer`` on the servers (collective), its per-key multipliers
         extended to the fused keys."""
-        self._kv.set_optimizer(self._layout.server_spec(optimizer.to_spec()))
+        self._store.set_optimizer(self._layout.server_spec(optimizer.to_spec()))
 
     def _dissolve_mixed(self):
         """Fused keys now partly frozen are split (collective); their members' gradients, if
         noted already, then leave alone."""
-        moved = split_partly_frozen(self._kv, self._layout, self._server_has_optimizer)
-        self._pushed.difference_update(moved)
-
-    def _check_stale(self, ignore_stale_grad):
-        if ignore_stale_grad:
-            return
-        stale = [p.name for p in self._trainable if not self._is_fresh(p)]
-        if stale:
-            raise StaleGradientError(
-                f'the gradient of {", ".join(stale[:5])}{" ..." if len(stale) > 5 else ""} was '
-                'not updated by backward since the last step. If you intentionally use only '
-                'some parameters, call step(..., ignore_stale_grad=True)')
-
-    def _is_fresh(self, p):
-        grad = p.tensor.grad
-        # A gradient assigned by hand (p.grad = ...) counts as fresh, as one from backward does.
-        return p.key in self._fresh or (grad is not None and grad is not self._seen_grads.get(p.key))
-
-    def _takes_part(self, p):
-        """Whether ``p`` is reduced and updated this step: in distributed mode every
-        parameter is (workers stay identical); alone, only fresh ones (a stale one is skipped
-        under ignore_stale_grad, as torch.optim skips a missing gradient)."""
-        return self._distributed or self._is_fresh(p)
+        moved = split_partly_frozen(self._store, self._layout, self._server_has_optimizer)
+        self._exchange.pushed.difference_update(moved)
 
     def _on_grad(self, p):
         """Autograd has accumulated p's gradient: send it now when overlapping."""
         if self._armed:
-            if p.key in self._pushed:
-                raise RuntimeError(
-                    f'parameter {p.name} got a second gradient before step(), but its first '
-                    'one was already sent (kvps overlaps communication with backward). Call '
-                    'step() after every backward(), or create the Trainer with overlap=False '
-                    'to accumulate gradients over several backward passes')
-            self._push(p, p.tensor.grad)
-            self._bucket.flush_when_backward_ends()
-        self._fresh.add(p.key)
+            self._exchange.push_from_backward(p)
+        self._grads.arrived(p)
 
-    def _local_weights(self):
-        """{(key, 0): the weight the local optimizer updates}, as _update gives them: what a
-        loaded state must fit (dtype, size, fp32 master copy)."""
-        whole = self._layout.updated_whole() if self._updater else []
-        weights = {(fused.key, 0): kernel_view(fused.weight) for fused in whole}
-        done = {p.key for fused in whole for p in fused.members}
-        weights.update(((p.key, 0), kernel_view(p.tensor)) for p in self._params
-                       if p.key not in done)
-        return weights
-
-    def _local_ranges(self):
-        """{fused key: its members' ranges} where the local optimizer state is per fused key."""
-        return self._layout.ranges(self._layout.updated_whole()) if self._updater else {}
-
-    def _update(self, ignore_stale_grad):
-        """Local update with the servers' kernels, in place on views of the tensors: numpy for
-        CPU parameters, cupy (through DLPack, no copy) for CUDA ones; a fused key's members
-        in one pass over the packed key (one kernel call instead of one per member)."""
-        items, whole, done = [], [], set()
-        for fused in self._layout.updated_whole():
-            trainable = fused.trainable_count()
-            if 0 < trainable < len(fused.members):   # partly frozen: per member from now on
-                self._split_local_state(fused)
-                continue
-            done.update(p.key for p in fused.members)
-            if trainable:
-                if self._reduced == 'grads':   # the sums allreduce_grads left (maybe clipped)
-                    fused.arrived = {p.key: p.tensor.grad for p in fused.members}
-                    fused.gather_grads(dense)
-                items.append((fused.key, 0, kernel_view(fused.gather_weights()),
-                              kernel_view(fused.grad, read_only=True)))
-                whole.append(fused)
-        row_sums, self._row_sums = self._row_sums, {}
-        lazy = []
-        for p in self._trainable:
-            if p.key in done:
-                continue
-            if p.key in row_sums and self._takes_part(p):
-                lazy.append((p, *self._summed_rows(p, *row_sums[p.key])))
-                continue
-            grad = self._summed.get(p.key) if self._reduced == 'buffers' else p.tensor.grad
-            # Distributed: every worker updates every parameter with the same summed gradient,
-            # so workers stay identical even when their stale parameters differ.
-            if grad is None or not self._takes_part(p):
-                continue
-            # Flat views: the state then has the servers' layout, so files load either way.
-            # The gradient stays as backward (or allreduce_grads) left it, as with torch.optim.
-            items.append((p.key, 0, kernel_view(p.tensor),
-                          kernel_view(dense(grad), read_only=True)))
-        if items:
-            self._updater.update_many(items)
-        for p, ids, rows in lazy:
-            self._update_rows(p, ids, rows)
-        for fused in whole:
-            fused.scatter_weights()
-
-    def _summed_rows(self, p, ids, rows):
-        """``(ids, rows)`` of p's summed gradient: as pulled, or after allreduce_grads as its
-        ``.grad`` holds them now (clipped, say; its other rows are zeros)."""
-        if self._reduced != 'grads':
-            return ids, rows
-        grad = arrays.as_numpy(p.tensor.grad.detach())
-        return ids, grad.reshape(grad.shape[0] if grad.ndim else 1, -1)[ids]
-
-    def _update_rows(self, p, ids, rows):
-        """A summed gradient that came as rows: only those rows update (lazy_update), else
-        the dense gradient they stand for."""
-        if self._updater.updates_rows:
-            self._updater.update_rows(p.key, 0, kernel_view(p.tensor), ids, rows,
-                                      rows.shape[1] if rows.ndim == 2 else 1)
+    def _allreduce_grads(self, into_grads):
+        """Reduce this step's gradients through the store (none: nothing to do). Alone, a
+        stale parameter (ignore_stale_grad) is skipped, as without a store: not pushed (a
+        store that updates would move it) nor pulled (into .grad)."""
+        if self._exchange is None:
             return
-        grad = p.tensor.new_zeros(p.tensor.shape)
-        put_rows(grad, ids, rows)
-        self._updater.update_many([(p.key, 0, kernel_view(p.tensor),
-                                    kernel_view(grad, read_only=True))])
+        self._exchange.allreduce([p for p in self._trainable if self._grads.takes_part(p)],
+                                 into_grads)
+        self._reduced = 'grads' if into_grads else 'buffers'
 
-    def _split_local_state(self, fused):
-        """``fused``'s members are updated one by one from now on, each with its share of
-        the state the fused key had."""
-        split_local_state(self._updater, self._sizes(), self._local_ranges(), fused.key)
-        fused.updated_whole = False
+    def _update(self):
+        """Run the local optimizer on this step's gradients (workers update, or alone)."""
+        summed, row_sums = ({}, {}) if self._exchange is None else (
+            self._exchange.summed, self._exchange.take_row_sums())
+        self._local.run(self._trainable, self._grads.takes_part, self._reduced, summed,
+                        row_sums)
 
     def _end_step(self):
-        if self._kv is not None and self._update_on_kvstore:
+        if self._mode.on_servers:
             # The servers counted one update per key; mirror it so that learning_rate follows
             # an lr_scheduler (exact in sync mode; this worker's own updates in async mode).
             self._optimizer.num_update += 1
-            self._armed = self._overlap
-        self._fresh.clear()
-        self._pushed.clear()
+        self._armed = self._mode.overlap   # servers that update have the optimizer by now
+        if self._exchange is not None:
+            self._exchange.next_step()
         self._reduced = False
-        self._note_grads()
-
-    def _note_grads(self):
-        self._seen_grads = {p.key: p.tensor.grad for p in self._trainable}
+        self._grads.next_step(self._trainable)
 
 
 def _hook(ref, p):

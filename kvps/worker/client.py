@@ -14,6 +14,7 @@ import numpy as np
 
 from ..allocator import keep_freed_memory
 from ..arrays import flat_view
+from ..errors import ConfigError
 from ..wire import protocol as P
 from .collectives import Collectives
 from .loop import SCHEDULER, WorkerIO, server_name
@@ -24,7 +25,8 @@ from .sharding import Sharding
 
 
 class DistClient(Collectives):
-    """One worker's membership in a job; at most one per process."""
+    """One worker's membership in a job; at most one per process. A KVStore's backend: it
+    conforms to kvps.kvstore.backend.Backend, where each method's contract is written."""
 
     def __init__(self, config, sync):
         self.config = config.require_worker().require_cluster()
@@ -62,6 +64,15 @@ class DistClient(Collectives):
 
     def parts(self, key, size):
         return [(p.server, p.part, p.start, p.stop) for p in self.sharding.parts(key)]
+
+    def set_updater(self, fn):
+        """Refused: a Python updater would have to run on the servers, which run only
+        optimizers sent as plain data."""
+        raise ConfigError(
+            'a distributed store cannot take a Python updater: its servers run only '
+            'optimizers sent as plain data (kvps never sends code). Use '
+            'kv.set_optimizer(kvps.optimizer.create(...)), or update on the workers '
+            '(kvps.Trainer(..., update_on_kvstore=False))')
 
     # -- data -----------------------------------------------------------------------------
     def stage(self, sizes):

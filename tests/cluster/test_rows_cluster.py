@@ -14,7 +14,7 @@ kv.init('emb', np.zeros((9, 2), np.float32))
 kv.init('wide', np.zeros((1, 40), np.float32))
 kv.set_optimizer(kvps.optimizer.create('sgd', learning_rate=1.0, wd=0.5))
 marks, seen = {}, np.full((9, 2), 5, np.float32)
-kv._pull_changed('emb', seen, marks)()
+kv.pull_changed_rows_begin('emb', seen, marks)()
 for _ in range(2):
     kv.push('emb', kvps.RowSparse([r, 8 - r, 4], np.full((3, 2), r + 1, np.float32)))
 kv.push('wide', kvps.RowSparse([0], np.ones((1, 40), np.float32)))
@@ -25,8 +25,8 @@ kv.row_sparse_pull('emb', out=some, row_ids=[8, 0, 3])
 wide = np.zeros((1, 40), np.float32)
 kv.row_sparse_pull('wide', out=wide, row_ids=[0])
 seen[:] = 5
-kv._pull_changed('emb', seen, marks)()
-report(parts=[list(p) for p in kv._parts('emb')], full=full[:, 0].tolist(),
+kv.pull_changed_rows_begin('emb', seen, marks)()
+report(parts=[list(p) for p in kv._keys.parts('emb')], full=full[:, 0].tolist(),
        some=some[:, 0].tolist(), wide=sorted(set(wide[0].tolist())), seen=seen[:, 0].tolist())
 '''
 
@@ -102,7 +102,8 @@ for step in range(4):
     trainer.step(8)
     trainer.zero_grad()
 sparse, dense = (m.emb.weight.detach() for m in models)
-report(rows=sorted(trainer._row_keys), close=bool(torch.allclose(sparse, dense, atol=1e-6)),
+report(rows=sorted(trainer._exchange.row_keys),
+       close=bool(torch.allclose(sparse, dense, atol=1e-6)),
        out=bool(torch.allclose(models[0].out.weight, models[1].out.weight, atol=1e-6)),
        moved=int((sparse != start).any(1).sum()), checksum=float(sparse.double().sum()))
 '''
@@ -168,7 +169,7 @@ for step in range(STEPS):
         pid = next(n['pid'] for n in kv._backend.io.welcome['nodes']
                    if n['role'] == 'server' and n['rank'] == 1)
         os.kill(pid, signal.SIGKILL)
-    kv._pull_changed('emb', kept, marks)()
+    kv.pull_changed_rows_begin('emb', kept, marks)()
 out = np.zeros(SHAPE, np.float32)
 kv.pull('emb', out=out)
 
@@ -179,7 +180,7 @@ for step in range(STEPS):
     local.push('emb', [kvps.RowSparse(*rows_of(r, step)) for r in range(kv.num_workers)])
 want = np.zeros(SHAPE, np.float32)
 local.pull('emb', out=want)
-report(parts=[p[2:] for p in kv._parts('emb')], exact=bool(np.array_equal(out, want)),
+report(parts=[p[2:] for p in kv._keys.parts('emb')], exact=bool(np.array_equal(out, want)),
        kept=bool(np.array_equal(kept, out)), moved=int((out != 1).any(1).sum()))
 '''
 

@@ -27,13 +27,13 @@ for name, state in bad.items():
     merged = copy.deepcopy(good)
     merged['keys'] = [[k, c, state if k == 1 else w] for k, c, w in merged['keys']]
     states.write_file(name, merged)
-    before = kv._get_optimizer_states()
+    before = kv.get_optimizer_states()
     try:
         kv.load_optimizer_states(name)
         seen[name] = 'loaded'
     except kvps.errors.KVPSError as exc:
         seen[name] = [type(exc).__name__, str(exc).startswith(name) and 'key 1' in str(exc),
-                      kv._get_optimizer_states() == before]
+                      kv.get_optimizer_states() == before]
         refusals[name] = str(exc)
 report(seen=seen, dtype_refusal=refusals.get('other dtype'))
 '''

@@ -40,7 +40,8 @@ def test_a_tensor_of_most_of_the_model_is_split_over_the_servers_and_steps_exact
             ((kv.rank + 1) * (w.sum() + b.sum())).backward()
             trainer.step(1)
         report(w=sorted(set(w.detach().flatten().tolist())), b=sorted(set(b.tolist())),
-               servers=sorted({s for s, _, _, _ in kv._parts(0)}), b_parts=len(kv._parts(1)))
+               servers=sorted({s for s, _, _, _ in kv._keys.parts(0)}),
+               b_parts=len(kv._keys.parts(1)))
     '''), workers=2, servers=2, timeout=90)
     assert result.returncode == 0, result.output
     found = result.results()

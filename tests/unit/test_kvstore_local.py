@@ -353,11 +353,11 @@ def test_a_state_of_another_dtype_is_refused_at_load_and_changes_nothing(tmp_pat
     so a mismatch means a file of another job (MXNet's update fails on it alike)."""
     _store_with_momentum(*saved).save_optimizer_states(tmp_path / 's')
     kv = _store_with_momentum(*loaded)
-    before = kv._get_optimizer_states()
+    before = kv.get_optimizer_states()
     with pytest.raises(ConfigError, match=f'^{re.escape(str(tmp_path / "s"))}: key 0 part 0: '
                                           + refusal):
         kv.load_optimizer_states(tmp_path / 's')
-    assert kv._get_optimizer_states() == before
+    assert kv.get_optimizer_states() == before
     kv.push(0, np.ones(2, loaded[0]))          # the store trains on with its own state
     out = np.zeros(2, loaded[0])
     kv.pull(0, out=out)
@@ -442,9 +442,11 @@ def test_a_failing_python_updater_raises_from_push_and_the_store_stays_usable():
 
 def test_a_distributed_store_refuses_a_python_updater():
     from kvps.kvstore import KVStore
+    from kvps.worker.client import DistClient
 
     class Servers:   # a distributed backend: optimizers travel as data, code never does
-        keys, closed = {}, False
+        keys, closed, forked = {}, False, False
+        set_updater = DistClient.set_updater
     with pytest.raises(ConfigError, match='never sends code'):
         KVStore('dist_sync', Servers())._set_updater(lambda key, merged, stored: None)
 

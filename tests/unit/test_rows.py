@@ -87,13 +87,13 @@ def test_without_an_optimizer_each_round_of_rows_clears_the_last_ones_and_change
     kv = kvps.create('local')
     kv.init(0, np.full((6, 2), 9, np.float32))
     marks, seen = {}, np.empty((6, 2), np.float32)
-    kv._pull_changed(0, seen, marks)()
+    kv.pull_changed_rows_begin(0, seen, marks)()
     kv.push(0, rs([1, 4], [[1, 1], [2, 2]]))          # first: every row changes (9 -> 0)
-    kv._pull_changed(0, seen, marks)()
+    kv.pull_changed_rows_begin(0, seen, marks)()
     assert seen[:, 0].tolist() == [0, 1, 0, 0, 2, 0]
     seen[:] = 7
     kv.push(0, rs([4, 5], [[3, 3], [5, 5]]))          # then: the rows of both rounds only
-    kv._pull_changed(0, seen, marks)()
+    kv.pull_changed_rows_begin(0, seen, marks)()
     assert seen[:, 0].tolist() == [7, 0, 7, 7, 3, 5]
     kv.push(0, np.ones((6, 2), np.float32))            # a dense value in between
     kv.push(0, rs([0], [[8, 8]]))
@@ -233,17 +233,17 @@ def test_pulling_the_rows_changed_brings_every_row_once_then_only_those_changed(
     kv.init(0, np.zeros((4, 2), np.float32))
     kv.set_optimizer(kvps.optimizer.create('sgd', learning_rate=1.0))
     marks, table = {}, np.full((4, 2), 7, np.float32)
-    kv._pull_changed(0, table, marks)()
+    kv.pull_changed_rows_begin(0, table, marks)()
     assert not table.any()                                   # first look: every row
     kv.push(0, rs([2], [[1, 1]]))
     table[:] = 7
-    kv._pull_changed(0, table, marks)()
+    kv.pull_changed_rows_begin(0, table, marks)()
     assert table.tolist() == [[7, 7], [7, 7], [-1, -1], [7, 7]]
     table[:] = 7
-    kv._pull_changed(0, table, marks)()
+    kv.pull_changed_rows_begin(0, table, marks)()
     assert (table == 7).all()                                # nothing changed since
     kv.push(0, np.ones((4, 2), np.float32))                  # a dense update: every row
-    kv._pull_changed(0, table, marks)()
+    kv.pull_changed_rows_begin(0, table, marks)()
     assert table.tolist() == [[-1, -1], [-1, -1], [-2, -2], [-1, -1]]
 
 

@@ -1,7 +1,5 @@
 """kvps.trainer.Trainer in one process: Gluon's decision rules, scaling, lr, states, parameters."""
 
-import types
-
 import numpy as np
 import pytest
 
@@ -11,6 +9,7 @@ import kvps
 from kvps.trainer import params as _trainer_params  # noqa: E402
 from kvps.kvstore import KVStore  # noqa: E402
 from kvps.kvstore.local import LocalBackend  # noqa: E402
+from kvps.trainer.stores import UserStore  # noqa: E402
 from kvps.optimizer import create as create_optimizer  # noqa: E402
 from kvps import StaleGradientError, Trainer  # noqa: E402
 from kvps.errors import ConfigError  # noqa: E402
@@ -178,7 +177,7 @@ def test_lazy_updates_of_sparse_gradients_are_the_same_whoever_updates():
             emb(torch.tensor([1, 4, 4, step + 7])).sum().backward()
             t.step(1)
             t.zero_grad()
-        assert t._row_keys == ({0} if sparse else set())
+        assert t._exchange.row_keys == ({0} if sparse else set())
         return emb.weight.detach(), start
     (servers, start), (workers, _), (dense, _) = run(True, True), run(False, True), run(True, False)
     assert torch.equal(servers, workers)
@@ -355,7 +354,7 @@ def test_overlap_pushes_during_backward_and_refuses_a_second_backward():
     t = Trainer([x], 'sgd', {'learning_rate': 1.0}, kvstore=fake_store('dist_sync'),
                 update_on_kvstore=False)
     backward(x)
-    assert t._pushed == {0}                          # sent by the hook, before step()
+    assert t._exchange.pushed == {0}                          # sent by the hook, before step()
     with pytest.raises(RuntimeError, match='overlap=False'):
         backward(x)
     y = param(0)
@@ -409,7 +408,7 @@ def test_gradients_leave_in_buckets_and_the_last_one_before_backward_returns():
     # autograd reaches the parameters in reverse: full buckets of two as they fill, and the
     # last, half-full one when backward ends
     assert [sorted(keys) for keys in store.pushes] == [[3, 4], [1, 2], [0]]
-    assert t._pushed == set(range(5))
+    assert t._exchange.pushed == set(range(5))
     t.step(1)
     assert len(store.pushes) == 3 and all(torch.all(p == -1) for p in params)
 
@@ -429,9 +428,9 @@ class PullLog(PushLog):
         self.calls.append(('pull at step', sorted(key)))
         super().pull(key, out, priority)
 
-    def _pull_begin(self, key, out):
+    def pull_begin(self, key, out):
         self.calls.append(('pull', sorted(key)))
-        return super()._pull_begin(key, out)
+        return super().pull_begin(key, out)
 
 
 @pytest.mark.parametrize('servers_update', [True, False])
@@ -759,7 +758,7 @@ def test_compression_params_warn_when_a_custom_store_cannot_compress():
             pass
         push = pull = init
     with pytest.warns(UserWarning, match='set_gradient_compression'):
-        Trainer._set_compression(types.SimpleNamespace(_kv=Bare()), {'type': '2bit'})
+        UserStore(Bare()).set_compression({'type': '2bit'})
 
 
 # -- multi-precision -------------------------------------------------------------------------

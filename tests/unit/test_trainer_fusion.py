@@ -51,7 +51,7 @@ OPTIMIZERS = [('sgd', {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 0.01}),
 
 
 def keys_of(trainer):
-    return sorted(trainer.kvstore._meta)
+    return sorted(trainer.kvstore._keys.meta)
 
 
 def test_layout_groups_by_dtype_and_multiplier_and_leaves_the_rest_alone():
@@ -129,7 +129,7 @@ def test_fused_training_is_bit_for_bit_unfused_training(name, kwargs, uok):
         assert torch.equal(a, b)
     if not uok:   # workers update a fused key in one pass when its multipliers are 1
         assert [f.updated_whole for f in t._layout.fused] == [True, True, False]
-        assert {key for key, _, _ in t._updater.get_states()['states']} == {5, 8, 9, 4, 6}
+        assert {key for key, _, _ in t._local.updater.get_states()['states']} == {5, 8, 9, 4, 6}
 
 
 def gan(params, step):

@@ -1,0 +1,110 @@
+"""The one seam between a KVStore and what carries its keys: Backend, a contract per member."""
+
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What a KVStore asks of its backend: LocalBackend (this process is the job) or
+    DistClient (a worker of a job with servers). Both conform; a test holds them to it.
+
+    Who copies: the store hands the backend kvps-owned arrays (copies of the caller's values,
+    maybe in blocks from ``stage``) and checked targets; the backend may send from what it
+    is handed after the call returns, never writes it, and keeps no caller memory. What
+    blocks: push returns without waiting for the servers; every wait (pull, a ``*_begin``
+    call's wait, barrier, collectives) is bounded by KVPS_TIMEOUT. What raises: kvps's errors
+    (kvps.errors); an error a server reports for a push is raised by that push or by the
+    next call that waits, in whichever thread. Keys are checked and known (the store checks
+    kinds, shapes, dtypes and init) before the backend sees them.
+    """
+
+    rank: int             # this worker's rank, 0 .. num_workers - 1
+    num_workers: int
+    num_servers: int      # how many parts get_states returns and set_states takes
+    sync: bool            # dist_sync rounds (True), or every push applied alone (False)
+    # key -> (shape, dtype name) of every key initialized through any store on this backend:
+    # written by the stores, so that every store of one job membership sees the same keys
+    keys: dict
+    closed: bool          # close() was called: the store refuses further calls
+    # This process was forked from the one that made the backend, and cannot use it (a
+    # distributed backend's sockets and I/O thread stay with its maker, ``pid``).
+    forked: bool
+    pid: int
+
+    def init(self, items, device=False):
+        """Store ``items`` ([(key, flat copy, shape, dtype name)]); collective: every worker
+        calls it, rank 0's values win. Blocks until the servers hold the keys. ``device``:
+        keep them on the servers' GPUs where there are some."""
+
+    def stage(self, sizes):
+        """Where a push's copies of ``sizes`` bytes should be made: per size a writable
+        uint8 block the backend sends from (shared memory), or None (make it anywhere)."""
+
+    def push(self, items):
+        """Send ``items`` ([(key, flat copy | [copy per part], dtype name | codec name |
+        ROW_SPARSE)]) to be summed into the key's round; returns without waiting for the
+        servers (an in-process backend has applied it already)."""
+
+    def pull(self, items):
+        """Write each key's value into ``out`` of ``items`` ([(key, out, dtype name)]: out a
+        writable numpy array of the key's size) after this worker's earlier pushes of it are
+        applied. Blocks; raises any error pending from pushes."""
+
+    def pull_begin(self, items):
+        """``pull(items)``'s requests sent now; returns the wait, after which ``out`` holds
+        the values (nothing writes into them after it returns)."""
+
+    def pushpull(self, pushes, pulls):
+        """``push(pushes)`` then ``pull(pulls)`` (the same keys, in the same order); blocks
+        until every pull has landed."""
+
+    def pull_rows_begin(self, items):
+        """Requests for some rows of each ``(key, table, ids, marks)`` sent now: ``table`` a
+        writable 2-D (rows x width) numpy view of the key, ``ids`` sorted unique row ids, or
+        None for the rows changed since ``marks`` (a dict the backend updates). Returns the
+        wait; only the rows asked for (or changed) are written."""
+
+    def pull_live_begin(self, items):
+        """Requests, per ``(key, width, numpy dtype, sink)``, for the rows the key's last
+        push of rows made (every row of a dense value) sent now; the answers append ``(ids,
+        rows)`` per part to ``sink`` in part order. Returns the wait."""
+
+    def set_optimizer(self, spec):
+        """Run the optimizer of ``spec`` (plain data) on every later push; collective. The
+        same kind again changes hyper-parameters and keeps state. Raises ConfigError for a
+        spec the servers refuse (on rank 0; the other ranks get RemoteError)."""
+
+    def set_updater(self, fn):
+        """Run ``fn(key, merged, stored)`` on every later push, in this process; a backend
+        whose servers run elsewhere raises ConfigError (kvps never sends code)."""
+
+    def get_states(self, dump_optimizer):
+        """Every server's optimizer state (a list, one per server) once this worker's pushes
+        are applied; ConfigError where no state can be saved (a Python updater)."""
+
+    def set_states(self, per_server):
+        """Install one share per server (as get_states gives them); collective. A share any
+        server refuses raises ConfigError and changes no server's state."""
+
+    def barrier(self, digest=None):
+        """Block until every worker is here and this worker's pushes are applied; returns the
+        ranks whose ``digest`` (bytes) differs from rank 0's, [] when all agree."""
+
+    def wait_pushes(self):
+        """Block until every push so far, of any thread, is applied; raise the first error
+        a server reported for one."""
+
+    def close(self):
+        """Flush and leave the job; idempotent. Later calls through a store raise
+        StoreClosedError (``closed`` is True)."""
+
+    def parts(self, key, size):
+        """``[(server, part, start, stop)]``: where the elements of ``key`` (``size`` of
+        them, initialized) lie, in order, covering ``range(size)``."""
+
+    def balance_keys(self, total):
+        """Hint: a model of ``total`` elements is about to be initialized; split its keys
+        so that servers carry about the same bytes."""
+
+    def keep_keys_whole(self):
+        """Hint: keys initialized from now on are placed whole, one server each."""

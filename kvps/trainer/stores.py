@@ -1,0 +1,240 @@
+"""The Trainer's view of its store, chosen once: a kvps KVStore, or one with MXNet's surface."""
+
+import warnings
+
+from .. import kvstore as kvstore_mod
+from ..optimizer import states
+from .early_pulls import NO_EARLY_PULLS, EarlyPulls
+from .params import check_same_everywhere
+
+# What a store of the user's own must have (MXNet's KVStore surface); is_capable,
+# set_gradient_compression and save/load_optimizer_states are optional.
+MXNET_SURFACE = ('type', 'init', 'push', 'pull')
+
+
+def open_store(kvstore, requested):
+    """(store view or None, update_on_kvstore) as Gluon decides them for one device per
+    process.
+
+    - None, or a non-'dist' name: no store (one device: nothing to reduce), local updates;
+    - a 'dist*' name: that store; a store object: itself;
+    - async stores force update_on_kvstore=True (an explicit False is a ValueError);
+    - an explicit True/False wins otherwise (MXNET_UPDATE_ON_KVSTORE's default is on);
+    - a store that cannot run optimizers falls back to local updates (explicit True: ValueError).
+    """
+    if requested is not None and not isinstance(requested, bool):
+        raise TypeError(f'update_on_kvstore must be None, True or False, got {requested!r}')
+    store = _view(kvstore)
+    if store is None:
+        return None, False
+    update = True
+    if store.distributed and 'async' in store.type:
+        if requested is False:
+            raise ValueError('update_on_kvstore=False is not possible with an async store: '
+                             'its servers apply every push as it comes, so they must run the '
+                             'optimizer. Use update_on_kvstore=True (or None), or a sync store')
+    elif requested is not None:
+        update = requested
+    if update and not store.runs_optimizers():
+        if requested:
+            raise ValueError(f'update_on_kvstore=True, but the store {type(store.kv).__name__} '
+                             'cannot run optimizers; use update_on_kvstore=False')
+        update = False
+    return store, update
+
+
+def check_compression(kvstore, compression_params):
+    """compression_params with a type name that cannot compress: the store's own error at
+    construction (a 'local' name makes no store here, so nothing else would refuse them and
+    they would be ignored without a word)."""
+    if compression_params and isinstance(kvstore, str):
+        kvstore_mod.check_compression_type(kvstore)
+
+
+def _view(kvstore):
+    """The view of what the user passed as ``kvstore``, or None for no store."""
+    if kvstore is None:
+        return None
+    if isinstance(kvstore, str):
+        distributed, _, _ = kvstore_mod.parse_type(kvstore)   # rejects unknown names
+        # One device per process: a local store would only copy gradients onto themselves.
+        return KvpsStore(kvstore_mod.create(kvstore)) if distributed else None
+    if isinstance(kvstore, kvstore_mod.KVStore):
+        return KvpsStore(kvstore)
+    if all(hasattr(kvstore, name) for name in MXNET_SURFACE):
+        return UserStore(kvstore)
+    raise TypeError('kvstore must be None, a type name (e.g. \'dist_sync\') or a KVStore, got '
+                    f'{type(kvstore).__name__}')
+
+
+class _Surface:
+    """MXNet's surface of a store, as both kinds of view pass it on."""
+
+    def __init__(self, kv):
+        self.kv = kv
+
+    @property
+    def type(self):
+        return self.kv.type
+
+    @property
+    def distributed(self):
+        return 'dist' in self.kv.type
+
+    def init(self, keys, values):
+        self.kv.init(keys, values)
+
+    def push(self, keys, values):
+        self.kv.push(keys, values)
+
+    def pull(self, keys, out):
+        self.kv.pull(keys, out=out)
+
+    def set_optimizer(self, spec):
+        self.kv.set_optimizer(spec)
+
+
+class UserStore(_Surface):
+    """A store of the user's own making, used through MXNet's surface only: no early pulls,
+    no fused keys, no pulls of rows, no kvps collectives. KvpsStore has the same methods,
+    doing what a kvps store can."""
+
+    fuses = False       # fused keys need the state calls that translate them (KvpsStore)
+
+    def __init__(self, kv):
+        super().__init__(kv)
+        # MXNet's optional members, looked up once here: a store of one's own may lack them
+        self._is_capable = getattr(kv, 'is_capable', None)
+        self._compress = getattr(kv, 'set_gradient_compression', None)
+        self._save = getattr(kv, 'save_optimizer_states', None)
+        self._load = getattr(kv, 'load_optimizer_states', None)
+
+    def runs_optimizers(self):
+        return self._is_capable is not None and self._is_capable('optimizer')
+
+    def early_pulls(self, weights, gradient_buffer):
+        """Nothing is pulled before step(): MXNet's surface has no pull that returns early."""
+        return NO_EARLY_PULLS
+
+    def sends_rows(self, param):
+        """A sparse gradient is pushed dense: its rows alone would need kvps's row pulls."""
+        return False
+
+    def pull_rows_begin(self, keys, weights, marks, on_servers):
+        raise _lacks('pulls of rows')   # never asked: sends_rows is False
+
+    def agree_on(self, params, layout_digest):
+        """Nothing to check with: MXNet's surface has no collective that compares a value
+        across workers (kvps's ``agree``), and one built from push and pull would need keys
+        of the Trainer's own in the user's store. The user keeps the workers' models alike,
+        as with MXNet."""
+
+    def prepare_init(self, total, keep_whole):
+        """No placement hints: MXNet's surface has none (the store places keys its way)."""
+
+    def set_compression(self, compression_params):
+        if self._compress is None:
+            warnings.warn(f'the store {type(self.kv).__name__} has no '
+                          'set_gradient_compression; compression_params are ignored and '
+                          'gradients travel at full precision', stacklevel=3)
+        else:
+            self._compress(compression_params)
+
+    def barrier(self):
+        raise _lacks('barrier')   # never asked: only fused keys need one, and fuses is False
+
+    def unfuse_server_states(self, ranges):
+        raise _lacks('fused keys')   # never asked: fuses is False
+
+    def save_server_states(self, fname, layout):
+        if self._save is None:
+            raise no_server_states('save_states')
+        self._save(fname, dump_optimizer=True)
+
+    def load_server_states(self, fname, layout):
+        if self._load is None:
+            raise no_server_states('load_states')
+        self._load(fname)
+
+
+class KvpsStore(_Surface):
+    """A kvps KVStore: MXNet's surface and kvps's extensions (early pulls, fused keys, pulls
+    of rows, the agree collective, placement hints, optimizer state as whole keys)."""
+
+    fuses = True
+
+    def runs_optimizers(self):
+        return self.kv.is_capable('optimizer')
+
+    def early_pulls(self, weights, gradient_buffer):
+        """Each pushed key's pull sent right behind its push (see early_pulls)."""
+        return EarlyPulls(self.kv, weights, gradient_buffer)
+
+    def sends_rows(self, param):
+        """A host parameter's sparse gradient is pushed as its rows alone."""
+        return param.tensor.device.type == 'cpu' and param.tensor.is_contiguous()
+
+    def pull_rows_begin(self, keys, weights, marks, on_servers):
+        """The pulls of parameters whose gradients went as rows: the rows their servers
+        changed since ``marks`` into ``weights`` (servers update), or the rows of the summed
+        gradients (workers update). Returns the wait."""
+        if on_servers:
+            return self.kv.pull_changed_rows_begin(keys, weights, marks)
+        return self.kv.pull_pushed_rows_begin(keys)
+
+    def agree_on(self, params, layout_digest):
+        check_same_everywhere(self.kv, params, layout_digest)
+
+    def prepare_init(self, total, keep_whole):
+        """Keys of a model of ``total`` elements balanced over servers; ``keep_whole``: for
+        an optimizer that reads each weight whole, which the servers get after init."""
+        self.kv.balance_keys(total)
+        if keep_whole:
+            self.kv.keep_keys_whole()
+
+    def set_compression(self, compression_params):
+        self.kv.set_gradient_compression(compression_params)
+
+    def barrier(self):
+        self.kv.barrier()
+
+    def unfuse_server_states(self, ranges):
+        """Collective: the servers' state of fused keys (``ranges``: their members' ranges)
+        moved under the members' own keys. No worker may push meanwhile: the state is read,
+        then written back."""
+        merged = self.kv.get_optimizer_states(dump_optimizer=True)
+        self.kv.set_optimizer_states(states.unfuse(merged, ranges))
+
+    def save_server_states(self, fname, layout):
+        """The servers' optimizer state (optimizer included) into ``fname``, per parameter
+        (``layout``: the Trainer's fused keys, split back into their members)."""
+        if not layout.fused:
+            self.kv.save_optimizer_states(fname, dump_optimizer=True)
+            return
+        merged = states.unfuse(self.kv.get_optimizer_states(dump_optimizer=True),
+                               layout.ranges())
+        merged['optimizer'] = layout.file_spec(merged['optimizer'])
+        states.write_file(fname, merged)
+
+    def load_server_states(self, fname, layout):
+        """Collective: every worker calls it; the store installs the file on its servers
+        (with the members of ``layout``'s fused keys joined)."""
+        if not layout.fused:
+            self.kv.load_optimizer_states(fname)
+            return
+        merged = states.fuse(states.read_file(fname), layout.ranges())
+        if 'optimizer' in merged:   # it replaces the servers' own: it must know the fused keys
+            merged['optimizer'] = layout.server_spec(merged['optimizer'])
+        self.kv.set_optimizer_states(merged)
+
+
+def _lacks(what):
+    return NotImplementedError(f'a store of your own making has no {what} (kvps stores do)')
+
+
+def no_server_states(what):
+    return NotImplementedError(
+        f'{what} needs the optimizer state held by the servers, and this store cannot read or '
+        'write it (KVStore.save_optimizer_states/load_optimizer_states). Create the Trainer '
+        'with update_on_kvstore=False: gradients are still summed by the servers, and every '
+        'worker then holds the optimizer state itself')
