@@ -14,6 +14,18 @@ import pytest
 
 from kvps.wire.shm import remove_leftovers
 
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """Every test here starts real processes: each is marked cluster, whether or not its
+    file says so (tryfirst: before `-m` selects by marks)."""
+    for item in items:
+        if HERE in item.path.parents:
+            item.add_marker(pytest.mark.cluster)
+
+
 # Short bounds so that failure tests end quickly; generous enough for a loaded 2-core box.
 FAST = {'KVPS_HEARTBEAT_INTERVAL': '0.5', 'KVPS_HEARTBEAT_TIMEOUT': '6',
         'KVPS_CONNECT_TIMEOUT': '30', 'KVPS_TIMEOUT': '60', 'OMP_NUM_THREADS': '1'}
