@@ -7,7 +7,8 @@
 #                             [-d REMOTE_DIR] [-e NAME=VALUE]... -- command ...
 #
 #   HOSTFILE        one host per line (as ssh knows it); blank lines and # comments ignored
-#   -p PORT         scheduler port (default 9091; must be free on the first host)
+#   -p PORT         scheduler port (default 9091; must be free on the first host); 0: the
+#                   scheduler binds one the OS picks, and the others are told it
 #   -i ADDR         address everyone dials for the scheduler (default: the first host's name)
 #   -d DIR          directory to run in on every host (default: this directory; shared fs)
 #   -e NAME=VALUE   extra variable for every process (repeatable), e.g. -e DMLC_INTERFACE=eth0
@@ -19,7 +20,7 @@
 set -euo pipefail
 set -m  # each background job gets its own process group, so a kill reaches ssh and its reader
 
-usage() { sed -n '6,17p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '6,18p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 hostfile= workers= servers= port=9091 sched_addr= dir=$PWD extra=()
 while getopts 'H:n:s:p:i:d:e:h' opt; do
@@ -39,10 +40,19 @@ sched_addr=${sched_addr:-${hosts[0]}}
 python=${PYTHON:-python3}
 read -r -a ssh_cmd <<< "${SSH:-ssh -o BatchMode=yes}"
 state=$(mktemp -d)
-trap 'rm -rf "$state"' EXIT
+# -p 0: the scheduler writes the port it bound to this file in DIR on the first host (and
+# files beside it as the job goes on), read back over ssh and removed at the end
+port_file=
+if [[ $port == 0 ]]; then port_file=.kvps-ssh-launch-$$-$RANDOM.port; fi
+cleanup() {
+  rm -rf "$state"
+  [[ -z $port_file ]] || "${ssh_cmd[@]}" "${hosts[0]}" "cd $(printf '%q' "$dir") && rm -f \
+    $port_file $port_file.formed $port_file.blame" < /dev/null > /dev/null 2>&1 || true
+}
+trap cleanup EXIT
 
-common=(DMLC_PS_ROOT_URI="$sched_addr" DMLC_PS_ROOT_PORT="$port"
-        DMLC_NUM_WORKER="$workers" DMLC_NUM_SERVER="$servers" PYTHONUNBUFFERED=1 ${extra[@]+"${extra[@]}"})
+common=(DMLC_PS_ROOT_URI="$sched_addr" DMLC_NUM_WORKER="$workers" DMLC_NUM_SERVER="$servers"
+        PYTHONUNBUFFERED=1 ${extra[@]+"${extra[@]}"})
 
 # start NAME HOST VAR=VALUE... -- ARGV...: run ARGV on HOST, prefix its lines with [NAME]
 declare -A names=()
@@ -77,8 +87,38 @@ stop_all() {
 trap 'echo "ssh_launch: interrupted; stopping everything" >&2; stop_all; exit 130' INT
 trap 'echo "ssh_launch: terminated; stopping everything" >&2; stop_all; exit 143' TERM
 
-start scheduler "${hosts[0]}" "${common[@]}" DMLC_ROLE=scheduler "$python" -m kvps.node
-sleep 1  # the scheduler must listen before the others' connect timeout starts to matter
+# scheduler_port PID: the port the scheduler (started as job PID) wrote to $port_file; fails
+# once it has exited, or after KVPS_CONNECT_TIMEOUT (default 120) seconds
+scheduler_port() {
+  local limit=${KVPS_CONNECT_TIMEOUT:-120} got
+  local deadline=$(( SECONDS + ${limit%.*} + 1 ))
+  while (( SECONDS < deadline )) && kill -0 "$1" 2> /dev/null; do
+    got=$("${ssh_cmd[@]}" "${hosts[0]}" "cd $(printf '%q' "$dir") && cat $port_file" \
+          < /dev/null 2> /dev/null) || true
+    [[ $got =~ ^[0-9]+$ ]] && { echo "$got"; return 0; }
+    sleep 0.2
+  done
+  return 1
+}
+
+start scheduler "${hosts[0]}" "${common[@]}" DMLC_PS_ROOT_PORT="$port" \
+  ${port_file:+KVPS_PORT_FILE="$port_file"} DMLC_ROLE=scheduler "$python" -m kvps.node
+if [[ -n $port_file ]]; then
+  sched=$!
+  if ! port=$(scheduler_port "$sched"); then
+    if kill -0 "$sched" 2> /dev/null; then
+      echo "ssh_launch: the scheduler on ${hosts[0]} wrote no port to $dir/$port_file" >&2
+      stop_all
+      exit 1
+    fi
+    rc=0
+    wait "$sched" || rc=$?   # it failed first, and said so
+    exit $(( rc ? rc : 1 ))
+  fi
+else
+  sleep 1  # the scheduler must listen before the others' connect timeout starts to matter
+fi
+common+=(DMLC_PS_ROOT_PORT="$port")
 for ((r = 0; r < servers; r++)); do
   start "server $r" "${hosts[$(( (r + 1) % ${#hosts[@]} ))]}" \
     "${common[@]}" DMLC_ROLE=server KVPS_RANK=$r "$python" -m kvps.node

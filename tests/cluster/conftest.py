@@ -14,6 +14,18 @@ import pytest
 
 from kvps.wire.shm import remove_leftovers
 
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """Every test here starts real processes: each is marked cluster, whether or not its
+    file says so (tryfirst: before `-m` selects by marks)."""
+    for item in items:
+        if HERE in item.path.parents:
+            item.add_marker(pytest.mark.cluster)
+
+
 # Short bounds so that failure tests end quickly; generous enough for a loaded 2-core box.
 FAST = {'KVPS_HEARTBEAT_INTERVAL': '0.5', 'KVPS_HEARTBEAT_TIMEOUT': '6',
         'KVPS_CONNECT_TIMEOUT': '30', 'KVPS_TIMEOUT': '60', 'OMP_NUM_THREADS': '1'}
@@ -68,18 +80,30 @@ def assert_no_leftovers(tag, wait_s=10.0):
 @pytest.fixture
 def job(tmp_path):
     """job(script, workers, servers, env=..., launcher_args=..., wrapper=...) -> Job, run by
-    kvps.launch (inside ``wrapper``, a command prefix, when given)."""
+    kvps.launch (inside ``wrapper``, a command prefix, when given). A job that has not ended
+    within ``timeout`` s fails the test, saying ``ends_when`` (what should have ended it)."""
     tag = uuid.uuid4().hex
 
-    def run(script, workers=2, servers=1, env=None, launcher_args=(), timeout=120, wrapper=()):
+    def run(script, workers=2, servers=1, env=None, launcher_args=(), timeout=120, wrapper=(),
+            ends_when=None):
         path = tmp_path / f'job_{uuid.uuid4().hex[:6]}.py'
         path.write_text(PRELUDE + textwrap.dedent(script))
         full_env = {**os.environ, **FAST, **(env or {}), 'KVPS_TEST_TAG': tag,
                     'PYTHONUNBUFFERED': '1'}
         cmd = [*wrapper, sys.executable, '-m', 'kvps.launch', '-n', str(workers),
                '-s', str(servers), *launcher_args, '--', sys.executable, str(path)]
-        proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True,
-                              timeout=timeout, cwd=tmp_path)
+        timed_out = None
+        try:
+            proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True,
+                                  timeout=timeout, cwd=tmp_path)
+        except subprocess.TimeoutExpired as exc:   # the launcher is killed; its job dies too
+            timed_out = exc
+        if timed_out is not None:
+            assert_no_leftovers(tag)
+            output = b''.join(o or b'' for o in (timed_out.stdout, timed_out.stderr))
+            pytest.fail(f'the job did not end within {timeout} s'
+                        + (f' ({ends_when})' if ends_when else '') + '; its output:\n'
+                        + output.decode(errors='replace'), pytrace=False)
         result = Job(proc.returncode, proc.stdout, proc.stderr)
         assert_no_leftovers(tag)
         return result
@@ -167,10 +191,21 @@ def _stop_all(procs, tag, nodes=False):
     assert_no_leftovers(tag, wait_s=5)
 
 
-def finish(proc, timeout=60):
-    """Wait for a hand-started process; return (exit code, output). Tests reach it as
-    ``by_hand.finish``: importing ``conftest`` by name would find tests/unit's."""
-    out, _ = proc.communicate(timeout=timeout)
+def finish(proc, timeout=60, exits_when=None):
+    """Wait for a hand-started process; return (exit code, output). One still running after
+    ``timeout`` s is killed and fails the test, saying ``exits_when`` (what should have ended
+    it). Tests reach it as ``by_hand.finish``: importing ``conftest`` by name would find
+    tests/unit's."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out = None
+    if out is None:
+        proc.kill()
+        out, _ = proc.communicate(timeout=10)
+        pytest.fail(f'pid {proc.pid} did not exit within {timeout} s'
+                    + (f' ({exits_when})' if exits_when else '') + f'; its output:\n{out}',
+                    pytrace=False)
     return proc.returncode, out
 
 

@@ -1,9 +1,11 @@
 """The cluster recipes in launch/ start real jobs: ssh_launch.sh through an ssh stand-in that
 runs the remote command here, slurm.sbatch through srun and scontrol stand-ins that start its
-tasks here as Slurm would (SLURM_PROCID per task, --label prefixes, --kill-on-bad-exit)."""
+tasks here as Slurm would (SLURM_PROCID per task, --label prefixes, --kill-on-bad-exit).
+
+Each job's scheduler binds a port the OS picks (the recipes' port 0) and the recipe tells the
+others: a port picked here and handed over could be taken by another process meanwhile."""
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -71,13 +73,6 @@ sys.exit(code)
 '''
 
 
-def _free_port():
-    """A port the OS picks (the recipes take a port number, as a cluster operator gives)."""
-    with socket.socket() as sock:
-        sock.bind(('127.0.0.1', 0))
-        return sock.getsockname()[1]
-
-
 def _executable(path, text):
     path.write_text(text)
     path.chmod(0o755)
@@ -110,8 +105,14 @@ def _ssh_job(recipe, tmp_path, workers, servers, env=None, options=()):
     hostfile.write_text('# the scheduler runs on the first host\n127.0.0.1\n\n127.0.0.1\n')
     ssh = _executable(tmp_path / 'ssh', FAKE_SSH)
     return recipe([LAUNCH / 'ssh_launch.sh', '-H', hostfile, '-n', workers, '-s', servers,
-                   '-p', _free_port(), '-d', tmp_path, *options, '--', *recipe.train],
+                   '-p', 0, '-d', tmp_path, *options, '--', *recipe.train],
                   {'SSH': str(ssh), **(env or {})})
+
+
+def _port_files(tmp_path):
+    """The port files (and the files beside them) a recipe's scheduler wrote in its directory
+    and the recipe left there."""
+    return sorted(p.name for p in tmp_path.iterdir() if '.port' in p.name)
 
 
 def test_ssh_launch_runs_a_job_over_its_hosts(recipe, tmp_path):
@@ -122,6 +123,7 @@ def test_ssh_launch_runs_a_job_over_its_hosts(recipe, tmp_path):
     assert result.returncode == 0, result.output
     # (results() reads the lines by their '[worker N]' prefixes)
     assert result.results() == {r: {'rank': r, 'workers': 2, 'w': [3.0] * 3} for r in (0, 1)}
+    assert _port_files(tmp_path) == []
 
 
 def test_ssh_launch_stops_everything_when_a_worker_fails(recipe, tmp_path):
@@ -129,6 +131,17 @@ def test_ssh_launch_stops_everything_when_a_worker_fails(recipe, tmp_path):
     assert result.returncode != 0
     assert 'failed first' in result.stderr, result.output
     assert set(result.results()) <= {0}
+    assert _port_files(tmp_path) == []
+
+
+def test_ssh_launch_names_a_scheduler_that_fails_before_telling_its_port(recipe, tmp_path):
+    result = _ssh_job(recipe, tmp_path, workers=1, servers=1,
+                      options=['-e', 'KVPS_TIMEOUT=never'])
+    assert result.returncode == 1, result.output
+    assert 'ssh_launch: scheduler on 127.0.0.1 failed first: exit code 1' in result.stderr
+    assert "[scheduler] kvps.errors.ConfigError: KVPS_TIMEOUT='never'" in result.stdout
+    assert '[server 0]' not in result.stdout and '[worker 0]' not in result.stdout
+    assert _port_files(tmp_path) == []
 
 
 def test_slurm_batch_script_gives_each_task_its_role(recipe, tmp_path):
@@ -138,10 +151,11 @@ def test_slurm_batch_script_gives_each_task_its_role(recipe, tmp_path):
     _executable(bin_dir / 'scontrol', '#!/bin/sh\necho 127.0.0.1\necho 127.0.0.2\n')
     env = {'PATH': f'{bin_dir}:{os.environ["PATH"]}', 'SLURM_NTASKS': '5',
            'SLURM_JOB_NODELIST': 'node[1-2]', 'SLURM_JOB_ID': '4242', 'NUM_SERVERS': '2',
-           'KVPS_PORT': str(_free_port())}
+           'KVPS_PORT': '0'}
     result = recipe(['bash', LAUNCH / 'slurm.sbatch', *recipe.train], env)
     assert result.returncode == 0, result.output
-    assert 'scheduler 127.0.0.1:' in result.stdout and '2 servers, 2 workers' in result.stdout
+    assert f'kvps: scheduler 127.0.0.1 (its port written to {tmp_path}/kvps-4242.port), ' \
+           '2 servers, 2 workers' in result.stdout, result.output
     # Task 3 and 4 are workers 0 and 1; their lines carry srun's labels.
     assert '3: RESULT' in result.stdout and '4: RESULT' in result.stdout, result.output
     found = {}
@@ -151,3 +165,4 @@ def test_slurm_batch_script_gives_each_task_its_role(recipe, tmp_path):
             found[int(line.split(':', 1)[0])] = payload
     assert sorted(found) == [3, 4]
     assert all('"w": [3.0, 3.0, 3.0]' in payload for payload in found.values())
+    assert _port_files(tmp_path) == []
