@@ -9,6 +9,7 @@ import numpy as np
 
 from ..errors import ConfigError, KVPSError, PeerLostError, ProtocolError
 from ..wire import protocol as P
+from ..wire.items import DataItem
 from ..wire.link import SchedulerLink, decode_or_refusal
 from ..wire.shm import segment_bytes
 from ..wire.transport import Poller, Router, bind_host, guard_from, new_context
@@ -272,10 +273,10 @@ class Server:
         sync, device = h['sync'], h.get('device', False)
 
         def init_one(item_token, item, buffer):
-            key, part, dtype, _, shape = item
             if self._resuming:
-                self._refuse_misplaced_init(key, part)
-            return self.shard.init(item_token, key, part, dtype, shape, sync, buffer, device)
+                self._refuse_misplaced_init(item.key, item.part)
+            return self.shard.init(item_token, item.key, item.part, item.dtype, item.shape, sync,
+                                   buffer, device)
         return self._each_key(token, P.INIT, h['keys'], buffers, init_one)
 
     def _refuse_misplaced_init(self, key, part):
@@ -297,19 +298,17 @@ class Server:
 
     def _check(self, token, h, buffers):
         def check_one(item_token, item, _):
-            key, part, dtype, shape = item
-            return self.shard.check(item_token, key, part, dtype, shape)
+            return self.shard.check(item_token, item.key, item.part, item.dtype, item.shape)
         return self._each_key(token, P.CHECK, h['keys'], [None] * len(h['keys']), check_one)
 
     def _push(self, token, h, buffers):
         sync, step = h['sync'], h.get('step', 0)
 
         def push_one(item_token, item, buffer):
-            key, part, dtype, _, _, seq = item
             if isinstance(buffer, ProtocolError):   # its shared-memory range is bad
                 raise buffer
-            return self.shard.push(item_token, token[0], key, part, dtype, sync, buffer, seq,
-                                   step)
+            return self.shard.push(item_token, token[0], item.key, item.part, item.dtype, sync,
+                                   buffer, item.seq, step)
         payloads = self.regions.payloads(token[0], h['keys'], buffers)
         self.regions.saw(token[0], h)   # before the updates: what the worker copied is free
         return self.shard.together(
@@ -325,12 +324,11 @@ class Server:
                                               for entry, place in zip(entries, places)]))]
 
         def pull_one(item_token, item, _):
-            key, part, at = item
-            entry = self.shard.entries.get((key, part))
-            if at is not None and entry is not None:   # (no entry: shard.pull says so)
+            entry = self.shard.entries.get((item.key, item.part))
+            if item.at is not None and entry is not None:   # (no entry: shard.pull says so)
                 batch, index = item_token
-                batch.places[index] = self._place(token[0], at, entry)
-            return self.shard.pull(item_token, token[0], key, part)
+                batch.places[index] = self._place(token[0], item.at, entry)
+            return self.shard.pull(item_token, token[0], item.key, item.part)
         return self._each_key(token, P.PULL, h['keys'], [None] * len(h['keys']), pull_one,
                               reader)
 
@@ -343,7 +341,7 @@ class Server:
         """``_place`` of each pulled key (None: in a frame or lent); None if some offset is
         bad (that key then gets its error alone)."""
         try:
-            return [None if item[2] is None else self._place(worker, item[2], entry)
+            return [None if item.at is None else self._place(worker, item.at, entry)
                     for item, entry in zip(items, entries)]
         except ProtocolError:
             return None
@@ -456,7 +454,7 @@ class Server:
                 at, view = place
                 np.frombuffer(view, array.dtype)[...] = array   # (np.copyto: 4x the overhead)
                 lease.released = True
-            header['keys'].append([at, lent])
+            header['keys'].append(DataItem(at, lent))
         if in_arena:
             header['lease'] = self.regions.lend(reader, [array for array, _ in in_arena])
             for _, lease in in_arena:

@@ -363,12 +363,12 @@ class Shard(OptimizerStates):
         return [self._answer(entry, token, rows)]
 
     def ready_for(self, worker, items):
-        """The entries of a multi-key pull's ``items`` ([key, part, ...]) when every one
-        exists and none waits for a round of ``worker``'s (the common case: the pull can be
-        answered at once, whole); else None (``pull`` then takes each key its own way)."""
+        """The entries of a multi-key pull's ``items`` (PullItem) when every one exists and
+        none waits for a round of ``worker``'s (the common case: the pull can be answered at
+        once, whole); else None (``pull`` then takes each key its own way)."""
         entries, found = self.entries, []
         for item in items:
-            entry = entries.get((item[0], item[1]))
+            entry = entries.get((item.key, item.part))
             if entry is None or _round_needed(entry, worker) > entry.version:
                 return None
             found.append(entry)
@@ -427,7 +427,7 @@ class Shard(OptimizerStates):
     # -- a restarted server ---------------------------------------------------------------
     def rebase(self, acked, workers):
         """Line the restored counts up with what the workers saw acknowledged before this
-        server was lost: ``acked`` maps worker -> [[key, part, acks], ...] (RESUME).
+        server was lost: ``acked`` maps worker -> [ResumeItem, ...].
 
         A sync round that some worker saw completed is complete here too, even where the
         checkpoint predates it (its update is then lost: the checkpoint interval bounds how
@@ -437,8 +437,8 @@ class Shard(OptimizerStates):
         for sync keys whose checkpoint predates rounds the workers saw completed."""
         by_part, lost = {}, {}
         for worker, items in acked.items():
-            for key, part, count in items:
-                by_part.setdefault((key, part), {})[worker] = count
+            for item in items:
+                by_part.setdefault((item.key, item.part), {})[worker] = item.acked
         for key_part, entry in self.entries.items():
             counts = by_part.get(key_part, {})
             if entry.sync:

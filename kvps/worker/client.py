@@ -15,6 +15,7 @@ import numpy as np
 from ..allocator import keep_freed_memory
 from ..arrays import flat_view
 from ..wire import protocol as P
+from ..wire.items import PullItem, PushItem
 from .collectives import Collectives
 from .loop import SCHEDULER, WorkerIO, server_name
 from .messages import (WAVE_BYTES, copier, describe, fuse, live_collector, part_nbytes, payload,
@@ -87,18 +88,30 @@ class DistClient(Collectives):
             parts.append((key, part, data, dtype, at))
         batches = fuse(parts, lambda item: 0 if item[4] is not None else item[2].nbytes)
         op = Operation(describe('push', items), len(batches), on_error=self._errors.append)
-        for server, batch in batches:
-            node = server_name(server)
-            keys, frames, keep = [], [], []
-            for key, part, data, dtype, at in batch:
-                n = data.nbytes if dtype == P.ROW_SPARSE else part.stop - part.start
-                keys.append([key, part.part, dtype, n, at])
-                (frames if at is None else keep).append(data)
-            header = {'op': P.PUSH, 'sync': self.sync, 'keys': keys}
-            if step:
-                header['step'] = step
-            self._submit(server, header, frames, Request(op, node, keep=keep))
+        self._send_pushes(batches, op, step)
         self._window.add(op, nbytes)
+
+    def _send_pushes(self, batches, op, step):
+        """One PUSH per batch, each item numbered (its ``seq``) as it is made: numbering and
+        queueing under one lock keep a key part's pushes to a server in the order of their
+        numbers, whichever threads push at once."""
+        counts = self.io.push_counts
+        with counts.lock:
+            for server, batch in batches:
+                node = server_name(server)
+                numbered = counts.of(node)
+                keys, frames, keep = [], [], []
+                for key, part, data, dtype, at in batch:
+                    where = (key, part.part)
+                    seq = numbered.get(where, 0)
+                    numbered[where] = seq + 1
+                    n = data.nbytes if dtype == P.ROW_SPARSE else part.stop - part.start
+                    keys.append(PushItem(key, part.part, dtype, n, at, seq))
+                    (frames if at is None else keep).append(data)
+                header = {'op': P.PUSH, 'sync': self.sync, 'keys': keys}
+                if step:
+                    header['step'] = step
+                self._submit(server, header, frames, Request(op, node, keep=keep))
 
     def _count_pushes(self, items):
         """The step a sync push carries (None in async): servers each hold some of the keys,
@@ -181,7 +194,7 @@ class DistClient(Collectives):
             blocks = [None] * len(batch) if staging is None else staging.blocks_for(
                 node, [(part_nbytes(item), (item[0], item[1].part)) for item in batch])
             header = {'op': P.PULL, 'keys': [
-                [key, part.part, None if block is None else block[0]]
+                PullItem(key, part.part, None if block is None else block[0])
                 for (key, part, _, _), block in zip(batch, blocks)]}
             self._submit(server, header, (),
                          Request(op, node, copier(batch, blocks, staging, node), keep=blocks))

@@ -6,6 +6,7 @@ from .. import rows
 from ..errors import ConfigError, KVPSError, RemoteError
 from ..optimizer.optimizers import needs_whole_tensors
 from ..wire import protocol as P
+from ..wire.items import CheckItem, InitItem
 from .messages import describe, fuse, state_collector
 
 _REFUSED = b'refused'   # rank 0's word at the barrier ending a collective the servers refused
@@ -38,8 +39,9 @@ class Collectives:
                               list(shape)))
         ops = []
         for server, batch in fuse(parts, _init_bytes if init else _no_bytes, shaped=True):
-            keys = [[key, part.part, dtype, part.stop - part.start, shape] if init else
-                    [key, part.part, dtype, shape] for key, part, _, dtype, shape in batch]
+            keys = [InitItem(key, part.part, dtype, part.stop - part.start, shape) if init
+                    else CheckItem(key, part.part, dtype, shape)
+                    for key, part, _, dtype, shape in batch]
             ops.append(self._request(server, describe('init', batch),
                                      {'op': op, 'keys': keys, **fields},
                                      [values for _, _, values, _, _ in batch] if init else ()))
