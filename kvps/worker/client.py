@@ -24,8 +24,9 @@ from .pending import Operation, PushWindow, Request
 from .sharding import Sharding
 
 
-class DistClient(Collectives):
-    """One worker's membership in a job; at most one per process."""
+class DistClient:
+    """One worker's membership in a job; at most one per process. The collective calls
+    (init, the optimizer and its states) are its Collectives'."""
 
     def __init__(self, config, sync):
         self.config = config.require_worker().require_cluster()
@@ -54,6 +55,8 @@ class DistClient(Collectives):
         self._step = 0            # the most of any key
         self.keys = {}            # key -> (shape, dtype name), for every store of this process
         self.closed = False
+        self._collectives = Collectives(self.config, sync, self.rank, self.sharding,
+                                        self._request, self.barrier, self.wait_pushes)
 
     @property
     def forked(self):
@@ -63,6 +66,29 @@ class DistClient(Collectives):
 
     def parts(self, key, size):
         return [(p.server, p.part, p.start, p.stop) for p in self.sharding.parts(key)]
+
+    # -- setup: collective (Collectives) or this worker's ----------------------------------
+    def init(self, items, device=False):
+        """Initialize keys collectively: Collectives.init."""
+        self._collectives.init(items, device)
+
+    def set_optimizer(self, spec):
+        self._collectives.set_optimizer(spec)
+
+    def get_states(self, dump_optimizer):
+        return self._collectives.get_states(dump_optimizer)
+
+    def set_states(self, per_server):
+        self._collectives.set_states(per_server)
+
+    def balance_keys(self, total):
+        """A model of ``total`` elements is about to be initialized: see Sharding.balance."""
+        self.sharding.balance(total)
+
+    def keep_keys_whole(self):
+        """Keys initialized from now on go to one server each (an optimizer that reads each
+        weight whole is coming)."""
+        self.sharding.keep_whole = True
 
     # -- data -----------------------------------------------------------------------------
     def stage(self, sizes):
@@ -336,10 +362,6 @@ class DistClient(Collectives):
         return ('; in dist_sync a server answers a push of a key, and a pull of it after the '
                 'push, once every worker has pushed that key in the round: is some worker not '
                 'pushing it, or stalled?') if self.sync else ''
-
-    def _wait_all(self, ops):
-        for op in ops:
-            op.wait(self.config.timeout)
 
     def _raise_pending_errors(self):
         if self._errors:
