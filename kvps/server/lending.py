@@ -5,7 +5,10 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import ProtocolError
+from ..wire import protocol as P
 from ..wire.items import DataItem
+from ..wire.shm import segment_bytes
+from .regions import Regions
 
 IN_FRAME = DataItem(at=None, lent=None)
 
@@ -24,6 +27,16 @@ class Lending:
 
     def __init__(self, regions, storage):
         self.regions, self._storage = regions, storage
+
+    @classmethod
+    def on_host(cls, host, config, welcome, storage):
+        """The Lending of a server on ``host`` in the job ``welcome`` describes: its arena
+        takes its share of /dev/shm among the job's processes on this host when
+        KVPS_SHM_BYTES=auto (it reserves pages only as weights fill it; weights it cannot
+        hold are copied into a worker's segment for every pull)."""
+        workers = P.members_on(welcome, host, 'worker')
+        size = segment_bytes(config.shm_bytes, workers + P.members_on(welcome, host, 'server'))
+        return cls(Regions(config.shm, arena_bytes=size, neighbours=workers), storage)
 
     def attach(self, identity, header, now):
         """Map the segment an ATTACH names; returns the ACK's fields (the arena, if any)."""

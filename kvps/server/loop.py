@@ -3,16 +3,14 @@
 import logging
 import time
 
-from ..errors import ConfigError, KVPSError, PeerLostError, ProtocolError
+from ..errors import KVPSError, PeerLostError, ProtocolError
 from ..wire import protocol as P
 from ..wire.link import SchedulerLink, decode_or_refusal
-from ..wire.shm import segment_bytes
 from ..wire.transport import Poller, Router, bind_host, guard_from, new_context
-from .checkpoint import Checkpointer
+from . import checkpoint
 from .lending import Lending
 from .records import Reply, ReplyKind
 from .recovery import Recovery
-from .regions import Regions
 from .replies import Replies
 from .requests import Requests, durable
 from .shard import Shard
@@ -53,13 +51,10 @@ class Server:
         self.shard = Shard(welcome['num_workers'], storage=storage)
         # Only the job's workers may talk to a server; anyone else is refused and logged.
         self.workers = {P.worker_identity(r) for r in range(welcome['num_workers'])}
-        self.lending = Lending(self._regions(config, welcome), storage)
+        self.lending = Lending.on_host(self.link.host, config, welcome, storage)
         self.replies = Replies(self.router.send_to, self.name, self.lending,
                                config.max_message_bytes)
-        self.checkpointer, resuming = self._resume_from_checkpoint(welcome)
-        # A new job counts rounds from 0: it rewrites the file at once, so that a server
-        # replacing this one never reads the previous job's counts.
-        self._unsaved = resuming     # a change that no checkpoint holds yet
+        self.checkpointer, resuming = checkpoint.open_for(config, welcome, self.shard, self.name)
         self.requests = Requests(self.shard, self.lending, self.name,
                                  self.checkpointer.path if resuming else None)
         self.recovery = None
@@ -70,35 +65,6 @@ class Server:
                         len(self.recovery.awaiting))
             self._recovered_if_done()   # (every worker may have left already)
         self.exit_code = None
-    def _regions(self, config, welcome):
-        """The workers' segments and this server's arena, which takes its share of /dev/shm
-        among the job's processes on this host when KVPS_SHM_BYTES=auto (it reserves pages
-        only as weights fill it; weights it cannot hold are copied into a worker's segment
-        for every pull)."""
-        host = self.link.host
-        workers = P.members_on(welcome, host, 'worker')
-        size = segment_bytes(config.shm_bytes, workers + P.members_on(welcome, host, 'server'))
-        return Regions(config.shm, arena_bytes=size, neighbours=workers)
-
-    def _resume_from_checkpoint(self, welcome):
-        """The Checkpointer (None without KVPS_CHECKPOINT_DIR), after loading this rank's
-        file, and whether a new job resumed from it."""
-        config = self.config
-        restarted = bool(welcome.get('restarted'))
-        # The scheduler's KVPS_RECOVERY_TIMEOUT rules (set by hand, this server may lack it).
-        problem = config.unrecoverable(welcome.get('recovery_timeout') or float(restarted))
-        if problem:
-            raise ConfigError(problem)
-        if not config.checkpoint_dir:
-            return None, False
-        checkpointer = Checkpointer(config.checkpoint_dir, self.rank, welcome['num_servers'],
-                                    config.checkpoint_every, config.checkpoint_seconds,
-                                    time.monotonic(), welcome.get('job'))
-        loaded = checkpointer.load(self.shard, rounds=restarted)
-        if loaded:
-            log.info('%s resumed %d key parts from %s', self.name, len(self.shard.entries),
-                     checkpointer.path)
-        return checkpointer, loaded and not restarted
 
     def run(self):
         """Serve until SHUTDOWN (exit 0) or a lost peer (exit 1); return the exit code."""
@@ -143,15 +109,13 @@ class Server:
         """Checkpoint if due, then send the replies: an acknowledged init or optimizer change
         is always in the checkpoint (a restarted server must have it), and with
         KVPS_CHECKPOINT_EVERY=1 so is every acknowledged update."""
-        if self.checkpointer and (self._unsaved or self.checkpointer.due(self.shard.updates,
-                                                                          time.monotonic())):
+        if self.checkpointer and self.checkpointer.due(self.shard.updates, time.monotonic()):
             self._checkpoint()
         self.replies.flush()
 
     def _checkpoint(self):
         if self.checkpointer is not None:
             self.checkpointer.write(self.shard, time.monotonic())
-            self._unsaved = False
 
     def _from_scheduler(self):
         header = self.link.next_message()
@@ -207,8 +171,8 @@ class Server:
 
     def _handle(self, identity, header, buffers):
         self.replies.hold(self.requests.handle(identity, header, buffers))
-        if durable(header):
-            self._unsaved = True
+        if self.checkpointer is not None and durable(header):
+            self.checkpointer.unsaved = True
 
     # -- rejoining a running job -----------------------------------------------------------
     def _on_resume(self, identity, header):

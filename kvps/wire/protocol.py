@@ -88,19 +88,16 @@ ERROR = 'error'              # {type, message, traceback, node}
 # answering one GET_STATES: those with `more` true, then the last
 STATES = 'states'
 
-# The item each multi-key op lists (kvps.wire.items).
+# The item each multi-key op lists (kvps.wire.items), and what decoding checks in each.
 ITEMS = {INIT: InitItem, CHECK: CheckItem, PUSH: PushItem, PULL: PullItem, DATA: DataItem,
          RESUME: ResumeItem}
+_LAYOUTS = {op: Layout.of(item) for op, item in ITEMS.items()}
+MAX_KEYS_PER_MESSAGE = 1 << 16
+MAX_DIMS = 32
 # How many raw buffers follow the header for each op; ops not listed carry none, and
 # multi-key ops carry one per item that is not in shared memory (PUSH, INIT; DATA: see it).
 _BUFFERS = {SET_OPTIMIZER: 1, SET_STATES: 1, STATES: 1, ROWS: 1}
-MAX_KEYS_PER_MESSAGE = 1 << 16
-MAX_DIMS = 32
-
-
-_LAYOUTS = {op: Layout.of(item) for op, item in ITEMS.items()}   # what decode checks
 # Header fields each op must carry (beyond op and id), with their accepted types.
-_KEY = (int, str)
 _FIELDS = {
     REGISTER: {'role': str, 'host': str, 'port': int},
     BARRIER: {'seq': int},
@@ -113,7 +110,7 @@ _FIELDS = {
     PEER_LOST: {'role': str, 'reason': str},
     SERVER_LOST: {'rank': int, 'reason': str},
     SERVER_BACK: {'rank': int, 'host': str, 'port': int},
-    PULL_ROWS: {'key': _KEY, 'part': int},
+    PULL_ROWS: {'key': (int, str), 'part': int},
     ROWS: {'epoch': int, 'count': int},
     ATTACH: {'name': str, 'nonce': bytes, 'size': int},
 }
@@ -251,7 +248,7 @@ def _typed_items(op, layout, items):
     as many fields, a key, a dtype and a shape where declared, counts ints >= 0 and offsets
     too unless they are None. Returns them as the declared NamedTuple."""
     width, counts, key_at, dtype_at = layout.width, layout.counts, layout.key, layout.dtype
-    codecs, shape_at, typed, make = layout.codecs, layout.shape, [], tuple.__new__
+    codecs, shape_at = layout.codecs, layout.shape
     least = 0 if op == RESUME else 1   # a worker may hold no key of a restarted server
     if not least <= len(items) <= MAX_KEYS_PER_MESSAGE:
         raise ProtocolError(f'{op}: {least} to {MAX_KEYS_PER_MESSAGE} keys per message')
@@ -275,8 +272,8 @@ def _typed_items(op, layout, items):
                 raise ProtocolError(f'{op}: {name} must be an int >= 0')
         if shape_at is not None:
             _check_shape(op, item[shape_at])
-        typed.append(make(layout.item, item))
-    return typed
+    make, cls = tuple.__new__, layout.item   # (checked: NamedTuple's own checks would repeat)
+    return [make(cls, item) for item in items]
 
 
 def _check_shape(op, shape):
