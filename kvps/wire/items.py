@@ -80,11 +80,12 @@ class Layout(NamedTuple):
     codecs: bool                # the dtype may also be one of protocol.PUSH_CODECS
     counts: tuple               # (index, name, may be None) of each Count and Offset
     shape: Optional[int]        # the index of its shape
-    at: Optional[int]           # the index of `at`: an item with one has no data frame
+    at: Optional[int]           # the index of `at`: a sized item whose `at` is set has no frame
     sized: bool                 # a data frame per item (unless `at`): n elements of dtype
 
     @classmethod
     def of(cls, item):
+        """The Layout of ``item``, one of the NamedTuples above."""
         names, kinds = item._fields, list(item.__annotations__.values())
 
         def index(*wanted):
