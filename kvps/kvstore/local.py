@@ -9,6 +9,7 @@ import numpy as np
 from .. import rows
 from ..arrays import flat_view
 from ..errors import ConfigError
+from ..server.records import ReplyKind
 from ..server.row_store import LIVE
 from ..server.shard import Shard
 from ..wire.protocol import PUSH_CODECS
@@ -103,9 +104,9 @@ class LocalBackend:
         replies = self.shard.together(push_each)
         if isinstance(self.shard.updater, FunctionUpdater):
             self.shard.updater.raise_failure()
-        for kind, _, payload in replies:   # a key the optimizer could not update
-            if kind == 'error':
-                raise payload
+        for reply in replies:   # a key the optimizer could not update
+            if reply.kind is ReplyKind.ERROR:
+                raise reply.payload
 
     def pushpull(self, pushes, pulls):
         """Push then pull: nothing to overlap in one process."""
@@ -120,7 +121,8 @@ class LocalBackend:
     @_serialized
     def pull(self, items):
         for key, out, _ in items:
-            (_, _, (_, value, lease)), = self.shard.pull(None, _ME, key, 0)
+            (reply,) = self.shard.pull(None, _ME, key, 0)
+            value, lease = reply.payload.array, reply.payload.lease
             flat = flat_view(out)
             if flat is not None:
                 np.copyto(flat, value)
@@ -139,18 +141,20 @@ class LocalBackend:
         for key, table, ids, marks in items:
             since = marks.get(0) if ids is None else None
             asked = None if ids is None else memoryview(ids).cast('B')
-            (_, _, (epoch, count, payload)), = self.shard.pull(None, _ME, key, 0, (asked, since))
-            got, values = rows.decode(payload, table.shape[1], table.dtype, table.shape[0])
+            (reply,) = self.shard.pull(None, _ME, key, 0, (asked, since))
+            answer = reply.payload
+            got, values = rows.decode(answer.data, table.shape[1], table.dtype, table.shape[0])
             table[got] = values
             if ids is None:
-                marks[0] = [epoch, count]
+                marks[0] = [answer.epoch, answer.count]
 
     @_serialized
     def pull_live_begin(self, items):
         """As DistClient.pull_live_begin, answered at once."""
         for key, width, dtype, sink in items:
-            (_, _, (_, _, payload)), = self.shard.pull(None, _ME, key, 0, (None, LIVE))
-            sink.append(rows.decode(payload, width, dtype, self.shard.entries[key, 0].n // width))
+            (reply,) = self.shard.pull(None, _ME, key, 0, (None, LIVE))
+            sink.append(rows.decode(reply.payload.data, width, dtype,
+                                    self.shard.entries[key, 0].n // width))
         return lambda: None
 
     @_serialized

@@ -1,12 +1,13 @@
 """A multi-key request on a server: per-key answers, gathered into one reply."""
 
 from ..wire.protocol import PULL
+from .records import PullAnswer, Reply, ReplyKind
 
 
 class Batch:
     """Keys of one multi-key message (PUSH, PULL, INIT, CHECK) settle one by one (a sync
     round may finish later for some keys than for others); the worker gets one answer once
-    every key has settled."""
+    every key has settled. Each key's replies carry the token ``(batch, index)``."""
 
     __slots__ = ('identity', 'req_id', 'op', 'results', 'remaining', 'error', 'places',
                  'reader')
@@ -18,24 +19,23 @@ class Batch:
         self.error = None
         self.places = [None] * size   # PULL: (offset, view) where the worker's shm takes a key
 
-    def settle(self, index, kind, payload):
-        """Record key ``index``'s answer; return True when the whole batch is settled."""
+    def settle(self, index, reply):
+        """Record key ``index``'s Reply; return True when the whole batch is settled."""
         if self.results[index] is not None:
             return False
-        self.results[index] = (kind, payload)
+        self.results[index] = reply
         self.remaining -= 1
-        if kind == 'error' and self.error is None:
-            self.error = payload
+        if reply.kind is ReplyKind.ERROR and self.error is None:
+            self.error = reply.payload
         return self.remaining == 0
 
     def outcome(self):
-        """``(kind, payload)`` of the one reply for a settled batch: its first error, else an
-        ack (PUSH, INIT, CHECK) or ``(reader, parts)`` (PULL): the worker's arena Reader or
-        None, and every key's ``(entry, array, lease, place)`` in the order asked (place:
-        None, or where in the worker's shared memory to write it)."""
+        """The one Reply for a settled batch, to its request: its first error, else an ack
+        (PUSH, INIT, CHECK) or the PullAnswer of every key, in the order asked (PULL)."""
+        token = (self.identity, self.req_id)
         if self.error is not None:
-            return 'error', self.error
+            return Reply(ReplyKind.ERROR, token, self.error)
         if self.op != PULL:
-            return 'ack', None
-        return 'data', (self.reader, [(*payload, place) for (_, payload), place
-                                      in zip(self.results, self.places)])
+            return Reply(ReplyKind.ACK, token, None)
+        pulled = [reply.payload for reply in self.results]
+        return Reply(ReplyKind.DATA, token, PullAnswer(self.reader, pulled, self.places))

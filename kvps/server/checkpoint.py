@@ -8,13 +8,17 @@ applied since the last checkpoint when a server dies, which is why a clean shutd
 checkpoints.
 """
 
+import logging
 import os
 import re
+import time
 
 import msgpack
 
 from ..atomic import write_atomically
 from ..errors import ConfigError
+
+log = logging.getLogger('kvps.server')
 # /2 added version and push counts, /3 the device wish, /4 the job that wrote it, /5 whether
 # that job resumed it from an earlier job's file
 FORMAT = 'kvps.server_checkpoint/5'
@@ -98,8 +102,32 @@ def restore(shard, blob, rounds=False, job=None):
         shard.set_states(state['updater'])
 
 
+def open_for(config, welcome, shard, name):
+    """The Checkpointer of a server joining its job with ``welcome`` (None without
+    KVPS_CHECKPOINT_DIR), after resuming ``shard`` from its file, and whether a new job
+    resumed from it (``name``: the server's, for its log). A new job counts rounds from 0:
+    its checkpointer has a change unsaved, so that the file is rewritten at once and a
+    server replacing this one never reads the previous job's counts."""
+    restarted = bool(welcome.get('restarted'))
+    # The scheduler's KVPS_RECOVERY_TIMEOUT rules (set by hand, this server may lack it).
+    problem = config.unrecoverable(welcome.get('recovery_timeout') or float(restarted))
+    if problem:
+        raise ConfigError(problem)
+    if not config.checkpoint_dir:
+        return None, False
+    checkpointer = Checkpointer(config.checkpoint_dir, welcome['rank'], welcome['num_servers'],
+                                config.checkpoint_every, config.checkpoint_seconds,
+                                time.monotonic(), welcome.get('job'))
+    loaded = checkpointer.load(shard, rounds=restarted)
+    if loaded:
+        log.info('%s resumed %d key parts from %s', name, len(shard.entries), checkpointer.path)
+    checkpointer.unsaved = loaded and not restarted
+    return checkpointer, checkpointer.unsaved
+
+
 class Checkpointer:
-    """Decides when a checkpoint is due and writes it."""
+    """Decides when a checkpoint is due and writes it. ``unsaved``: a change (an init, the
+    optimizer or its state) that must be in the file before it is acknowledged."""
 
     def __init__(self, directory, rank, num_servers, every=0, seconds=0.0, now=0.0, job=None):
         try:
@@ -113,6 +141,7 @@ class Checkpointer:
         self.resumed = False   # this job started from the file (an earlier job's)
         self.every, self.seconds = every, seconds
         self._last_updates, self._last_time = 0, now
+        self.unsaved = False
 
     def load(self, shard, rounds=False):
         """Resume ``shard`` from this server's file if there is one; return whether it did.
@@ -166,9 +195,12 @@ class Checkpointer:
                               '(or an emptied) KVPS_CHECKPOINT_DIR')
 
     def due(self, updates, now):
+        """Whether to write now, with ``updates`` applied so far: a change is unsaved, or
+        KVPS_CHECKPOINT_EVERY updates or KVPS_CHECKPOINT_SECONDS have passed since the last."""
         changed = updates > self._last_updates
-        return changed and ((self.every and updates - self._last_updates >= self.every) or
-                            (self.seconds and now - self._last_time >= self.seconds))
+        return self.unsaved or changed and (
+            (self.every and updates - self._last_updates >= self.every) or
+            (self.seconds and now - self._last_time >= self.seconds))
 
     def write(self, shard, now):
         """Write the checkpoint; ConfigError if the file system refuses (the previous file
@@ -179,3 +211,4 @@ class Checkpointer:
             raise ConfigError(f'cannot write the checkpoint {self.path}: {exc}; the previous '
                               'checkpoint is kept, and nothing since it is acknowledged') from None
         self._last_updates, self._last_time = shard.updates, now
+        self.unsaved = False

@@ -1,8 +1,10 @@
-"""One key part on a server (Entry: its weight, round state and buffers) and the Lease that lends a buffer to a reply."""
+"""One key part on a server (Entry: its weight, rounds, buffers) and the Leases on its buffers."""
 
 import dataclasses
+from typing import NamedTuple
 
 from . import row_store
+from .records import Pulled
 from .storage import HostArrays
 
 
@@ -21,6 +23,22 @@ class Lease:
         if self.reader is not None:
             return self.reader.seen >= self.number
         return self.released or (self.tracker is not None and self.tracker.done)
+
+
+class Queued(NamedTuple):
+    """A push for a later round than the open one (a fast worker's), kept untouched."""
+    worker: object
+    round: int
+    data: object
+    token: object
+    step: int
+
+
+class Deferred(NamedTuple):
+    """A pull waiting for a round to complete."""
+    need: int       # the version it must see
+    token: object
+    rows: object    # None for the whole value, else (ids, since) as row_store.answer takes them
 
 
 def _in_use(leases):
@@ -46,10 +64,9 @@ class Entry:
     pushed: dict = dataclasses.field(default_factory=dict)   # worker -> pushes received
     merged: set = dataclasses.field(default_factory=set)     # workers in the open round
     held: list = dataclasses.field(default_factory=list)     # tokens acked at round end
-    queued: list = dataclasses.field(default_factory=list)   # (worker, round, data, token, step)
+    queued: list = dataclasses.field(default_factory=list)   # Queued pushes
     rows: list = dataclasses.field(default_factory=list)     # the open round's row pushes
-    # (round needed, token, rows asked: None for the whole value, else (ids, since))
-    deferred: list = dataclasses.field(default_factory=list)
+    deferred: list = dataclasses.field(default_factory=list)   # Deferred pulls
     rowlog: row_store.RowLog = dataclasses.field(default_factory=row_store.RowLog)
     live: object = None      # after a push of rows replaced the value: its rows (zeros elsewhere)
     weight_leases: list = dataclasses.field(default_factory=list)
@@ -62,19 +79,62 @@ class Entry:
     def n(self):
         return self.weight.size
 
+    def needed_by(self, worker):
+        """The version a pull by ``worker`` must see: in sync, that of the round of its
+        latest push (a pull waits until then); else any."""
+        return self.pushed.get(worker, 0) if self.sync else 0
+
     def holds(self, dtype, shape):
         """Whether this is the key a worker describes as ``shape`` of ``dtype``."""
         return self.dtype == dtype and self.shape == tuple(shape)
 
-    def lend(self):
-        """``(weight, lease)`` for a pull reply: the weight itself, not a copy. Replies leave
-        the process after later updates may run, so writers copy a lent buffer first
-        (copy-on-write): a pull costs no copy unless an update overtakes its send."""
+    def pulled(self):
+        """The Pulled value for a pull reply: in host memory the weight itself, not a copy.
+        Replies leave the process after later updates may run, so writers copy a lent buffer
+        first (copy-on-write): a pull costs no copy unless an update overtakes its send. From
+        a device, a fresh host copy (nothing to lease)."""
+        lease = Lease()
+        if not self.arrays.lends:
+            lease.released = True
+            return Pulled(self, self.arrays.to_host(self.weight), lease)
         if self.weight_leases:
             self.weight_leases = [l for l in self.weight_leases if not l.done]
-        lease = Lease()
         self.weight_leases.append(lease)
-        return self.weight, lease
+        return Pulled(self, self.weight, lease)
+
+    def ready_pulls(self):
+        """The Deferred pulls whose round has completed, taken out of ``deferred``."""
+        ready, waiting = [], []
+        for pull in self.deferred:   # (one pass: most keys hold one pull)
+            (ready if pull.need <= self.version else waiting).append(pull)
+        self.deferred = waiting
+        return ready
+
+    def count_update(self, failure, ids=None):
+        """A round (sync) or push (async) is over, updated or failed: a failed one is not
+        retried (its pushers get the error), so the key goes on with the next. ``ids``: the
+        only rows it changed (a row update)."""
+        self.version += 1
+        self.step = 0
+        self.live = None
+        if failure is None:
+            if ids is None:
+                self.rowlog.changed_all()
+            else:
+                self.rowlog.changed_rows(ids, row_store.num_rows(self))
+
+    def drop_rounds_from(self, made):
+        """Rounds from index ``made`` on can never complete (a worker finished after ``made``
+        pushes): drop them; returns the tokens of the pushes and pulls that waited for them."""
+        doomed = []
+        if self.version >= made and self.merged:
+            doomed += self.held
+            self.held, self.merged, self.summed, self.rows = [], set(), None, []
+        doomed += [q.token for q in self.queued if q.round >= made]
+        self.queued = [q for q in self.queued if q.round < made]
+        doomed += [d.token for d in self.deferred if d.need > made]
+        self.deferred = [d for d in self.deferred if d.need <= made]
+        return doomed
 
     def writable_weight(self):
         if _in_use(self.weight_leases):

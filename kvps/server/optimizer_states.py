@@ -1,38 +1,70 @@
-"""A shard's optimizer and its state: set, saved, and loaded all-or-nothing across servers."""
+"""A shard's optimizer: run over many keys at once; its state saved, and loaded all-or-nothing."""
 
-from ..errors import ConfigError
+from ..errors import ConfigError, KVPSError
 
 
 class OptimizerStates:
-    """The optimizer part of a Shard (``self.updater``, ``self.entries``, ``self._staged``)."""
+    """The optimizer a Shard holds (``updater``: an Updater, or None: a push replaces the
+    value) and the states staged for ``commit_states``."""
+
+    def __init__(self, updater=None):
+        self.updater = updater
+        self._staged = None        # (updater, checked states) awaiting commit_states
 
     def set_optimizer(self, spec):
         """Run ``spec`` on every later update. The same kind of optimizer again (new learning
         rate, a resumed job setting it anew) keeps every key's state and update count;
         another kind starts fresh."""
-        from ..optimizer.updater import Updater  # the optimizer stack loads only when one is used
         if self.updater is None or not self.updater.retune(spec):
-            self.updater = Updater(spec)
+            self.updater = _updater(spec)
+
+    def update(self, items, step=0):
+        """Run the optimizer over ``items`` ((key, part, weight, grad)); returns {index:
+        exception} of those it could not update. The updater checks every item before it
+        changes anything, so after a failed check each item is tried alone: one bad key does
+        not fail the keys sent with it."""
+        try:
+            self.updater.update_many(items, step)
+            return {}
+        except KVPSError as exc:
+            if len(items) == 1:
+                return {0: exc}
+        except Exception as exc:   # a kernel failed part way: which keys changed is unknown
+            return dict.fromkeys(range(len(items)), exc)
+        failed = {}
+        for index, item in enumerate(items):
+            try:
+                self.updater.update_many([item], step)
+            except Exception as exc:
+                failed[index] = exc
+        return failed
+
+    def update_rows(self, key, part, weight, ids, rows, width):
+        """Run the optimizer on rows ``ids`` of ``weight`` only (MXNet's lazy update); returns
+        the exception that failed it, or None."""
+        try:
+            self.updater.update_rows(key, part, weight, ids, rows, width)
+        except Exception as exc:   # the pushers get it; the key goes on
+            return exc
+        return None
 
     def get_states(self, dump_optimizer):
         if self.updater is None:
             raise ConfigError('no optimizer is set on the servers: there is no state to save')
         return self.updater.get_states(dump_optimizer)
 
-    def set_states(self, states, stage=False):
-        """Install ``states`` (an updater state dict), or with ``stage`` only check and hold
+    def set_states(self, states, weights, stage=False):
+        """Install ``states`` (an updater state dict), each checked against its key part's
+        weight in ``weights`` ({(key, part): array}), or with ``stage`` only check and hold
         them for commit_states: a job's servers all check theirs before any installs, so a
         load that one of them refuses changes none. Nothing changes before all is checked
-        (the optimizer a file brings included, and each state against its key's weight)."""
+        (the optimizer a file brings included)."""
         updater = self.updater
         if updater is None:
             if 'optimizer' not in states:
                 raise ConfigError('set an optimizer before loading optimizer states (or load a '
                                   'file saved with dump_optimizer=True)')
-            from ..optimizer.updater import \
-                Updater  # the optimizer stack loads only when one is used
-            updater = Updater(states['optimizer'])
-        weights = {where: entry.weight for where, entry in self.entries.items()}
+            updater = _updater(states['optimizer'])
         staged = updater, updater.checked_states(states, weights)
         self._staged = None
         if stage:
@@ -52,3 +84,7 @@ class OptimizerStates:
         updater.install(checked)
         self.updater = updater
 
+
+def _updater(spec):
+    from ..optimizer.updater import Updater  # the optimizer stack loads only when one is used
+    return Updater(spec)

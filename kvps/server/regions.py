@@ -106,12 +106,12 @@ class Regions:
         frames = iter(frames)
         out = []
         for item in items:
-            at = item[P.AT[P.PUSH]]
-            if at is None:
+            if item.at is None:
                 out.append(next(frames))
                 continue
             try:   # read-only: an update must not clobber the worker's copy (it may resend it)
-                out.append(self.view(identity, at, P.nbytes(item[2], item[3])).toreadonly())
+                out.append(self.view(identity, item.at, P.nbytes(item.dtype, item.n))
+                           .toreadonly())
             except ProtocolError as exc:
                 out.append(exc)
         return out

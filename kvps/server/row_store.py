@@ -1,9 +1,10 @@
-"""Rows of a key part on a server: row pushes decoded and summed, and the rows changed since a worker last looked."""
+"""Rows of a key part on a server: row pushes decoded and summed, rows changed since a look."""
 
 import numpy as np
 
 from .. import rows
 from ..errors import ShapeError
+from .records import Rows
 
 
 class RowGrad:
@@ -120,7 +121,7 @@ LIVE = 'live'
 
 
 def answer(entry, epoch, ids=None, since=None):
-    """``(epoch, count, payload)`` of a ROWS reply: rows ``ids``, or those changed since
+    """The Rows of a ROWS reply: rows ``ids``, or those changed since
     ``since`` ([epoch, count] of an earlier reply; another epoch: every row), or with LIVE
     the rows of the value (all when it is dense), or every row."""
     if ids is None and since == LIVE:
@@ -131,6 +132,6 @@ def answer(entry, epoch, ids=None, since=None):
         ids = entry.rowlog.since(count, num_rows(entry))
     table = entry.weight.reshape(-1, width(entry))
     if entry.arrays.name == 'cpu':
-        return epoch, entry.rowlog.count, rows.encode_rows_of(table, ids)
+        return Rows(epoch, entry.rowlog.count, rows.encode_rows_of(table, ids))
     picked = entry.arrays.to_host(table[entry.arrays.xp.asarray(ids)])
-    return epoch, entry.rowlog.count, rows.encode(ids, picked)
+    return Rows(epoch, entry.rowlog.count, rows.encode(ids, picked))

@@ -1,9 +1,8 @@
 """Pure key store of one server: init, sync rounds and async pushes, ordered pulls, updates.
 
 Every method takes a ``token`` naming the request (opaque here: the loop uses it to address
-the reply) and returns a list of replies ``(kind, token, payload)`` with kind 'ack', 'data'
-(payload: the Entry, its weight and the Lease on it) or 'error' (payload: the exception). Nothing here
-touches a socket, so every rule below is unit-tested directly.
+the reply) and returns a list of Reply records (kvps.server.records). Nothing here touches a
+socket, so every rule below is unit-tested directly.
 
 Sync rounds: the n-th push of a key from a worker belongs to round n. A round completes when
 every worker has pushed into it; only then is the update applied and the pushers acked.
@@ -19,31 +18,27 @@ from ..errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInitial
                       KVPSError, ShapeError)
 from ..wire.protocol import ROW_SPARSE, TWO_BIT, identity_label
 from . import row_store
-from .entry import Entry, Lease
+from .entry import Deferred, Entry, Queued
 from .optimizer_states import OptimizerStates
+from .records import Reply, ReplyKind
 from .row_store import RowGrad
 from .storage import HostArrays, Storage
 
-
-def _round_needed(entry, worker):
-    """The version of ``entry`` a pull by ``worker`` must see: in sync, that of the round
-    of its latest push (a pull waits until then); else any."""
-    return entry.pushed.get(worker, 0) if entry.sync else 0
+ACK, DATA, ERROR, ROWS = ReplyKind.ACK, ReplyKind.DATA, ReplyKind.ERROR, ReplyKind.ROWS
 
 
 def _reply(token, failure):
-    return ('ack', token, None) if failure is None else ('error', token, failure)
+    return Reply(ACK, token, None) if failure is None else Reply(ERROR, token, failure)
 
 
-class Shard(OptimizerStates):
+class Shard:
     """The keys one server holds and the rules for changing them."""
 
     def __init__(self, num_workers, updater=None, storage=None):
         self.num_workers = num_workers
-        self.updater = updater
+        self.optimizer = OptimizerStates(updater)
         self.storage = storage or Storage(HostArrays())   # host or a CUDA device
         self.entries = {}          # (key, part) -> Entry
-        self._staged = None        # (updater, checked states) awaiting commit_states
         self.finished = {}         # worker -> pushes it made per key, frozen at finish
         self.updates = 0           # updates applied over all keys (drives checkpoints)
         self._due = None           # while gathering: (key, part) -> Entry whose update waits
@@ -61,7 +56,7 @@ class Shard(OptimizerStates):
         if existing is not None:
             raise DuplicateInitError(f'key {key!r} is already initialized')
         self.entries[(key, part)] = self.new_entry(key, part, dtype, shape, sync, data, device)
-        return [('ack', token, None)]
+        return [Reply(ACK, token, None)]
 
     def new_entry(self, key, part, dtype, shape, sync, data, device, **more):
         """An Entry holding a copy of ``data`` where its placement says."""
@@ -80,7 +75,7 @@ class Shard(OptimizerStates):
             host = entry.arrays.to_host(entry.weight)
             entry.weight, entry.merge, entry.arrays = arrays.owned(host, dtype), None, arrays
         entry.restored, entry.sync, entry.device = False, sync, device
-        return [('ack', token, None)]
+        return [Reply(ACK, token, None)]
 
     def check(self, token, key, part, dtype, shape):
         """Confirm that another worker's view of a key matches what rank 0 initialized."""
@@ -89,7 +84,7 @@ class Shard(OptimizerStates):
             error = ShapeError if tuple(shape) != tuple(entry.shape) else DTypeError
             raise error(f'key {key!r}: this worker has {tuple(shape)} {dtype}, but rank 0 '
                         f'initialized {entry.shape} {entry.dtype}')
-        return [('ack', token, None)]
+        return [Reply(ACK, token, None)]
 
     # -- push -----------------------------------------------------------------------------
     def push(self, token, worker, key, part, dtype, sync, data, seq=None, step=0):
@@ -120,7 +115,7 @@ class Shard(OptimizerStates):
             self._check_round_possible(entry, round_index)
         entry.pushed[worker] = round_index + 1
         if round_index > entry.version:   # a fast worker is ahead: keep it for its round
-            entry.queued.append((worker, round_index, data, token, step))
+            entry.queued.append(Queued(worker, round_index, data, token, step))
             return []
         self._merge(entry, worker, data, token, step)
         return self._close_rounds(entry)
@@ -130,7 +125,7 @@ class Shard(OptimizerStates):
         """A resent push that was counted before: async pushes and completed rounds are
         acknowledged now; one of the open round (resent after a reconnect) with that round."""
         if not entry.sync or seq < entry.version:
-            return [('ack', token, None)]
+            return [Reply(ACK, token, None)]
         entry.held.append(token)
         return []
 
@@ -173,7 +168,8 @@ class Shard(OptimizerStates):
         """Add a dense ``grad`` to the open round's sum (``last``: no push follows it)."""
         if entry.summed is None:
             entry.summed = grad
-        elif self.updater is not None and entry.dtype in entry.arrays.sums_in_update and last:
+        elif (last and self.optimizer.updater is not None
+              and entry.dtype in entry.arrays.sums_in_update):
             entry.summed = (entry.summed, grad)
         elif entry.summed is entry.merge:
             entry.arrays.add(entry.merge, grad, out=entry.merge)
@@ -213,12 +209,13 @@ class Shard(OptimizerStates):
         replies = [_reply(t, failure) for t in entry.held]
         entry.held, entry.merged = [], set()
         if entry.deferred:
-            replies += self._answer_deferred(entry)
+            replies += [self._answer(entry, pull.token, pull.rows)
+                        for pull in entry.ready_pulls()]
         if entry.queued:   # (most rounds have none: every worker pushes once per round)
-            ready = [q for q in entry.queued if q[1] == entry.version]
-            entry.queued = [q for q in entry.queued if q[1] != entry.version]
-            for worker, _, data, token, step in ready:
-                self._merge(entry, worker, data, token, step)
+            ready = [q for q in entry.queued if q.round == entry.version]
+            entry.queued = [q for q in entry.queued if q.round != entry.version]
+            for push in ready:
+                self._merge(entry, push.worker, push.data, push.token, push.step)
         return replies
 
     # -- updates of many keys together (multi-tensor apply) -------------------------------
@@ -243,7 +240,7 @@ class Shard(OptimizerStates):
         """Leave ``entry``'s update to the end of ``together`` if updates are gathered; a key
         met again first has the updates gathered so far applied (its order is kept). Row
         updates (``rows``) run at once, after those."""
-        if self._due is None or self.updater is None:
+        if self._due is None or self.optimizer.updater is None:
             return False
         if (entry.key, entry.part) in self._due:
             self._apply_due()
@@ -255,7 +252,7 @@ class Shard(OptimizerStates):
     def _apply_due(self):
         due = list(self._due.values())
         self._due.clear()
-        failed = self._run_updates([(e.key, e.part, e.writable_weight(), e.take_summed())
+        failed = self.optimizer.update([(e.key, e.part, e.writable_weight(), e.take_summed())
                                     for e in due], max(e.step for e in due))
         for index, entry in enumerate(due):
             failure = failed.get(index)
@@ -266,39 +263,10 @@ class Shard(OptimizerStates):
                 self._released += [_reply(t, failure) for t in entry.held]
                 entry.held = []
 
-    def _run_updates(self, items, step=0):
-        """Run the optimizer over ``items``; returns {index: exception} of those it could not
-        update. The updater checks every item before it changes anything, so after a failed
-        check each item is tried alone: one bad key does not fail the keys sent with it."""
-        try:
-            self.updater.update_many(items, step)
-            return {}
-        except KVPSError as exc:
-            if len(items) == 1:
-                return {0: exc}
-        except Exception as exc:   # a kernel failed part way: which keys changed is unknown
-            return dict.fromkeys(range(len(items)), exc)
-        failed = {}
-        for index, item in enumerate(items):
-            try:
-                self.updater.update_many([item], step)
-            except Exception as exc:
-                failed[index] = exc
-        return failed
-
     def _count_update(self, entry, failure, ids=None):
-        """A round (sync) or push (async) is over, updated or failed: a failed one is not
-        retried (its pushers get the error), so the key goes on with the next. ``ids``: the
-        only rows it changed (a row update)."""
-        entry.version += 1
-        entry.step = 0
-        entry.live = None
+        entry.count_update(failure, ids)
         if failure is None:
             self.updates += 1
-            if ids is None:
-                entry.rowlog.changed_all()
-            else:
-                entry.rowlog.changed_rows(ids, row_store.num_rows(entry))
 
     def _apply(self, entry, data=None):
         """Run the update with one push's ``data`` (async) or, without it, the round's sum
@@ -309,15 +277,16 @@ class Shard(OptimizerStates):
         else:
             grad = data if type(data) is RowGrad else entry.arrays.received(data, entry.dtype)
         if type(grad) is RowGrad:
-            if self.updater is None:
+            updater = self.optimizer.updater
+            if updater is None:
                 return self._replace_rows(entry, grad)
-            if not getattr(self.updater, 'updates_rows', False):
+            if not getattr(updater, 'updates_rows', False):
                 grad = row_store.dense(entry, grad)   # the dense update it stands for
             else:
                 return self._apply_rows(entry, grad)
         failure = None
-        if self.updater is not None:
-            failure = self._run_updates([(entry.key, entry.part, entry.writable_weight(),
+        if self.optimizer.updater is not None:
+            failure = self.optimizer.update([(entry.key, entry.part, entry.writable_weight(),
                                           grad)], entry.step).get(0)
         elif grad is entry.merge and grad.dtype == entry.weight.dtype:
             # the merge buffer becomes the weight, the old one scratch
@@ -338,12 +307,8 @@ class Shard(OptimizerStates):
 
     def _apply_rows(self, entry, grad):
         """Run the optimizer on the rows of ``grad`` only (MXNet's lazy update)."""
-        failure = None
-        try:
-            self.updater.update_rows(entry.key, entry.part, entry.writable_weight(), grad.ids,
-                                     grad.rows, row_store.width(entry))
-        except Exception as exc:   # the pushers get it; the key goes on
-            failure = exc
+        failure = self.optimizer.update_rows(entry.key, entry.part, entry.writable_weight(),
+                                             grad.ids, grad.rows, row_store.width(entry))
         self._count_update(entry, failure, grad.ids)
         return failure
 
@@ -356,47 +321,52 @@ class Shard(OptimizerStates):
             row_store.width(entry)   # a key split inside its rows says so now
             if rows[0] is not None:
                 rows = row_store.requested(entry, rows[0]), None
-        needed = _round_needed(entry, worker)
+        needed = entry.needed_by(worker)
         if needed > entry.version:
-            entry.deferred.append((needed, token, rows))
+            entry.deferred.append(Deferred(needed, token, rows))
             return []
         return [self._answer(entry, token, rows)]
 
     def ready_for(self, worker, items):
-        """The entries of a multi-key pull's ``items`` ([key, part, ...]) when every one
-        exists and none waits for a round of ``worker``'s (the common case: the pull can be
-        answered at once, whole); else None (``pull`` then takes each key its own way)."""
+        """The entries of a multi-key pull's ``items`` (PullItem) when every one exists and
+        none waits for a round of ``worker``'s (the common case: the pull can be answered at
+        once, whole); else None (``pull`` then takes each key its own way)."""
         entries, found = self.entries, []
         for item in items:
-            entry = entries.get((item[0], item[1]))
-            if entry is None or _round_needed(entry, worker) > entry.version:
+            entry = entries.get((item.key, item.part))
+            if entry is None or entry.needed_by(worker) > entry.version:
                 return None
             found.append(entry)
         return found
 
     def _answer(self, entry, token, rows):
         if rows is None:
-            return 'data', token, (entry, *self.lend(entry))
-        return 'rows', token, row_store.answer(entry, self.epoch, *rows)
+            return Reply(DATA, token, entry.pulled())
+        return Reply(ROWS, token, row_store.answer(entry, self.epoch, *rows))
 
-    def _answer_deferred(self, entry):
-        version, replies, waiting = entry.version, [], []
-        for need, token, rows in entry.deferred:   # (one pass: most keys hold one pull)
-            if need <= version:
-                replies.append(self._answer(entry, token, rows))
-            else:
-                waiting.append((need, token, rows))
-        entry.deferred = waiting
-        return replies
+    # -- the optimizer (OptimizerStates) ----------------------------------------------------
+    @property
+    def updater(self):
+        """The optimizer's Updater (None: a push replaces the value)."""
+        return self.optimizer.updater
 
-    def lend(self, entry):
-        """``(host array, lease)`` for a pull reply: the weight itself on the host, a fresh
-        host copy (nothing to lease) from a device."""
-        if entry.arrays.lends:
-            return entry.lend()
-        lease = Lease()
-        lease.released = True
-        return entry.arrays.to_host(entry.weight), lease
+    @updater.setter
+    def updater(self, updater):
+        self.optimizer.updater = updater
+
+    def set_optimizer(self, spec):
+        self.optimizer.set_optimizer(spec)
+
+    def get_states(self, dump_optimizer):
+        return self.optimizer.get_states(dump_optimizer)
+
+    def set_states(self, states, stage=False):
+        """OptimizerStates.set_states, each state checked against its key part's weight."""
+        weights = {where: entry.weight for where, entry in self.entries.items()}
+        self.optimizer.set_states(states, weights, stage)
+
+    def commit_states(self):
+        self.optimizer.commit_states()
 
     # -- workers leaving ------------------------------------------------------------------
     def worker_finished(self, worker):
@@ -412,45 +382,9 @@ class Shard(OptimizerStates):
         if not entry.sync:
             return []
         made = entry.pushed.get(worker, 0)
-        doomed = []
-        if entry.version >= made and entry.merged:
-            doomed += entry.held
-            entry.held, entry.merged, entry.summed, entry.rows = [], set(), None, []
-        doomed += [q[3] for q in entry.queued if q[1] >= made]
-        entry.queued = [q for q in entry.queued if q[1] < made]
-        doomed += [d[1] for d in entry.deferred if d[0] > made]
-        entry.deferred = [d for d in entry.deferred if d[0] <= made]
         exc = KVPSError(f'a sync round of key {entry.key!r} can never complete: '
                         f'{identity_label(worker)} finished after {made} pushes of it')
-        return [('error', t, exc) for t in doomed]
-
-    # -- a restarted server ---------------------------------------------------------------
-    def rebase(self, acked, workers):
-        """Line the restored counts up with what the workers saw acknowledged before this
-        server was lost: ``acked`` maps worker -> [[key, part, acks], ...] (RESUME).
-
-        A sync round that some worker saw completed is complete here too, even where the
-        checkpoint predates it (its update is then lost: the checkpoint interval bounds how
-        many); every worker has pushed exactly the completed rounds, so a resent push of one of
-        them is acknowledged, not merged again, and the round after them is redone. Async
-        entries count each worker's pushes on their own. Returns {(key, part): rounds lost}
-        for sync keys whose checkpoint predates rounds the workers saw completed."""
-        by_part, lost = {}, {}
-        for worker, items in acked.items():
-            for key, part, count in items:
-                by_part.setdefault((key, part), {})[worker] = count
-        for key_part, entry in self.entries.items():
-            counts = by_part.get(key_part, {})
-            if entry.sync:
-                seen = max(counts.values(), default=0)
-                if seen > entry.version:
-                    lost[key_part] = seen - entry.version
-                entry.version = max(entry.version, seen)
-                entry.pushed = {worker: entry.version for worker in workers}
-            else:
-                for worker, count in counts.items():
-                    entry.pushed[worker] = max(entry.pushed.get(worker, 0), count)
-        return lost
+        return [Reply(ERROR, t, exc) for t in entry.drop_rounds_from(made)]
 
     # -- lookup ---------------------------------------------------------------------------
     def _entry(self, key, part):

@@ -11,6 +11,7 @@ import msgpack
 import numpy as np
 
 from ..errors import ProtocolError
+from .items import CheckItem, DataItem, InitItem, Layout, PullItem, PushItem, ResumeItem
 
 # Node <-> scheduler.
 VERSION = 9                  # bumped on any change of the wire format; checked at REGISTER
@@ -33,21 +34,19 @@ PEER_LOST = 'peer_lost'      # scheduler -> node: {role, rank, host, reason}
 SERVER_LOST = 'server_lost'  # scheduler -> worker: {rank, reason}; the job waits for its return
 SERVER_BACK = 'server_back'  # scheduler -> worker: {rank, host, port} of the replacement
 
-# Worker <-> server.
-# {sync, [device], keys: [[key, part, dtype, n, shape], ...]} + 1 buffer per item: parts of
-# keys to create with these values (shape: the whole key's)
+# Worker <-> server. A multi-key op lists one item per key part under `keys`, each of the
+# NamedTuple that ITEMS names (kvps.wire.items declares every field).
+# {sync, [device], keys: InitItem} + 1 buffer per item: key parts to create with these values
+# (`device`: on the server's GPU, if it has one)
 INIT = 'init'
-# {keys: [[key, part, dtype, shape], ...]}: verify a non-root worker's view of keys (part 0)
+# {keys: CheckItem}: verify a non-root worker's view of keys
 CHECK = 'check'
-# {sync, keys: [[key, part, dtype, n, at, seq], ...]} + 1 buffer per key whose `at` is None;
-# `at` (an int) says the payload lies in the worker's shared-memory segment at that offset
-# (see ATTACH). seq counts this worker's pushes of the key from 0, so a push resent to a
-# restarted server is applied only once. Optional `seen` (PUSH and PULL): see DATA's `lease`.
-# `step` (sync stores): the most pushes this worker has made of any one key, this call's
-# included; a round's update counts at least that many for the lr scheduler, as one server
-# holding every key would (MXNet's num_update: the max of every key's update count)
+# {sync, keys: PushItem} + 1 buffer per item whose `at` is None (see ATTACH). Optional `seen`
+# (PUSH and PULL): see DATA's `lease`. `step` (sync stores): the most pushes this worker has
+# made of any one key, this call's included; a round's update counts at least that many for
+# the lr scheduler, as one server holding every key would (MXNet's num_update: the max of
+# every key's update count)
 PUSH = 'push'
-# A PUSH item of dtype ROWS carries some rows of the key (kvps.rows), `n` bytes of them.
 # {key, part, [ids], [since]}: some rows of a key part, answered by ROWS once this worker's
 # pushes of it are applied (as PULL): with `ids` true, the rows whose ids (int64, from the
 # part's first row) the one data frame lists; with `since` ([epoch, count] of an earlier ROWS
@@ -57,9 +56,8 @@ PULL_ROWS = 'pull_rows'
 # The answer to PULL_ROWS: {epoch, count} + 1 buffer, the rows (kvps.rows); `since` =
 # [epoch, count] in a later PULL_ROWS asks for the rows changed after this answer
 ROWS = 'row_data'
-# {keys: [[key, part, at], ...]}: `at` (an int, or None for a data frame) asks for the value to
-# be written into the worker's segment at that offset. `seen` (an int, only from a worker that
-# mapped this server's arena) also allows answers from the arena
+# {keys: PullItem}. `seen` (an int, only from a worker that mapped this server's arena) also
+# allows answers from the arena
 PULL = 'pull'
 SET_OPTIMIZER = 'set_optimizer'  # + 1 buffer: the optimizer's spec (a map), msgpack
 GET_STATES = 'get_states'    # {dump}: answered by STATES
@@ -69,9 +67,9 @@ GET_STATES = 'get_states'    # {dump}: answered by STATES
 # acknowledged) holds one, and the one without `more` the last; `piece` numbers them from 0
 SET_STATES = 'set_states'
 COMMIT_STATES = 'commit_states'
-# First message to a restarted server, unanswered: {keys: [[key, part, acked], ...]}, how many
-# of its pushes of each key part this worker has seen acknowledged; `more` true: the list goes
-# on in the next RESUME (a worker holding many keys there sends it in several)
+# First message to a restarted server, unanswered: {keys: ResumeItem}, one per key part this
+# worker pushed to the lost server; `more` true: the list goes on in the next RESUME (a worker
+# holding many keys there sends it in several)
 RESUME = 'resume'
 # {name, nonce, size, [pid, fd]}: map this worker's shared-memory segment (kvps.wire.shm), through
 # /proc/<pid>/fd/<fd> once its name is gone (a restarted server); ERROR, or ACK with
@@ -80,56 +78,39 @@ ATTACH = 'attach'
 
 # Replies.
 ACK = 'ack'
-# {keys: [[at, lent], ...]}, one item per key part the PULL asked for, in its order, + 1 buffer
-# per item whose `at` and `lent` are None (the worker knows each one's size: it asked); else
-# the value is in the worker's segment at `at`, or in the server's arena at `lent`.
-# With lent values the header carries `lease` (the count of such replies to this worker): the
-# server leaves those bytes unchanged until the worker's `seen` reaches it
+# {keys: DataItem}, one item per key part the PULL asked for, in its order, + 1 buffer per item
+# whose `at` and `lent` are None (the worker knows each one's size: it asked). With lent
+# values the header carries `lease` (the count of such replies to this worker): the server
+# leaves those bytes unchanged until the worker's `seen` reaches it
 DATA = 'data'
 ERROR = 'error'              # {type, message, traceback, node}
 # + 1 buffer: the server's updater state dict, msgpack; in pieces as SET_STATES's, all
 # answering one GET_STATES: those with `more` true, then the last
 STATES = 'states'
 
-# How many raw buffers follow the header for each op; ops not listed carry none, and
-# multi-key ops carry one per key that is not in shared memory (PUSH, DATA), or per item
-# (INIT).
-_BUFFERS = {SET_OPTIMIZER: 1, SET_STATES: 1, STATES: 1, ROWS: 1}
-_MULTI = {PUSH: 6, PULL: 3, DATA: 2, RESUME: 3, INIT: 5, CHECK: 4}   # op -> each item's length
-_SIZED = (PUSH, INIT)        # their items start [key, part, dtype, n]: one buffer each
-_TYPED = (PUSH, INIT, CHECK)   # their items' third field is a dtype
-_KEYLESS = (DATA,)           # items without a key (they answer a request's, in order)
-_COUNTS = {PUSH: ('part', None, 'n', 'at', 'seq'), PULL: ('part', 'at'),
-           DATA: ('at', 'lent'), RESUME: ('part', 'acked'),
-           INIT: ('part', None, 'n'), CHECK: ('part',)}   # after the key, if any
-SHAPE = {INIT: 4, CHECK: 3}        # index of the key's shape (a list of ints >= 0) in an item
-MAX_DIMS = 32
-# (index in an item, name, may be None) of every count field, as _check_items reads them.
-_COUNT_FIELDS = {op: [(index, name, name in ('at', 'lent'))
-                      for index, name in enumerate(names, 0 if op in _KEYLESS else 1) if name]
-                 for op, names in _COUNTS.items()}
-AT = {PUSH: 4, PULL: 2, DATA: 0}   # index of `at` in an item: shared-memory offset or None
-LENT = 1                           # index of `lent` in a DATA item: arena offset or None
-SEQ = 5                            # index of `seq` in a PUSH item (appended when sent)
+# The item each multi-key op lists (kvps.wire.items), and what decoding checks in each.
+ITEMS = {INIT: InitItem, CHECK: CheckItem, PUSH: PushItem, PULL: PullItem, DATA: DataItem,
+         RESUME: ResumeItem}
+_LAYOUTS = {op: Layout.of(item) for op, item in ITEMS.items()}
 MAX_KEYS_PER_MESSAGE = 1 << 16
+MAX_DIMS = 32
+# How many raw buffers follow the header for each op; ops not listed carry none, and
+# multi-key ops carry one per item that is not in shared memory (PUSH, INIT; DATA: see it).
+_BUFFERS = {SET_OPTIMIZER: 1, SET_STATES: 1, STATES: 1, ROWS: 1}
 # Header fields each op must carry (beyond op and id), with their accepted types.
-_KEY = (int, str)
 _FIELDS = {
     REGISTER: {'role': str, 'host': str, 'port': int},
     BARRIER: {'seq': int},
     ABORT: {'reason': str},
+    **{op: {'keys': list} for op in ITEMS},
     INIT: {'keys': list, 'sync': bool},
-    CHECK: {'keys': list},
     PUSH: {'keys': list, 'sync': bool},
-    PULL: {'keys': list},
     GET_STATES: {'dump': bool},
-    DATA: {'keys': list},
     ERROR: {'type': str, 'message': str},
     PEER_LOST: {'role': str, 'reason': str},
     SERVER_LOST: {'rank': int, 'reason': str},
     SERVER_BACK: {'rank': int, 'host': str, 'port': int},
-    RESUME: {'keys': list},
-    PULL_ROWS: {'key': _KEY, 'part': int},
+    PULL_ROWS: {'key': (int, str), 'part': int},
     ROWS: {'epoch': int, 'count': int},
     ATTACH: {'name': str, 'nonce': bytes, 'size': int},
 }
@@ -170,7 +151,8 @@ def encode(header, buffers=()):
 
 
 def decode(frames, max_message_bytes=None):
-    """Validate and unpack frames into ``(header, [memoryview, ...])``; raise ProtocolError."""
+    """Validate and unpack frames into ``(header, [memoryview, ...])``, the items of a multi-key
+    op as their NamedTuples (kvps.wire.items); raise ProtocolError."""
     if not frames:
         raise ProtocolError('empty message')
     head = frames[0]
@@ -181,7 +163,9 @@ def decode(frames, max_message_bytes=None):
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(f'undecodable header: {type(exc).__name__}: {exc}') from None
     try:
-        validate_header(header)
+        items = validate_header(header)
+        if items is not None:
+            header['keys'] = items
         buffers = [memoryview(f) for f in frames[1:]]
         _check_buffers(header, buffers, max_message_bytes)
     except ProtocolError:
@@ -203,7 +187,9 @@ def request_id(frames):
 
 
 def validate_header(header):
-    """Check op, id and the fields the op needs; raise ProtocolError naming what is wrong."""
+    """Check op, id and the fields the op needs; raise ProtocolError naming what is wrong.
+    Returns the items of a multi-key op as their NamedTuples (None for other ops); the header
+    is left as it is."""
     if not isinstance(header, dict):
         raise ProtocolError(f'header must be a map, got {type(header).__name__}')
     op = header.get('op')
@@ -231,13 +217,14 @@ def validate_header(header):
         value = header.get(name)
         if name in header and not _natural(value) and not (name == 'rank' and value is None):
             raise ProtocolError(f'{op}: {name} must be an int >= 0')
-    if op in _MULTI:
-        _check_items(op, header['keys'])
+    layout = _LAYOUTS.get(op)
+    items = None if layout is None else _typed_items(op, layout, header['keys'])
     if 'shared' in header:   # REGISTER's only: no cost on the data path's messages
         _check_shared(op, header['shared'])
     digest = header.get('digest')
     if digest is not None and not (isinstance(digest, bytes) and len(digest) <= MAX_DIGEST_BYTES):
         raise ProtocolError(f'{op}: digest must be at most {MAX_DIGEST_BYTES} bytes')
+    return items
 
 
 def _check_shared(op, shared):
@@ -256,36 +243,37 @@ def _check_dtype(op, dtype):
         raise ProtocolError(f'{op}: unsupported dtype {dtype!r}')
 
 
-def _check_items(op, items):
-    """Each item of a multi-key message: [key, part, at], [key, part, count],
-    [key, part, dtype, n, at, seq], [key, part, dtype, n, shape], [key, part, dtype, shape]
-    or [at, lent]; counts are ints >= 0, and so are `at` and `lent` unless they are None; a
-    shape lists at most MAX_DIMS ints >= 0."""
-    width = _MULTI[op]
+def _typed_items(op, layout, items):
+    """Each item of a multi-key message checked against its declaration (kvps.wire.items):
+    as many fields, a key, a dtype and a shape where declared, counts ints >= 0 and offsets
+    too unless they are None. Returns them as the declared NamedTuple."""
+    width, counts, key_at, dtype_at = layout.width, layout.counts, layout.key, layout.dtype
+    codecs, shape_at = layout.codecs, layout.shape
     least = 0 if op == RESUME else 1   # a worker may hold no key of a restarted server
     if not least <= len(items) <= MAX_KEYS_PER_MESSAGE:
         raise ProtocolError(f'{op}: {least} to {MAX_KEYS_PER_MESSAGE} keys per message')
-    counts = _COUNT_FIELDS[op]
-    typed, keyed = op in _TYPED, op not in _KEYLESS
-    shaped = SHAPE.get(op)
     # Exact type tests (msgpack makes plain ints and strs; bool is not int here): this runs
     # for every key of every message.
     for item in items:
         if type(item) is not list or len(item) != width:
             raise ProtocolError(f'{op}: each item must be a list of {width} fields')
-        key = item[0]
-        if keyed and type(key) is not int and not (type(key) is str and
-                                                  len(key) <= MAX_KEY_CHARS):
-            check_key(key)
-        if typed and (type(item[2]) is not str or item[2] not in DTYPES) \
-                and not (op == PUSH and item[2] in PUSH_CODECS):
-            _check_dtype(op, item[2])
+        if key_at is not None:
+            key = item[key_at]
+            if type(key) is not int and not (type(key) is str and len(key) <= MAX_KEY_CHARS):
+                check_key(key)
+        if dtype_at is not None:
+            dtype = item[dtype_at]
+            if (type(dtype) is not str or dtype not in DTYPES) and not (
+                    codecs and dtype in PUSH_CODECS):
+                _check_dtype(op, dtype)
         for index, name, nullable in counts:
             value = item[index]
             if not (type(value) is int and value >= 0) and not (nullable and value is None):
                 raise ProtocolError(f'{op}: {name} must be an int >= 0')
-        if shaped is not None:
-            _check_shape(op, item[shaped])
+        if shape_at is not None:
+            _check_shape(op, item[shape_at])
+    make, cls = tuple.__new__, layout.item   # (checked: NamedTuple's own checks would repeat)
+    return [make(cls, item) for item in items]
 
 
 def _check_shape(op, shape):
@@ -309,11 +297,11 @@ def shape_bytes(shape):
 
 
 def within_budget(items):
-    """``items`` (lists whose first field is the key) cut into runs that one message each
-    may carry (ITEMS_BUDGET); no items: one empty run."""
+    """``items`` (of kvps.wire.items, with a key) cut into runs that one message each may
+    carry (ITEMS_BUDGET); no items: one empty run."""
     runs, run, used = [], [], 0
     for item in items:
-        size = item_bytes(item[0])
+        size = item_bytes(item.key)
         if run and used + size > ITEMS_BUDGET:
             runs.append(run)
             run, used = [], 0
@@ -354,11 +342,11 @@ def check_key(key):
 
 def _check_buffers(header, buffers, max_message_bytes):
     op = header['op']
-    sized = [] if op not in _SIZED else [
-        item[:4] for item in header['keys'] if op == INIT or item[AT[op]] is None]
-    # (the rest lie in shared memory)
+    layout = _LAYOUTS.get(op)
+    sized = [] if layout is None or not layout.sized else [   # (the rest lie in shared memory)
+        item for item in header['keys'] if layout.at is None or item[layout.at] is None]
     if op == DATA:   # (sizes are the worker's to check: it knows what it asked)
-        want = sum(1 for at, lent in header['keys'] if at is None and lent is None)
+        want = sum(1 for item in header['keys'] if item.at is None and item.lent is None)
     else:
         want = len(sized) if sized else _BUFFERS.get(op, int(header.get('ids', False)))
     if len(buffers) != want:
@@ -367,11 +355,11 @@ def _check_buffers(header, buffers, max_message_bytes):
     if max_message_bytes is not None and total > max_message_bytes:
         raise ProtocolError(f'{op}: {total} bytes exceeds the limit of {max_message_bytes} '
                             '(KVPS_MAX_MESSAGE_BYTES)')
-    for (key, _, dtype, n), buffer in zip(sized, buffers):
-        expected = nbytes(dtype, n)
+    for item, buffer in zip(sized, buffers):
+        expected = nbytes(item.dtype, item.n)
         if buffer.nbytes != expected:
-            raise ProtocolError(f'{op}: data frame of key {key!r} has {buffer.nbytes} bytes, '
-                                f'but {n} {dtype} elements need {expected}')
+            raise ProtocolError(f'{op}: data frame of key {item.key!r} has {buffer.nbytes} '
+                                f'bytes, but {item.n} {item.dtype} elements need {expected}')
 
 
 def nbytes(dtype_name, n):

@@ -16,6 +16,7 @@ from ..allocator import keep_freed_memory
 from ..arrays import flat_view
 from ..errors import ConfigError
 from ..wire import protocol as P
+from ..wire.items import PullItem, PushItem
 from .collectives import Collectives
 from .loop import SCHEDULER, WorkerIO, server_name
 from .messages import (WAVE_BYTES, copier, describe, fuse, live_collector, part_nbytes, payload,
@@ -24,9 +25,10 @@ from .pending import Operation, PushWindow, Request
 from .sharding import Sharding
 
 
-class DistClient(Collectives):
+class DistClient:
     """One worker's membership in a job; at most one per process. A KVStore's backend: it
-    conforms to kvps.kvstore.backend.Backend, where each method's contract is written."""
+    conforms to kvps.kvstore.backend.Backend, where each method's contract is written. The
+    collective calls (init, the optimizer and its states) are its Collectives'."""
 
     def __init__(self, config, sync):
         self.config = config.require_worker().require_cluster()
@@ -55,6 +57,8 @@ class DistClient(Collectives):
         self._step = 0            # the most of any key
         self.keys = {}            # key -> (shape, dtype name), for every store of this process
         self.closed = False
+        self._collectives = Collectives(self.config, sync, self.rank, self.sharding,
+                                        self._request, self.barrier, self.wait_pushes)
 
     @property
     def forked(self):
@@ -73,6 +77,29 @@ class DistClient(Collectives):
             'optimizers sent as plain data (kvps never sends code). Use '
             'kv.set_optimizer(kvps.optimizer.create(...)), or update on the workers '
             '(kvps.Trainer(..., update_on_kvstore=False))')
+
+    # -- setup: collective (Collectives) or this worker's ----------------------------------
+    def init(self, items, device=False):
+        """Initialize keys collectively: Collectives.init."""
+        self._collectives.init(items, device)
+
+    def set_optimizer(self, spec):
+        self._collectives.set_optimizer(spec)
+
+    def get_states(self, dump_optimizer):
+        return self._collectives.get_states(dump_optimizer)
+
+    def set_states(self, per_server):
+        self._collectives.set_states(per_server)
+
+    def balance_keys(self, total):
+        """A model of ``total`` elements is about to be initialized: see Sharding.balance."""
+        self.sharding.balance(total)
+
+    def keep_keys_whole(self):
+        """Keys initialized from now on go to one server each (an optimizer that reads each
+        weight whole is coming)."""
+        self.sharding.keep_whole = True
 
     # -- data -----------------------------------------------------------------------------
     def stage(self, sizes):
@@ -98,18 +125,30 @@ class DistClient(Collectives):
             parts.append((key, part, data, dtype, at))
         batches = fuse(parts, lambda item: 0 if item[4] is not None else item[2].nbytes)
         op = Operation(describe('push', items), len(batches), on_error=self._errors.append)
-        for server, batch in batches:
-            node = server_name(server)
-            keys, frames, keep = [], [], []
-            for key, part, data, dtype, at in batch:
-                n = data.nbytes if dtype == P.ROW_SPARSE else part.stop - part.start
-                keys.append([key, part.part, dtype, n, at])
-                (frames if at is None else keep).append(data)
-            header = {'op': P.PUSH, 'sync': self.sync, 'keys': keys}
-            if step:
-                header['step'] = step
-            self._submit(server, header, frames, Request(op, node, keep=keep))
+        self._send_pushes(batches, op, step)
         self._window.add(op, nbytes)
+
+    def _send_pushes(self, batches, op, step):
+        """One PUSH per batch, each item numbered (its ``seq``) as it is made: numbering and
+        queueing under one lock keep a key part's pushes to a server in the order of their
+        numbers, whichever threads push at once."""
+        counts = self.io.push_counts
+        with counts.lock:
+            for server, batch in batches:
+                node = server_name(server)
+                numbered = counts.of(node)
+                keys, frames, keep = [], [], []
+                for key, part, data, dtype, at in batch:
+                    where = (key, part.part)
+                    seq = numbered.get(where, 0)
+                    numbered[where] = seq + 1
+                    n = data.nbytes if dtype == P.ROW_SPARSE else part.stop - part.start
+                    keys.append(PushItem(key, part.part, dtype, n, at, seq))
+                    (frames if at is None else keep).append(data)
+                header = {'op': P.PUSH, 'sync': self.sync, 'keys': keys}
+                if step:
+                    header['step'] = step
+                self._submit(server, header, frames, Request(op, node, keep=keep))
 
     def _count_pushes(self, items):
         """The step a sync push carries (None in async): servers each hold some of the keys,
@@ -192,7 +231,7 @@ class DistClient(Collectives):
             blocks = [None] * len(batch) if staging is None else staging.blocks_for(
                 node, [(part_nbytes(item), (item[0], item[1].part)) for item in batch])
             header = {'op': P.PULL, 'keys': [
-                [key, part.part, None if block is None else block[0]]
+                PullItem(key, part.part, None if block is None else block[0])
                 for (key, part, _, _), block in zip(batch, blocks)]}
             self._submit(server, header, (),
                          Request(op, node, copier(batch, blocks, staging, node), keep=blocks))
@@ -334,10 +373,6 @@ class DistClient(Collectives):
         return ('; in dist_sync a server answers a push of a key, and a pull of it after the '
                 'push, once every worker has pushed that key in the round: is some worker not '
                 'pushing it, or stalled?') if self.sync else ''
-
-    def _wait_all(self, ops):
-        for op in ops:
-            op.wait(self.config.timeout)
 
     def _raise_pending_errors(self):
         if self._errors:

@@ -1,4 +1,4 @@
-"""A worker's part in the job's collective setup: keys initialized by rank 0 and checked by the rest, and the servers' optimizer and its state set, saved and loaded."""
+"""A worker's collective setup calls: keys initialized and checked; the optimizer and its state."""
 
 import msgpack
 
@@ -6,14 +6,22 @@ from .. import rows
 from ..errors import ConfigError, KVPSError, RemoteError
 from ..optimizer.optimizers import needs_whole_tensors
 from ..wire import protocol as P
+from ..wire.items import CheckItem, InitItem
 from .messages import describe, fuse, state_collector
 
 _REFUSED = b'refused'   # rank 0's word at the barrier ending a collective the servers refused
 
 
 class Collectives:
-    """The collective calls of a DistClient (its ``placement``, ``rank``, requests and
-    barrier)."""
+    """The collective calls of one worker, made with what its DistClient gives: ``config``
+    (KVPS_TIMEOUT, KVPS_MAX_MESSAGE_BYTES), ``sync`` (the store's mode), its ``rank``, the
+    ``sharding`` of its keys, ``request(server, what, header, buffers=(), on_data=None)``
+    that sends one message and returns its Operation, ``barrier(digest=None)`` (the job's,
+    answering the ranks that differ) and ``wait_pushes()``."""
+
+    def __init__(self, config, sync, rank, sharding, request, barrier, wait_pushes):
+        self.config, self.sync, self.rank, self.sharding = config, sync, rank, sharding
+        self._request, self._barrier, self._wait_pushes = request, barrier, wait_pushes
 
     def init(self, items, device=False):
         """``items``: [(key, flat array, shape, dtype name)]. Rank 0's values win. ``device``:
@@ -38,8 +46,9 @@ class Collectives:
                               list(shape)))
         ops = []
         for server, batch in fuse(parts, _init_bytes if init else _no_bytes, shaped=True):
-            keys = [[key, part.part, dtype, part.stop - part.start, shape] if init else
-                    [key, part.part, dtype, shape] for key, part, _, dtype, shape in batch]
+            keys = [InitItem(key, part.part, dtype, part.stop - part.start, shape) if init
+                    else CheckItem(key, part.part, dtype, shape)
+                    for key, part, _, dtype, shape in batch]
             ops.append(self._request(server, describe('init', batch),
                                      {'op': op, 'keys': keys, **fields},
                                      [values for _, _, values, _, _ in batch] if init else ()))
@@ -51,12 +60,13 @@ class Collectives:
         blob = msgpack.packb(spec, use_bin_type=True)
         self._by_rank_0('set_optimizer', lambda: self._wait_all([
             self._request(s, 'set_optimizer', {'op': P.SET_OPTIMIZER}, (blob,))
-            for s in range(self.num_servers)]), after_pushes=True)
+            for s in range(self.sharding.num_servers)]), after_pushes=True)
 
     def get_states(self, dump_optimizer):
         """Every server's updater state, once this worker's pushes are applied."""
-        self.wait_pushes()
-        blobs = [None] * self.num_servers
+        self._wait_pushes()
+        servers = range(self.sharding.num_servers)
+        blobs = [None] * len(servers)
 
         def keeper(server):
             def keep(blob):
@@ -64,7 +74,7 @@ class Collectives:
             return state_collector(keep)
         self._wait_all([self._request(s, 'save_optimizer_states',
                                       {'op': P.GET_STATES, 'dump': dump_optimizer},
-                                      on_data=keeper(s)) for s in range(self.num_servers)])
+                                      on_data=keeper(s)) for s in servers])
         return blobs
 
     def set_states(self, per_server):
@@ -100,7 +110,7 @@ class Collectives:
         they were pushed for: else, in async, a worker still behind would have its last
         gradients applied by an optimizer set after them (at a new learning rate)."""
         if after_pushes:
-            self.barrier()
+            self._barrier()
         failure = None
         if self.rank == 0:
             try:
@@ -108,7 +118,7 @@ class Collectives:
             except KVPSError as exc:
                 failure = exc
         try:
-            refused = self.barrier(_REFUSED if failure is not None else None)
+            refused = self._barrier(_REFUSED if failure is not None else None)
         except KVPSError:
             if failure is None:
                 raise
@@ -117,14 +127,6 @@ class Collectives:
         if refused:   # rank 0 offered _REFUSED; the others offered nothing
             raise RemoteError(f'{what} failed: the servers refused it on rank 0, which raised '
                               'their reason', remote_type='CollectiveRefused', node='rank 0')
-
-    def balance_keys(self, total):
-        """A model of ``total`` elements is about to be initialized: see Sharding.balance."""
-        self.sharding.balance(total)
-
-    def keep_keys_whole(self):
-        """Keys initialized from now on go to one server each (see _require_whole_keys)."""
-        self.sharding.keep_whole = True
 
     def _require_whole_keys(self, spec):
         """An optimizer whose update reads each weight whole (LAMB's norms) would get a
@@ -141,7 +143,12 @@ class Collectives:
                 'init (kvps then keeps keys whole), raise KVPS_BIGARRAY_BOUND and '
                 'KVPS_PARTITION_BYTES, or update on the workers '
                 '(Trainer(update_on_kvstore=False))')
-        self.keep_keys_whole()
+        self.sharding.keep_whole = True
+
+
+    def _wait_all(self, ops):
+        for op in ops:
+            op.wait(self.config.timeout)
 
 
 def _init_bytes(item):

@@ -13,9 +13,10 @@ import time
 
 from ..errors import KVPSError, PeerLostError, ProtocolError, StoreClosedError
 from ..wire import protocol as P
+from ..wire.items import ResumeItem
 from ..wire.link import SchedulerLink, decode_or_refusal
 from ..wire.transport import Dealer, Poller, Waker, guard_from, new_context
-from .pending import Operation, PendingTable, Request
+from .pending import Operation, PendingTable, PushCounts, Request
 from .staging import Staging
 
 log = logging.getLogger('kvps.worker')
@@ -56,7 +57,7 @@ class WorkerIO(threading.Thread):
         self._servers = {}          # node name ('server N') -> Dealer
         self._by_socket = {}        # Dealer -> node name, to say where a bad reply came from
         self._lost = set()          # servers the job waits for: requests to them are held
-        self._pushed = {}           # node name -> {(key, part): pushes sent}
+        self.push_counts = PushCounts()   # each push's seq, numbered as API threads queue it
         self._poller = Poller()
         self.staging = None         # this worker's shared-memory segment, if it has one
 
@@ -188,8 +189,6 @@ class WorkerIO(threading.Thread):
                 self._link.send(header)
                 continue
             header['id'] = self._pending.add(request)
-            if header['op'] == P.PUSH:
-                self._number_pushes(node, header['keys'])
             arena = None if self.staging is None else self.staging.arenas.get(node)
             if arena is not None and header['op'] in (P.PUSH, P.PULL):
                 # What was lent to us is copied (replies are handled before this send): the
@@ -204,15 +203,6 @@ class WorkerIO(threading.Thread):
         if self.staging is None:
             return header, buffers
         return self.staging.readable(node, header, buffers)
-
-    def _number_pushes(self, node, items):
-        """Append each key part's push count, by which a restarted server tells a resent
-        push from a new one."""
-        sent = self._pushed.setdefault(node, {})
-        for item in items:
-            seq = sent.get((item[0], item[1]), 0)
-            item.append(seq)
-            sent[(item[0], item[1])] = seq + 1
 
     def _from_server(self, sock):
         node = self._by_socket[sock]
@@ -277,24 +267,35 @@ class WorkerIO(threading.Thread):
         del self._by_socket[old]
         old.close(linger_s=0)
         self._connect(rank, host, port)
-        self._lost.discard(name)
         if self.staging is not None:   # the new process has not mapped our segment (yet)
             self.staging.detach(name)
+        with self.push_counts.lock:
+            # Every push numbered so far is queued: take them in as unanswered (not sent
+            # while the server counts as lost), so that none counts as acknowledged.
+            self._send_queued()
+            counts = self.push_counts.copy(name)
+        self._lost.discard(name)
         waiting = self._pending.of_node(name)
-        acked = dict(self._pushed.get(name, {}))
-        for request in waiting:
-            header = request.message[0]
-            for item in header['keys'] if header['op'] == P.PUSH else ():
-                acked[(item[0], item[1])] = min(acked[(item[0], item[1])], item[P.SEQ])
-        runs = P.within_budget([[key, part, count] for (key, part), count in acked.items()])
-        for header, run in zip(P.continued({'op': P.RESUME, 'id': 0}, len(runs)), runs):
-            self._servers[name].send(P.encode({**header, 'keys': run}))
+        self._resume(name, acked=counts, waiting=waiting)
         for request in waiting:
             request.message = self._readable(name, *request.message)
             self._servers[name].send(P.encode(*request.message))
         self._attach(name)   # it maps our segment through /proc: later payloads go there again
         log.warning('%s is back at %s:%d; sent %d unanswered requests again', name, host, port,
                     len(waiting))
+
+    def _resume(self, name, acked, waiting):
+        """Send ``name`` the RESUME: per key part, the pushes it acknowledged: ``acked``, the
+        pushes numbered (lowered here to the first of those still ``waiting`` for an answer)."""
+        for request in waiting:
+            header = request.message[0]
+            for item in header['keys'] if header['op'] == P.PUSH else ():
+                where = (item.key, item.part)
+                acked[where] = min(acked[where], item.seq)
+        runs = P.within_budget([ResumeItem(key, part, count)
+                                for (key, part), count in acked.items()])
+        for header, run in zip(P.continued({'op': P.RESUME, 'id': 0}, len(runs)), runs):
+            self._servers[name].send(P.encode({**header, 'keys': run}))
 
     def _die(self, exc):
         """The job is broken for this worker: fail everything now and everything later."""

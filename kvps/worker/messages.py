@@ -59,22 +59,22 @@ def copier(batch, blocks, staging, node):
         _check_answers(node, batch, answers, buffers)
         frames = iter(buffers)
         arena = None if staging is None else staging.arenas.get(node)
-        for asked, block, (at, lent) in zip(batch, blocks, answers):
+        for asked, block, answer in zip(batch, blocks, answers):
             key, part, target, dtype = asked
             if arena is not None:
-                arena.note((key, part.part), lent is not None)
-            if lent is not None:
+                arena.note((key, part.part), answer.lent is not None)
+            if answer.lent is not None:
                 if arena is None:
                     raise ProtocolError(f'{node} answered a pull from an arena this worker '
                                         'has not mapped')
-                source = arena.view(lent, part_nbytes(asked))
-            elif at is None:
+                source = arena.view(answer.lent, part_nbytes(asked))
+            elif answer.at is None:
                 source = next(frames)
-            elif block is not None and at == block[0]:
+            elif block is not None and answer.at == block[0]:
                 source = block[1]
             else:
-                raise ProtocolError(f'a pull answered at shared-memory offset {at}, which this '
-                                    'worker did not give')
+                raise ProtocolError(f'a pull answered at shared-memory offset {answer.at}, '
+                                    'which this worker did not give')
             target[part.start:part.stop] = P.as_array(source, dtype)   # (np.copyto: slower)
     return on_data
 
@@ -87,8 +87,8 @@ def _check_answers(node, batch, answers, frames):
         raise ProtocolError(f'{node} answered a pull of {len(batch)} key parts with '
                             f'{len(answers)}')
     frames = iter(frames)   # (as many as the items without `at` and `lent`: decode checked)
-    for asked, (at, lent) in zip(batch, answers):
-        if at is None and lent is None and len(next(frames)) != part_nbytes(asked):
+    for asked, answer in zip(batch, answers):
+        if answer.at is None and answer.lent is None and len(next(frames)) != part_nbytes(asked):
             raise ProtocolError(f'{node} answered a pull of key {asked[0]!r} part '
                                 f'{asked[1].part} with a frame of another size')
 

@@ -61,6 +61,27 @@ class Request:
         self.message = None
 
 
+class PushCounts:
+    """Per server, how many pushes of each key part this worker has queued: the next one's
+    ``seq``. A push is numbered and queued under ``lock``, so that a key part's pushes reach
+    its server in the order of their numbers (it takes a number it has seen for a resend)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self._by_node = {}   # node name -> {(key, part): pushes queued}
+
+    def of(self, node):
+        """``node``'s counts, to number pushes by (under ``lock``)."""
+        counts = self._by_node.get(node)
+        if counts is None:
+            counts = self._by_node[node] = {}
+        return counts
+
+    def copy(self, node):
+        """A copy of ``node``'s counts (under ``lock``)."""
+        return dict(self._by_node.get(node, {}))
+
+
 class PushWindow:
     """A worker's pushes not yet known complete and their bytes: the back-pressure window,
     shared by every API thread that pushes."""

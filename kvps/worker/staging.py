@@ -154,18 +154,16 @@ class Staging:
 
     def readable(self, node, header, buffers):
         """``(header, buffers)`` that ``node`` can read: if it has not mapped the segment (a
-        replacement server, or a request made before it was lost), every shared-memory item
-        becomes a frame (a push's bytes are viewed in place) or asks for one (a pull)."""
+        replacement server, or a request made before it was lost), a copy in which every
+        shared-memory item becomes a frame (a push's bytes are viewed in place) or asks for
+        one (a pull)."""
         op = header['op']
-        if node in self.attached or op not in P.AT:
+        if node in self.attached or op not in (P.PUSH, P.PULL):
             return header, buffers
-        index = P.AT[op]
-        frames, out = iter(buffers), []
+        frames, items, out = iter(buffers), [], []
         for item in header['keys']:
-            at = item[index]
             if op == P.PUSH:
-                out.append(next(frames) if at is None
-                           else self.segment.view(at, P.nbytes(item[2], item[3])))
-            item[index] = None
-        return header, out
-
+                out.append(next(frames) if item.at is None
+                           else self.segment.view(item.at, P.nbytes(item.dtype, item.n)))
+            items.append(item if item.at is None else item._replace(at=None))
+        return {**header, 'keys': items}, out

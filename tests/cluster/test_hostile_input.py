@@ -351,11 +351,9 @@ def classify(frames, target):
 
 
 def _keys_of(header):
-    """The keys a decoded header names: 'key', or the first field of each 'keys' item."""
+    """The keys a decoded header names: 'key', or the key of each 'keys' item that has one."""
     keys = [header['key']] if 'key' in header else []
-    for item in header.get('keys') or ():
-        if isinstance(item, list) and item:
-            keys.append(item[0])
+    keys += [getattr(item, 'key', None) for item in header.get('keys') or ()]
     return [k for k in keys if isinstance(k, (int, str))]
 
 

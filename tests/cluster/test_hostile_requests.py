@@ -99,7 +99,7 @@ def test_hostile_shared_memory_requests_are_refused_per_key(by_hand, tmp_path):
         assert reply(signed, push)['op'] == P.ACK
         pull = {'op': P.PULL, 'id': 51, 'keys': [['k', 0, offset + 16]]}
         answer = reply(signed, pull)
-        assert answer['op'] == P.DATA and answer['keys'] == [[offset + 16, None]]
+        assert answer['op'] == P.DATA and answer['keys'] == [P.DataItem(offset + 16, None)]
         assert segment.view(offset + 16, 16).cast('f').tolist() == [5.0] * 4
         assert server.proc.poll() is None and 'Traceback' not in server.text
     finally:

@@ -39,9 +39,9 @@ io = kv._backend.io
 last_push_shm = {}    # server -> whether huge's part in this worker's last push to it was in shm
 submit = io.submit
 def noting_submit(node, header, buffers, request):
-    for key, _, _, _, at in header['keys'] if header['op'] == 'push' else ():
-        if key == 'huge':
-            last_push_shm[node] = at is not None
+    for item in header['keys'] if header['op'] == 'push' else ():
+        if item.key == 'huge':
+            last_push_shm[node] = item.at is not None
     submit(node, header, buffers, request)
 io.submit = noting_submit
 spec = optimizer('sgd', learning_rate=0.1, momentum=0.9) if SYNC else optimizer('test')

@@ -34,19 +34,20 @@ def big(key, n):
 submit, resolve = io.submit, io._pending.resolve
 pulls = []   # the headers of pulls sent (the I/O thread gives each its id when it sends it)
 def counted_submit(node, header, buffers, request):
-    for key, _, dtype, n, at in header['keys'] if header['op'] == 'push' else ():
-        if big(key, n):
-            counts['shm_push' if at is not None else 'sock_push'] += 1
-            counts['big_shm_push'] += key == 'big' and at is not None
+    for item in header['keys'] if header['op'] == 'push' else ():
+        if big(item.key, item.n):
+            counts['shm_push' if item.at is not None else 'sock_push'] += 1
+            counts['big_shm_push'] += item.key == 'big' and item.at is not None
     if header['op'] == 'pull':
         pulls.append(header)
     submit(node, header, buffers, request)
 def counted_resolve(header, buffers):
     if header['op'] == 'data':   # it answers the pull's key parts in order
         asked = next(h for h in pulls if h.get('id') == header['id'])
-        for (key, _, _), (at, lent) in zip(asked['keys'], header['keys']):
-            if key != 'small':   # every other key's parts have at least MIN_BYTES
-                where = 'arena' if lent is not None else 'shm' if at is not None else 'sock'
+        for item, answer in zip(asked['keys'], header['keys']):
+            if item.key != 'small':   # every other key's parts have at least MIN_BYTES
+                where = ('arena' if answer.lent is not None else
+                         'shm' if answer.at is not None else 'sock')
                 counts[where + '_pull'] += 1
     resolve(header, buffers)
 io.submit, io._pending.resolve = counted_submit, counted_resolve

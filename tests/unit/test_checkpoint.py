@@ -6,7 +6,9 @@ import pytest
 from kvps.errors import ConfigError, DuplicateInitError, ShapeError
 from kvps.optimizer import create
 from kvps.server.checkpoint import Checkpointer, restore, snapshot
+from kvps.server.recovery import rebase
 from kvps.server.shard import Shard
+from kvps.wire.items import ResumeItem
 
 W0 = b'worker-0'
 
@@ -97,7 +99,7 @@ def test_rebase_counts_the_rounds_a_checkpoint_missed():
     shard = trained_shard()   # 'w' at round 3
     restored = Shard(1)
     restore(restored, snapshot(shard), rounds=True)
-    lost = restored.rebase({W0: [['w', 0, 5], [7, 1, 0]]}, [W0])
+    lost = rebase(restored.entries, {W0: [ResumeItem('w', 0, 5), ResumeItem(7, 1, 0)]}, [W0])
     assert lost == {('w', 0): 2} and restored.entries[('w', 0)].version == 5
 
 

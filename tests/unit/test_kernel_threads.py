@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from kvps.optimizer.kernels import numpy_kernels as K
+from kvps.optimizer.kernels import numpy_blocks as B, numpy_kernels as K
 from kvps.config import Config
 from kvps.errors import ConfigError
 from kvps.server.storage import use_update_threads
@@ -19,8 +19,8 @@ N = 5 * K.BLOCK + 123   # a short last block, and spans that end inside a thread
 def threads(monkeypatch):
     """Set the thread count for one run; keys of 2+ blocks split (SPLIT_MIN lowered), in
     blocks of another size than BLOCK (LAMB's reducing pass keeps BLOCK)."""
-    monkeypatch.setattr(K, 'SPLIT_MIN', 2 * K.BLOCK)
-    monkeypatch.setattr(K, 'SPLIT_BLOCK', K.BLOCK + 1000)
+    monkeypatch.setattr(B, 'SPLIT_MIN', 2 * K.BLOCK)
+    monkeypatch.setattr(B, 'SPLIT_BLOCK', K.BLOCK + 1000)
     yield K.set_threads
     K.set_threads(1)
 
@@ -70,12 +70,12 @@ def test_small_keys_stay_in_the_callers_thread(threads):
     threads(4)
     spans = []
     blocks = (lambda lo, hi, step: spans.append((lo, hi, step)) or [hi - lo])
-    assert K._split(blocks, K.SPLIT_MIN - 1, 5 * K.BLOCK) == [K.SPLIT_MIN - 1]
-    assert spans == [(0, K.SPLIT_MIN - 1, K.BLOCK)]
+    assert B.split(blocks, B.SPLIT_MIN - 1, 5 * K.BLOCK) == [B.SPLIT_MIN - 1]
+    assert spans == [(0, B.SPLIT_MIN - 1, K.BLOCK)]
     spans.clear()
     b = K.BLOCK
     n = 7 * b + 5   # 8 blocks over 4 threads: 2 each, the last one short
-    assert sum(K._split(blocks, n, b)) == n
+    assert sum(B.split(blocks, n, b)) == n
     assert sorted(spans) == [(0, 2 * b, b), (2 * b, 4 * b, b), (4 * b, 6 * b, b), (6 * b, n, b)]
 
 
@@ -107,6 +107,6 @@ def test_thread_counts_are_checked():
         Config.from_env({'KVPS_UPDATE_THREADS': '0'})
     try:
         assert 1 <= use_update_threads('auto') <= 4
-        assert use_update_threads(2) == 2 and K._pool.threads == 2
+        assert use_update_threads(2) == 2 and B._pool.threads == 2
     finally:
         K.set_threads(1)

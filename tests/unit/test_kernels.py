@@ -5,7 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from kvps.optimizer.kernels import KERNEL_NAMES, kernels_for, multi_apply, numpy_kernels as K
+from kvps.optimizer.kernels import (KERNEL_NAMES, kernels_for, multi_apply, numpy_blocks as B,
+                                    numpy_kernels as K)
 from kvps.optimizer.kernels import numpy_packing
 from kvps.optimizer.kernels.numpy_packing import PACK_UP_TO, Slabs
 from kvps.errors import DTypeError, ShapeError
@@ -364,9 +365,9 @@ def test_remembered_scalars_tell_a_zero_from_a_negative_zero():
 
 def test_scalars_remembered_are_bounded():
     w = np.ones(4, np.float32)
-    for i in range(K.SCALARS_KEPT + 10):
+    for i in range(B.SCALARS_KEPT + 10):
         K.sgd_update(w, np.ones(4, np.float32), None, 1e-3 + i * 1e-6, 0.0, 1.0, None)
-    assert len(K._SCALARS) <= K.SCALARS_KEPT
+    assert len(B._SCALARS) <= B.SCALARS_KEPT
 
 
 def test_threads_updating_at_once_use_their_own_block_buffers():

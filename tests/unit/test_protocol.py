@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from kvps.wire import protocol as P
+from kvps.wire.items import CheckItem, DataItem, InitItem, PushItem
 from kvps.errors import ProtocolError
 
 
@@ -19,7 +20,7 @@ def test_round_trip_keeps_header_and_shares_the_buffer():
                       [array, np.zeros(2, np.int8)])
     assert frames[1] is array                      # no copy on the way out
     header, buffers = P.decode(frames)
-    assert header['keys'][0] == [None, None]
+    assert header['keys'][0] == DataItem(at=None, lent=None)
     assert P.as_array(buffers[0], 'float64').tolist() == [0, 1, 2, 3]
     assert P.as_array(buffers[1], 'int8').tolist() == [0, 0]
 
@@ -128,11 +129,14 @@ def test_only_items_outside_shared_memory_carry_a_frame():
     mixed = {'op': P.PUSH, 'id': 1, 'sync': True,
              'keys': [[1, 0, 'float32', 2, 8192, 0], [2, 0, 'float64', 1, None, 0]]}
     header, buffers = P.decode(P.encode(mixed, [np.zeros(1, np.float64)]))
-    assert header['keys'][0][P.AT[P.PUSH]] == 8192 and len(buffers) == 1
+    assert header['keys'][0].at == 8192 and len(buffers) == 1
+    assert header['keys'] == [PushItem(1, 0, 'float32', 2, 8192, 0),
+                              PushItem(2, 0, 'float64', 1, None, 0)]
     with pytest.raises(ProtocolError, match='expected 1 data frame'):
         P.decode(P.encode(mixed, [np.zeros(2, np.float32), np.zeros(1, np.float64)]))
     data = {'op': P.DATA, 'id': 1, 'keys': [[4096, None], [None, 4096]], 'lease': 3}
-    assert P.decode(P.encode(data)) == (data, [])
+    assert P.decode(P.encode(data)) == ({**data, 'keys': [DataItem(4096, None),
+                                                          DataItem(None, 4096)]}, [])
     attach = {'op': P.ATTACH, 'id': 1, 'name': 'kvps-1-00', 'nonce': b'n' * 16, 'size': 1 << 20}
     assert P.decode(P.encode(attach))[0] == attach
 
@@ -140,7 +144,7 @@ def test_only_items_outside_shared_memory_carry_a_frame():
 def test_message_size_limit():
     with pytest.raises(ProtocolError, match='exceeds the limit'):
         P.decode(push_frames(n=100), max_message_bytes=100)
-    assert P.decode(push_frames(n=25), max_message_bytes=100)[0]['keys'][0][3] == 25
+    assert P.decode(push_frames(n=25), max_message_bytes=100)[0]['keys'][0].n == 25
 
 
 def test_error_header_carries_type_message_and_node():
@@ -206,13 +210,15 @@ def test_init_carries_one_frame_per_item_of_its_size():
     init = {'op': P.INIT, 'id': 1, 'sync': False,
             'keys': [['a', 0, 'float32', 2, [2]], ['b', 0, 'float64', 0, [0, 3]]]}
     header, buffers = P.decode(P.encode(init, [bytes(8), b'']))
-    assert header == init and [b.nbytes for b in buffers] == [8, 0]
+    assert header == {**init, 'keys': [InitItem(*item) for item in init['keys']]}
+    assert [b.nbytes for b in buffers] == [8, 0]
     with pytest.raises(ProtocolError, match='expected 2 data frame'):
         P.decode(P.encode(init, [bytes(8)]))
     with pytest.raises(ProtocolError, match="key 'a' has 4 bytes"):
         P.decode(P.encode(init, [bytes(4), b'']))
     check = {'op': P.CHECK, 'id': 2, 'keys': [['a', 0, 'float32', [2]]]}
-    assert P.decode(P.encode(check)) == (check, [])
+    assert P.decode(P.encode(check)) == ({**check, 'keys': [CheckItem('a', 0, 'float32', [2])]},
+                                         [])
     with pytest.raises(ProtocolError, match='4 fields'):
         P.decode(P.encode({**check, 'keys': [['a', 0, 'float32', 2, [2]]]}))
 

@@ -9,6 +9,8 @@ from kvps.errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInit
 from kvps.optimizer import FactorScheduler, create
 from kvps.server.shard import Shard
 from kvps.optimizer.updater import Updater
+from kvps.server.recovery import rebase
+from kvps.wire.items import PullItem, ResumeItem
 
 W0, W1, W2 = b'worker-0', b'worker-1', b'worker-2'
 
@@ -44,16 +46,16 @@ def test_a_pull_is_ready_whole_only_when_no_key_waits_for_a_round():
     """ready_for: the server answers such a pull at once, as one reply; else key by key."""
     shard = make()
     shard.init('t1', 'j', 0, 'float32', [1], True, buf(5))
-    both = [['k', 0, None], ['j', 0, None]]
+    both = [PullItem('k', 0, None), PullItem('j', 0, None)]
     assert [e.key for e in shard.ready_for(W0, both)] == ['k', 'j']
     shard.push('p0', W0, 'k', 0, 'float32', True, buf(1, 2))
     assert shard.ready_for(W0, both) is None           # k's round lacks worker 1's push
     assert shard.ready_for(W1, both) is not None       # worker 1 pushed nothing yet
-    assert shard.ready_for(W0, [['j', 0, None]]) is not None
-    assert shard.ready_for(W0, [['j', 0, None], ['absent', 0, None]]) is None
+    assert shard.ready_for(W0, [PullItem('j', 0, None)]) is not None
+    assert shard.ready_for(W0, [PullItem('j', 0, None), PullItem('absent', 0, None)]) is None
     shard.push('p1', W1, 'k', 0, 'float32', True, buf(1, 2))
     entries = shard.ready_for(W0, both)
-    assert [shard.lend(e)[0].tolist() for e in entries] == [[2.0, 4.0], [5.0]]
+    assert [e.pulled().array.tolist() for e in entries] == [[2.0, 4.0], [5.0]]
 
 
 def test_same_worker_twice_is_not_two_workers():
@@ -291,7 +293,7 @@ def test_rebase_takes_the_rounds_a_worker_saw_completed_and_redoes_the_open_one(
     shard = restarted(checkpointed_rounds=3)
     # worker 0 saw round 4 acknowledged (the checkpoint predates it); worker 1's ack of it
     # was lost, so it resends round 4 (seq 3) and then pushes round 5 (seq 4).
-    shard.rebase({W0: [['k', 0, 4]], W1: [['k', 0, 3]]}, {W0, W1})
+    rebase(shard.entries, {W0: [ResumeItem('k', 0, 4)], W1: [ResumeItem('k', 0, 3)]}, {W0, W1})
     assert acks(shard.push('dup', W1, 'k', 0, 'float32', True, buf(9, 9), seq=3)) == ['dup']
     replies = shard.push('a', W0, 'k', 0, 'float32', True, buf(1, 1), seq=4)
     replies += shard.push('b', W1, 'k', 0, 'float32', True, buf(2, 2), seq=4)
@@ -302,7 +304,7 @@ def test_rebase_takes_the_rounds_a_worker_saw_completed_and_redoes_the_open_one(
 
 def test_rebase_keeps_a_checkpoint_newer_than_what_workers_saw():
     shard = restarted(checkpointed_rounds=5)   # round 5 completed, its acks never left
-    shard.rebase({W0: [['k', 0, 4]], W1: [['k', 0, 4]]}, {W0, W1})
+    rebase(shard.entries, {W0: [ResumeItem('k', 0, 4)], W1: [ResumeItem('k', 0, 4)]}, {W0, W1})
     assert acks(shard.push('a', W0, 'k', 0, 'float32', True, buf(1, 1), seq=4)) == ['a']
     assert acks(shard.push('b', W1, 'k', 0, 'float32', True, buf(1, 1), seq=4)) == ['b']
     assert data_of(shard.pull('q', W0, 'k', 0)) == {'q': [100.0, 100.0]}   # not merged again
@@ -310,7 +312,7 @@ def test_rebase_keeps_a_checkpoint_newer_than_what_workers_saw():
 
 def test_rebase_of_async_keys_counts_each_worker_on_its_own():
     shard = restarted(checkpointed_rounds=2, sync=False)
-    shard.rebase({W0: [['k', 0, 1]], W1: [['k', 0, 4]]}, {W0, W1})
+    rebase(shard.entries, {W0: [ResumeItem('k', 0, 1)], W1: [ResumeItem('k', 0, 4)]}, {W0, W1})
     assert acks(shard.push('old', W0, 'k', 0, 'float32', False, buf(1, 1), seq=1)) == ['old']
     assert acks(shard.push('old1', W1, 'k', 0, 'float32', False, buf(1, 1), seq=3)) == ['old1']
     assert acks(shard.push('new', W1, 'k', 0, 'float32', False, buf(7, 7), seq=4)) == ['new']

@@ -92,6 +92,7 @@ def test_a_message_lists_no_more_keys_than_a_header_may_carry(key_of):
     Every field here packs to its widest."""
     import numpy as np
     from kvps.wire import protocol as P
+    from kvps.wire.items import ResumeItem
     from kvps.worker.messages import fuse
     from kvps.worker.sharding import Part
     widest = 2 ** 64 - 1
@@ -119,7 +120,7 @@ def test_a_message_lists_no_more_keys_than_a_header_may_carry(key_of):
             header = {'op': op, 'id': widest, 'keys': items, 'sync': True, 'device': True}
             frames = P.encode(header, [b''] * len(batch) if op == P.INIT else [])
             assert len(frames[0]) <= P.MAX_HEADER_BYTES
-    runs = P.within_budget([[key, widest, widest] for key, *_ in parts])   # RESUME's items
+    runs = P.within_budget([ResumeItem(key, widest, widest) for key, *_ in parts])
     assert [len(run) for run in runs] == [len(batch) for _, batch in batches]
     for run in runs:
         P.decode(P.encode({'op': P.RESUME, 'id': 0, 'keys': run, 'more': True}))
@@ -154,6 +155,7 @@ def test_a_pull_answer_that_does_not_match_the_request_fails_it():
     that it answers each of them, with a frame of each one's size, before writing any."""
     import numpy as np
     from kvps.wire import protocol as P
+    from kvps.wire.items import DataItem
     from kvps.errors import ProtocolError
     from kvps.worker.messages import copier
     from kvps.worker.sharding import Part
@@ -163,10 +165,11 @@ def test_a_pull_answer_that_does_not_match_the_request_fails_it():
     on_data = copier(batch, [None, None], None, 'server 0')
     frames = [memoryview(np.ones(2, np.float32)).cast('B'),
               memoryview(np.full(3, 2, np.float32)).cast('B')]
+    in_frame = DataItem(at=None, lent=None)
     with pytest.raises(ProtocolError, match='a pull of 2 key parts with 1'):
-        on_data({'op': P.DATA, 'keys': [[None, None]]}, frames[:1])
+        on_data({'op': P.DATA, 'keys': [in_frame]}, frames[:1])
     with pytest.raises(ProtocolError, match="key .b. part 0 with a frame of another size"):
-        on_data({'op': P.DATA, 'keys': [[None, None]] * 2}, [frames[0], frames[0]])
+        on_data({'op': P.DATA, 'keys': [in_frame] * 2}, [frames[0], frames[0]])
     assert [t.tolist() for t in targets] == [[0.0, 0.0], [0.0, 0.0, 0.0]]   # none written
-    on_data({'op': P.DATA, 'keys': [[None, None]] * 2}, frames)
+    on_data({'op': P.DATA, 'keys': [in_frame] * 2}, frames)
     assert [t.tolist() for t in targets] == [[1.0, 1.0], [2.0, 2.0, 2.0]]

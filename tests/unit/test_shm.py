@@ -12,6 +12,7 @@ import pytest
 
 from kvps.wire import protocol as P
 from kvps.wire import shm
+from kvps.wire.items import PushItem
 from kvps.optimizer.kernels.numpy_packing import PACK_UP_TO
 from kvps.config import Config
 from kvps.errors import KVPSError, ProtocolError
@@ -244,8 +245,8 @@ def test_server_regions_keep_each_worker_to_its_own_segment(tmp_path):
     regions.attach(b'worker-0', header)
     offset, block = segment.take(16)
     block.view(np.float32)[:] = [1, 2, 3, 4]
-    items = [['k', 0, 'float32', 4, offset, 0], ['s', 0, 'int8', 2, None, 0],
-             ['h', 0, 'float32', 4, 1 << 20, 0]]
+    items = [PushItem('k', 0, 'float32', 4, offset, 0), PushItem('s', 0, 'int8', 2, None, 0),
+             PushItem('h', 0, 'float32', 4, 1 << 20, 0)]
     shm, frame, hostile = regions.payloads(b'worker-0', items, [b'ab'])
     assert P.as_array(shm, 'float32').tolist() == [1, 2, 3, 4] and frame == b'ab'
     assert shm.readonly   # an update must not clobber the worker's copy: it may resend it
@@ -278,11 +279,13 @@ def test_staging_turns_shared_memory_items_into_frames_for_a_server_without_it(t
     # Too big together for what is left: each value that fits alone still gets a block.
     parts = staging.stage([(5 << 20) // 2, 1 << 20, 1 << 20])   # 2.9 MiB are left
     assert parts[0] is not None and parts[1] is None and parts[2] is None
-    push = {'op': P.PUSH, 'keys': [['k', 0, 'float32', 4, at, 0], ['s', 0, 'int8', 1, None, 0]]}
+    push = {'op': P.PUSH, 'keys': [PushItem('k', 0, 'float32', 4, at, 0),
+                                   PushItem('s', 0, 'int8', 1, None, 0)]}
     assert staging.readable('server 0', push, [b'x']) == (push, [b'x'])
     staging.detach('server 0')                        # lost; a replacement has no mapping
     header, buffers = staging.readable('server 0', push, [b'x'])
-    assert [item[4] for item in header['keys']] == [None, None]
+    assert [item.at for item in header['keys']] == [None, None]
+    assert push['keys'][0].at == at                   # the request as queued is unchanged
     assert P.as_array(buffers[0], 'float32').tolist() == [4, 5, 6, 7] and buffers[1] == b'x'
     assert staging.blocks_for('server 0', [(1 << 20, ('k', 0))]) == [None]
 

@@ -1,0 +1,105 @@
+"""Shared memory as requests meet it: ATTACH, pushes read in place, pulled values lent, placed."""
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ..errors import ProtocolError
+from ..wire import protocol as P
+from ..wire.items import DataItem
+from ..wire.shm import segment_bytes
+from .regions import Regions
+
+IN_FRAME = DataItem(at=None, lent=None)
+
+
+class Delivery(NamedTuple):
+    """How the values of one DATA answer travel."""
+    items: list          # a DataItem per key part, in the order asked
+    frames: list         # the values sent as data frames (uncopied), in the items' order
+    framed: list         # the Leases of those frames (the transport's tracker ends them)
+    lease: object        # the number of the lent values' lease (the header's), or None
+
+
+class Lending:
+    """The workers' segments and the server's arena (Regions) as requests use them; new
+    host arrays of ``storage`` come from the arena once there is one."""
+
+    def __init__(self, regions, storage):
+        self.regions, self._storage = regions, storage
+
+    @classmethod
+    def on_host(cls, host, config, welcome, storage):
+        """The Lending of a server on ``host`` in the job ``welcome`` describes: its arena
+        takes its share of /dev/shm among the job's processes on this host when
+        KVPS_SHM_BYTES=auto (it reserves pages only as weights fill it; weights it cannot
+        hold are copied into a worker's segment for every pull)."""
+        workers = P.members_on(welcome, host, 'worker')
+        size = segment_bytes(config.shm_bytes, workers + P.members_on(welcome, host, 'server'))
+        return cls(Regions(config.shm, arena_bytes=size, neighbours=workers), storage)
+
+    def attach(self, identity, header, now):
+        """Map the segment an ATTACH names; returns the ACK's fields (the arena, if any)."""
+        arena = self.regions.attach(identity, header, now)
+        self._storage.use_arena(self.regions.arena)
+        return None if arena is None else {'arena': arena}
+
+    def payloads(self, identity, items, frames):
+        """Regions.payloads: a PUSH's payload per item, in a frame or the worker's segment."""
+        return self.regions.payloads(identity, items, frames)
+
+    def saw(self, identity, header):
+        """Note what a request says the worker has seen of the arena (its ``seen``); returns
+        the worker's Reader then (the answer may lend values there), else None."""
+        return self.regions.saw(identity, header)
+
+    def place(self, worker, at, entry):
+        """``(at, view)``: where in ``worker``'s segment a pulled ``entry`` is asked for
+        (ProtocolError if that range is not the worker's)."""
+        return at, self.regions.view(worker, at, entry.weight.nbytes)
+
+    def places(self, worker, items, entries):
+        """``place`` of each pulled key (None: in a frame or lent); None if some offset is
+        bad (that key then gets its error alone)."""
+        try:
+            return [None if item.at is None else self.place(worker, item.at, entry)
+                    for item, entry in zip(items, entries)]
+        except ProtocolError:
+            return None
+
+    def deliver(self, answer):
+        """The Delivery of a PullAnswer: weights in the arena are lent to a worker that reads
+        it, values are written into the worker's segment where it asked, and the rest go as
+        frames; the leases tell the shard when the worker (arena) or the transport (frames)
+        is done with each."""
+        items, frames, framed, lent = [], [], [], []
+        for pulled, place in zip(answer.pulled, answer.places):
+            offset = None if answer.reader is None else self.regions.lendable(pulled.array)
+            if offset is not None:
+                lent.append(pulled)
+                items.append(DataItem(at=None, lent=offset))
+            elif place is None:
+                frames.append(pulled.array)
+                framed.append(pulled.lease)
+                items.append(IN_FRAME)
+            else:
+                at, view = place
+                np.frombuffer(view, pulled.array.dtype)[...] = pulled.array   # (np.copyto: 4x)
+                pulled.lease.released = True
+                items.append(DataItem(at=at, lent=None))
+        number = None
+        if lent:
+            number = self.regions.lend(answer.reader, [pulled.array for pulled in lent])
+            for pulled in lent:
+                pulled.lease.reader, pulled.lease.number = answer.reader, number
+        return Delivery(items, frames, framed, number)
+
+    def forget(self, worker):
+        """The worker left: nothing it was lent needs keeping."""
+        self.regions.forget(worker)
+
+    def tick(self, now):
+        self.regions.tick(now)
+
+    def close(self):
+        self.regions.close()

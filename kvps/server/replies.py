@@ -1,0 +1,84 @@
+"""Sending a server's replies: acks, errors, pulled values, optimizer states in pieces, rows."""
+
+import logging
+import traceback
+
+from ..errors import KVPSError
+from ..wire import protocol as P
+from .batch import Batch
+from .records import ReplyKind
+
+log = logging.getLogger('kvps.server')
+
+
+class Replies:
+    """A server's outgoing Replies: held until the loop flushes them (once the checkpoint
+    that covers them is written), then each sent to its request; the replies to a Batch's
+    keys become one answer once the batch is settled. ``lending`` says how pulled values
+    travel; ``send_to(identity, frames, track)`` sends (the ROUTER's)."""
+
+    def __init__(self, send_to, name, lending, max_message_bytes=None):
+        self._send_to, self._name, self._lending = send_to, name, lending
+        self._max_message_bytes = max_message_bytes
+        self._held = []
+        self._senders = {ReplyKind.ACK: self._ack, ReplyKind.ERROR: self._error,
+                         ReplyKind.DATA: self._data, ReplyKind.STATES: self._states,
+                         ReplyKind.ROWS: self._rows}
+
+    def hold(self, replies):
+        """Keep ``replies`` until the next flush."""
+        self._held += replies
+
+    def flush(self):
+        """Send every reply held."""
+        held, self._held = self._held, []
+        for reply in held:
+            owner, number = reply.token   # (a Batch, a key's index) or (identity, request id)
+            if not isinstance(owner, Batch):
+                self.send(reply)
+            elif owner.settle(number, reply):   # the last key of a batch
+                self.send(owner.outcome())
+
+    def send(self, reply):
+        """Send one Reply now, to the request its token names."""
+        identity, req_id = reply.token
+        self._senders[reply.kind](identity, req_id, reply.payload)
+
+    def _ack(self, identity, req_id, fields):
+        self._send(identity, P.encode({'op': P.ACK, 'id': req_id, **(fields or {})}))
+
+    def _error(self, identity, req_id, exc):
+        # A caller's mistake speaks for itself; a server bug also carries its traceback.
+        tb = '' if isinstance(exc, KVPSError) else ''.join(traceback.format_exception(exc))
+        self._send(identity, P.encode(P.error_header(req_id, exc, self._name, tb)))
+
+    def _rows(self, identity, req_id, rows):
+        header = {'op': P.ROWS, 'id': req_id, 'epoch': rows.epoch, 'count': rows.count}
+        self._send(identity, P.encode(header, [rows.data]))
+
+    def _states(self, identity, req_id, blob):
+        """The packed state ``blob``, in as many STATES as a message may carry."""
+        pieces = P.state_pieces(blob, self._max_message_bytes)
+        for header, piece in zip(P.continued({'op': P.STATES, 'id': req_id}, len(pieces)),
+                                 pieces):
+            self._send(identity, P.encode(header, [piece]))
+
+    def _data(self, identity, req_id, answer):
+        """A PullAnswer, its values lent, placed or framed as the lending delivers them (the
+        frames uncopied: their leases end when the transport is done with them)."""
+        delivery = self._lending.deliver(answer)
+        header = {'op': P.DATA, 'id': req_id, 'keys': delivery.items}
+        if delivery.lease is not None:
+            header['lease'] = delivery.lease
+        tracker = self._send(identity, P.encode(header, delivery.frames),
+                             track=bool(delivery.frames))
+        for lease in delivery.framed:
+            lease.tracker = tracker
+            lease.released = tracker is None
+
+    def _send(self, identity, frames, track=False):
+        try:
+            return self._send_to(identity, frames, track)
+        except KVPSError as exc:  # that worker is gone; liveness will report it
+            log.info('%s: could not answer %r: %s', self._name, identity, exc)
+            return None

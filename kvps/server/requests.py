@@ -1,0 +1,183 @@
+"""A server's request handlers: each request of a worker made into Shard calls and Replies."""
+
+import logging
+import time
+
+import msgpack
+
+from ..errors import ConfigError, KVPSError, ProtocolError
+from ..wire import protocol as P
+from . import row_store
+from .batch import Batch
+from .records import PullAnswer, Reply, ReplyKind
+
+log = logging.getLogger('kvps.server')
+
+ACK, DATA, ERROR, STATES = ReplyKind.ACK, ReplyKind.DATA, ReplyKind.ERROR, ReplyKind.STATES
+# Requests whose acknowledgement waits for a checkpoint that holds what they changed.
+_DURABLE = (P.INIT, P.SET_OPTIMIZER, P.SET_STATES, P.COMMIT_STATES)
+
+
+def durable(header):
+    """Whether the request ``header`` changes what a restarted server must find in the
+    checkpoint (a SET_STATES piece with more to come changes nothing yet)."""
+    op = header['op']
+    return op in _DURABLE and not (op == P.SET_STATES and header.get('more'))
+
+
+class Requests:
+    """Serves the job's workers' requests on ``shard``, with ``lending`` for the shared
+    memory they name; ``resumed_from``: the checkpoint a new job resumed from (its inits
+    must find their keys there), or None."""
+
+    def __init__(self, shard, lending, name, resumed_from=None):
+        self.shard, self.lending, self.name = shard, lending, name
+        self.resumed_from = resumed_from
+        self._state_pieces = {}      # worker -> the pieces of a SET_STATES it is sending
+
+    def handle(self, identity, header, buffers):
+        """The Replies to one request of worker ``identity``; a failure is its error reply."""
+        token = (identity, header.get('id', 0))
+        handler = self._HANDLERS.get(header['op'])
+        try:
+            if handler is None:
+                raise KVPSError(f'{header["op"]!r} is not a server operation')
+            return handler(self, token, header, buffers)
+        except KVPSError as exc:  # the caller's mistake: its message says it all
+            return [Reply(ERROR, token, exc)]
+        except Exception as exc:  # a server bug: log it, answer with its traceback, serve on
+            log.exception('%s: %s failed', self.name, header['op'])
+            return [Reply(ERROR, token, exc)]
+
+    def forget(self, worker):
+        """The worker left: drop what it was sending."""
+        self._state_pieces.pop(worker, None)
+
+    def _init(self, token, h, buffers):
+        sync, device = h['sync'], h.get('device', False)
+
+        def init_one(item_token, item, buffer):
+            if self.resumed_from is not None:
+                self._refuse_misplaced_init(item.key, item.part)
+            return self.shard.init(item_token, item.key, item.part, item.dtype, item.shape, sync,
+                                   buffer, device)
+        return self._each_key(token, P.INIT, h['keys'], buffers, init_one)
+
+    def _refuse_misplaced_init(self, key, part):
+        """A key lands on the server with the least load so far, so a job that inits its
+        keys in another order or number than the checkpointed one sends them to servers that
+        do not hold them: they would start afresh while the checkpoint's sit unused."""
+        if (key, part) in self.shard.entries:
+            return
+        unclaimed = list(dict.fromkeys(e.key for e in self.shard.entries.values() if e.restored))
+        if unclaimed:
+            raise ConfigError(
+                f'{self.name} is asked to init key {key!r}, which its checkpoint '
+                f'{self.resumed_from} does not hold, while the keys it does hold '
+                f'({", ".join(map(repr, unclaimed))}) were never initialized: the keys were '
+                "initialized in another order or number than the checkpointed job's (or split "
+                'by another KVPS_BIGARRAY_BOUND or KVPS_PARTITION_BYTES); init them as that '
+                'job did, or start afresh in '
+                'another KVPS_CHECKPOINT_DIR')
+
+    def _check(self, token, h, buffers):
+        def check_one(item_token, item, _):
+            return self.shard.check(item_token, item.key, item.part, item.dtype, item.shape)
+        return self._each_key(token, P.CHECK, h['keys'], [None] * len(h['keys']), check_one)
+
+    def _push(self, token, h, buffers):
+        worker, sync, step = token[0], h['sync'], h.get('step', 0)
+
+        def push_one(item_token, item, buffer):
+            if isinstance(buffer, ProtocolError):   # its shared-memory range is bad
+                raise buffer
+            return self.shard.push(item_token, worker, item.key, item.part, item.dtype, sync,
+                                   buffer, item.seq, step)
+        payloads = self.lending.payloads(worker, h['keys'], buffers)
+        self.lending.saw(worker, h)   # before the updates: what the worker copied is free
+        return self.shard.together(
+            lambda: self._each_key(token, P.PUSH, h['keys'], payloads, push_one))
+
+    def _pull(self, token, h, buffers):
+        worker = token[0]
+        reader = self.lending.saw(worker, h)
+        entries = self.shard.ready_for(worker, h['keys'])
+        places = None if entries is None else self.lending.places(worker, h['keys'], entries)
+        if places is not None:   # one reply now, without settling key by key
+            pulled = [entry.pulled() for entry in entries]
+            return [Reply(DATA, token, PullAnswer(reader, pulled, places))]
+
+        def pull_one(item_token, item, _):
+            entry = self.shard.entries.get((item.key, item.part))
+            if item.at is not None and entry is not None:   # (no entry: shard.pull says so)
+                batch, index = item_token
+                batch.places[index] = self.lending.place(worker, item.at, entry)
+            return self.shard.pull(item_token, worker, item.key, item.part)
+        return self._each_key(token, P.PULL, h['keys'], [None] * len(h['keys']), pull_one,
+                              reader)
+
+    def _pull_rows(self, token, h, buffers):
+        asked = (buffers[0] if h.get('ids') else None), \
+            row_store.LIVE if h.get('live') else h.get('since')
+        return self.shard.pull(token, token[0], h['key'], h['part'], asked)
+
+    def _each_key(self, token, op, items, buffers, handle, reader=None):
+        """Run ``handle`` per key of a multi-key message; one key's error does not stop the
+        others, and the answers are gathered in a Batch (``reader``: the worker reads the
+        arena, so the answer may lend weights in it)."""
+        batch = Batch(token[0], token[1], op, len(items), reader)
+        replies = []
+        for index, (item, buffer) in enumerate(zip(items, buffers)):
+            try:
+                replies += handle((batch, index), item, buffer)
+            except KVPSError as exc:
+                replies.append(Reply(ERROR, (batch, index), exc))
+        return replies
+
+    def _attach(self, token, h, buffers):
+        return [Reply(ACK, token, self.lending.attach(token[0], h, time.monotonic()))]
+
+    def _set_optimizer(self, token, h, buffers):
+        # (a frame, not a header field: per-key options of many keys outgrow a header)
+        self.shard.set_optimizer(_map_in(buffers[0], 'set_optimizer: the spec'))
+        return [Reply(ACK, token, None)]
+
+    def _get_states(self, token, h, buffers):
+        blob = msgpack.packb(self.shard.get_states(h['dump']), use_bin_type=True)
+        return [Reply(STATES, token, blob)]
+
+    def _set_states(self, token, h, buffers):
+        worker, piece = token[0], h.get('piece', 0)
+        pieces = self._state_pieces.pop(worker, []) if piece else []
+        if piece != len(pieces):
+            raise ConfigError(f'set_states: piece {piece} of the optimizer state came after '
+                              f'{len(pieces)} piece(s) (this server restarted during the load?): '
+                              'load the states again')
+        pieces.append(buffers[0])
+        if h.get('more'):   # one piece of a state too big for one message: wait for the rest
+            self._state_pieces[worker] = pieces
+            return [Reply(ACK, token, None)]
+        states = _map_in(P.joined(pieces), 'set_states: the state')
+        self.shard.set_states(states, stage=h.get('stage', False))
+        return [Reply(ACK, token, None)]
+
+    def _commit_states(self, token, h, buffers):
+        self.shard.commit_states()
+        return [Reply(ACK, token, None)]
+
+    _HANDLERS = {P.INIT: _init, P.CHECK: _check, P.PUSH: _push, P.PULL: _pull,
+                 P.PULL_ROWS: _pull_rows,
+                 P.SET_OPTIMIZER: _set_optimizer, P.GET_STATES: _get_states,
+                 P.SET_STATES: _set_states, P.COMMIT_STATES: _commit_states,
+                 P.ATTACH: _attach}
+
+
+def _map_in(buffer, what):
+    """The map a request's msgpack frame holds; ProtocolError or ConfigError naming ``what``."""
+    try:
+        value = msgpack.unpackb(buffer, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f'{what} is undecodable: {exc!r}') from None
+    if not isinstance(value, dict):
+        raise ConfigError(f'{what} must be a map')
+    return value
