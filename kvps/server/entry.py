@@ -3,6 +3,7 @@
 import dataclasses
 from typing import NamedTuple
 
+from ..wire.items import new
 from . import row_store
 from .records import Pulled
 from .storage import HostArrays
@@ -96,11 +97,11 @@ class Entry:
         lease = Lease()
         if not self.arrays.lends:
             lease.released = True
-            return Pulled(self, self.arrays.to_host(self.weight), lease)
+            return new(Pulled, (self, self.arrays.to_host(self.weight), lease))
         if self.weight_leases:
             self.weight_leases = [l for l in self.weight_leases if not l.done]
         self.weight_leases.append(lease)
-        return Pulled(self, self.weight, lease)
+        return new(Pulled, (self, self.weight, lease))
 
     def ready_pulls(self):
         """The Deferred pulls whose round has completed, taken out of ``deferred``."""

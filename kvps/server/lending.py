@@ -6,7 +6,7 @@ import numpy as np
 
 from ..errors import ProtocolError
 from ..wire import protocol as P
-from ..wire.items import DataItem
+from ..wire.items import DataItem, new
 from ..wire.shm import segment_bytes
 from .regions import Regions
 
@@ -77,7 +77,7 @@ class Lending:
             offset = None if answer.reader is None else self.regions.lendable(pulled.array)
             if offset is not None:
                 lent.append(pulled)
-                items.append(DataItem(at=None, lent=offset))
+                items.append(new(DataItem, (None, offset)))
             elif place is None:
                 frames.append(pulled.array)
                 framed.append(pulled.lease)
@@ -86,7 +86,7 @@ class Lending:
                 at, view = place
                 np.frombuffer(view, pulled.array.dtype)[...] = pulled.array   # (np.copyto: 4x)
                 pulled.lease.released = True
-                items.append(DataItem(at=at, lent=None))
+                items.append(new(DataItem, (at, None)))
         number = None
         if lent:
             number = self.regions.lend(answer.reader, [pulled.array for pulled in lent])

@@ -86,17 +86,23 @@ class Requests:
         return self._each_key(token, P.CHECK, h['keys'], [None] * len(h['keys']), check_one)
 
     def _push(self, token, h, buffers):
-        worker, sync, step = token[0], h['sync'], h.get('step', 0)
-
-        def push_one(item_token, item, buffer):
-            if isinstance(buffer, ProtocolError):   # its shared-memory range is bad
-                raise buffer
-            return self.shard.push(item_token, worker, item.key, item.part, item.dtype, sync,
-                                   buffer, item.seq, step)
-        payloads = self.lending.payloads(worker, h['keys'], buffers)
+        worker, sync, step, items = token[0], h['sync'], h.get('step', 0), h['keys']
+        payloads = self.lending.payloads(worker, items, buffers)
         self.lending.saw(worker, h)   # before the updates: what the worker copied is free
-        return self.shard.together(
-            lambda: self._each_key(token, P.PUSH, h['keys'], payloads, push_one))
+        batch, push = Batch(worker, token[1], P.PUSH, len(items)), self.shard.push
+
+        def push_all():   # (_each_key's loop, written out: it runs for every key pushed)
+            replies = []
+            for index, (item, data) in enumerate(zip(items, payloads)):
+                try:
+                    if isinstance(data, ProtocolError):   # its shared-memory range is bad
+                        raise data
+                    replies += push((batch, index), worker, item.key, item.part, item.dtype,
+                                    sync, data, item.seq, step)
+                except KVPSError as exc:
+                    replies.append(Reply(ERROR, (batch, index), exc))
+            return replies
+        return self.shard.together(push_all)
 
     def _pull(self, token, h, buffers):
         worker = token[0]

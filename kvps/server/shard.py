@@ -16,6 +16,7 @@ import os
 from .. import compression
 from ..errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInitializedError,
                       KVPSError, ShapeError)
+from ..wire.items import new
 from ..wire.protocol import ROW_SPARSE, TWO_BIT, identity_label
 from . import row_store
 from .entry import Deferred, Entry, Queued
@@ -28,7 +29,7 @@ ACK, DATA, ERROR, ROWS = ReplyKind.ACK, ReplyKind.DATA, ReplyKind.ERROR, ReplyKi
 
 
 def _reply(token, failure):
-    return Reply(ACK, token, None) if failure is None else Reply(ERROR, token, failure)
+    return new(Reply, (ACK, token, None) if failure is None else (ERROR, token, failure))
 
 
 class Shard:
@@ -206,7 +207,8 @@ class Shard:
         """The round's update is applied (or failed with ``failure``, which its pushers get;
         the pulls that waited for it get the weight as it is, after those errors): answer
         them, and merge the pushes queued for the next round."""
-        replies = [_reply(t, failure) for t in entry.held]
+        kind, payload = (ACK, None) if failure is None else (ERROR, failure)
+        replies = [new(Reply, (kind, token, payload)) for token in entry.held]
         entry.held, entry.merged = [], set()
         if entry.deferred:
             replies += [self._answer(entry, pull.token, pull.rows)
@@ -323,7 +325,7 @@ class Shard:
                 rows = row_store.requested(entry, rows[0]), None
         needed = entry.needed_by(worker)
         if needed > entry.version:
-            entry.deferred.append(Deferred(needed, token, rows))
+            entry.deferred.append(new(Deferred, (needed, token, rows)))
             return []
         return [self._answer(entry, token, rows)]
 
@@ -341,7 +343,7 @@ class Shard:
 
     def _answer(self, entry, token, rows):
         if rows is None:
-            return Reply(DATA, token, entry.pulled())
+            return new(Reply, (DATA, token, entry.pulled()))
         return Reply(ROWS, token, row_store.answer(entry, self.epoch, *rows))
 
     # -- the optimizer (OptimizerStates) ----------------------------------------------------

@@ -16,7 +16,7 @@ from ..allocator import keep_freed_memory
 from ..arrays import flat_view
 from ..errors import ConfigError
 from ..wire import protocol as P
-from ..wire.items import PullItem, PushItem
+from ..wire.items import PullItem, PushItem, new
 from .collectives import Collectives
 from .loop import SCHEDULER, WorkerIO, server_name
 from .messages import (WAVE_BYTES, copier, describe, fuse, live_collector, part_nbytes, payload,
@@ -143,7 +143,7 @@ class DistClient:
                     seq = numbered.get(where, 0)
                     numbered[where] = seq + 1
                     n = data.nbytes if dtype == P.ROW_SPARSE else part.stop - part.start
-                    keys.append(PushItem(key, part.part, dtype, n, at, seq))
+                    keys.append(new(PushItem, (key, part.part, dtype, n, at, seq)))
                     (frames if at is None else keep).append(data)
                 header = {'op': P.PUSH, 'sync': self.sync, 'keys': keys}
                 if step:
@@ -231,7 +231,7 @@ class DistClient:
             blocks = [None] * len(batch) if staging is None else staging.blocks_for(
                 node, [(part_nbytes(item), (item[0], item[1].part)) for item in batch])
             header = {'op': P.PULL, 'keys': [
-                PullItem(key, part.part, None if block is None else block[0])
+                new(PullItem, (key, part.part, None if block is None else block[0]))
                 for (key, part, _, _), block in zip(batch, blocks)]}
             self._submit(server, header, (),
                          Request(op, node, copier(batch, blocks, staging, node), keep=blocks))
