@@ -178,6 +178,13 @@ VARS = (
         'freed bytes per heap (and to serve chunks up to 32 MiB from its heaps) instead of '
         'returning message buffers to the kernel and faulting them in again every round (0: '
         'leave malloc as it is).'),
+    Var('timeline', ('KVPS_TIMELINE',), _text, None,
+        'Record a timeline of this node\'s spans into the directory PATH.d (every node of '
+        'the job: `python -m kvps.launch --timeline PATH` sets it and merges the nodes\' '
+        'files into the Chrome trace PATH; by hand, `python -m kvps.timeline merge`).'),
+    Var('stats_seconds', ('KVPS_STATS',), _nonneg_float, 0.0,
+        'Every node prints a line of its counters (bytes and messages per second, requests '
+        'waiting) every this many seconds (0: off; `python -m kvps.launch --stats`).'),
 )
 
 _BY_FIELD = {v.field: v for v in VARS}
@@ -222,6 +229,8 @@ class Config:
     shm: bool = True
     shm_bytes: object = 'auto'
     malloc_trim_bytes: int = 1 << 30
+    timeline: str = None
+    stats_seconds: float = 0.0
 
     def __repr__(self):  # never print the secret in logs or tracebacks
         fields = ', '.join(f'{f.name}={"***" if f.name == "secret" and self.secret else getattr(self, f.name)!r}'

@@ -7,6 +7,7 @@ import sys
 from .allocator import collect_garbage_rarely, keep_freed_memory
 from .config import LOG_FORMAT, Config
 from .errors import KVPSError
+from .timeline import recording
 
 
 def run_role(config=None):
@@ -15,6 +16,7 @@ def run_role(config=None):
     _end_cleanly_on_termination()
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
     try:
+        recording.start(config.timeline, config.role)
         if config.role == 'scheduler':
             from .scheduler.loop import Scheduler
             return Scheduler(config).run()
@@ -26,6 +28,8 @@ def run_role(config=None):
     except KVPSError as exc:
         logging.getLogger('kvps').error('%s failed: %s', config.role, exc)
         return 1
+    finally:   # what a failing node recorded is written too
+        recording.stop()
     raise SystemExit(f'kvps.node runs the scheduler or a server; DMLC_ROLE={config.role!r}')
 
 

@@ -9,6 +9,7 @@ import threading
 
 from ..config import LOG_FORMAT, Config
 from ..errors import ConfigError, KVPSError, StoreClosedError
+from ..timeline import recording
 
 _dist_lock = threading.Lock()
 _dist_client = None      # one job membership per process, shared by every dist store
@@ -26,6 +27,7 @@ def dist_backend(sync):
             from ..worker.client import DistClient  # sockets load only for distributed stores
             config = Config.from_env()
             _worker_logging(config.log_level)
+            recording.start(config.timeline, 'worker')
             _dist_client = DistClient(config, sync)
             atexit.register(_leave_job_at_exit, _dist_client)
         elif _dist_client.sync != sync:

@@ -14,6 +14,7 @@ import tempfile
 
 from ..config import VARS, Config
 from ..errors import ConfigError
+from ..timeline import merge as timeline_merge, recording as timeline_recording
 from ..wire.auth import new_secret
 from .processes import ProcSpec, Sweeper
 from .supervise import Supervisor, forwarding_signals
@@ -139,6 +140,13 @@ def build_parser():
                    help='restart a server that dies, up to N times in all; it rejoins with its '
                         'rank and resumes from its checkpoint (needs KVPS_CHECKPOINT_DIR; sets '
                         f'KVPS_RECOVERY_TIMEOUT={DEFAULT_RECOVERY_TIMEOUT} unless given)')
+    p.add_argument('--timeline', metavar='PATH', type=os.path.abspath,
+                   help='every node records a timeline of its spans (KVPS_TIMELINE); at the end '
+                        'they are merged into the Chrome trace PATH (open it in Perfetto, or '
+                        'read it with python -m kvps.timeline summary PATH)')
+    p.add_argument('--stats', dest='stats_seconds', type=_checked('stats_seconds'),
+                   metavar='SEC', help='every node prints a line of counters every SEC '
+                                       'seconds (KVPS_STATS)')
     p.add_argument('--grace', type=_grace, default=DEFAULT_GRACE, metavar='SEC',
                    help='seconds between SIGTERM and SIGKILL when stopping (default 5)')
     p.add_argument('command', nargs=argparse.REMAINDER,
@@ -170,6 +178,10 @@ def _common_env(opts, environ):
             for name in _BY_FIELD[field].names:
                 env.pop(name, None)
             env[_BY_FIELD[field].names[0]] = value
+    if opts.timeline:
+        env[_BY_FIELD['timeline'].names[0]] = opts.timeline
+    if opts.stats_seconds is not None:
+        env[_BY_FIELD['stats_seconds'].names[0]] = opts.stats_seconds
     if opts.restart_servers and not env.get('KVPS_RECOVERY_TIMEOUT'):
         env['KVPS_RECOVERY_TIMEOUT'] = DEFAULT_RECOVERY_TIMEOUT
     env.update({
@@ -215,7 +227,7 @@ def run(opts, environ=None, node_argv=NODE_ARGV, out=None, err=None):
         except ConfigError as exc:
             print(f'kvps.launch: {exc}', file=err or sys.stderr, flush=True)
             return 2
-        problem = config.unrecoverable()
+        problem = config.unrecoverable() or _timeline_problem(opts.timeline)
         if problem:
             flag = '--restart-servers: ' if opts.restart_servers else ''
             print(f'kvps.launch: {flag}{problem}', file=err or sys.stderr, flush=True)
@@ -229,6 +241,37 @@ def run(opts, environ=None, node_argv=NODE_ARGV, out=None, err=None):
                 return _run_job(supervisor, opts, environ, scheduler, config, node_argv)
             finally:  # whatever happened (even a bug here), leave no process behind
                 supervisor.stop(1 if supervisor.stopped is None else supervisor.stopped)
+                if opts.timeline:   # every node has exited: their part files are whole
+                    _merge_timeline(opts.timeline, supervisor.say)
+
+
+def _timeline_problem(path):
+    """Why --timeline PATH cannot be written (None if it can): said now, not at the end.
+    Part files of an earlier run there go, so the merge joins this job's only."""
+    if not path:
+        return None
+    parts = timeline_recording.parts_dir(path)
+    try:
+        os.makedirs(parts, exist_ok=True)
+        for name in os.listdir(parts):
+            if name.endswith(timeline_recording.SUFFIX):
+                os.unlink(os.path.join(parts, name))
+        with tempfile.TemporaryFile(dir=os.path.dirname(path)):
+            pass
+    except OSError as exc:
+        return f'--timeline {path}: cannot write there ({exc.strerror or exc})'
+    return None
+
+
+def _merge_timeline(path, say):
+    """Join the nodes' part files into the trace at ``path``."""
+    try:
+        other = timeline_merge.merge([path], path)
+    except (ConfigError, OSError) as exc:
+        say(f'the timeline could not be merged: {exc}')
+        return
+    say(f'timeline of {len(other["nodes"])} nodes written to {path} '
+        f'(python -m kvps.timeline summary {path})')
 
 
 def _run_job(supervisor, opts, environ, scheduler, config, node_argv):

@@ -7,6 +7,7 @@ import time
 
 from ..atomic import write_atomically
 from ..errors import ConfigError, KVPSError
+from ..timeline import recording
 from ..wire import protocol as P
 from ..wire.link import decode_or_log
 from ..wire.transport import Poller, Router, bind_host, guard_from, new_context, resolve
@@ -37,6 +38,9 @@ class Scheduler:
         self.started = time.monotonic()
         self.job = secrets.token_hex(8)   # names this run in server checkpoints
         self._finishing = {}      # identity -> when its FINISH takes effect
+        self._barrier_began = {}  # barrier number -> when its first worker came (timeline)
+        if recording.RECORDER is not None:
+            recording.RECORDER.name_node(0, 'scheduler')
         log.info('scheduler listening on %s:%d', host, self.port)
 
     def _publish_port(self, path):
@@ -95,6 +99,7 @@ class Scheduler:
         self.members.register(identity, header['role'], header['host'], header['port'],
                               header.get('rank'), header.get('pid', 0), time.monotonic(),
                               header.get('shared', {}))
+        recording.note('register', 'register', {'role': header['role'], 'host': header['host']})
         if self.members.complete:
             self.members.assign_ranks()
             if self.config.formed_file:   # before any welcome: no worker can be done earlier
@@ -122,25 +127,34 @@ class Scheduler:
             if not worker.finished:
                 self._send(worker.identity, {'op': P.SERVER_BACK, 'id': 0, 'rank': node.rank,
                                              'host': node.host, 'port': node.port})
+        recording.note('rejoin', 'membership', {'node': node.describe()})
         log.warning('%s rejoined the job in place of pid %d', node.describe(), old.pid)
 
     def _welcome(self, node, restarted=False):
         self._send(node.identity, {'op': P.WELCOME, 'id': 0, 'restarted': restarted,
+                                   'clock': recording.now(),
                                    'recovery_timeout': self.config.recovery_timeout,
                                    'job': self.job,
                                    **self.members.welcome(node)})
 
     def _on_heartbeat(self, identity, header):
         if identity in self.members.nodes:
-            self._send(identity, {'op': P.HEARTBEAT_ACK, 'id': 0})
+            # (its clock: a node's timeline aligns its spans with it)
+            self._send(identity, {'op': P.HEARTBEAT_ACK, 'id': header.get('id', 0),
+                                  'clock': recording.now()})
         elif identity in self.members.replaced:   # it woke up after its successor came
             self._send(identity, {'op': P.SHUTDOWN, 'id': 0,
                                   'reason': 'another server has taken this rank'})
 
     def _on_barrier(self, identity, header):
         node = self._worker(identity)
+        if recording.RECORDER is not None:
+            self._barrier_began.setdefault(header['seq'], recording.now())
         released = self.members.arrive(node.identity, header['seq'], header.get('digest'))
         differs = self.members.disagreeing() if released else []
+        if released and recording.RECORDER is not None:
+            recording.RECORDER.span('barrier', 'barrier', self._barrier_began.pop(
+                header['seq'], recording.now()), {'seq': header['seq'], 'differs': differs})
         for worker in released:
             self._send(worker, {'op': P.BARRIER_DONE, 'id': header['seq'], 'differs': differs})
         self._fail_blocked_barriers()
@@ -161,6 +175,7 @@ class Scheduler:
         del self._finishing[identity]
         self.members.finish(identity)
         node = self.members.nodes[identity]
+        recording.note('finish', 'membership', {'node': node.describe()})
         for server in self.members.of_role('server'):
             self._send(server.identity, {'op': P.FINISH, 'id': 0, 'rank': node.rank})
         self._fail_blocked_barriers()
@@ -219,6 +234,7 @@ class Scheduler:
     def _await_replacement(self, lost, reason, now):
         """Keep the job: workers hold their requests for this server until it rejoins."""
         lost.lost_since = now
+        recording.note('lost', 'lost', {'node': lost.describe(), 'reason': reason})
         log.warning('%s; waiting up to %g s for a server to rejoin with rank %d',
                     reason, self.config.recovery_timeout, lost.rank)
         for worker in self.members.of_role('worker'):
@@ -228,6 +244,7 @@ class Scheduler:
 
     def _lose(self, lost, reason):
         """A peer is gone for good: tell everyone who, and end the job."""
+        recording.note('lost', 'lost', {'node': lost.describe(), 'reason': reason})
         self._blame([(lost.role, lost.rank)], reason)
         for node in self.members.nodes.values():
             if node is not lost:

@@ -4,6 +4,7 @@ import logging
 import time
 
 from ..errors import KVPSError, PeerLostError, ProtocolError
+from ..timeline import recording
 from ..wire import protocol as P
 from ..wire.link import SchedulerLink, decode_or_refusal
 from ..wire.transport import Poller, Router, bind_host, guard_from, new_context
@@ -48,6 +49,8 @@ class Server:
         """Take the rank and shard the WELCOME gives; resume from the checkpoint."""
         self.rank = welcome['rank']
         self.name = f'server {self.rank}'
+        if recording.RECORDER is not None:
+            recording.RECORDER.name_node(self.rank, self.name)
         self.shard = Shard(welcome['num_workers'], storage=storage)
         # Only the job's workers may talk to a server; anyone else is refused and logged.
         self.workers = {P.worker_identity(r) for r in range(welcome['num_workers'])}

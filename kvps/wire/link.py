@@ -7,10 +7,14 @@ import uuid
 
 from ..errors import (ConfigError, KVPSError, PeerLostError, ProtocolError, RequestTimeout,
                       from_remote)
+from ..timeline import recording
 from . import protocol as P
 from .transport import Dealer, advertised_host, guard_from, resolve
 
 log = logging.getLogger('kvps')
+# Heartbeats sent 50 ms apart at the start when the timeline records: the clock offset it
+# aligns nodes with is read at each, and the quietest round trip is kept.
+CLOCK_READINGS = 6
 
 
 class SchedulerLink:
@@ -29,9 +33,12 @@ class SchedulerLink:
                              guard_from(config))
         self.socket.connect(self.scheduler_ip, config.scheduler_port)
         self._last_heard = self._last_sent = time.monotonic()
+        self._beats = {}     # heartbeat id -> when it left (ns), to read the scheduler's clock
+        self._beat = 0
 
     def register(self, port=0):
         """Send REGISTER and wait for WELCOME (every node has arrived); return WELCOME."""
+        self._beats[0] = recording.now()
         self.send({'op': P.REGISTER, 'id': 0, 'role': self.role, 'host': self.host,
                    'port': port, 'rank': self.config.rank, 'pid': os.getpid(),
                    'version': P.VERSION, 'shared': self.config.shared_settings(self.role)})
@@ -52,6 +59,8 @@ class SchedulerLink:
             if header is None:
                 continue
             if header['op'] == P.WELCOME:
+                if recording.RECORDER is not None:   # a first reading of the scheduler's clock
+                    self._heartbeat()                # from a quiet moment (not the welcome's)
                 return header
             self.raise_if_fatal(header)
 
@@ -72,7 +81,20 @@ class SchedulerLink:
             return None
         self._last_heard = time.monotonic()
         decoded = decode_or_log(frames, self.config, 'the scheduler')
-        return None if decoded is None else decoded[0]
+        if decoded is None:
+            return None
+        header = decoded[0]
+        if 'clock' in header and recording.RECORDER is not None:
+            self._read_clock(header)
+        return header
+
+    def _read_clock(self, header):
+        """The scheduler's clock, as a WELCOME or HEARTBEAT_ACK read it: the timeline's
+        offset onto the scheduler's time (nodes' spans are aligned with it)."""
+        sent = self._beats.pop(header['id'] if header['op'] == P.HEARTBEAT_ACK else 0, None)
+        if sent is not None:
+            received = recording.now()
+            recording.RECORDER.clock(*recording.clock_sample(sent, header['clock'], received))
 
     def raise_if_fatal(self, header):
         """Turn the scheduler's ERROR / SHUTDOWN / PEER_LOST into the matching exception."""
@@ -100,8 +122,11 @@ class SchedulerLink:
 
     def tick(self, now):
         """Heartbeat when due; raise PeerLostError if the scheduler has gone silent."""
-        if now - self._last_sent >= self.config.heartbeat_interval:
-            self.send({'op': P.HEARTBEAT, 'id': 0})
+        interval = self.config.heartbeat_interval
+        if recording.RECORDER is not None and self._beat < CLOCK_READINGS:
+            interval = min(interval, 0.05)   # read the scheduler's clock a few times at first
+        if now - self._last_sent >= interval:
+            self._heartbeat()
         silent = now - self._last_heard
         if silent > self.config.heartbeat_timeout:
             raise PeerLostError(
@@ -109,6 +134,13 @@ class SchedulerLink:
                 f'{self.config.scheduler_port}: silent for {silent:.1f} s '
                 f'(KVPS_HEARTBEAT_TIMEOUT={self.config.heartbeat_timeout:g})',
                 'scheduler', 0, self.config.scheduler_host)
+
+    def _heartbeat(self):
+        self._beat += 1
+        if len(self._beats) > 8:   # acks that never came (the scheduler was busy)
+            self._beats.clear()
+        self._beats[self._beat] = recording.now()
+        self.send({'op': P.HEARTBEAT, 'id': self._beat})
 
     def close(self):
         self.socket.close()

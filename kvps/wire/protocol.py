@@ -17,10 +17,11 @@ from .items import CheckItem, DataItem, InitItem, Layout, PullItem, PushItem, Re
 VERSION = 9                  # bumped on any change of the wire format; checked at REGISTER
 REGISTER = 'register'        # node -> scheduler: {role, host, port, rank, pid, version}
 # scheduler -> node: {rank, num_workers, num_servers, servers, nodes, recovery_timeout, job (a
-# token naming this run, kept in server checkpoints)}; to a server that replaces a lost one
-# also {restarted: True, finished: [worker ranks]}
+# token naming this run, kept in server checkpoints), clock (the scheduler's monotonic ns: a
+# node's timeline aligns with it)}; to a server that replaces a lost one also
+# {restarted: True, finished: [worker ranks]}
 WELCOME = 'welcome'
-HEARTBEAT = 'heartbeat'      # node -> scheduler, answered by HEARTBEAT_ACK
+HEARTBEAT = 'heartbeat'      # node -> scheduler, answered by HEARTBEAT_ACK {clock} (same id)
 HEARTBEAT_ACK = 'heartbeat_ack'
 # worker -> scheduler: {seq, digest (optional bytes)}; answered by BARRIER_DONE when all
 # arrive, with {differs: [ranks whose digest is not rank 0's]} (the agree collective)
@@ -213,7 +214,7 @@ def validate_header(header):
     if 'dtype' in header:
         _check_dtype(op, header['dtype'])
     for name in ('n', 'part', 'rank', 'port', 'size', 'seen', 'lease', 'pid', 'fd', 'step',
-                 'epoch', 'count', 'piece'):
+                 'epoch', 'count', 'piece', 'clock'):
         value = header.get(name)
         if name in header and not _natural(value) and not (name == 'rank' and value is None):
             raise ProtocolError(f'{op}: {name} must be an int >= 0')

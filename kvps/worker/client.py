@@ -15,6 +15,7 @@ import numpy as np
 from ..allocator import keep_freed_memory
 from ..arrays import flat_view
 from ..errors import ConfigError
+from ..timeline import recording
 from ..wire import protocol as P
 from ..wire.items import PullItem, PushItem, new
 from .collectives import Collectives
@@ -45,6 +46,8 @@ class DistClient:
             raise self.io.fatal or RuntimeError('worker I/O thread did not start')
         welcome = self.io.welcome
         self.rank = welcome['rank']
+        if recording.RECORDER is not None:
+            recording.RECORDER.name_node(self.rank, f'worker {self.rank}')
         self.num_workers = welcome['num_workers']
         self.num_servers = welcome['num_servers']
         self.sharding = Sharding(self.num_servers, config.bigarray_bound,

@@ -14,14 +14,15 @@ ROLES = {'scheduler', 'server', 'worker'}
 RANKS = {
     'errors': 0,
     'config': 1, 'atomic': 1, 'allocator': 1,
-    'wire': 2, 'optimizer': 2,                       # the wire format; optimizers and kernels
-    'arrays': 3,                                     # values, one on the other
-    'rows': 4, 'compression': 4, 'devices': 4,
-    'scheduler': 5, 'server': 5, 'worker': 5,        # the roles, which never import each other
-    'node': 6,                                       # runs a scheduler or server role
-    'kvstore': 7,
-    'trainer': 8, 'launch': 8,
-    '__init__': 9,
+    'timeline': 2, 'optimizer': 2,                   # recording spans; optimizers and kernels
+    'wire': 3,                                       # the wire format, sockets, shared memory
+    'arrays': 4,                                     # values, one on the other
+    'rows': 5, 'compression': 5, 'devices': 5,
+    'scheduler': 6, 'server': 6, 'worker': 6,        # the roles, which never import each other
+    'node': 7,                                       # runs a scheduler or server role
+    'kvstore': 8,
+    'trainer': 9, 'launch': 9,
+    '__init__': 10,
 }
 
 
@@ -156,6 +157,7 @@ PUBLIC = {
                        'CosineScheduler', 'PolyScheduler', 'create_scheduler'},
     'kvps.trainer': {'Trainer'},
     'kvps.launch': {'main'},
+    'kvps.timeline': {'phase', 'enabled'},
 }
 
 

@@ -1,0 +1,150 @@
+"""The timeline's own pieces: recording into part files, merging with aligned clocks, the summary, the CLI."""
+
+import json
+import threading
+
+import msgpack
+import pytest
+
+from kvps.errors import ConfigError
+from kvps.timeline import __main__ as cli, merge, phase, recording, summary
+from kvps.timeline.recording import Recorder, clock_sample
+
+
+@pytest.fixture
+def path(tmp_path):
+    return tmp_path / 'trace.json'
+
+
+def job(path, offsets):
+    """Recorders standing for a job's nodes ({name: clock offset onto the scheduler's})."""
+    nodes = {}
+    for rank, (name, offset) in enumerate(offsets.items()):
+        role = name.split()[0]
+        nodes[name] = Recorder(path, role + str(rank))
+        nodes[name].role = role
+        nodes[name].name_node(rank, name)
+        if role != 'scheduler':
+            nodes[name].clock(offset, 10)
+    return nodes
+
+
+def put(recorder, name, cat, start, dur, args=None, flows=None):
+    """A span at a chosen local time (the tests set clocks apart by hand)."""
+    recorder._put(['X', name, cat, recorder._tid(), start, dur, args, flows])
+
+
+def test_off_by_default_costs_a_check_and_starts_nothing():
+    assert recording.RECORDER is None
+    assert recording.start(None, 'worker') is None
+    with phase('forward'):
+        pass
+    assert not any(t.name == 'kvps-timeline' for t in threading.enumerate())
+
+
+def test_a_path_that_cannot_be_written_is_refused_at_start(tmp_path):
+    blocker = tmp_path / 'file'
+    blocker.write_text('')
+    with pytest.raises(ConfigError, match='KVPS_TIMELINE=.*cannot write'):
+        Recorder(blocker / 'trace.json', 'worker')
+
+
+def test_spans_reach_the_part_file_and_survive_a_torn_tail(path):
+    recorder = Recorder(path, 'worker')
+    with recorder.timed('push', 'push', {'bytes': 8}):
+        pass
+    recorder.instant('lost', 'lost', {'who': 'server 1'})
+    recorder.flush()   # what the writer thread does every FLUSH_SECONDS
+    part_path, = merge.part_files([path])
+    with open(part_path, 'ab') as f:   # a node killed in the middle of a write
+        f.write(msgpack.packb(['X', 'pull', 'pull', 0, 1, 2, None, None])[:5])
+    part = merge.read_part(part_path)
+    assert [e[1] for e in part.events] == ['push', 'lost']
+    assert part.events[0][6] == {'bytes': 8} and part.events[0][5] >= 0
+    assert part.threads == {0: threading.current_thread().name}
+    recorder.close()
+
+
+def test_the_buffer_is_bounded_and_says_what_it_lost(path):
+    recorder = Recorder(path, 'worker', capacity=8)
+    recorder._stop.set()   # no writer: the buffer fills
+    recorder._writer.join()
+    for i in range(100):
+        recorder.instant(f'e{i}', 'x')
+    assert len(recorder._events) == 8
+    recorder.close()
+    part = merge.read_part(merge.part_files([path])[0])
+    assert [e[1] for e in part.events] == [f'e{i}' for i in range(92, 100)]
+    assert part.dropped >= 92 - 1   # (the thread name took a place in the buffer too)
+
+
+def test_clock_sample_is_the_middle_of_the_round_trip():
+    assert clock_sample(100, 1_000_150, 200) == (1_000_000, 50)
+
+
+def test_merge_names_nodes_aligns_clocks_and_links_a_round_in_causal_order(path):
+    # The server's clock runs 5 ms behind and the worker's 3 ms ahead of the scheduler's: by
+    # their own readings the update comes before the push that caused it.
+    nodes = job(path, {'scheduler': 0, 'server 0': 5_000_000, 'worker 0': -3_000_000})
+    flow = [['f', 0, 'w', 0, 0]]
+    put(nodes['worker 0'], 'push', 'push', 13_000_000, 1_000_000, {'keys': 1}, flow)
+    put(nodes['server 0'], 'update', 'update', 7_000_000, 500_000, None, flow)
+    put(nodes['worker 0'], 'pull', 'pull', 16_000_000, 400_000, None, flow)
+    put(nodes['scheduler'], 'barrier', 'barrier', 10_000_000, 10, None, None)
+    for recorder in nodes.values():
+        recorder.close()
+    other = merge.merge([path], path)
+    trace = json.loads(path.read_text())
+    assert other['nodes'] == ['scheduler', 'server 0', 'worker 0']
+    assert other['clock_error_us'] == pytest.approx(0.01)
+    named = {e['args']['name'] for e in trace['traceEvents'] if e['name'] == 'process_name'}
+    assert named == {'scheduler', 'server 0', 'worker 0'}
+    spans = {e['name']: e for e in trace['traceEvents'] if e['ph'] == 'X'}
+    assert spans['push']['ts'] < spans['update']['ts'] < spans['pull']['ts']
+    arrows = sorted((e for e in trace['traceEvents'] if e['ph'] in 'stf'),
+                    key=lambda e: e['ts'])
+    assert [a['ph'] for a in arrows] == ['s', 't', 'f']
+    assert len({a['id'] for a in arrows}) == 1
+
+
+def test_summary_and_cli_read_a_merged_trace(path, capsys):
+    nodes = job(path, {'scheduler': 0, 'server 0': 0, 'worker 0': 0})
+    worker, server = nodes['worker 0'], nodes['server 0']
+    for step in range(3):
+        base = step * 10_000_000
+        flow = [['f', 0, 'w', 0, step]]
+        put(worker, 'step', 'step', base, 6_000_000)
+        put(worker, 'push', 'push', base + 1_000_000, 1_000_000,
+            {'bytes': 4_000_000, 'route': 'shm'}, flow)
+        put(server, 'update', 'update', base + 2_000_000, 2_000_000, None, flow)
+        put(worker, 'pull', 'pull', base + 4_000_000, 2_000_000,
+            {'bytes': 4_000_000, 'route': 'socket'}, flow)
+        put(worker, 'wait', 'wait', base + 4_000_000, 1_500_000)
+    for recorder in nodes.values():
+        recorder.close()
+    assert cli.main(['merge', str(path), '-o', str(path)]) == 0
+    assert cli.main(['summary', str(path)]) == 0
+    text = capsys.readouterr().out
+    assert '2 steps, 10.00 ms on average' in text
+    # per step: 4 ms outside kvps spans (compute), 1 ms push, 1.5 ms wait, 0.5 ms pull
+    assert 'compute 4.00 (40%)' in text and 'wait 1.50' in text and 'update 2.00' in text
+    assert 'push/push' in text and 'update/update' in text and 'pull/pull' in text
+    assert 'shm      push 12.0 MB' in text and 'socket   pull 12.0 MB' in text   # whole job
+
+
+def test_merge_of_nothing_says_so(tmp_path, capsys):
+    assert cli.main(['merge', str(tmp_path), '-o', str(tmp_path / 'out.json')]) == 1
+    assert 'no timeline part files' in capsys.readouterr().err
+
+
+def test_plot_draws_a_step(path, tmp_path):
+    pytest.importorskip('matplotlib')
+    nodes = job(path, {'scheduler': 0, 'worker 0': 0})
+    for step in range(2):
+        put(nodes['worker 0'], 'step', 'step', step * 1_000_000, 500_000)
+    for recorder in nodes.values():
+        recorder.close()
+    merge.merge([path], path)
+    from kvps.timeline.plot import plot
+    plot(summary.load(path), tmp_path / 'step.png')
+    assert (tmp_path / 'step.png').read_bytes()[:4] == b'\x89PNG'
