@@ -147,11 +147,13 @@ def kvps_launcher_available():
     return _LAUNCHER_OK
 
 
-def run_kvps_job(workers, servers, worker_argv, out_dir, timeout, tag, wrap=()):
+def run_kvps_job(workers, servers, worker_argv, out_dir, timeout, tag, wrap=(),
+                 launcher_args=()):
     """Run one kvps job on 127.0.0.1 (1 scheduler, S servers, W workers running worker_argv).
 
     Uses ``python -m kvps.launch`` when it works, else starts the processes itself. ``wrap``
-    prefixes the launcher command (e.g. py-spy record -s --), launcher mode only. Returns
+    prefixes the launcher command (e.g. py-spy record -s --), launcher mode only;
+    ``launcher_args`` go to the launcher (e.g. --timeline PATH). Returns
     (rc, combined log text, wall seconds, launcher name).
     """
     out_dir = Path(out_dir)
@@ -159,7 +161,7 @@ def run_kvps_job(workers, servers, worker_argv, out_dir, timeout, tag, wrap=()):
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1', **{TAG_VAR: tag})
     if kvps_launcher_available():
         argv = [*wrap, PY, '-m', 'kvps.launch', '-n', str(workers), '-s', str(servers),
-                '--timeout', str(int(timeout)), '--', *worker_argv]
+                '--timeout', str(int(timeout)), *launcher_args, '--', *worker_argv]
         rc, log, wall = _run_bounded(argv, env, timeout + 30, out_dir / 'launch.log')
         return rc, log, wall, 'kvps.launch'
     rc, log, wall = _private_cluster(workers, servers, worker_argv, env, out_dir, timeout)

@@ -72,6 +72,9 @@ def parse_args(argv=None):
     p.add_argument('--pushpull', action='store_true',
                    help='kvps rounds as one kv.pushpull each (default: push then pull, as '
                         "MXNet's benchmark steps)")
+    p.add_argument('--timeline', action='store_true',
+                   help='after measuring, run kvps for each config with the timeline on and '
+                        'off in turns (--launches each): its cost, and where a step goes')
     p.add_argument('--timeout', type=int, default=300, help='seconds allowed per cluster run')
     p.add_argument('--out', default=None, help='output directory (default /tmp/kvps-bench/...)')
     args = p.parse_args(argv)
@@ -130,14 +133,15 @@ def _median_of_launches(runs):
     return best
 
 
-def measure_kvps(args, cfg, opt, rounds, run_dir, wrap=()):
+def measure_kvps(args, cfg, opt, rounds, run_dir, wrap=(), launcher_args=()):
     W, S, keys, total = CONFIGS[cfg]
     tag = uuid.uuid4().hex[:12]
     argv = [C.PY, str(WORKER), '--keys', str(keys), '--total-bytes', str(total),
             '--rounds', str(rounds), '--warmup', str(args.warmup), '--optimizer', opt,
             '--out', str(run_dir), '--tag', tag, '--check-rounds', '1' if args.quick else '2',
             *(['--pushpull'] if args.pushpull else [])]
-    rc, log, wall, launcher = C.run_kvps_job(W, S, argv, run_dir, args.timeout, tag, wrap)
+    rc, log, wall, launcher = C.run_kvps_job(W, S, argv, run_dir, args.timeout, tag, wrap,
+                                             launcher_args)
     records = C.read_worker_records(run_dir, W)
     extra = {'launcher': launcher, 'rc': rc, 'wall_s': round(wall, 2)}
     if records:
@@ -296,6 +300,31 @@ def profile(args, out, cfg, opt):
                   'raw_stacks': str(raw)})
 
 
+def timeline(args, out, cfg, opt):
+    """The timeline's cost (step time on against off, launches in turns) and the summary of
+    where a step goes, from the last traced launch."""
+    from kvps.timeline import summary
+    rounds = rounds_for(args, CONFIGS[cfg][3])
+    steps, trace = {'off': [], 'on': []}, None
+    for i in range(args.launches):
+        for state in ('off', 'on'):
+            run_dir = args.out / cfg / f'timeline-{opt}' / f'{state}{i}'
+            trace = run_dir / 'trace.json'
+            extra = ('--timeline', str(trace)) if state == 'on' else ()
+            C.note(f'{cfg} optimizer={opt}: kvps, timeline {state}')
+            steps[state].append(measure_kvps(args, cfg, opt, rounds, run_dir,
+                                             launcher_args=extra).get('step_ms'))
+    off, on = (C.median([s for s in steps[k] if s]) for k in ('off', 'on'))
+    record = {'kind': 'timeline', 'config': cfg, 'optimizer': opt, 'step_ms_off': off,
+              'step_ms_on': on, 'steps_off': steps['off'], 'steps_on': steps['on'],
+              'cost': round(on / off - 1, 4) if on and off else None, 'trace': str(trace)}
+    if trace.exists():
+        view = summary.Timeline(summary.load(trace))
+        record['ms_per_step'] = {role: {cat: round(ms, 3) for cat, ms in cats.items()}
+                                 for role, cats in view.per_step().items()}
+    out.emit(record)
+
+
 # -- main ------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
@@ -356,6 +385,9 @@ def main(argv=None):
     if args.profile:
         for cfg in args.configs:
             profile(args, out, cfg, args.optimizers[-1])
+    if args.timeline:
+        for cfg in args.configs:
+            timeline(args, out, cfg, args.optimizers[0])
     C.note(f'results in {out.path}')
     return 0
 

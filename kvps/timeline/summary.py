@@ -72,33 +72,42 @@ class Timeline:
         nodes = ', '.join(self.names.values())
         return f'{len(self.names)} nodes ({nodes}); clocks {clock}; {steps}'
 
-    def breakdown(self):
-        """Milliseconds per step each role spends in each kind of span (spans that start
-        within the workers' steps; time before the first and after the last is left out)."""
+    def per_step(self):
+        """{role: {kind of span: ms per step and node}} (spans that start within the
+        workers' steps; time before the first and after the last is left out); without
+        steps, ms over the whole job."""
         steps = max((len(p) for p in self.steps.values()), default=0) or 1
         periods = [p for periods in self.steps.values() for p in periods]
         first = min((a for a, _ in periods), default=float('-inf'))
         last = max((b for _, b in periods), default=float('inf'))
-        per_role = collections.defaultdict(lambda: collections.defaultdict(float))
-        nodes = collections.Counter(self.role(pid) for pid in self.names)
+        totals = collections.defaultdict(lambda: collections.defaultdict(float))
         for span, own in self.own:
             if first <= span['ts'] < last:
-                per_role[self.role(span['pid'])][span['cat']] += own
+                totals[self.role(span['pid'])][span['cat']] += own
         for (pid, tid), periods in self.steps.items():
-            per_role['worker']['compute'] += sum(self._idle(pid, tid, a, b) for a, b in periods)
-        step_us = _mean([b - a for periods in self.steps.values() for a, b in periods])
-        lines = ['', 'where an average step goes, ms per node (share of the step):' if step_us
+            totals['worker']['compute'] += sum(self._idle(pid, tid, a, b) for a, b in periods)
+        nodes = collections.Counter(self.role(pid) for pid in self.names)
+        return {role: {cat: us / nodes[role] / steps / 1000 for cat, us in cats.items() if us}
+                for role, cats in totals.items()}
+
+    def step_ms(self):
+        """The mean step, ms (0 without steps)."""
+        return _mean([b - a for periods in self.steps.values() for a, b in periods]) / 1000
+
+    def breakdown(self):
+        """Lines: milliseconds per step each role spends in each kind of span."""
+        per_step, step = self.per_step(), self.step_ms()
+        lines = ['', 'where an average step goes, ms per node (share of the step):' if step
                  else 'where the time went, ms per node:']
         for role in ('worker', 'server', 'scheduler'):
-            totals = per_role.get(role)
-            if not totals:
+            each = per_step.get(role)
+            if not each:
                 continue
-            cats = [c for c in SHOWN[role] if totals.get(c)] + sorted(
-                c for c in totals if c not in SHOWN[role] and totals[c])
-            each = {c: totals[c] / nodes[role] / steps for c in cats}
-            cells = [f'{c} {each[c] / 1000:.2f}' + (f' ({each[c] / step_us:.0%})' if step_us
-                                                    else '') for c in cats]
-            lines.append(f'  {role:<9} ' + ', '.join(cells))
+            cats = [c for c in SHOWN[role] if c in each] + sorted(
+                c for c in each if c not in SHOWN[role])
+            lines.append(f'  {role:<9} ' + ', '.join(
+                f'{c} {each[c]:.2f}' + (f' ({each[c] / step:.0%})' if step else '')
+                for c in cats))
         return lines
 
     def _idle(self, pid, tid, start, end):

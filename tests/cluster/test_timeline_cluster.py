@@ -1,0 +1,113 @@
+"""A traced job (python -m kvps.launch --timeline) gives one Chrome trace of every node that the summary reads."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvps.timeline import summary
+from kvps.timeline.recording import SUFFIX, parts_dir
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
+
+ROUNDS = '''
+kv = kvps.create('dist_sync')
+kv.init(['small', 'big'], [np.zeros(10, np.float32), np.zeros(3000, np.float32)])
+out = [np.zeros(10, np.float32), np.zeros(3000, np.float32)]
+for step in range(5):
+    kv.push(['small', 'big'], [np.ones(10, np.float32), np.ones(3000, np.float32)])
+    kv.pull(['small', 'big'], out=out)
+'''
+
+
+def traced(job, tmp_path, script, workers=2, servers=2, env=None):
+    path = tmp_path / 'trace.json'
+    result = job(script, workers, servers, launcher_args=['--timeline', str(path)],
+                 env={'KVPS_BIGARRAY_BOUND': '1000', **(env or {})})
+    return result, path
+
+
+def test_a_traced_job_gives_one_trace_with_every_node_and_its_rounds(job, tmp_path):
+    result, path = traced(job, tmp_path, ROUNDS + 'report(ok=True)\n')
+    assert result.returncode == 0, result.output
+    assert f'timeline of 5 nodes written to {path}' in result.stderr
+    trace = json.loads(path.read_text())
+    timeline = summary.Timeline(trace)
+    assert sorted(timeline.names.values()) == ['scheduler', 'server 0', 'server 1',
+                                               'worker 0', 'worker 1']
+    # Every round of every worker: its push, the server's update of that round, the pull
+    # that brought it back, in that order once the clocks are aligned (within their error).
+    slack = (trace['otherData']['clock_error_us'] or 0) * 2
+    chains = timeline.chains()
+    by_worker = {}
+    for chain in chains:
+        roles = [timeline.names[span['pid']].split()[0] for span in chain]
+        assert roles == ['worker', 'server', 'worker'], roles
+        assert [s['cat'] for s in chain] == ['push', 'update', 'pull'], chain
+        ends = [s['ts'] + s['dur'] for s in chain]
+        assert chain[0]['ts'] <= chain[1]['ts'] + slack and ends[1] <= ends[2] + slack, chain
+        by_worker.setdefault(timeline.names[chain[0]['pid']], 0)
+        by_worker[timeline.names[chain[0]['pid']]] += 1
+    # each worker's 5 rounds, on each server its messages reach (both keys: 'big' is split)
+    assert by_worker == {'worker 0': 10, 'worker 1': 10}, by_worker
+    text = subprocess.run([sys.executable, '-m', 'kvps.timeline', 'summary', str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert text.returncode == 0, text.stderr
+    assert '5 nodes' in text.stdout and 'worker' in text.stdout and 'server' in text.stdout
+    assert 'bytes by route' in text.stdout
+
+
+def test_a_killed_workers_trace_keeps_its_spans_up_to_the_kill(job, tmp_path):
+    script = ROUNDS + '''
+if kv.rank == 1:
+    time.sleep(1.0)     # past a flush of the timeline's writer
+    os.kill(os.getpid(), 9)
+kv.barrier()
+'''
+    result, path = traced(job, tmp_path, script)
+    assert result.returncode != 0
+    assert 'worker 1' in result.stderr and path.exists(), result.output
+    timeline = summary.Timeline(json.loads(path.read_text()))
+    killed = [pid for pid, name in timeline.names.items() if name == 'worker 1']
+    pushes = [s for s in timeline.spans if s['pid'] in killed and s['cat'] == 'push'
+              and s['name'] == 'push']
+    assert len(pushes) == 5
+
+
+def test_a_path_that_cannot_be_written_is_refused_before_anything_starts(job, tmp_path):
+    blocker = tmp_path / 'a-file'
+    blocker.write_text('')
+    result = job('report(ran=True)\n', 1, 1,
+                 launcher_args=['--timeline', str(blocker / 'trace.json')])
+    assert result.returncode == 2
+    assert '--timeline' in result.stderr and 'cannot write there' in result.stderr
+    assert 'RESULT' not in result.stdout
+
+
+def test_a_worker_started_with_a_bad_path_says_so(job, tmp_path):
+    blocker = tmp_path / 'a-file'
+    blocker.write_text('')
+    script = '''
+try:
+    kvps.create('dist_sync')
+except kvps.ConfigError as exc:
+    report(error=str(exc))
+    sys.exit(3)
+'''
+    result = job(script, 1, 1, env={'KVPS_TIMELINE': str(blocker / 'trace.json')})
+    assert result.returncode != 0
+    assert 'KVPS_TIMELINE=' in result.output and 'cannot write the timeline' in result.output
+
+
+def test_off_means_no_file_and_no_extra_thread(job, tmp_path):
+    script = ROUNDS + '''
+import threading
+report(threads=sorted(t.name for t in threading.enumerate()), on=kvps.timeline.enabled())
+'''
+    result = job(script, 1, 1)
+    assert result.returncode == 0, result.output
+    got = result.results()[0]
+    assert got['on'] is False and 'kvps-timeline' not in got['threads']
+    assert not list(tmp_path.rglob(f'*{SUFFIX}')) and not list(tmp_path.glob('*.d'))
+    assert parts_dir('x') == 'x.d'
