@@ -4,14 +4,15 @@ from .errors import (AuthError, ConfigError, DTypeError, DuplicateInitError,
                      KeyNotInitializedError, KeyTypeError, KVPSError, ParameterMismatchError,
                      PeerLostError, ProtocolError, RemoteError, RequestTimeout, ShapeError,
                      StaleGradientError, StoreClosedError, TransportError)
-from . import kvstore, optimizer
+from . import kvstore, optimizer, timeline
 from .kvstore import KVStore, create
 from .rows import RowSparse
 from .trainer import Trainer
 
 __version__ = '0.1.0'
 
-__all__ = ['create', 'KVStore', 'Trainer', 'RowSparse', 'kvstore', 'optimizer', '__version__',
+__all__ = ['create', 'KVStore', 'Trainer', 'RowSparse', 'kvstore', 'optimizer', 'timeline',
+           '__version__',
            'KVPSError', 'ConfigError', 'ProtocolError', 'TransportError', 'RequestTimeout',
            'PeerLostError', 'RemoteError', 'AuthError', 'KeyNotInitializedError',
            'DuplicateInitError', 'ShapeError', 'DTypeError', 'KeyTypeError',

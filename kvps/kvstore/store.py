@@ -6,6 +6,7 @@ import os
 from .. import arrays, compression, devices, rows
 from ..errors import ConfigError, DuplicateInitError, KeyNotInitializedError, StoreClosedError
 from ..optimizer import states
+from ..timeline.recording import traced
 from . import row_calls
 from .job import dist_backend
 from .keys import StoreKeys
@@ -63,6 +64,7 @@ class KVStore:
         return True
 
     # -- the data API ---------------------------------------------------------------------
+    @traced('init', 'init')
     def init(self, key, value):
         """Initialize keys (collective: every worker calls it; rank 0's values are stored)."""
         self._open()
@@ -83,6 +85,7 @@ class KVStore:
         for k, _, shape, dtype in items:
             self._keys.meta[k] = (shape, dtype)
 
+    @traced('push', 'push')
     def push(self, key, value, priority=0):
         """Send values (a list per key is summed first); returns without waiting."""
         self._open()
@@ -128,6 +131,7 @@ class KVStore:
         check_compression_type(self._type)
         self._codec = compression.parse(compression_params, self._residuals)
 
+    @traced('pull', 'pull')
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
         """Write the current values into ``out`` (in place), after this worker's pushes."""
         if out is None:
@@ -186,6 +190,7 @@ class KVStore:
                 for view in targets[1:]:
                     view[...] = targets[0]
 
+    @traced('row_sparse_pull', 'pull')
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
         """Write rows ``row_ids`` of the key's current value into those rows of ``out`` (an
         array or tensor of the key's shape; its other rows are left as they are), after this
@@ -215,6 +220,7 @@ class KVStore:
         self._open()
         return row_calls.pull_live_begin(self._keys, self._backend, keys)
 
+    @traced('pushpull', 'push')
     def pushpull(self, key, value, out=None, priority=0):
         """Push then pull; with ``out=None`` the result is written into ``value``. Every
         value and target is checked before anything is sent; on a dist store each key's pull
@@ -231,6 +237,7 @@ class KVStore:
         self.init(key, value)
         self.pull(key, out, priority)
 
+    @traced('barrier', 'barrier')
     def barrier(self):
         """Wait until every worker arrives and all of this worker's pushes are applied."""
         self._open()
@@ -238,6 +245,7 @@ class KVStore:
 
     _barrier = barrier     # MXNet's spelling
 
+    @traced('agree', 'barrier')
     def agree(self, value):
         """A barrier at which every worker offers ``value`` (bytes, at most 64: a digest of
         what must be the same everywhere); returns the ranks whose value differs from rank
@@ -248,6 +256,7 @@ class KVStore:
             raise ValueError(f'agree takes at most 64 bytes (a digest), got {len(value)}')
         return self._backend.barrier(value)
 
+    @traced('set_optimizer', 'collective')
     def set_optimizer(self, optimizer):
         """Run ``optimizer`` on the servers for every later push (collective). Setting the
         same kind of optimizer again changes its hyper-parameters and keeps its state."""

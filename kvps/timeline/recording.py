@@ -28,6 +28,7 @@ Times are ``time.monotonic_ns()`` of the node that recorded them.
 import atexit
 import collections
 import contextlib
+import functools
 import os
 import socket
 import threading
@@ -169,6 +170,24 @@ def stop():
     recorder, RECORDER = RECORDER, None
     if recorder is not None:
         recorder.close()
+
+
+def traced(name, cat):
+    """Decorator: each call is a span of this process's timeline, when it records one (off:
+    the check of RECORDER and one call more). For API calls, not per-key work."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            recorder = RECORDER
+            if recorder is None:
+                return fn(*args, **kwargs)
+            start = now()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                recorder.span(name, cat, start)
+        return call
+    return wrap
 
 
 def note(name, cat, args=None):

@@ -7,6 +7,7 @@ import weakref
 
 from ..errors import ConfigError, DuplicateInitError, ParameterMismatchError, StaleGradientError
 from ..optimizer import optimizers as opt_mod
+from ..timeline.recording import traced
 from .exchange import Exchange
 from .fusion import Layout, check_bucket_bytes, pull_weights, split_partly_frozen, weights_of
 from .grads import GradientLog
@@ -128,6 +129,7 @@ class Trainer:
             self._reinstall_optimizer()
 
     # -- training --------------------------------------------------------------------------
+    @traced('step', 'step')
     def step(self, batch_size, ignore_stale_grad=False):
         """One update: gradients normalized by 1/batch_size, summed over workers, applied."""
         if self._reduced == 'grads':   # refused alike on every worker, before any collective
@@ -145,6 +147,7 @@ class Trainer:
             self._update()
         self._end_step()
 
+    @traced('allreduce_grads', 'exchange')
     def allreduce_grads(self):
         """Sum every worker's gradients into each ``param.grad`` (update_on_kvstore=False)."""
         if self._mode.on_servers:
@@ -153,6 +156,7 @@ class Trainer:
         self._hook_trainable()
         self._allreduce_grads(into_grads=True)
 
+    @traced('update', 'update')
     def update(self, batch_size, ignore_stale_grad=False):
         """Apply the optimizer to the (reduced) gradients; pairs with allreduce_grads()."""
         if self._mode.on_servers:

@@ -147,7 +147,7 @@ ERRORS = {'KVPSError', 'ConfigError', 'ProtocolError', 'TransportError', 'Reques
           'DuplicateInitError', 'ShapeError', 'DTypeError', 'KeyTypeError',
           'ParameterMismatchError', 'StaleGradientError', 'StoreClosedError'}
 PUBLIC = {
-    'kvps': {'create', 'KVStore', 'Trainer', 'RowSparse', 'kvstore', 'optimizer',
+    'kvps': {'create', 'KVStore', 'Trainer', 'RowSparse', 'kvstore', 'optimizer', 'timeline',
              '__version__'} | ERRORS,
     'kvps.kvstore': {'create', 'KVStore', 'KNOWN_TYPES', 'parse_type',
                      'check_compression_type'},
