@@ -94,6 +94,10 @@ class Backend(Protocol):
         """Block until every push so far, of any thread, is applied; raise the first error
         a server reported for one."""
 
+    def stats(self):
+        """This worker's counts since it joined (kvps.timeline.counters.WorkerCounts
+        as_dict): calls, bytes by route, messages, waits, retries, and what is in flight."""
+
     def close(self):
         """Flush and leave the job; idempotent. Later calls through a store raise
         StoreClosedError (``closed`` is True)."""

@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import arrays, compression, devices, rows
 from ..errors import KeyNotInitializedError, KeyTypeError
+from ..timeline.recording import traced
 from ..wire.protocol import MAX_KEY_CHARS
 
 # Keys travel as msgpack ints: 64 bits, signed or unsigned.
@@ -82,6 +83,7 @@ class StoreKeys:
                                          f'kv.init({key!r}, value) first')
         return meta
 
+    @traced('compress', 'compress')
     def encoded(self, codec, key, values):
         """One compressed payload per part of the key (as the backend splits it), each in
         the memory the backend sends from when it has some."""

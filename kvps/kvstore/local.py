@@ -12,6 +12,7 @@ from ..errors import ConfigError
 from ..server.records import ReplyKind
 from ..server.row_store import LIVE
 from ..server.shard import Shard
+from ..timeline.counters import WorkerCounts
 from ..wire.protocol import PUSH_CODECS
 
 _ME = b'local'
@@ -80,6 +81,7 @@ class LocalBackend:
         self.keys = {}            # key -> (shape, dtype name), as the KVStore checks them
         self.closed = False
         self.pid = os.getpid()
+        self.counts = WorkerCounts()   # calls only: nothing travels
 
     @_serialized
     def init(self, items, device=False):
@@ -94,6 +96,8 @@ class LocalBackend:
 
     @_serialized
     def push(self, items):
+        self.counts.push_calls += 1
+
         def push_each():   # updates together, as a server does for one message
             replies = []
             for key, flat, dtype in items:
@@ -120,6 +124,7 @@ class LocalBackend:
 
     @_serialized
     def pull(self, items):
+        self.counts.pull_calls += 1
         for key, out, _ in items:
             (reply,) = self.shard.pull(None, _ME, key, 0)
             value, lease = reply.payload.array, reply.payload.lease
@@ -187,6 +192,10 @@ class LocalBackend:
 
     def wait_pushes(self):
         pass
+
+    def stats(self):
+        """As DistClient.stats: every push is a round, and nothing is ever in flight."""
+        return self.counts.as_dict(self.counts.push_calls, 0, 0)
 
     def close(self):
         self.closed = True

@@ -1,5 +1,6 @@
 """The scheduler process: owns the ROUTER socket and drives Membership from a poll loop."""
 
+import dataclasses
 import json
 import logging
 import secrets
@@ -8,6 +9,7 @@ import time
 from ..atomic import write_atomically
 from ..errors import ConfigError, KVPSError
 from ..timeline import recording
+from ..timeline.counters import SchedulerCounts, Ticker
 from ..wire import protocol as P
 from ..wire.link import decode_or_log
 from ..wire.transport import Poller, Router, bind_host, guard_from, new_context, resolve
@@ -39,6 +41,9 @@ class Scheduler:
         self.job = secrets.token_hex(8)   # names this run in server checkpoints
         self._finishing = {}      # identity -> when its FINISH takes effect
         self._barrier_began = {}  # barrier number -> when its first worker came (timeline)
+        self.counts = SchedulerCounts()
+        self.ticker = Ticker(config.stats_seconds, 'scheduler', lambda: (
+            dataclasses.asdict(self.counts), {'nodes': len(self.members.nodes)}))
         if recording.RECORDER is not None:
             recording.RECORDER.name_node(0, 'scheduler')
         log.info('scheduler listening on %s:%d', host, self.port)
@@ -138,6 +143,7 @@ class Scheduler:
                                    **self.members.welcome(node)})
 
     def _on_heartbeat(self, identity, header):
+        self.counts.heartbeats += 1
         if identity in self.members.nodes:
             # (its clock: a node's timeline aligns its spans with it)
             self._send(identity, {'op': P.HEARTBEAT_ACK, 'id': header.get('id', 0),
@@ -152,6 +158,7 @@ class Scheduler:
             self._barrier_began.setdefault(header['seq'], recording.now())
         released = self.members.arrive(node.identity, header['seq'], header.get('digest'))
         differs = self.members.disagreeing() if released else []
+        self.counts.barriers += bool(released)
         if released and recording.RECORDER is not None:
             recording.RECORDER.span('barrier', 'barrier', self._barrier_began.pop(
                 header['seq'], recording.now()), {'seq': header['seq'], 'differs': differs})
@@ -209,6 +216,7 @@ class Scheduler:
 
     # -- time -------------------------------------------------------------------------------
     def _tick(self, now):
+        self.ticker.tick(now)
         if not self.members.ranked:
             if now - self.started > self.config.connect_timeout:
                 reason = (f'registration timed out after {self.config.connect_timeout:.0f} s: '

@@ -17,6 +17,7 @@ import msgpack
 
 from ..atomic import write_atomically
 from ..errors import ConfigError
+from ..timeline.recording import traced
 
 log = logging.getLogger('kvps.server')
 # /2 added version and push counts, /3 the device wish, /4 the job that wrote it, /5 whether
@@ -202,6 +203,7 @@ class Checkpointer:
             (self.every and updates - self._last_updates >= self.every) or
             (self.seconds and now - self._last_time >= self.seconds))
 
+    @traced('checkpoint', 'checkpoint')
     def write(self, shard, now):
         """Write the checkpoint; ConfigError if the file system refuses (the previous file
         is left whole)."""

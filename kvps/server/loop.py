@@ -1,10 +1,12 @@
 """The server process: polls the ROUTER workers talk to and its scheduler link, and dispatches."""
 
+import dataclasses
 import logging
 import time
 
 from ..errors import KVPSError, PeerLostError, ProtocolError
 from ..timeline import recording
+from ..timeline.counters import ServerCounts, Ticker
 from ..wire import protocol as P
 from ..wire.link import SchedulerLink, decode_or_refusal
 from ..wire.transport import Poller, Router, bind_host, guard_from, new_context
@@ -55,8 +57,10 @@ class Server:
         # Only the job's workers may talk to a server; anyone else is refused and logged.
         self.workers = {P.worker_identity(r) for r in range(welcome['num_workers'])}
         self.lending = Lending.on_host(self.link.host, config, welcome, storage)
+        self.counts = ServerCounts()
         self.replies = Replies(self.router.send_to, self.name, self.lending,
-                               config.max_message_bytes)
+                               config.max_message_bytes, self.counts)
+        self.ticker = Ticker(config.stats_seconds, self.name, self._stats)
         self.checkpointer, resuming = checkpoint.open_for(config, welcome, self.shard, self.name)
         self.requests = Requests(self.shard, self.lending, self.name,
                                  self.checkpointer.path if resuming else None)
@@ -107,6 +111,14 @@ class Server:
         except PeerLostError as exc:
             log.error('%s: %s', self.name, exc)
             self.exit_code = 1
+        self.ticker.tick(now)
+
+    def _stats(self):
+        """The counts of a --stats line (requests, replies, their bytes, updates), and the
+        requests that wait in open rounds."""
+        held = sum(len(entry.held) for entry in self.shard.entries.values())
+        return {**dataclasses.asdict(self.counts), 'updates': self.shard.updates}, {
+            'held': held}
 
     def _flush(self):
         """Checkpoint if due, then send the replies: an acknowledged init or optimizer change
@@ -152,6 +164,8 @@ class Server:
     def _serve(self, identity, frames):
         if frames is None:           # authentication refused it, and said why
             return
+        self.counts.requests += 1
+        self.counts.request_bytes += sum(len(frame) for frame in frames)
         if identity not in self.workers:
             log.warning('%s: refused a message from %r: not a worker of this job',
                         self.name, identity)

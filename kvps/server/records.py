@@ -4,7 +4,7 @@ import enum
 from typing import NamedTuple
 
 
-class ReplyKind(enum.StrEnum):
+class ReplyKind(str, enum.Enum):   # (enum.StrEnum needs Python 3.11)
     """What a reply says, and so what its payload is (its value: how logs and tests name it)."""
     ACK = 'ack'          # done; payload: None, or fields for the ACK header
     DATA = 'data'        # a value; payload: Pulled (a key part), PullAnswer (a whole PULL)

@@ -4,6 +4,8 @@ import logging
 import traceback
 
 from ..errors import KVPSError
+from ..timeline import recording
+from ..timeline.counters import ServerCounts
 from ..wire import protocol as P
 from .batch import Batch
 from .records import ReplyKind
@@ -17,8 +19,9 @@ class Replies:
     keys become one answer once the batch is settled. ``lending`` says how pulled values
     travel; ``send_to(identity, frames, track)`` sends (the ROUTER's)."""
 
-    def __init__(self, send_to, name, lending, max_message_bytes=None):
+    def __init__(self, send_to, name, lending, max_message_bytes=None, counts=None):
         self._send_to, self._name, self._lending = send_to, name, lending
+        self._counts = counts or ServerCounts()   # the server's (replies and their bytes)
         self._max_message_bytes = max_message_bytes
         self._held = []
         self._senders = {ReplyKind.ACK: self._ack, ReplyKind.ERROR: self._error,
@@ -42,7 +45,14 @@ class Replies:
     def send(self, reply):
         """Send one Reply now, to the request its token names."""
         identity, req_id = reply.token
+        recorder = recording.RECORDER
+        if recorder is None:
+            self._senders[reply.kind](identity, req_id, reply.payload)
+            return
+        start = recording.now()
         self._senders[reply.kind](identity, req_id, reply.payload)
+        recorder.span(f'reply {reply.kind.value}', 'reply', start,
+                      {'to': P.identity_label(identity)})
 
     def _ack(self, identity, req_id, fields):
         self._send(identity, P.encode({'op': P.ACK, 'id': req_id, **(fields or {})}))
@@ -77,6 +87,8 @@ class Replies:
             lease.released = tracker is None
 
     def _send(self, identity, frames, track=False):
+        self._counts.replies += 1
+        self._counts.reply_bytes += sum(memoryview(frame).nbytes for frame in frames)
         try:
             return self._send_to(identity, frames, track)
         except KVPSError as exc:  # that worker is gone; liveness will report it

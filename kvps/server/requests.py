@@ -6,6 +6,7 @@ import time
 import msgpack
 
 from ..errors import ConfigError, KVPSError, ProtocolError
+from ..timeline import recording
 from ..wire import protocol as P
 from . import row_store
 from .batch import Batch
@@ -37,6 +38,17 @@ class Requests:
 
     def handle(self, identity, header, buffers):
         """The Replies to one request of worker ``identity``; a failure is its error reply."""
+        recorder = recording.RECORDER
+        if recorder is None:
+            return self._handle(identity, header, buffers)
+        start = recording.now()
+        try:
+            return self._handle(identity, header, buffers)
+        finally:
+            recorder.span(f'recv {header["op"]}', 'recv', start, {
+                'from': P.identity_label(identity), 'keys': len(header.get('keys', ()))})
+
+    def _handle(self, identity, header, buffers):
         token = (identity, header.get('id', 0))
         handler = self._HANDLERS.get(header['op'])
         try:
@@ -90,6 +102,8 @@ class Requests:
         payloads = self.lending.payloads(worker, items, buffers)
         self.lending.saw(worker, h)   # before the updates: what the worker copied is free
         batch, push = Batch(worker, token[1], P.PUSH, len(items)), self.shard.push
+        if recording.RECORDER is not None:
+            self.shard.flows.pushed(worker, items[0], sync)
 
         def push_all():   # (_each_key's loop, written out: it runs for every key pushed)
             replies = []

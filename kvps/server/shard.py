@@ -16,10 +16,12 @@ import os
 from .. import compression
 from ..errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInitializedError,
                       KVPSError, ShapeError)
+from ..timeline import recording
 from ..wire.items import new
 from ..wire.protocol import ROW_SPARSE, TWO_BIT, identity_label
 from . import row_store
 from .entry import Deferred, Entry, Queued
+from .flows import FlowNotes
 from .optimizer_states import OptimizerStates
 from .records import Reply, ReplyKind
 from .row_store import RowGrad
@@ -47,6 +49,7 @@ class Shard:
         # Names this shard's row change counts (kvps.server.row_store): a worker's count from
         # another shard (before a restart) asks for every row.
         self.epoch = int.from_bytes(os.urandom(7), 'little')
+        self.flows = FlowNotes()   # the rounds' arrows, while the timeline records
 
     # -- init -----------------------------------------------------------------------------
     def init(self, token, key, part, dtype, shape, sync, data, device=False):
@@ -254,8 +257,11 @@ class Shard:
     def _apply_due(self):
         due = list(self._due.values())
         self._due.clear()
+        start = recording.now() if recording.RECORDER is not None else None
         failed = self.optimizer.update([(e.key, e.part, e.writable_weight(), e.take_summed())
                                     for e in due], max(e.step for e in due))
+        if start is not None:
+            self.flows.span(start, due, counted=False)
         for index, entry in enumerate(due):
             failure = failed.get(index)
             self._count_update(entry, failure)
@@ -274,6 +280,14 @@ class Shard:
         """Run the update with one push's ``data`` (async) or, without it, the round's sum
         (sync); with no optimizer the value is replaced. Returns the exception that failed
         the update (the weight is then unchanged), or None."""
+        if recording.RECORDER is None:
+            return self._update(entry, data)
+        start = recording.now()
+        failure = self._update(entry, data)
+        self.flows.span(start, [entry])
+        return failure
+
+    def _update(self, entry, data):
         if data is None:
             grad = self._round_gradient(entry)
         else:

@@ -35,11 +35,13 @@ class Part:
     def name(self):
         return self.info.get('name') or self.info.get('role') or os.path.basename(self.path)
 
-    def offset(self):
-        """``(offset_ns, error_ns)`` onto the scheduler's clock: the sample with the least
-        error (one host's clocks do not drift apart within a job); the scheduler is the
-        reference; a node that never measured it gets 0 with no error bound (None)."""
-        if self.info.get('role') == 'scheduler':
+    def offset(self, scheduler_host=None):
+        """``(offset_ns, error_ns)`` onto the scheduler's clock: none on the scheduler's
+        host (Linux's monotonic clock is the whole machine's), else the reading with the
+        least error (clocks do not drift apart within a job); a node that never read it
+        gets 0 with no error bound (None)."""
+        if self.info.get('role') == 'scheduler' or (
+                scheduler_host is not None and self.info.get('host') == scheduler_host):
             return 0, 0
         if not self.clocks:
             return 0, None
@@ -100,7 +102,9 @@ def _take(part, item):
 def chrome_trace(parts):
     """The Chrome trace (a dict) of ``parts``, clocks aligned, times from the first event."""
     parts = sorted(parts, key=Part.sort_key)
-    offsets = [part.offset() for part in parts]
+    scheduler = next((p.info.get('host') for p in parts if p.info.get('role') == 'scheduler'),
+                     None)
+    offsets = [part.offset(scheduler) for part in parts]
     starts = [event[4] + offset for part, (offset, _) in zip(parts, offsets)
               for event in part.events]
     origin = min(starts, default=0)
@@ -149,8 +153,9 @@ def _hashable(key):
 def _flow_events(flows):
     """Arrows through the spans of each flow key, in time order: Chrome binds a flow event
     to the innermost span that encloses it on its thread, so each lies inside its span: at
-    the end of the first and the last (a push sent, a pull returned), in the middle of the
-    others (an update)."""
+    the start of the first (a push leaves while its span lasts: the server may update before
+    the sending thread is done), in the middle of the others (an update), at the end of the
+    last (a pull returned)."""
     out = []
     for number, spans in enumerate(flows.values(), 1):
         if len(spans) < 2:
@@ -158,7 +163,7 @@ def _flow_events(flows):
         spans.sort(key=lambda e: e['ts'])
         for i, span in enumerate(spans):
             phase = 's' if i == 0 else 'f' if i == len(spans) - 1 else 't'
-            at = span['ts'] + span.get('dur', 0) * (0.5 if phase == 't' else 0.999)
+            at = span['ts'] + span.get('dur', 0) * {'s': 0.001, 't': 0.5, 'f': 0.999}[phase]
             flow = {'ph': phase, 'id': number, 'name': 'round', 'cat': 'flow',
                     'pid': span['pid'], 'tid': span['tid'], 'ts': at}
             if phase != 's':

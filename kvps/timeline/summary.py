@@ -10,6 +10,7 @@ the thread making them was in no kvps span: the model's forward and backward, th
 import collections
 import json
 
+ROUTES = ('shm', 'socket')   # how a message's bytes travel (spans' fields of those names)
 SHOWN = {'worker': ('compute', 'step', 'push', 'compress', 'backpressure', 'wait', 'pull',
                     'land', 'barrier'),
          'server': ('recv', 'merge', 'update', 'reply', 'checkpoint'),
@@ -39,6 +40,8 @@ class Timeline:
         self.other = trace.get('otherData', {})
         self.names = {e['pid']: e['args']['name'] for e in events
                       if e.get('ph') == 'M' and e['name'] == 'process_name'}
+        self.threads = {(e['pid'], e['tid']): e['args']['name'] for e in events
+                        if e.get('ph') == 'M' and e['name'] == 'thread_name'}
         self.spans = [e for e in events if e.get('ph') == 'X']
         self.flows = [e for e in events if e.get('ph') in ('s', 't', 'f')]
         self.by_thread = collections.defaultdict(list)
@@ -73,9 +76,10 @@ class Timeline:
         return f'{len(self.names)} nodes ({nodes}); clocks {clock}; {steps}'
 
     def per_step(self):
-        """{role: {kind of span: ms per step and node}} (spans that start within the
-        workers' steps; time before the first and after the last is left out); without
-        steps, ms over the whole job."""
+        """{(role, thread): {kind of span: ms per step and node}} (spans that start within
+        the workers' steps; time before the first and after the last is left out); without
+        steps, ms over the whole job. Threads are apart: a worker's I/O thread sends while
+        its calling thread waits."""
         steps = max((len(p) for p in self.steps.values()), default=0) or 1
         periods = [p for periods in self.steps.values() for p in periods]
         first = min((a for a, _ in periods), default=float('-inf'))
@@ -83,29 +87,32 @@ class Timeline:
         totals = collections.defaultdict(lambda: collections.defaultdict(float))
         for span, own in self.own:
             if first <= span['ts'] < last:
-                totals[self.role(span['pid'])][span['cat']] += own
+                totals[self._row(span['pid'], span['tid'])][span['cat']] += own
         for (pid, tid), periods in self.steps.items():
-            totals['worker']['compute'] += sum(self._idle(pid, tid, a, b) for a, b in periods)
+            totals[self._row(pid, tid)]['compute'] += sum(
+                self._idle(pid, tid, a, b) for a, b in periods)
         nodes = collections.Counter(self.role(pid) for pid in self.names)
-        return {role: {cat: us / nodes[role] / steps / 1000 for cat, us in cats.items() if us}
-                for role, cats in totals.items()}
+        return {row: {cat: us / nodes[row[0]] / steps / 1000 for cat, us in cats.items() if us}
+                for row, cats in totals.items()}
+
+    def _row(self, pid, tid):
+        return self.role(pid), self.threads.get((pid, tid), f'thread {tid}')
 
     def step_ms(self):
         """The mean step, ms (0 without steps)."""
         return _mean([b - a for periods in self.steps.values() for a, b in periods]) / 1000
 
     def breakdown(self):
-        """Lines: milliseconds per step each role spends in each kind of span."""
+        """Lines: milliseconds per step each role's threads spend in each kind of span."""
         per_step, step = self.per_step(), self.step_ms()
         lines = ['', 'where an average step goes, ms per node (share of the step):' if step
                  else 'where the time went, ms per node:']
-        for role in ('worker', 'server', 'scheduler'):
-            each = per_step.get(role)
-            if not each:
-                continue
-            cats = [c for c in SHOWN[role] if c in each] + sorted(
-                c for c in each if c not in SHOWN[role])
-            lines.append(f'  {role:<9} ' + ', '.join(
+        order = {'worker': 0, 'server': 1, 'scheduler': 2}
+        for role, thread in sorted(per_step, key=lambda r: (order.get(r[0], 3), r[1])):
+            each = per_step[role, thread]
+            shown = SHOWN.get(role, ())
+            cats = [c for c in shown if c in each] + sorted(c for c in each if c not in shown)
+            lines.append(f'  {role} ({thread}): ' + ', '.join(
                 f'{c} {each[c]:.2f}' + (f' ({each[c] / step:.0%})' if step else '')
                 for c in cats))
         return lines
@@ -158,18 +165,23 @@ class Timeline:
         return best
 
     def bytes_by_route(self):
+        """Lines: the bytes workers' messages moved, by route (the spans' ``shm`` and
+        ``socket`` fields) and kind (push or pull)."""
         moved = collections.defaultdict(float)
         for span in self.spans:
             args = span.get('args') or {}
-            if 'bytes' in args and 'route' in args and self.role(span['pid']) == 'worker':
-                moved[args['route'], span['cat']] += args['bytes']
+            if self.role(span['pid']) == 'worker':
+                for route in ROUTES:
+                    if args.get(route):
+                        moved[route, span['cat']] += args[route]
         if not moved:
             return []
         lines = ['', 'bytes by route (workers, whole job):']
-        for route in sorted({r for r, _ in moved}):
+        for route in ROUTES:
             cells = [f'{cat} {moved[route, cat] / 1e6:.1f} MB'
                      for cat in sorted(c for r, c in moved if r == route)]
-            lines.append(f'  {route:<8} ' + ', '.join(cells))
+            if cells:
+                lines.append(f'  {route:<8} ' + ', '.join(cells))
         return lines
 
 

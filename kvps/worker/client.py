@@ -16,6 +16,7 @@ from ..allocator import keep_freed_memory
 from ..arrays import flat_view
 from ..errors import ConfigError
 from ..timeline import recording
+from ..timeline.counters import WorkerCounts
 from ..wire import protocol as P
 from ..wire.items import PullItem, PushItem, new
 from .collectives import Collectives
@@ -36,7 +37,8 @@ class DistClient:
         self.sync = sync
         self.pid = os.getpid()    # the only process that may use it (a fork has no I/O thread)
         keep_freed_memory(config.malloc_trim_bytes)
-        self.io = WorkerIO(config)
+        self.counts = WorkerCounts()   # kv.stats()
+        self.io = WorkerIO(config, self.counts)
         self.io.start()
         # Outlast the I/O thread's own registration bound, so its error (naming who is missing)
         # is the one raised.
@@ -52,7 +54,7 @@ class DistClient:
         self.num_servers = welcome['num_servers']
         self.sharding = Sharding(self.num_servers, config.bigarray_bound,
                                    config.partition_bytes)
-        self._window = PushWindow(config.max_inflight_bytes)
+        self._window = PushWindow(config.max_inflight_bytes, self.counts)
         self._errors = collections.deque()     # errors of pushes, raised at the next wait
         self._lock = threading.Lock()   # push counts, barrier numbers, closing
         self._barrier_seq = 0
@@ -116,6 +118,7 @@ class DistClient:
         block from ``stage``) to the key's servers, small parts fused into one message per
         server; do not wait."""
         self._raise_pending_errors()
+        self.counts.push_calls += 1
         step = self._count_pushes(items)
         nbytes = sum(sum(p.nbytes for p in flat) if type(flat) is list else flat.nbytes
                      for _, flat, _ in items)
@@ -127,7 +130,8 @@ class DistClient:
             at = None if staging is None else staging.offset_in(server_name(part.server), data)
             parts.append((key, part, data, dtype, at))
         batches = fuse(parts, lambda item: 0 if item[4] is not None else item[2].nbytes)
-        op = Operation(describe('push', items), len(batches), on_error=self._errors.append)
+        op = Operation(describe('push', items), len(batches), on_error=self._errors.append,
+                       counts=self.counts)
         self._send_pushes(batches, op, step)
         self._window.add(op, nbytes)
 
@@ -135,7 +139,7 @@ class DistClient:
         """One PUSH per batch, each item numbered (its ``seq``) as it is made: numbering and
         queueing under one lock keep a key part's pushes to a server in the order of their
         numbers, whichever threads push at once."""
-        counts = self.io.push_counts
+        counts, moved = self.io.push_counts, self.counts
         with counts.lock:
             for server, batch in batches:
                 node = server_name(server)
@@ -147,7 +151,12 @@ class DistClient:
                     numbered[where] = seq + 1
                     n = data.nbytes if dtype == P.ROW_SPARSE else part.stop - part.start
                     keys.append(new(PushItem, (key, part.part, dtype, n, at, seq)))
-                    (frames if at is None else keep).append(data)
+                    if at is None:
+                        frames.append(data)
+                        moved.pushed_socket += data.nbytes
+                    else:
+                        keep.append(data)
+                        moved.pushed_shm += data.nbytes
                 header = {'op': P.PUSH, 'sync': self.sync, 'keys': keys}
                 if step:
                     header['step'] = step
@@ -228,7 +237,8 @@ class DistClient:
                                                                  nbytes)
             return 0 if in_shm else nbytes
         batches = fuse(self._parts_of(targets), wire_bytes)
-        op = Operation(describe('pull', items), len(batches))
+        self.counts.pull_calls += 1
+        op = Operation(describe('pull', items), len(batches), counts=self.counts)
         for server, batch in batches:
             node = server_name(server)
             blocks = [None] * len(batch) if staging is None else staging.blocks_for(
@@ -237,7 +247,8 @@ class DistClient:
                 new(PullItem, (key, part.part, None if block is None else block[0]))
                 for (key, part, _, _), block in zip(batch, blocks)]}
             self._submit(server, header, (),
-                         Request(op, node, copier(batch, blocks, staging, node), keep=blocks))
+                         Request(op, node, copier(batch, blocks, staging, node, self.counts,
+                                                  self.io.trace), keep=blocks))
         return op, finish
 
     def _finish_pull(self, op, finish):
@@ -316,7 +327,7 @@ class DistClient:
         if digest is not None:
             header['digest'] = bytes(digest)
         differs = []
-        op = Operation('barrier', 1)
+        op = Operation('barrier', 1, counts=self.counts)
         self.io.submit(SCHEDULER, header, (), Request(
             op, SCHEDULER, lambda reply, _: differs.extend(reply.get('differs', ()))))
         op.wait(self.config.timeout, '; a barrier returns once every worker has called it, each '
@@ -328,6 +339,10 @@ class DistClient:
         error met."""
         self._window.wait_all(self.config.timeout, self._round_hint)
         self._raise_pending_errors()
+
+    def stats(self):
+        return self.counts.as_dict(self._step if self.sync else self.counts.push_calls,
+                                   self.io.in_flight, self._window.nbytes)
 
     def close(self):
         """Flush, tell the scheduler this worker is done, stop the I/O thread. Idempotent.
@@ -363,7 +378,7 @@ class DistClient:
     # -- helpers --------------------------------------------------------------------------
     def _request(self, server, what, header, buffers=(), on_data=None):
         """One message to one server, as an Operation to wait on."""
-        op = Operation(what, 1)
+        op = Operation(what, 1, counts=self.counts)
         self._submit(server, header, buffers, Request(op, server_name(server), on_data))
         return op
 

@@ -12,12 +12,15 @@ import threading
 import time
 
 from ..errors import KVPSError, PeerLostError, ProtocolError, StoreClosedError
+from ..timeline import recording
+from ..timeline.counters import Ticker, WorkerCounts
 from ..wire import protocol as P
 from ..wire.items import ResumeItem
 from ..wire.link import SchedulerLink, decode_or_refusal
 from ..wire.transport import Dealer, Poller, Waker, guard_from, new_context
 from .pending import Operation, PendingTable, PushCounts, Request
 from .staging import Staging
+from .tracing import MessageTrace
 
 log = logging.getLogger('kvps.worker')
 
@@ -39,9 +42,10 @@ def server_name(rank):
 class WorkerIO(threading.Thread):
     """Registers with the scheduler, connects to every server and moves messages."""
 
-    def __init__(self, config):
+    def __init__(self, config, counts=None):
         super().__init__(name='kvps-worker-io', daemon=True)
         self.config = config
+        self.counts = counts or WorkerCounts()   # the worker's (kv.stats())
         self.ctx = new_context()
         self.waker = Waker(self.ctx)
         self.ready = threading.Event()
@@ -60,6 +64,8 @@ class WorkerIO(threading.Thread):
         self.push_counts = PushCounts()   # each push's seq, numbered as API threads queue it
         self._poller = Poller()
         self.staging = None         # this worker's shared-memory segment, if it has one
+        self.trace = None           # the messages' spans, while the timeline records
+        self._ticker = Ticker(0, 'worker', None)   # --stats lines, from the welcome on
 
     # -- API side (any thread) --------------------------------------------------------------
     def submit(self, node, header, buffers, request):
@@ -91,6 +97,10 @@ class WorkerIO(threading.Thread):
         try:
             self._link = SchedulerLink(self.ctx, self.config, 'worker')
             self.welcome = self._link.register()
+            if recording.RECORDER is not None:
+                self.trace = MessageTrace(self.welcome['rank'])
+            self._ticker = Ticker(self.config.stats_seconds, f'worker {self.welcome["rank"]}',
+                                  self._stats)
             self._connect_servers(self.welcome)
             self.staging = self._staging()
             for node in self._servers:
@@ -172,10 +182,12 @@ class WorkerIO(threading.Thread):
                     self._from_server(sock)
             self._send_queued()
             if self.fatal is None:
+                now = time.monotonic()
                 try:
-                    self._link.tick(time.monotonic())
+                    self._link.tick(now)
                 except PeerLostError as exc:
                     self._die(exc)
+                self._ticker.tick(now)
 
     def _send_queued(self):
         while self._queue:
@@ -194,9 +206,23 @@ class WorkerIO(threading.Thread):
                 # What was lent to us is copied (replies are handled before this send): the
                 # server may reuse it; and it may lend more.
                 header['seen'] = arena.seen
+            start = recording.now() if self.trace is not None else 0
             request.message = self._readable(node, header, buffers)
             if node not in self._lost:
                 self._servers[node].send(P.encode(*request.message))
+                self.counts.messages += 1
+                if self.trace is not None and header['op'] in (P.PUSH, P.PULL):
+                    self.trace.sent(start, node, *request.message)
+
+    @property
+    def in_flight(self):
+        """Requests sent and awaiting their answers."""
+        return len(self._pending)
+
+    def _stats(self):
+        """The counts of a --stats line, and the gauges: requests awaiting answers, and
+        those queued for this thread to send."""
+        return self.counts.rates(), {'in_flight': self.in_flight, 'queued': len(self._queue)}
 
     def _readable(self, node, header, buffers):
         """The message with its shared-memory items made frames if ``node`` lost the segment."""
@@ -213,6 +239,7 @@ class WorkerIO(threading.Thread):
             self._pending.fail(P.request_id(frames), ProtocolError(
                 f'the answer of {node} could not be read: {decoded}'))
         elif decoded is not None:
+            self.counts.answers += 1
             self._pending.resolve(*decoded)
             if 'lease' in decoded[0] and self.staging is not None:
                 self.staging.copied(node, decoded[0]['lease'])
@@ -280,6 +307,7 @@ class WorkerIO(threading.Thread):
         for request in waiting:
             request.message = self._readable(name, *request.message)
             self._servers[name].send(P.encode(*request.message))
+        self.counts.retries += len(waiting)
         self._attach(name)   # it maps our segment through /proc: later payloads go there again
         log.warning('%s is back at %s:%d; sent %d unanswered requests again', name, host, port,
                     len(waiting))

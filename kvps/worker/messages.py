@@ -2,6 +2,7 @@
 
 from .. import rows
 from ..errors import ProtocolError
+from ..timeline import recording
 from ..wire import protocol as P
 
 FUSE_BYTES = 1 << 20   # socket bytes up to which parts share a message for the same server
@@ -50,11 +51,14 @@ def payload(part, array):
     return array[part.part] if type(array) is list else array[part.start:part.stop]
 
 
-def copier(batch, blocks, staging, node):
+def copier(batch, blocks, staging, node, counts, trace=None):
     """The reply handler that writes every pulled part into the caller's arrays, from its data
     frame, from the shared-memory block (offset, array) the server wrote it into, or from the
-    server's arena where it lent it (remembered: that key part then asks for no block)."""
+    server's arena where it lent it (remembered: that key part then asks for no block).
+    ``counts``: the worker's WorkerCounts (bytes by route); ``trace``: the I/O thread's
+    MessageTrace while the timeline records."""
     def on_data(header, buffers):
+        start = recording.now() if trace is not None else 0
         answers = header['keys']
         _check_answers(node, batch, answers, buffers)
         frames = iter(buffers)
@@ -70,12 +74,17 @@ def copier(batch, blocks, staging, node):
                 source = arena.view(answer.lent, part_nbytes(asked))
             elif answer.at is None:
                 source = next(frames)
+                counts.pulled_socket += source.nbytes
             elif block is not None and answer.at == block[0]:
                 source = block[1]
             else:
                 raise ProtocolError(f'a pull answered at shared-memory offset {answer.at}, '
                                     'which this worker did not give')
+            if answer.at is not None or answer.lent is not None:
+                counts.pulled_shm += part_nbytes(asked)
             target[part.start:part.stop] = P.as_array(source, dtype)   # (np.copyto: slower)
+        if trace is not None:
+            trace.landed(start, node, batch, answers)
     return on_data
 
 

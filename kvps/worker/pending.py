@@ -4,14 +4,16 @@ import collections
 import threading
 
 from ..errors import RequestTimeout, from_remote
+from ..timeline import recording
 from ..wire import protocol as P
 
 
 class Operation:
     """One API call (a push, a pull, a barrier...) that completes when all its parts answer."""
 
-    def __init__(self, what, parts, on_error=None):
+    def __init__(self, what, parts, on_error=None, counts=None):
         self.what = what
+        self.counts = counts         # the worker's WorkerCounts, where its waits count
         self.remaining = parts
         self.error = None
         self.on_error = on_error
@@ -35,7 +37,7 @@ class Operation:
     def wait(self, timeout, hint=''):
         """Block until complete; raise its error, or RequestTimeout naming who never answered
         (``hint``: what may hold them up, appended)."""
-        if not self.done.wait(timeout):
+        if not waited(self.done, timeout, 'wait', self.what, self.counts):
             raise self.timed_out(timeout, hint)
         if self.error is not None:
             raise self.error
@@ -45,6 +47,25 @@ class Operation:
         who = ', '.join(sorted(self.waiting_on)) or 'the cluster'
         return RequestTimeout(f'{self.what}: no answer from {who} within {timeout:g} s '
                               f'(KVPS_TIMEOUT){hint}')
+
+
+def waited(event, timeout, kind, what, counts=None):
+    """``event.wait(timeout)``, counted in ``counts`` (WorkerCounts: ``kind`` 'wait' or
+    'backpressure') when it blocks, and a span of that kind while the timeline records
+    (``what``: the call waited for)."""
+    if event.is_set():
+        return True
+    recorder = recording.RECORDER
+    if recorder is None and counts is None:
+        return event.wait(timeout)
+    start = recording.now()
+    try:
+        return event.wait(timeout)
+    finally:
+        if recorder is not None:
+            recorder.span(kind, kind, start, {'for': what})
+        if counts is not None:
+            counts.count_wait(kind, recording.now() - start)
 
 
 class Request:
@@ -86,8 +107,9 @@ class PushWindow:
     """A worker's pushes not yet known complete and their bytes: the back-pressure window,
     shared by every API thread that pushes."""
 
-    def __init__(self, limit):
+    def __init__(self, limit, counts=None):
         self.limit = limit           # KVPS_MAX_INFLIGHT_BYTES
+        self.counts = counts         # the worker's WorkerCounts, where its waits count
         self.nbytes = 0
         self._ops = collections.deque()   # (Operation, bytes, the thread that pushed), in order
         self._lock = threading.Lock()
@@ -113,7 +135,7 @@ class PushWindow:
                                if owner == me and not op.done.is_set()), None)
             if oldest is None:
                 return
-            if not oldest.done.wait(timeout):
+            if not waited(oldest.done, timeout, 'backpressure', oldest.what, self.counts):
                 raise oldest.timed_out(timeout, hint)
 
     def wait_all(self, timeout, hint=''):

@@ -111,3 +111,31 @@ report(threads=sorted(t.name for t in threading.enumerate()), on=kvps.timeline.e
     assert got['on'] is False and 'kvps-timeline' not in got['threads']
     assert not list(tmp_path.rglob(f'*{SUFFIX}')) and not list(tmp_path.glob('*.d'))
     assert parts_dir('x') == 'x.d'
+
+
+def test_kv_stats_count_calls_rounds_and_every_byte_by_route(job):
+    script = ROUNDS + '''
+kv.barrier()
+report(**kv.stats())
+'''
+    result = job(script, 2, 2, env={'KVPS_BIGARRAY_BOUND': '1000'})
+    assert result.returncode == 0, result.output
+    for stats in result.results().values():
+        assert stats['push_calls'] == stats['pull_calls'] == stats['rounds'] == 5
+        # 5 rounds of 10 + 3000 float32: the small key's 40 bytes are under shared memory's
+        # 1 KiB floor (the socket), the big key's two parts of 6000 bytes go through it
+        assert stats['pushed_bytes'] == {'shm': 60000, 'socket': 200}, stats
+        assert sum(stats['pulled_bytes'].values()) == 60200, stats
+        assert stats['answers'] == stats['messages'] > 0 and stats['retries'] == 0
+        assert stats['in_flight_requests'] == 0 and stats['in_flight_push_bytes'] >= 0
+
+
+def test_stats_lines_come_from_every_node(job):
+    script = ROUNDS + '''
+time.sleep(1.5)
+kv.barrier()
+'''
+    result = job(script, 1, 1, launcher_args=['--stats', '0.5'])
+    assert result.returncode == 0, result.output
+    for node in ('scheduler', 'server 0', 'worker 0'):
+        assert f'kvps stats {node}: ' in result.output, result.output

@@ -157,12 +157,13 @@ def test_a_pull_answer_that_does_not_match_the_request_fails_it():
     from kvps.wire import protocol as P
     from kvps.wire.items import DataItem
     from kvps.errors import ProtocolError
+    from kvps.timeline.counters import WorkerCounts
     from kvps.worker.messages import copier
     from kvps.worker.sharding import Part
     targets = [np.zeros(2, np.float32), np.zeros(3, np.float32)]
     batch = [('a', Part(0, 0, 0, 2), targets[0], 'float32'),
              ('b', Part(0, 0, 0, 3), targets[1], 'float32')]
-    on_data = copier(batch, [None, None], None, 'server 0')
+    on_data = copier(batch, [None, None], None, 'server 0', WorkerCounts())
     frames = [memoryview(np.ones(2, np.float32)).cast('B'),
               memoryview(np.full(3, 2, np.float32)).cast('B')]
     in_frame = DataItem(at=None, lent=None)

@@ -16,16 +16,17 @@ def path(tmp_path):
     return tmp_path / 'trace.json'
 
 
-def job(path, offsets):
-    """Recorders standing for a job's nodes ({name: clock offset onto the scheduler's})."""
+def job(path, offsets, hosts=None):
+    """Recorders standing for a job's nodes ({name: clock offset onto the scheduler's}), each
+    on a host of its own unless ``hosts`` ({name: host}) says otherwise."""
     nodes = {}
     for rank, (name, offset) in enumerate(offsets.items()):
         role = name.split()[0]
-        nodes[name] = Recorder(path, role + str(rank))
-        nodes[name].role = role
-        nodes[name].name_node(rank, name)
+        nodes[name] = recorder = Recorder(path, role + str(rank))
+        recorder.node({'role': role, 'rank': rank, 'name': name, 'pid': rank,
+                       'host': (hosts or {}).get(name, f'host{rank}')})
         if role != 'scheduler':
-            nodes[name].clock(offset, 10)
+            recorder.clock(offset, 10)
     return nodes
 
 
@@ -107,6 +108,20 @@ def test_merge_names_nodes_aligns_clocks_and_links_a_round_in_causal_order(path)
     assert len({a['id'] for a in arrows}) == 1
 
 
+def test_nodes_on_the_schedulers_host_share_its_clock(path):
+    """Linux's monotonic clock is the machine's: a reading's round trip only blurs it."""
+    nodes = job(path, {'scheduler': 0, 'worker 0': 7_000_000},
+                hosts={'scheduler': 'same', 'worker 0': 'same'})
+    put(nodes['worker 0'], 'push', 'push', 5_000_000, 1000)
+    put(nodes['scheduler'], 'barrier', 'barrier', 4_000_000, 1000)
+    for recorder in nodes.values():
+        recorder.close()
+    other = merge.merge([path], path)
+    spans = {e['name']: e for e in json.loads(path.read_text())['traceEvents'] if e['ph'] == 'X'}
+    assert spans['push']['ts'] - spans['barrier']['ts'] == 1000.0   # µs, unmoved
+    assert other['clock_error_us'] == 0
+
+
 def test_summary_and_cli_read_a_merged_trace(path, capsys):
     nodes = job(path, {'scheduler': 0, 'server 0': 0, 'worker 0': 0})
     worker, server = nodes['worker 0'], nodes['server 0']
@@ -115,10 +130,10 @@ def test_summary_and_cli_read_a_merged_trace(path, capsys):
         flow = [['f', 0, 'w', 0, step]]
         put(worker, 'step', 'step', base, 6_000_000)
         put(worker, 'push', 'push', base + 1_000_000, 1_000_000,
-            {'bytes': 4_000_000, 'route': 'shm'}, flow)
+            {'shm': 4_000_000}, flow)
         put(server, 'update', 'update', base + 2_000_000, 2_000_000, None, flow)
         put(worker, 'pull', 'pull', base + 4_000_000, 2_000_000,
-            {'bytes': 4_000_000, 'route': 'socket'}, flow)
+            {'socket': 4_000_000}, flow)
         put(worker, 'wait', 'wait', base + 4_000_000, 1_500_000)
     for recorder in nodes.values():
         recorder.close()
@@ -148,3 +163,32 @@ def test_plot_draws_a_step(path, tmp_path):
     from kvps.timeline.plot import plot
     plot(summary.load(path), tmp_path / 'step.png')
     assert (tmp_path / 'step.png').read_bytes()[:4] == b'\x89PNG'
+
+
+def test_stats_lines_give_rates_since_the_last_line():
+    import io
+    from kvps.timeline.counters import Ticker
+    counts = {'messages': 0, 'pushed_shm_bytes': 0}
+    out = io.StringIO()
+    ticker = Ticker(2.0, 'worker 0', lambda: (dict(counts), {'in_flight': 3}), out)
+    ticker.tick(10.0)                      # the first tick only starts the clock
+    counts.update(messages=50, pushed_shm_bytes=8_000_000)
+    ticker.tick(11.0)                      # not yet due
+    assert out.getvalue() == ''
+    ticker.tick(12.0)
+    assert out.getvalue() == ('kvps stats worker 0: messages 25.0/s, pushed_shm 4.0 MB/s, '
+                              'in_flight 3\n')
+    Ticker(0, 'off', None, out).tick(99.0)   # 0 seconds: never a line (and nothing read)
+
+
+def test_a_local_store_counts_its_calls():
+    import numpy as np
+    import kvps
+    kv = kvps.create('local')
+    kv.init(0, np.zeros(4, np.float32))
+    for _ in range(3):
+        kv.push(0, np.ones(4, np.float32))
+    kv.pull(0, out=np.zeros(4, np.float32))
+    stats = kv.stats()
+    assert stats['push_calls'] == 3 and stats['pull_calls'] == 1 and stats['rounds'] == 3
+    assert stats['pushed_bytes'] == {'shm': 0, 'socket': 0} and stats['in_flight_requests'] == 0
