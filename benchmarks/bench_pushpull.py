@@ -320,8 +320,9 @@ def timeline(args, out, cfg, opt):
               'cost': round(on / off - 1, 4) if on and off else None, 'trace': str(trace)}
     if trace.exists():
         view = summary.Timeline(summary.load(trace))
-        record['ms_per_step'] = {role: {cat: round(ms, 3) for cat, ms in cats.items()}
-                                 for role, cats in view.per_step().items()}
+        record['ms_per_step'] = {f'{role} ({thread})': {cat: round(ms, 3)
+                                                        for cat, ms in cats.items()}
+                                 for (role, thread), cats in view.per_step().items()}
     out.emit(record)
 
 

@@ -44,6 +44,9 @@ def parse_args():
     p.add_argument('--timeout', type=float, default=300.0)
     p.add_argument('--out', default=None, help='directory for results.jsonl')
     p.add_argument('--device', default='cpu', help='where the workers train: cpu or cuda')
+    p.add_argument('--timeline', action='store_true',
+                   help='run each kvps system once more with the timeline on: where its step '
+                        'goes, per role and thread (python -m kvps.timeline summary)')
     return p.parse_args()
 
 
@@ -73,7 +76,7 @@ def run_ddp_job(workers, argv, out_dir, timeout):
     return rc, log_path.read_text(errors='replace')
 
 
-def run_one(args, model, system, out_dir):
+def run_one(args, model, system, out_dir, launcher_args=()):
     """ms per step on rank 0 (None if the run failed) for one (model, system)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     argv = [_common.PY, WORKER, '--system', system, '--model', model, '--steps', str(args.steps),
@@ -82,12 +85,28 @@ def run_one(args, model, system, out_dir):
         rc, log = run_ddp_job(args.workers, argv, out_dir, args.timeout)
     else:
         rc, log, _, _ = _common.run_kvps_job(args.workers, args.servers, argv, out_dir,
-                                             args.timeout, tag=f'training-{system}')
+                                             args.timeout, tag=f'training-{system}',
+                                             launcher_args=launcher_args)
     records = _common.read_worker_records(out_dir, args.workers)
     if rc != 0 or len(records) != args.workers:
         _common.note(f'{model}/{system} failed (rc {rc}):\n{log[-2000:]}')
         return None, records
     return records[0]['ms_step_median'], records
+
+
+def traced(args, model, system, out_dir):
+    """The timeline line of one (model, system): its step with the timeline on, and the
+    summary's ms per step by role, thread and kind of span."""
+    from kvps.timeline import summary
+    trace = out_dir / 'trace.json'
+    value, _ = run_one(args, model, system, out_dir, ('--timeline', str(trace)))
+    record = {'model': model, 'system': system, 'kind': 'timeline', 'ms_step_traced': value,
+              'trace': str(trace)}
+    if trace.exists():
+        view = summary.Timeline(summary.load(trace))
+        record['ms_per_step'] = {f'{role} ({thread})': {k: round(v, 3) for k, v in kinds.items()}
+                                 for (role, thread), kinds in view.per_step().items()}
+    return record
 
 
 def main():
@@ -110,6 +129,9 @@ def main():
                         'servers': args.servers if system != 'ddp' else None,
                         'params': first.get('params'), 'tensors': first.get('tensors'),
                         'batch': args.batch, 'ms_step': ms[system], 'ms_step_runs': runs})
+        for system in args.systems.split(',') if args.timeline else ():
+            if system != 'ddp':
+                lines.emit(traced(args, model, system, out / f'{model}-{system}-traced'))
         if ms.get('ddp'):
             lines.emit({'model': model, 'kind': 'ratio', 'vs': 'ddp',
                         **{f'{s}_over_ddp': round(ms[s] / ms['ddp'], 2)

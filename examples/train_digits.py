@@ -106,8 +106,11 @@ def train(args, model, trainer, x, y, num_workers):
         for step in range(1, steps + 1):
             idx = order[(step - 1) * args.batch_size: step * args.batch_size]
             trainer.zero_grad()
-            loss = loss_fn(model(shard_x[idx]), shard_y[idx])
-            loss.backward()
+            # (phases show in a timeline: python -m kvps.launch --timeline trace.json ...)
+            with kvps.timeline.phase('forward'):
+                loss = loss_fn(model(shard_x[idx]), shard_y[idx])
+            with kvps.timeline.phase('backward'):
+                loss.backward()
             # The servers sum over workers: normalizing by the combined batch makes one step
             # equal to a single-process step on every worker's samples together.
             trainer.step(args.batch_size * num_workers)

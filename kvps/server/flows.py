@@ -1,52 +1,54 @@
-"""Which of a server's updates close the rounds that workers' push messages opened: the flow keys the timeline links them by.
+"""Which of a server's spans close the rounds that workers' push messages opened: the flow keys the timeline links them by.
 
 A worker keys each push message's round by its first key part (kvps.worker.tracing):
 ``['r', worker rank, key, part, seq]``. The server notes that key when the message arrives,
-and hands it to the span of the update that applies it: in dist_sync the update of round
-``seq`` of that key part (a key part's n-th round holds each worker's n-th push), in
-dist_async the next update of it (each push is applied alone, at once or with its message's
-other keys). Only used while the timeline records.
+with the version its key part must pass: in dist_sync the round ``seq`` (a key part's n-th
+round holds each worker's n-th push), in dist_async the version it has then (each push is
+applied alone). The first span to end after that version is passed carries the arrow: the
+optimizer update that closed the round, or, where a round only replaces the value (no
+optimizer: no span of its own, which would cost more than the round), the span of the
+message whose push completed it. Only used while the timeline records; nothing here runs
+per key.
 """
 
 from ..timeline import recording
 
 
 class FlowNotes:
-    """Flow keys of push messages waiting for the update of their round, per key part."""
+    """Flow keys of push messages whose rounds have not closed yet (``entries``: the
+    shard's, where their versions are read)."""
 
-    def __init__(self):
-        self._waiting = {}   # (key, part) -> [(round or None, flow key)]
+    def __init__(self, entries):
+        self._entries = entries
+        self._waiting = []   # (Entry, the version it must pass, flow key)
 
     def pushed(self, worker, item, sync):
         """Worker identity ``worker``'s push message starts with PushItem ``item``."""
+        entry = self._entries.get((item.key, item.part))
+        if entry is None:   # (the push fails: it has no round)
+            return
         rank = int(worker.rsplit(b'-', 1)[1])   # (protocol.worker_identity: b'worker-N')
-        flow = ['r', rank, item.key, item.part, item.seq]
-        self._waiting.setdefault((item.key, item.part), []).append(
-            (item.seq if sync else None, flow))
+        self._waiting.append((entry, item.seq if sync else entry.version,
+                              ['r', rank, item.key, item.part, item.seq]))
 
-    def applied(self, entries, counted=True):
-        """The flow keys of the rounds just applied to ``entries`` (``counted``: their
-        versions count them already), or None."""
+    def closed(self, updating=()):
+        """The flow keys of the rounds closed since the last call, or None; entries in
+        ``updating`` count as one version further (updated, not counted yet)."""
         if not self._waiting:
             return None
-        flows = []
-        for entry in entries:
-            waiting = self._waiting.get((entry.key, entry.part))
-            if not waiting:
-                continue
-            done = entry.version - counted
-            flows += [flow for round_, flow in waiting if round_ is None or round_ <= done]
-            left = [w for w in waiting if w[0] is not None and w[0] > done]
-            if left:
-                self._waiting[entry.key, entry.part] = left
+        ahead = {id(entry) for entry in updating}
+        flows, left = [], []
+        for note in self._waiting:
+            if note[0].version + (id(note[0]) in ahead) > note[1]:
+                flows.append(note[2])
             else:
-                del self._waiting[entry.key, entry.part]
+                left.append(note)
+        self._waiting = left
         return flows or None
 
-    def span(self, start, entries, counted=True):
-        """The span of an update of ``entries`` that began at ``start``, with the arrows of
-        the rounds it closed (see ``applied``)."""
+    def span(self, start, keys, updating=()):
+        """The span of an optimizer update of ``keys`` key parts that began at ``start``,
+        with the arrows of the rounds it closed (``updating``: as ``closed`` takes it)."""
         recorder = recording.RECORDER
         if recorder is not None:
-            recorder.span('update', 'update', start, {'keys': len(entries)},
-                          self.applied(entries, counted))
+            recorder.span('update', 'update', start, {'keys': keys}, self.closed(updating))

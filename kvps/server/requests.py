@@ -45,8 +45,12 @@ class Requests:
         try:
             return self._handle(identity, header, buffers)
         finally:
-            recorder.span(f'recv {header["op"]}', 'recv', start, {
-                'from': P.identity_label(identity), 'keys': len(header.get('keys', ()))})
+            # (a push's handling is its keys merged into their rounds: its optimizer updates,
+            # nested, are spans of their own; rounds that only replaced values end here)
+            recorder.span(f'recv {header["op"]}', 'merge' if header['op'] == P.PUSH else 'recv',
+                          start, {'from': P.identity_label(identity),
+                                  'keys': len(header.get('keys', ()))},
+                          self.shard.flows.closed())
 
     def _handle(self, identity, header, buffers):
         token = (identity, header.get('id', 0))

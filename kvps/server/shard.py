@@ -49,7 +49,7 @@ class Shard:
         # Names this shard's row change counts (kvps.server.row_store): a worker's count from
         # another shard (before a restart) asks for every row.
         self.epoch = int.from_bytes(os.urandom(7), 'little')
-        self.flows = FlowNotes()   # the rounds' arrows, while the timeline records
+        self.flows = FlowNotes(self.entries)   # the rounds' arrows, while the timeline records
 
     # -- init -----------------------------------------------------------------------------
     def init(self, token, key, part, dtype, shape, sync, data, device=False):
@@ -261,7 +261,7 @@ class Shard:
         failed = self.optimizer.update([(e.key, e.part, e.writable_weight(), e.take_summed())
                                     for e in due], max(e.step for e in due))
         if start is not None:
-            self.flows.span(start, due, counted=False)
+            self.flows.span(start, len(due), updating=due)
         for index, entry in enumerate(due):
             failure = failed.get(index)
             self._count_update(entry, failure)
@@ -280,11 +280,11 @@ class Shard:
         """Run the update with one push's ``data`` (async) or, without it, the round's sum
         (sync); with no optimizer the value is replaced. Returns the exception that failed
         the update (the weight is then unchanged), or None."""
-        if recording.RECORDER is None:
-            return self._update(entry, data)
+        if recording.RECORDER is None or self.optimizer.updater is None:
+            return self._update(entry, data)   # (a replaced value: its message's span shows it)
         start = recording.now()
         failure = self._update(entry, data)
-        self.flows.span(start, [entry])
+        self.flows.span(start, 1)
         return failure
 
     def _update(self, entry, data):

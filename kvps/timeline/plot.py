@@ -12,6 +12,7 @@ COLOURS = {'step': '#d9d9d9', 'phase': '#bdbdbd', 'push': '#1f77b4', 'pull': '#2
            'compress': '#8c564b', 'land': '#17becf', 'recv': '#aec7e8', 'merge': '#98df8a',
            'update': '#ffbb78', 'reply': '#c5b0d5', 'checkpoint': '#c49c94',
            'register': '#f7b6d2', 'membership': '#dbdb8d', 'lost': '#ff9896'}
+OTHER = '#7f7f7f'   # kinds of span not listed (a store's init, set_optimizer, ...)
 
 
 def step_window(timeline, step=None):
@@ -40,22 +41,26 @@ def plot(trace, out, step=None):
     start, end = step_window(timeline, step)
     rows = sorted(timeline.by_thread)
     fig, ax = plt.subplots(figsize=(12, 0.45 * len(rows) + 1.5))
+    shown = set()
     for y, where in enumerate(rows):
         for span in timeline.by_thread[where]:
-            a, b = span['ts'], span['ts'] + span['dur']
-            if b < start or a > end:
+            a, b = max(span['ts'], start), min(span['ts'] + span['dur'], end)
+            if b < a:
                 continue
+            shown.add(span['cat'])
             ax.broken_barh([((a - start) / 1000, max(b - a, 1) / 1000)], (y - 0.35, 0.7),
-                           color=COLOURS.get(span['cat'], '#7f7f7f'), linewidth=0)
+                           color=COLOURS.get(span['cat'], OTHER), linewidth=0)
     _arrows(ax, timeline, rows, start, end)
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([f'{timeline.names[p]} / {t}' for p, t in rows], fontsize=8)
+    ax.set_yticklabels([f'{timeline.names[p]}: {timeline.threads.get((p, t), t)}'
+                        for p, t in rows], fontsize=8)
     ax.invert_yaxis()
+    ax.set_xlim(0, (end - start) / 1000)
     ax.set_xlabel('ms from the start of the step')
     ax.set_title(f'one step: {(end - start) / 1000:.2f} ms')
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
-    ax.legend(handles, COLOURS, fontsize=7, ncol=6, loc='upper center',
-              bbox_to_anchor=(0.5, -0.12))
+    kinds = [k for k in COLOURS if k in shown] + sorted(shown - set(COLOURS))
+    ax.legend([plt.Rectangle((0, 0), 1, 1, color=COLOURS.get(k, OTHER)) for k in kinds],
+              kinds, fontsize=8, loc='upper left', bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)

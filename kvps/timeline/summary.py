@@ -11,8 +11,8 @@ import collections
 import json
 
 ROUTES = ('shm', 'socket')   # how a message's bytes travel (spans' fields of those names)
-SHOWN = {'worker': ('compute', 'step', 'push', 'compress', 'backpressure', 'wait', 'pull',
-                    'land', 'barrier'),
+SHOWN = {'worker': ('compute', 'phase', 'step', 'push', 'compress', 'backpressure', 'wait',
+                    'pull', 'land', 'barrier'),
          'server': ('recv', 'merge', 'update', 'reply', 'checkpoint'),
          'scheduler': ('register', 'barrier', 'membership', 'lost')}
 

@@ -212,7 +212,7 @@ class WorkerIO(threading.Thread):
                 self._servers[node].send(P.encode(*request.message))
                 self.counts.messages += 1
                 if self.trace is not None and header['op'] in (P.PUSH, P.PULL):
-                    self.trace.sent(start, node, *request.message)
+                    self.trace.sent(start, node, *request.message, request.keep)
 
     @property
     def in_flight(self):

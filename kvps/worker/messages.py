@@ -63,6 +63,7 @@ def copier(batch, blocks, staging, node, counts, trace=None):
         _check_answers(node, batch, answers, buffers)
         frames = iter(buffers)
         arena = None if staging is None else staging.arenas.get(node)
+        socket = shm = 0
         for asked, block, answer in zip(batch, blocks, answers):
             key, part, target, dtype = asked
             if arena is not None:
@@ -74,17 +75,19 @@ def copier(batch, blocks, staging, node, counts, trace=None):
                 source = arena.view(answer.lent, part_nbytes(asked))
             elif answer.at is None:
                 source = next(frames)
-                counts.pulled_socket += source.nbytes
+                socket += source.nbytes
             elif block is not None and answer.at == block[0]:
                 source = block[1]
             else:
                 raise ProtocolError(f'a pull answered at shared-memory offset {answer.at}, '
                                     'which this worker did not give')
             if answer.at is not None or answer.lent is not None:
-                counts.pulled_shm += part_nbytes(asked)
+                shm += part_nbytes(asked)
             target[part.start:part.stop] = P.as_array(source, dtype)   # (np.copyto: slower)
+        counts.pulled_socket += socket
+        counts.pulled_shm += shm
         if trace is not None:
-            trace.landed(start, node, batch, answers)
+            trace.landed(start, node, batch, socket, shm)
     return on_data
 
 

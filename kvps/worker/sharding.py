@@ -10,7 +10,6 @@ import math
 
 import numpy as np
 
-
 # Keys below this many elements stay whole when a model is balanced: splitting them would
 # cost more messages than the balance saves.
 BALANCE_FLOOR = 1 << 16

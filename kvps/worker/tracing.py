@@ -9,7 +9,6 @@ records (``WorkerIO.trace`` is None otherwise).
 
 from ..timeline import recording
 from ..wire import protocol as P
-from .messages import part_nbytes
 
 
 class MessageTrace:
@@ -19,15 +18,15 @@ class MessageTrace:
         self.rank = rank
         self._heads = {}    # (server, key, part) -> seq of the push a pull's arrow ends
 
-    def sent(self, start, node, header, buffers):
-        """The span of a PUSH or PULL sent to ``node``: encoding and handing it to ZeroMQ."""
+    def sent(self, start, node, header, buffers, keep):
+        """The span of a PUSH or PULL sent to ``node``: encoding and handing it to ZeroMQ
+        (``keep``: the request's payloads in shared memory)."""
         items = header['keys']
         args = {'server': node, 'keys': len(items),
                 'socket': sum(memoryview(b).nbytes for b in buffers)}
         flows = None
         if header['op'] == P.PUSH:
-            args['shm'] = sum(P.nbytes(item.dtype, item.n) for item in items
-                              if item.at is not None)
+            args['shm'] = sum(data.nbytes for data in keep)
             first = items[0]
             self._heads[node, first.key, first.part] = first.seq
             flows = [['r', self.rank, first.key, first.part, first.seq]]
@@ -35,21 +34,30 @@ class MessageTrace:
         if recorder is not None:
             recorder.span(f'send {header["op"]}', header['op'], start, args, flows)
 
-    def landed(self, start, node, batch, answers):
+    def landed(self, start, node, batch, socket, shm):
         """The span of a DATA answer written into the caller's arrays (``batch``: the parts
-        asked, ``answers``: the DataItems), with the arrows of the rounds it brings back."""
-        socket = shm = 0
-        flows = []
-        for asked, answer in zip(batch, answers):
-            nbytes = part_nbytes(asked)
-            if answer.at is None and answer.lent is None:
-                socket += nbytes
-            else:
-                shm += nbytes
-            seq = self._heads.pop((node, asked[0], asked[1].part), None)
-            if seq is not None:
-                flows.append(['r', self.rank, asked[0], asked[1].part, seq])
+        asked; ``socket``, ``shm``: the bytes that came each way), with the arrows of the
+        rounds it brings back."""
         recorder = recording.RECORDER
         if recorder is not None:
             recorder.span('land', 'pull', start, {'server': node, 'keys': len(batch),
-                                                  'socket': socket, 'shm': shm}, flows or None)
+                                                  'socket': socket, 'shm': shm},
+                          self._arrows(node, batch))
+
+    def _arrows(self, node, batch):
+        """The arrows a pull of ``batch`` from ``node`` ends. A pull's parts for a server are
+        cut as the push's were, so its first part is the push message's head: only when it
+        is not are the others looked through."""
+        heads = self._heads
+        key, part = batch[0][0], batch[0][1].part
+        seq = heads.pop((node, key, part), None)
+        if seq is not None:
+            return [['r', self.rank, key, part, seq]]
+        if not any(head[0] == node for head in heads):
+            return None
+        found = []
+        for key, part, _, _ in batch:
+            seq = heads.pop((node, key, part.part), None)
+            if seq is not None:
+                found.append(['r', self.rank, key, part.part, seq])
+        return found or None

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -28,8 +29,12 @@ def traced(job, tmp_path, script, workers=2, servers=2, env=None):
     return result, path
 
 
-def test_a_traced_job_gives_one_trace_with_every_node_and_its_rounds(job, tmp_path):
-    result, path = traced(job, tmp_path, ROUNDS + 'report(ok=True)\n')
+@pytest.mark.parametrize('optimizer', [None, 'sgd'])
+def test_a_traced_job_gives_one_trace_with_every_node_and_its_rounds(job, tmp_path, optimizer):
+    setup = '' if optimizer is None else (
+        "kv = kvps.create('dist_sync')\n"
+        f"kv.set_optimizer(kvps.optimizer.create({optimizer!r}, learning_rate=0.1))\n")
+    result, path = traced(job, tmp_path, setup + ROUNDS + 'report(ok=True)\n')
     assert result.returncode == 0, result.output
     assert f'timeline of 5 nodes written to {path}' in result.stderr
     trace = json.loads(path.read_text())
@@ -44,7 +49,9 @@ def test_a_traced_job_gives_one_trace_with_every_node_and_its_rounds(job, tmp_pa
     for chain in chains:
         roles = [timeline.names[span['pid']].split()[0] for span in chain]
         assert roles == ['worker', 'server', 'worker'], roles
-        assert [s['cat'] for s in chain] == ['push', 'update', 'pull'], chain
+        # (without an optimizer a round ends in the span of the message that completed it)
+        closing = 'merge' if optimizer is None else 'update'
+        assert [s['cat'] for s in chain] == ['push', closing, 'pull'], chain
         ends = [s['ts'] + s['dur'] for s in chain]
         assert chain[0]['ts'] <= chain[1]['ts'] + slack and ends[1] <= ends[2] + slack, chain
         by_worker.setdefault(timeline.names[chain[0]['pid']], 0)
@@ -139,3 +146,21 @@ kv.barrier()
     assert result.returncode == 0, result.output
     for node in ('scheduler', 'server 0', 'worker 0'):
         assert f'kvps stats {node}: ' in result.output, result.output
+
+
+def test_a_job_started_by_hand_writes_part_files_that_merge_joins(by_hand, tmp_path):
+    path = tmp_path / 'trace.json'
+    traced = {'KVPS_TIMELINE': str(path)}
+    scheduler, env = by_hand.scheduler(1, 1, extra=traced)
+    server = by_hand('server', env)
+    worker = by_hand('worker', env, script=ROUNDS + 'kv.barrier()\n')
+    for proc in (worker, server, scheduler):
+        code, out = by_hand.finish(proc)
+        assert code == 0, out
+    parts = sorted(p.name.split('-')[0] for p in Path(parts_dir(path)).glob(f'*{SUFFIX}'))
+    assert parts == ['scheduler', 'server', 'worker']
+    merged = subprocess.run([sys.executable, '-m', 'kvps.timeline', 'merge', str(path) + '.d',
+                             '-o', str(path)], capture_output=True, text=True, timeout=60)
+    assert merged.returncode == 0, merged.stderr
+    names = summary.Timeline(json.loads(path.read_text())).names.values()
+    assert sorted(names) == ['scheduler', 'server 0', 'worker 0']
