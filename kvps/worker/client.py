@@ -139,24 +139,27 @@ class DistClient:
         """One PUSH per batch, each item numbered (its ``seq``) as it is made: numbering and
         queueing under one lock keep a key part's pushes to a server in the order of their
         numbers, whichever threads push at once."""
-        counts, moved = self.io.push_counts, self.counts
+        counts, rows = self.io.push_counts, P.ROW_SPARSE
         with counts.lock:
             for server, batch in batches:
                 node = server_name(server)
                 numbered = counts.of(node)
                 keys, frames, keep = [], [], []
+                socket = shm = 0   # (counted per message: this loop runs for every key part)
                 for key, part, data, dtype, at in batch:
                     where = (key, part.part)
                     seq = numbered.get(where, 0)
                     numbered[where] = seq + 1
-                    n = data.nbytes if dtype == P.ROW_SPARSE else part.stop - part.start
-                    keys.append(new(PushItem, (key, part.part, dtype, n, at, seq)))
+                    n = data.nbytes if dtype == rows else part.stop - part.start
+                    keys.append(new(PushItem, (key, where[1], dtype, n, at, seq)))
                     if at is None:
                         frames.append(data)
-                        moved.pushed_socket += data.nbytes
+                        socket += data.nbytes
                     else:
                         keep.append(data)
-                        moved.pushed_shm += data.nbytes
+                        shm += data.nbytes
+                self.counts.pushed_socket += socket
+                self.counts.pushed_shm += shm
                 header = {'op': P.PUSH, 'sync': self.sync, 'keys': keys}
                 if step:
                     header['step'] = step

@@ -66,23 +66,24 @@ def copier(batch, blocks, staging, node, counts, trace=None):
         socket = shm = 0
         for asked, block, answer in zip(batch, blocks, answers):
             key, part, target, dtype = asked
+            at, lent = answer.at, answer.lent   # (read once: this runs for every key part)
             if arena is not None:
-                arena.note((key, part.part), answer.lent is not None)
-            if answer.lent is not None:
+                arena.note((key, part.part), lent is not None)
+            if lent is not None:
                 if arena is None:
                     raise ProtocolError(f'{node} answered a pull from an arena this worker '
                                         'has not mapped')
-                source = arena.view(answer.lent, part_nbytes(asked))
-            elif answer.at is None:
+                source = arena.view(lent, part_nbytes(asked))
+                shm += source.nbytes
+            elif at is None:
                 source = next(frames)
                 socket += source.nbytes
-            elif block is not None and answer.at == block[0]:
+            elif block is not None and at == block[0]:
                 source = block[1]
+                shm += source.nbytes
             else:
-                raise ProtocolError(f'a pull answered at shared-memory offset {answer.at}, '
-                                    'which this worker did not give')
-            if answer.at is not None or answer.lent is not None:
-                shm += part_nbytes(asked)
+                raise ProtocolError(f'a pull answered at shared-memory offset {at}, which this '
+                                    'worker did not give')
             target[part.start:part.stop] = P.as_array(source, dtype)   # (np.copyto: slower)
         counts.pulled_socket += socket
         counts.pulled_shm += shm
