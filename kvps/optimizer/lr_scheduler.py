@@ -16,10 +16,11 @@ _SCHEDULERS = {}
 class LRScheduler:
     """Learning rate as a pure function of the update count, with MXNet's warm-up.
 
-    MXNet's schedulers mutate themselves as num_update grows; these compute the same values
-    statelessly, so they survive a checkpoint or a trip over the wire unchanged. Warm-up
-    ramps to base_lr (MXNet ramps to the base_lr given at construction, which differs only
-    when an optimizer's learning_rate later overrides it).
+    MXNet's schedulers mutate themselves as num_update grows; these compute the same values,
+    to the last bit (the same operations in the same order), without depending on earlier
+    calls, so they survive a checkpoint or a trip over the wire unchanged. Warm-up ramps to
+    base_lr (MXNet ramps to the base_lr given at construction, which differs only when an
+    optimizer's learning_rate later overrides it).
     """
     name = None
     fields = {}
@@ -65,7 +66,11 @@ def _register_scheduler(cls):
 
 @_register_scheduler
 class FactorScheduler(LRScheduler):
-    """lr = base_lr * factor ** floor((n - 1) / step), never below stop_factor_lr once decayed."""
+    """lr = base_lr times factor once per step updates, never below stop_factor_lr once decayed.
+
+    MXNet multiplies by ``factor`` at each decay (``factor ** k`` would differ in the last bit
+    from the 4th decay on); the product so far is remembered, so counting on from the last
+    call costs one multiplication per decay, as MXNet's does."""
     name = 'factor'
     fields = {'step': ('int', None), 'factor': ('float', 1.0), 'stop_factor_lr': ('float', 1e-8)}
 
@@ -73,12 +78,19 @@ class FactorScheduler(LRScheduler):
         super().__init__(step=step, factor=factor, stop_factor_lr=stop_factor_lr, **params)
         if self.step < 1 or self.factor > 1.0:
             raise ConfigError('FactorScheduler: needs step >= 1 and factor <= 1')
+        self._decays = (0, self.base_lr, self.base_lr)   # (decays, lr after them, for base_lr)
 
     def _decayed(self, num_update):
-        decays = max(0, (num_update - 1) // self.step)  # MXNet: decay when n > count + step
-        if decays == 0:
-            return self.base_lr
-        return max(self.base_lr * self.factor ** decays, self.stop_factor_lr)
+        wanted = max(0, (num_update - 1) // self.step)  # MXNet: decay when n > count + step
+        done, lr, base = self._decays
+        if wanted < done or base != self.base_lr:   # an earlier count, or a new base_lr
+            done, lr = 0, self.base_lr
+        for _ in range(wanted - done):
+            lr *= self.factor
+            if lr < self.stop_factor_lr:
+                lr = self.stop_factor_lr
+        self._decays = (wanted, lr, self.base_lr)
+        return lr
 
 
 @_register_scheduler
@@ -113,30 +125,31 @@ class _AnnealScheduler(LRScheduler):
                               'warmup_steps')
 
     def _decayed(self, num_update):
-        if num_update > self.max_update:
+        if num_update > self.max_update:   # (MXNet keeps the value at max_update: final_lr)
             return self.final_lr
-        frac = float(num_update - self.warmup_steps) / float(self.max_update - self.warmup_steps)
-        return self.final_lr + (self.base_lr - self.final_lr) * self._shape(frac)
+        return self._annealed(num_update - self.warmup_steps, self.max_update - self.warmup_steps)
 
 
 @_register_scheduler
 class CosineScheduler(_AnnealScheduler):
-    """lr = final + (base - final) * (1 + cos(pi * frac)) / 2 after warm-up."""
+    """lr = final + (base - final) * (1 + cos(pi * n / max_steps)) / 2 after warm-up."""
     name = 'cosine'
     fields = {'max_update': ('int', None), 'final_lr': ('float', 0.0)}
 
-    def _shape(self, frac):
-        return (1 + math.cos(math.pi * frac)) / 2
+    def _annealed(self, n, max_steps):
+        return self.final_lr + (self.base_lr - self.final_lr) * \
+            (1 + math.cos(math.pi * n / max_steps)) / 2   # (MXNet's order of operations)
 
 
 @_register_scheduler
 class PolyScheduler(_AnnealScheduler):
-    """lr = final + (base - final) * (1 - frac) ** pwr after warm-up."""
+    """lr = final + (base - final) * (1 - n / max_steps) ** pwr after warm-up."""
     name = 'poly'
     fields = {'max_update': ('int', None), 'pwr': ('float', 2.0), 'final_lr': ('float', 0.0)}
 
-    def _shape(self, frac):
-        return pow(1 - frac, self.pwr)
+    def _annealed(self, n, max_steps):
+        return self.final_lr + (self.base_lr - self.final_lr) * \
+            pow(1 - float(n) / float(max_steps), self.pwr)   # (MXNet's order of operations)
 
 
 def create_scheduler(spec):

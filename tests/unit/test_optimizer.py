@@ -1,6 +1,8 @@
 """Optimizer specs: registry, validation, msgpack round trips, and the lr schedulers vs MXNet's."""
 
+import hashlib
 import math
+import struct
 
 import msgpack
 import pytest
@@ -138,6 +140,8 @@ def test_kernel_args_include_count_only_where_needed():
 
 
 # ---------------------------------------------------------------- MXNet's stateful schedulers
+# Written from MXNet 1.9's python/mxnet/lr_scheduler.py, operation by operation: the values
+# must be equal, not close (a script compared against MXNet's output bit for bit: MXNET_SHA256).
 class MxWarmup:
     def __init__(self, base_lr, warmup_steps, warmup_begin_lr, warmup_mode):
         self.base_lr, self.warmup_steps = base_lr, warmup_steps
@@ -161,7 +165,9 @@ class MxFactor(MxWarmup):
             return self.warm(n)
         while n > self.count + self.step:
             self.count += self.step
-            self.base_lr = max(self.base_lr * self.factor, self.stop)
+            self.base_lr *= self.factor
+            if self.base_lr < self.stop:
+                self.base_lr = self.stop
         return self.base_lr
 
 
@@ -189,34 +195,62 @@ class MxAnneal(MxWarmup):
         if n < self.warmup_steps:
             return self.warm(n)
         if n <= self.max_update:
-            frac = (n - self.warmup_steps) / (self.max_update - self.warmup_steps)
-            shape = ((1 + math.cos(math.pi * frac)) / 2 if self.kind == 'cosine'
-                     else pow(1 - frac, self.pwr))
-            self.base_lr = self.final_lr + (self.orig - self.final_lr) * shape
+            steps = self.max_update - self.warmup_steps
+            if self.kind == 'cosine':
+                self.base_lr = self.final_lr + (self.orig - self.final_lr) * \
+                    (1 + math.cos(math.pi * (n - self.warmup_steps) / steps)) / 2
+            else:
+                self.base_lr = self.final_lr + (self.orig - self.final_lr) * \
+                    pow(1 - float(n - self.warmup_steps) / float(steps), self.pwr)
         return self.base_lr
 
 
-WARM = [dict(warmup_steps=0, warmup_begin_lr=0.0, warmup_mode='linear'),
-        dict(warmup_steps=5, warmup_begin_lr=0.01, warmup_mode='linear'),
-        dict(warmup_steps=4, warmup_begin_lr=0.05, warmup_mode='constant')]
+WARM = {'none': dict(warmup_steps=0, warmup_begin_lr=0.0, warmup_mode='linear'),
+        'linear': dict(warmup_steps=37, warmup_begin_lr=0.01, warmup_mode='linear'),
+        'constant': dict(warmup_steps=23, warmup_begin_lr=0.05, warmup_mode='constant')}
+SCHEDULERS = {   # name: (ours, MXNet's), each given the same parameters
+    'factor': (lambda **w: FactorScheduler(step=7, factor=0.6, stop_factor_lr=1e-4, **w),
+               lambda **w: MxFactor(7, 0.6, 1e-4, **w)),
+    'factor1': (lambda **w: FactorScheduler(step=1, factor=0.999, stop_factor_lr=1e-8, **w),
+                lambda **w: MxFactor(1, 0.999, 1e-8, **w)),
+    'multifactor': (lambda **w: MultiFactorScheduler(step=[6, 11, 30, 400, 1500], factor=0.3,
+                                                     **w),
+                    lambda **w: MxMulti([6, 11, 30, 400, 1500], 0.3, **w)),
+    'cosine': (lambda **w: CosineScheduler(max_update=2500, final_lr=0.05, **w),
+               lambda **w: MxAnneal('cosine', 2500, 0.05, **w)),
+    'poly': (lambda **w: PolyScheduler(max_update=2500, pwr=1.5, final_lr=0.01, **w),
+             lambda **w: MxAnneal('poly', 2500, 0.01, pwr=1.5, **w)),
+}
+BASE_LR = {'factor1': 0.1}   # (0.5 for the others)
+# sha256 (first 16 hex digits) of MXNet 1.9.1's learning rates for updates 0..2999 of each
+# scheduler above, called in order, packed as little-endian float64
+MXNET_SHA256 = {
+    'factor/none': 'c8128a3fc7a89af1', 'factor/linear': '4531e751080282dd',
+    'factor/constant': '7db8139cad8680cc', 'factor1/none': 'e5bf58ded4946dac',
+    'factor1/linear': '099bfa2cf7ebfb80', 'factor1/constant': 'fe2247d17e58102d',
+    'multifactor/none': '098239c87c7af37a', 'multifactor/linear': '135faae9a6a46c12',
+    'multifactor/constant': '7f770aaf48374a0f', 'cosine/none': '403f5c33cafa21f4',
+    'cosine/linear': '6c755316a600f191', 'cosine/constant': '5cad11a122cb5b80',
+    'poly/none': '33403c0bed7a1c9e', 'poly/linear': '6b5bf92f7125e226',
+    'poly/constant': '3d1d272be703e718',
+}
 
 
-@pytest.mark.parametrize('warm', WARM, ids=['none', 'linear', 'constant'])
-@pytest.mark.parametrize('kind', ['factor', 'multifactor', 'cosine', 'poly'])
-def test_schedulers_match_mxnet(kind, warm):
-    base = dict(base_lr=0.5, **warm)
-    ours, theirs = {
-        'factor': (FactorScheduler(step=7, factor=0.6, stop_factor_lr=0.02, **base),
-                   MxFactor(7, 0.6, 0.02, **base)),
-        'multifactor': (MultiFactorScheduler(step=[6, 11, 30], factor=0.3, **base),
-                        MxMulti([6, 11, 30], 0.3, **base)),
-        'cosine': (CosineScheduler(max_update=40, final_lr=0.05, **base),
-                   MxAnneal('cosine', 40, 0.05, **base)),
-        'poly': (PolyScheduler(max_update=40, pwr=1.5, final_lr=0.01, **base),
-                 MxAnneal('poly', 40, 0.01, pwr=1.5, **base)),
-    }[kind]
-    for n in range(0, 60):
-        assert ours(n) == pytest.approx(theirs(n), rel=1e-12, abs=1e-15), n
+@pytest.mark.parametrize('warm', WARM)
+@pytest.mark.parametrize('kind', SCHEDULERS)
+def test_schedulers_equal_mxnet_to_the_last_bit(kind, warm):
+    """Over 3000 updates, in order and (for ours, which keeps no state that matters) in any
+    order: the same learning rates as MXNet 1.9, bit for bit."""
+    params = dict(base_lr=BASE_LR.get(kind, 0.5), **WARM[warm])
+    make_ours, make_theirs = SCHEDULERS[kind]
+    ours, theirs = make_ours(**params), make_theirs(**params)
+    rates = [ours(n) for n in range(3000)]
+    assert rates == [theirs(n) for n in range(3000)]
+    packed = struct.pack(f'<{len(rates)}d', *rates)
+    assert hashlib.sha256(packed).hexdigest()[:16] == MXNET_SHA256[f'{kind}/{warm}']
+    again = make_ours(**params)   # asked out of order: the same values
+    assert [again(n) for n in (2999, 5, 1700, 0, 2999)] == [rates[n] for n in
+                                                           (2999, 5, 1700, 0, 2999)]
     spec = msgpack.unpackb(msgpack.packb(ours.to_spec()))
     assert opt_mod.create_scheduler(spec) == ours
 
