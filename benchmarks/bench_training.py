@@ -124,11 +124,13 @@ def traced(args, model, system, out_dir):
 
 
 def measure(args, model, system, out):
-    """The line of one (model, system): rank 0's ms per step, the median over launches."""
-    runs, records = [], []
+    """The line of one (model, system): rank 0's ms per step, the median over launches, and
+    the seconds its launches took (a GPU session's budget is made of these)."""
+    runs, records, start = [], [], time.monotonic()
     for launch in range(args.launches):
-        value, records = run_one(args, model, system, out / f'{model}-{system}-{launch}')
+        value, got = run_one(args, model, system, out / f'{model}-{system}-{launch}')
         runs.append(value)
+        records = got if value is not None else records   # a launch that ran
     first = records[0] if records else {}
     batch = first.get('batch', args.batch)
     return {'model': model, 'system': system, 'device': args.device, 'size': first.get('size'),
@@ -137,7 +139,8 @@ def measure(args, model, system, out):
             'params': first.get('params'), 'tensors': first.get('tensors'), 'batch': batch,
             'global_batch': batch and batch * args.workers,
             'ms_step': _common.median([r for r in runs if r is not None]), 'ms_step_runs': runs,
-            'loss_first': first.get('loss_first'), 'loss_last': first.get('loss_last')}
+            'loss_first': first.get('loss_first'), 'loss_last': first.get('loss_last'),
+            'wall_s': round(time.monotonic() - start, 1)}   # the launches, start to end
 
 
 def ratios(model, ms):
