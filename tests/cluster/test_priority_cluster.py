@@ -58,3 +58,37 @@ def test_results_with_priorities_are_exactly_those_of_priority_zero(job, store, 
     assert sorted(results) == list(range(workers))
     for res in results.values():
         assert res['prioritized'] == res['plain']
+
+
+TRAIN_SCRIPT = '''
+import hashlib
+import torch
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.ReLU(), torch.nn.Linear(300, 300),
+                          torch.nn.ReLU(), torch.nn.Linear(300, 10))
+kv = kvps.create('dist_sync')
+trainer = kvps.Trainer(net, 'sgd', {'learning_rate': 0.01, 'momentum': 0.9}, kvstore=kv,
+                       bucket_bytes=64 << 10, cross_barrier=os.environ['CROSS'] == '1')
+for step in range(6):
+    torch.manual_seed(100 * step + kv.rank)
+    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+    trainer.zero_grad()
+    torch.nn.functional.cross_entropy(net(x), y, reduction='sum').backward()
+    trainer.step(16 * kv.num_workers)
+trainer.wait()
+digest = hashlib.sha256()
+for p in net.parameters():
+    digest.update(p.detach().numpy().tobytes())
+report(rank=kv.rank, weights=digest.hexdigest())
+'''
+
+
+def test_cross_barrier_training_gives_the_waiting_steps_weights_bit_for_bit(job):
+    """Two workers, two servers, keys split and fused: the weights after six steps."""
+    weights = {}
+    for cross in ('0', '1'):
+        result = job(TRAIN_SCRIPT, 2, 2, env={'CROSS': cross, 'KVPS_BIGARRAY_BOUND': '20000'})
+        assert result.returncode == 0, result.output
+        weights[cross] = {res['weights'] for res in result.results().values()}
+        assert len(result.results()) == 2 and len(weights[cross]) == 1   # workers agree
+    assert weights['0'] == weights['1']
