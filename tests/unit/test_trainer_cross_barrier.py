@@ -38,6 +38,20 @@ def model():
                                torch.nn.Linear(600, 4))
 
 
+class Embedded(torch.nn.Module):
+    """A sparse embedding (its rows pulled into the weights, waited for at step) and a
+    layer after it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(1000, 256, sparse=True)
+        self.out = torch.nn.Linear(256, 4)
+
+    def forward(self, x):
+        return self.out(self.embed((x.abs() * 100).long() % 1000).mean(1))
+
+
 def train_step(net, trainer, seed):
     torch.manual_seed(seed)
     trainer.zero_grad()
@@ -105,9 +119,9 @@ def test_the_next_backward_lands_every_weight_before_its_gradients_leave():
     assert not torch.equal(net[0].weight, weight)
 
 
-@pytest.mark.parametrize('overlap', [True, False])
-def test_cross_barrier_steps_give_the_waiting_steps_weights_bit_for_bit(overlap):
-    nets = [model(), model()]
+@pytest.mark.parametrize('make, overlap', [(model, True), (model, False), (Embedded, True)])
+def test_cross_barrier_steps_give_the_waiting_steps_weights_bit_for_bit(make, overlap):
+    nets = [make(), make()]
     trainers = [Trainer(net, 'sgd', {'learning_rate': 0.1, 'momentum': 0.9}, kvstore=CallLog(),
                         overlap=overlap, cross_barrier=crossing)
                 for net, crossing in zip(nets, (False, True))]
