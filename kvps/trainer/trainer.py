@@ -93,11 +93,11 @@ class Trainer:
         self._hooks = {}           # key -> handle of the hook sending its gradient
         self._hook_trainable()
         self._grads.next_step(self._trainable)
-        # Off by default: with it, a parameter read outside its module's forward between
-        # step and the next forward (logging, torch.save, an EMA, a tied weight used by
-        # another module) silently gives the weights of before the step unless wait() is
-        # called first, and a pull's error surfaces in the forward; it gains only the tail of
-        # the pulls' time (see docs/trainer.md).
+        # Off by default: with it, a parameter read outside the forward of a module that owns
+        # it, between step and the next forward (logging, torch.save, an EMA, a functional
+        # use), silently gives the weights of before the step unless wait() is called first,
+        # and a pull's error surfaces in the forward; it gains only the tail of the pulls'
+        # time (see docs/trainer.md).
         self._arrivals = Arrivals() if cross_barrier else None
         self._forward_hooks = [] if self._arrivals is None else hook_modules(
             params, self._params, self._arrivals)
