@@ -40,31 +40,35 @@ class Backend(Protocol):
         """Where a push's copies of ``sizes`` bytes should be made: per size a writable
         uint8 block the backend sends from (shared memory), or None (make it anywhere)."""
 
-    def push(self, items):
+    def push(self, items, priority=0):
         """Send ``items`` ([(key, flat copy | [copy per part], dtype name | codec name |
         ROW_SPARSE)]) to be summed into the key's round; returns without waiting for the
-        servers (an in-process backend has applied it already)."""
+        servers (an in-process backend has applied it already). ``priority`` (an int in
+        kvps.wire.protocol.PRIORITIES, checked), here and in every pull: requests of a higher
+        one are sent and served ahead of those of a lower one still waiting, never ahead of
+        this worker's earlier requests of the same key; a backend with nothing in flight
+        ignores it."""
 
-    def pull(self, items):
+    def pull(self, items, priority=0):
         """Write each key's value into ``out`` of ``items`` ([(key, out, dtype name)]: out a
         writable numpy array of the key's size) after this worker's earlier pushes of it are
         applied. Blocks; raises any error pending from pushes."""
 
-    def pull_begin(self, items):
+    def pull_begin(self, items, priority=0):
         """``pull(items)``'s requests sent now; returns the wait, after which ``out`` holds
         the values (nothing writes into them after it returns)."""
 
-    def pushpull(self, pushes, pulls):
+    def pushpull(self, pushes, pulls, priority=0):
         """``push(pushes)`` then ``pull(pulls)`` (the same keys, in the same order); blocks
         until every pull has landed."""
 
-    def pull_rows_begin(self, items):
+    def pull_rows_begin(self, items, priority=0):
         """Requests for some rows of each ``(key, table, ids, marks)`` sent now: ``table`` a
         writable 2-D (rows x width) numpy view of the key, ``ids`` sorted unique row ids, or
         None for the rows changed since ``marks`` (a dict the backend updates). Returns the
         wait; only the rows asked for (or changed) are written."""
 
-    def pull_live_begin(self, items):
+    def pull_live_begin(self, items, priority=0):
         """Requests, per ``(key, width, numpy dtype, sink)``, for the rows the key's last
         push of rows made (every row of a dense value) sent now; the answers append ``(ids,
         rows)`` per part to ``sink`` in part order. Returns the wait."""

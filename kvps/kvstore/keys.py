@@ -10,7 +10,7 @@ import numpy as np
 from .. import arrays, compression, devices, rows
 from ..errors import KeyNotInitializedError, KeyTypeError
 from ..timeline.recording import traced
-from ..wire.protocol import MAX_KEY_CHARS
+from ..wire.protocol import MAX_KEY_CHARS, PRIORITIES
 
 # Keys travel as msgpack ints: 64 bits, signed or unsigned.
 _KEY_MIN, _KEY_END = -2 ** 63, 2 ** 64
@@ -146,6 +146,19 @@ class StoreKeys:
             cuts = None if len(parts) < 2 else [(start, stop) for _, _, start, stop in parts]
             self._cut_cache[key] = cuts
             return cuts
+
+
+def checked_priority(priority):
+    """A call's ``priority`` as a plain int (MXNet's: a higher one is sent and served first);
+    TypeError for a non-integer, ValueError outside MXNet's C int."""
+    if type(priority) is int and priority in PRIORITIES:   # every call: answered first
+        return priority
+    if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+        raise TypeError(f'priority must be an int, got {type(priority).__name__}')
+    priority = operator.index(priority)
+    if priority not in PRIORITIES:
+        raise ValueError(f'priority must fit in 32 bits (a C int, as MXNet\'s); got {priority}')
+    return priority
 
 
 def as_values(value):

@@ -95,7 +95,8 @@ class LocalBackend:
         return [None] * len(sizes)
 
     @_serialized
-    def push(self, items):
+    def push(self, items, priority=0):
+        """Applied at once: ``priority`` orders nothing in one process (as in every pull)."""
         self.counts.push_calls += 1
 
         def push_each():   # updates together, as a server does for one message
@@ -112,18 +113,18 @@ class LocalBackend:
             if reply.kind is ReplyKind.ERROR:
                 raise reply.payload
 
-    def pushpull(self, pushes, pulls):
+    def pushpull(self, pushes, pulls, priority=0):
         """Push then pull: nothing to overlap in one process."""
         self.push(pushes)
         self.pull(pulls)
 
-    def pull_begin(self, items):
+    def pull_begin(self, items, priority=0):
         """Pull now (nothing is in flight in one process); the wait is a no-op."""
         self.pull(items)
         return lambda: None
 
     @_serialized
-    def pull(self, items):
+    def pull(self, items, priority=0):
         self.counts.pull_calls += 1
         for key, out, _ in items:
             (reply,) = self.shard.pull(None, _ME, key, 0)
@@ -135,7 +136,7 @@ class LocalBackend:
                 np.copyto(out, value.reshape(out.shape))
             lease.released = True
 
-    def pull_rows_begin(self, items):
+    def pull_rows_begin(self, items, priority=0):
         """Pull the rows now (nothing is in flight in one process); the wait is a no-op."""
         self.pull_rows(items)
         return lambda: None
@@ -154,7 +155,7 @@ class LocalBackend:
                 marks[0] = [answer.epoch, answer.count]
 
     @_serialized
-    def pull_live_begin(self, items):
+    def pull_live_begin(self, items, priority=0):
         """As DistClient.pull_live_begin, answered at once."""
         for key, width, dtype, sink in items:
             (reply,) = self.shard.pull(None, _ME, key, 0, (None, LIVE))

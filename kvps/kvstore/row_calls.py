@@ -46,14 +46,15 @@ def _row_edges(keys, key, shape):
     return [start // width for _, _, start, _ in parts] + [parts[-1][3] // width]
 
 
-def pull(keys, backend, key, out, row_ids=None, marks=None):
+def pull(keys, backend, key, out, row_ids=None, marks=None, priority=0):
     """Write rows ``row_ids`` of each key into its ``out`` (MXNet's row_sparse_pull); with
     ``marks`` instead (a dict per key, kept by the caller between calls), the rows changed
-    since the last such pull. Everything is checked before anything is asked."""
-    pull_begin(keys, backend, key, out, row_ids, marks)()
+    since the last such pull. Everything is checked before anything is asked (``priority``:
+    the store's, checked)."""
+    pull_begin(keys, backend, key, out, row_ids, marks, priority)()
 
 
-def pull_begin(keys, backend, key, out, row_ids=None, marks=None):
+def pull_begin(keys, backend, key, out, row_ids=None, marks=None, priority=0):
     """``pull``'s requests sent now; returns the wait for their answers."""
     asked, landings = [], []
     for k, o, i in _per_key(key, out, row_ids, marks):
@@ -68,7 +69,8 @@ def pull_begin(keys, backend, key, out, row_ids=None, marks=None):
                           None if marks is None else marks.setdefault(k, {})))
             landings.append(landing)
     wait = backend.pull_rows_begin(
-        [item for item in asked if not _pulled_whole(keys, backend, *item)])
+        [item for item in asked if not _pulled_whole(keys, backend, priority, *item)],
+        priority)
 
     def landed():
         wait()
@@ -96,10 +98,10 @@ def _one_per_target(row_ids):
         not isinstance(i, (int, np.integer)) for i in row_ids)
 
 
-def _pulled_whole(keys, backend, key, table, ids, marks):
+def _pulled_whole(keys, backend, priority, key, table, ids, marks):
     """Pull ``key`` whole into ``table``'s rows ``ids`` (None: all) if its parts split rows
     (a key with fewer rows than servers: a few rows, so little to save); True if it did."""
-    whole = _whole_if_split(keys, backend, key)
+    whole = _whole_if_split(keys, backend, key, priority)
     if whole is None:
         return False
     if ids is None:
@@ -109,14 +111,14 @@ def _pulled_whole(keys, backend, key, table, ids, marks):
     return True
 
 
-def _whole_if_split(keys, backend, key):
+def _whole_if_split(keys, backend, key, priority=0):
     """Where ``key``'s parts start inside rows, its value pulled whole as a 2-D (rows x
     width) host table; else None (its parts answer row requests)."""
     shape, dtype = keys.known(key)
     if _row_edges(keys, key, shape) is not None:
         return None
     whole = np.empty((shape[0], rows.width_of(shape)), DTYPES[dtype])
-    backend.pull([(key, whole.reshape(-1), dtype)])
+    backend.pull([(key, whole.reshape(-1), dtype)], priority)
     return whole
 
 
@@ -148,21 +150,21 @@ def _checked_ids(key, wanted, num_rows):
     return np.unique(rows.checked_ids(wanted, num_rows, key))
 
 
-def pull_live_begin(keys, backend, asked_keys):
+def pull_live_begin(keys, backend, asked_keys, priority=0):
     """Ask for the rows of each key's value that its last push of rows made (servers without
     an optimizer: the round's summed rows; every row of a dense value); returns the wait,
     which gives {key: (sorted ids, rows as a 2-D host array)}. A key split inside its rows
     is pulled whole."""
     sinks, whole, items = {}, {}, []
     for key in asked_keys:
-        table = _whole_if_split(keys, backend, key)
+        table = _whole_if_split(keys, backend, key, priority)
         if table is not None:
             whole[key] = table
             continue
         shape, dtype = keys.known(key)
         sinks[key] = []
         items.append((key, rows.width_of(shape), DTYPES[dtype], sinks[key]))
-    wait = backend.pull_live_begin(items)
+    wait = backend.pull_live_begin(items, priority)
 
     def landed():
         wait()

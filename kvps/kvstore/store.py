@@ -9,7 +9,7 @@ from ..optimizer import states
 from ..timeline.recording import traced
 from . import row_calls
 from .job import dist_backend
-from .keys import StoreKeys
+from .keys import StoreKeys, checked_priority
 from .local import LocalBackend
 from .types import CAPABILITIES, check_compression_type, parse_type
 
@@ -87,9 +87,12 @@ class KVStore:
 
     @traced('push', 'push')
     def push(self, key, value, priority=0):
-        """Send values (a list per key is summed first); returns without waiting."""
+        """Send values (a list per key is summed first); returns without waiting. Requests of
+        a higher ``priority`` (an int) leave and are served ahead of lower ones still waiting,
+        never ahead of this worker's earlier requests of the same key (MXNet's priority)."""
         self._open()
-        self._backend.push(self._push_items(key, value))
+        priority = checked_priority(priority)
+        self._backend.push(self._push_items(key, value), priority)
 
     def _push_items(self, key, value):
         """What the backend sends for a push: every value checked before anything is sent,
@@ -133,22 +136,25 @@ class KVStore:
 
     @traced('pull', 'pull')
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
-        """Write the current values into ``out`` (in place), after this worker's pushes."""
+        """Write the current values into ``out`` (in place), after this worker's pushes
+        (``priority``: as push's)."""
         if out is None:
             raise TypeError('pull needs out= (the arrays to write into)')
         self._open()
+        priority = checked_priority(priority)
         landings, items = self._pull_items(key, out)
-        self._backend.pull(items)
+        self._backend.pull(items, priority)
         self._land(landings)
 
-    def pull_begin(self, key, out):
+    def pull_begin(self, key, out, priority=0):
         """A pull started now and waited for later (a kvps extension of MXNet's API): sends
         pull's requests and returns a function that waits for the answers (and lands them on
         GPUs). The Trainer pulls a key right behind its push this way, so its result comes
         back while backward still runs."""
         self._open()
+        priority = checked_priority(priority)
         landings, items = self._pull_items(key, out)
-        wait = self._backend.pull_begin(items)
+        wait = self._backend.pull_begin(items, priority)
 
         def landed():
             wait()
@@ -201,24 +207,27 @@ class KVStore:
         if out is None:
             raise TypeError('row_sparse_pull needs out= (the arrays to write rows into)')
         self._open()
-        row_calls.pull(self._keys, self._backend, key, out, row_ids)
+        row_calls.pull(self._keys, self._backend, key, out, row_ids,
+                       priority=checked_priority(priority))
 
-    def pull_changed_rows_begin(self, key, out, marks):
+    def pull_changed_rows_begin(self, key, out, marks, priority=0):
         """Rows changed since a mark (a kvps extension of MXNet's API): write into ``out``
         (contiguous, host memory) the rows of ``key`` that changed since the last such pull
         with the same ``marks`` (a dict the caller keeps; empty: every row), as the Trainer
         pulls an embedding that its servers update row by row. Sends the requests now and
         returns the wait for their answers."""
         self._open()
-        return row_calls.pull_begin(self._keys, self._backend, key, out, marks=marks)
+        return row_calls.pull_begin(self._keys, self._backend, key, out, marks=marks,
+                                    priority=checked_priority(priority))
 
-    def pull_pushed_rows_begin(self, keys):
+    def pull_pushed_rows_begin(self, keys, priority=0):
         """The rows of the last push (a kvps extension of MXNet's API): sends requests for
         the rows each of ``keys`` got from its last push of rows (the Trainer's summed sparse
         gradients, on servers without an optimizer); returns the wait, which gives {key:
         (sorted ids, rows as a 2-D host array)}."""
         self._open()
-        return row_calls.pull_live_begin(self._keys, self._backend, keys)
+        return row_calls.pull_live_begin(self._keys, self._backend, keys,
+                                         checked_priority(priority))
 
     @traced('pushpull', 'push')
     def pushpull(self, key, value, out=None, priority=0):
@@ -227,13 +236,15 @@ class KVStore:
         request follows its push closely, so results come back while later keys are still
         being pushed."""
         self._open()
+        priority = checked_priority(priority)
         landings, pulls = self._pull_items(key, value if out is None else out)
         pushes = self._push_items(key, value)
-        self._backend.pushpull(pushes, pulls)
+        self._backend.pushpull(pushes, pulls, priority)
         self._land(landings)
 
     def broadcast(self, key, value, out, priority=0):
         """Initialize with rank 0's ``value`` and pull it into ``out`` on every worker."""
+        checked_priority(priority)   # before the collective init
         self.init(key, value)
         self.pull(key, out, priority)
 

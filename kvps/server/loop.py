@@ -9,6 +9,7 @@ from ..timeline import recording
 from ..timeline.counters import ServerCounts, Ticker
 from ..wire import protocol as P
 from ..wire.link import SchedulerLink, decode_or_refusal
+from ..wire.ordering import by_priority
 from ..wire.transport import Poller, Router, bind_host, guard_from, new_context
 from . import checkpoint
 from .lending import Lending
@@ -155,29 +156,42 @@ class Server:
 
     # -- worker requests --------------------------------------------------------------------
     def _serve_burst(self):
-        """Handle the requests waiting (up to BURST), so one checkpoint covers them all."""
+        """Take the requests waiting (up to BURST), so one checkpoint covers them all, and
+        serve them highest priority first (kvps.wire.ordering: each worker's requests of a
+        key part keep their order)."""
+        burst = []
         for _ in range(BURST):
-            self._serve(*self.router.recv_from())
+            request = self._admit(*self.router.recv_from())
+            if request is not None:
+                burst.append(request)
             if not self.router.raw.poll(0):
-                return
+                break
+        for identity, header, buffers in by_priority(burst):
+            self._serve(identity, header, buffers)
 
-    def _serve(self, identity, frames):
+    def _admit(self, identity, frames):
+        """``(identity, header, buffers)`` of a request from a worker of this job; None for
+        anything else (refused, or answered with why it cannot be read)."""
         if frames is None:           # authentication refused it, and said why
-            return
+            return None
         self.counts.requests += 1
         self.counts.request_bytes += sum(len(frame) for frame in frames)
         if identity not in self.workers:
             log.warning('%s: refused a message from %r: not a worker of this job',
                         self.name, identity)
-            return
+            return None
         decoded = decode_or_refusal(frames, self.config, identity)
         if isinstance(decoded, ProtocolError):   # tell the member why rather than leave it waiting
             req_id = P.request_id(frames)
             if req_id is not None:
                 exc = ProtocolError(f'the server could not read this request: {decoded}')
                 self.replies.send(Reply(ReplyKind.ERROR, (identity, req_id), exc))
-            return
+            return None
         header, buffers = decoded
+        return identity, header, buffers
+
+    def _serve(self, identity, header, buffers):
+        """Serve one request: now, or once this restarted server's workers have resumed."""
         if header['op'] == P.RESUME:
             self._on_resume(identity, header)
         elif self.recovery is not None and header['op'] != P.ATTACH:

@@ -13,7 +13,7 @@ detached use of it), and code between backward and step must see the weights of 
 
 import threading
 
-from .fusion import FusedKey
+from .fusion import FusedKey, priority_of
 
 
 class EarlyPulls:
@@ -30,10 +30,11 @@ class EarlyPulls:
         self._lock = threading.Lock()
 
     def start(self, keys, entries):
-        """Pull ``keys`` (just pushed; ``entries``: their parameters or fused keys)."""
+        """Pull ``keys`` (just pushed; ``entries``: their parameters or fused keys), the
+        first layers first."""
         with self._lock:   # buffers are made on first use, maybe on two threads at once
             targets = [self._target(entry) for entry in entries]
-        wait = self._begin(list(keys), targets)
+        wait = self._begin(list(keys), targets, priority_of(entries))
         with self._lock:
             self._waits.update(dict.fromkeys(keys, wait))
 
@@ -56,11 +57,17 @@ class EarlyPulls:
     def finish(self):
         """Wait for every pull started; the keys they brought (each into ``staged`` or the
         buffer ``start`` chose)."""
-        with self._lock:
-            waits, self._waits = self._waits, {}
+        waits = self.take()
         for wait in {id(w): w for w in waits.values()}.values():
             wait()
         return set(waits)
+
+    def take(self):
+        """{key: the wait of its pull} of every pull started, handed over unwaited (a wait
+        may serve several keys); a cross-barrier step leaves them to the next forward."""
+        with self._lock:
+            waits, self._waits = self._waits, {}
+        return waits
 
     def staged(self, key):
         """The weights an early pull brought for parameter ``key`` (servers update)."""

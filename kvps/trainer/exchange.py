@@ -4,7 +4,7 @@ summed gradients) pulled back where step() puts them."""
 import numpy as np
 
 from .. import devices, rows
-from .fusion import FusedKey, PushBucket, weights_of
+from .fusion import FusedKey, PushBucket, priority_of, weights_of
 from .grads import dense, is_dense
 
 
@@ -99,12 +99,34 @@ class Exchange:
                 if key not in started and key not in self.row_keys]
         if late:
             self._store.pull([key for key, _ in late],
-                             out=[self._late_target(entry, into_grads) for _, entry in late])
+                             out=[self._late_target(entry, into_grads) for _, entry in late],
+                             priority=priority_of([entry for _, entry in late]))
         if rows_landed is not None:
             self._land_rows(by_rows, rows_landed(), into_grads)
-        self._settle(entries, self._early.finish(), into_grads)
+        early = self._early.finish()
+        for _, key, entry in entries:
+            self.settle(key, entry, key in early, into_grads)
         if into_grads:
             self._land_fused_grads(entries, {p.key for p in reduced})
+
+    def allreduce_later(self, reduced):
+        """step()'s exchange when the servers update, without waiting (cross_barrier): send
+        what backward has not sent, start every pull into the exchange's buffers; returns
+        ``[(key, entry, wait)]`` of those pulls, to be waited for and ``settle``-d before
+        anything reads the entry's parameters. (Rows are pulled into the weights
+        themselves: those are waited for here.)"""
+        self._send_rest(reduced)
+        entries = self._layout.store_keys(reduced)
+        by_rows = [(key, entry) for _, key, entry in entries if key in self.row_keys]
+        if by_rows:
+            self._pull_rows_begin(by_rows)()
+        started = self._early.started()
+        late = [(key, entry) for _, key, entry in entries
+                if key not in started and key not in self.row_keys]
+        if late:
+            self._early.start(*map(list, zip(*late)))
+        waits = self._early.take()
+        return [(key, entry, waits[key]) for _, key, entry in entries if key in waits]
 
     def _send_rest(self, reduced):
         """Push the gradients of ``reduced`` that backward did not send, and the fused keys
@@ -122,7 +144,8 @@ class Exchange:
         changed into the weights, or the rows of the summed gradient (workers update)."""
         return self._store.pull_rows_begin([key for key, _ in by_rows],
                                            [p.tensor.detach() for _, p in by_rows],
-                                           self._row_marks, self._mode.on_servers)
+                                           self._row_marks, self._mode.on_servers,
+                                           priority_of([p for _, p in by_rows]))
 
     def _land_rows(self, by_rows, got, into_grads):
         """Workers update: keep the summed rows for the local update (a lazy update of those
@@ -141,18 +164,18 @@ class Exchange:
             return weights_of(entry)
         return self._pull_target(entry, into_grads)
 
-    def _settle(self, entries, early, into_grads):
-        """Put what the pulls brought where step's caller sees it: fused keys' packed weights
-        into their members, early pulls' buffers into a parameter's weights or ``.grad``."""
+    def settle(self, key, entry, early=True, into_grads=False):
+        """Put what the pull of ``key`` brought where step's caller sees it: a fused key's
+        packed weights into its members, an early pull's buffer (``early``) into a
+        parameter's weights or ``.grad``."""
         on_servers = self._mode.on_servers
-        for _, key, entry in entries:
-            if isinstance(entry, FusedKey):
-                if on_servers:
-                    entry.scatter_weights()
-            elif key in early and on_servers:
-                entry.tensor.detach().copy_(self._early.staged(key))
-            elif key in early and into_grads:
-                self._grads.dense_grad(entry).copy_(self.summed[key])
+        if isinstance(entry, FusedKey):
+            if on_servers:
+                entry.scatter_weights()
+        elif early and on_servers:
+            entry.tensor.detach().copy_(self._early.staged(key))
+        elif early and into_grads:
+            self._grads.dense_grad(entry).copy_(self.summed[key])
 
     def _land_fused_grads(self, entries, reduced):
         """allreduce_grads: summed gradients of fused keys into the ``.grad`` of their members

@@ -217,6 +217,13 @@ def pull_weights(store, entries):
             entry.scatter_weights()
 
 
+def priority_of(entries):
+    """The priority of a push or pull of ``entries`` (parameters or fused keys): minus the
+    first one's position (BytePS's ``-index``), so that the first layers' gradients and
+    weights travel first: the next forward pass needs them first."""
+    return -min(e.first_key if isinstance(e, FusedKey) else e.key for e in entries)
+
+
 def weights_of(entry, gather=False):
     """Where a store key's weights are: a parameter's tensor, or a fused key's packed buffer
     (filled from its members first with ``gather``)."""
@@ -272,7 +279,7 @@ class PushBucket:
             keys, values, entries = self._keys, self._values, self._entries
             self._keys, self._values, self._entries, self._bytes = [], [], [], 0
         if keys:
-            self._store.push(keys, values)
+            self._store.push(keys, values, priority_of(entries))
             if self._after_push is not None:
                 self._after_push(keys, entries)
 

@@ -84,11 +84,11 @@ class _Surface:
     def init(self, keys, values):
         self.kv.init(keys, values)
 
-    def push(self, keys, values):
-        self.kv.push(keys, values)
+    def push(self, keys, values, priority=0):
+        self.kv.push(keys, values, priority=priority)
 
-    def pull(self, keys, out):
-        self.kv.pull(keys, out=out)
+    def pull(self, keys, out, priority=0):
+        self.kv.pull(keys, out=out, priority=priority)
 
     def set_optimizer(self, spec):
         self.kv.set_optimizer(spec)
@@ -120,7 +120,7 @@ class UserStore(_Surface):
         """A sparse gradient is pushed dense: its rows alone would need kvps's row pulls."""
         return False
 
-    def pull_rows_begin(self, keys, weights, marks, on_servers):
+    def pull_rows_begin(self, keys, weights, marks, on_servers, priority):
         raise _lacks('pulls of rows')   # never asked: sends_rows is False
 
     def agree_on(self, params, layout_digest):
@@ -174,13 +174,13 @@ class KvpsStore(_Surface):
         """A host parameter's sparse gradient is pushed as its rows alone."""
         return param.tensor.device.type == 'cpu' and param.tensor.is_contiguous()
 
-    def pull_rows_begin(self, keys, weights, marks, on_servers):
+    def pull_rows_begin(self, keys, weights, marks, on_servers, priority):
         """The pulls of parameters whose gradients went as rows: the rows their servers
         changed since ``marks`` into ``weights`` (servers update), or the rows of the summed
         gradients (workers update). Returns the wait."""
         if on_servers:
-            return self.kv.pull_changed_rows_begin(keys, weights, marks)
-        return self.kv.pull_pushed_rows_begin(keys)
+            return self.kv.pull_changed_rows_begin(keys, weights, marks, priority)
+        return self.kv.pull_pushed_rows_begin(keys, priority)
 
     def agree_on(self, params, layout_digest):
         check_same_everywhere(self.kv, params, layout_digest)

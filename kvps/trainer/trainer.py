@@ -8,6 +8,7 @@ import weakref
 from ..errors import ConfigError, DuplicateInitError, ParameterMismatchError, StaleGradientError
 from ..optimizer import optimizers as opt_mod
 from ..timeline.recording import traced
+from .cross_barrier import Arrivals, check_cross_barrier, hook_modules
 from .exchange import Exchange
 from .fusion import Layout, check_bucket_bytes, pull_weights, split_partly_frozen, weights_of
 from .grads import GradientLog
@@ -39,7 +40,14 @@ class Trainer:
     small tensors: a key costs more than its bytes, and a model's many biases and norms
     would otherwise set the pace. Updates are the same elementwise passes, so results are
     identical; such parameters have no key of their own in the store while fused
-    (``fuse=False``: every parameter's key is its position, as in Gluon).
+    (``fuse=False``: every parameter's key is its position, as in Gluon). Pushes and pulls
+    carry MXNet's priority, the first parameters' the highest (BytePS's ``-index``): the
+    next forward pass needs their weights first. ``cross_barrier`` (kvps, off by default):
+    when the servers update, ``step`` returns once its pulls are under way, and each module
+    of ``params`` (the module itself must be given) waits in its forward for its own
+    parameters' weights (BytePS's cross-barrier); until then a parameter holds the weights
+    of before the step, so code that reads parameters outside a forward calls ``wait()``
+    first (docs/trainer.md says why it is not the default).
 
     Parameters may live on CUDA devices when the store is a device store ('dist_sync_device',
     'dist_async_device') or there is none: gradients and weights then pass through pinned host
@@ -51,7 +59,7 @@ class Trainer:
 
     def __init__(self, params, optimizer, optimizer_params=None, kvstore='device',
                  compression_params=None, update_on_kvstore=None, *, overlap=True,
-                 bucket_bytes=BUCKET_BYTES, fuse=True):
+                 bucket_bytes=BUCKET_BYTES, fuse=True, cross_barrier=False):
         self._params = collect(params)
         self._optimizer = _make_optimizer(optimizer, optimizer_params)
         merge_mults(self._optimizer, self._params)
@@ -61,6 +69,8 @@ class Trainer:
         self._store, on_servers = open_store(kvstore, update_on_kvstore)
         check_devices(self._params, self._store, on_servers)
         self._mode = Mode.choose(self._store, on_servers, self._optimizer, fuse, overlap)
+        if cross_barrier:   # refused alike on every worker, before any collective
+            check_cross_barrier(params, self._store, self._mode)
         if self._store is not None:
             check_bucket_bytes(bucket_bytes)   # before the layout reads it
         self._layout = Layout(self._params, self._optimizer, bucket_bytes, self._mode.fused,
@@ -83,6 +93,14 @@ class Trainer:
         self._hooks = {}           # key -> handle of the hook sending its gradient
         self._hook_trainable()
         self._grads.next_step(self._trainable)
+        # Off by default: with it, a parameter read outside the forward of a module that owns
+        # it, between step and the next forward (logging, torch.save, an EMA, a functional
+        # use), silently gives the weights of before the step unless wait() is called first,
+        # and a pull's error surfaces in the forward; it gains only the tail of the pulls'
+        # time (see docs/trainer.md).
+        self._arrivals = Arrivals() if cross_barrier else None
+        self._forward_hooks = [] if self._arrivals is None else hook_modules(
+            params, self._params, self._arrivals)
 
     def _hook_trainable(self):
         """Take the parameters requiring grad now as this step's ``_trainable`` (read at
@@ -129,6 +147,13 @@ class Trainer:
             self._reinstall_optimizer()
 
     # -- training --------------------------------------------------------------------------
+    def wait(self):
+        """With cross_barrier: put every weight a step pulled into its parameter (a forward
+        does so for its module's own); call it before reading parameters otherwise (saving
+        the model, logging, evaluating with other code). Without: nothing to do."""
+        if self._arrivals is not None:
+            self._arrivals.wait_all()
+
     @traced('step', 'step')
     def step(self, batch_size, ignore_stale_grad=False):
         """One update: gradients normalized by 1/batch_size, summed over workers, applied."""
@@ -137,12 +162,17 @@ class Trainer:
                 'allreduce_grads() has already summed this step\'s gradients into each .grad: '
                 'apply them with update(batch_size). step() would reduce them again and '
                 'ignore what was done to .grad in between (clipping, say)')
+        self.wait()   # the last step's weights, in place before this one pulls more
         self._hook_trainable()
         self._rescale(batch_size)
         if self._mode.on_servers:
             self._dissolve_mixed()
         self._grads.check(self._trainable, ignore_stale_grad)
-        self._allreduce_grads(into_grads=False)
+        if self._arrivals is not None:   # the servers update: weights land in forward
+            self._arrivals.expect(self._exchange.allreduce_later(self._taking_part()),
+                                  self._exchange.settle)
+        else:
+            self._allreduce_grads(into_grads=False)
         if not self._mode.on_servers:
             self._update()
         self._end_step()
@@ -188,6 +218,7 @@ class Trainer:
         One format whoever runs the optimizer: a file saved with update_on_kvstore=True
         loads into a Trainer that updates locally, and the other way round."""
         fname = os.fspath(fname)
+        self.wait()
         if self._mode.on_servers and self._server_has_optimizer:
             self._store.save_server_states(fname, self._layout)
         else:  # local updates, or servers that have not updated anything yet
@@ -197,6 +228,7 @@ class Trainer:
     def load_states(self, fname):
         """Restore what save_states wrote (collective when the servers run the optimizer)."""
         fname = os.fspath(fname)
+        self.wait()
         if self._mode.on_servers:
             optimizer = read_optimizer(fname, self._optimizer)
             if not self._server_has_optimizer:
@@ -270,7 +302,10 @@ class Trainer:
         self._exchange.pushed.difference_update(moved)
 
     def _on_grad(self, p):
-        """Autograd has accumulated p's gradient: send it now when overlapping."""
+        """Autograd has accumulated p's gradient: send it now when overlapping (once the
+        last step's weights are all in place: its pulls' buffers take this step's)."""
+        if self._arrivals is not None:
+            self._arrivals.wait_all()
         if self._armed:
             self._exchange.push_from_backward(p)
         self._grads.arrived(p)
@@ -281,9 +316,12 @@ class Trainer:
         store that updates would move it) nor pulled (into .grad)."""
         if self._exchange is None:
             return
-        self._exchange.allreduce([p for p in self._trainable if self._grads.takes_part(p)],
-                                 into_grads)
+        self._exchange.allreduce(self._taking_part(), into_grads)
         self._reduced = 'grads' if into_grads else 'buffers'
+
+    def _taking_part(self):
+        """The trainable parameters reduced this step (GradientLog.takes_part)."""
+        return [p for p in self._trainable if self._grads.takes_part(p)]
 
     def _update(self):
         """Run the local optimizer on this step's gradients (workers update, or alone)."""

@@ -14,7 +14,7 @@ from ..errors import ProtocolError
 from .items import CheckItem, DataItem, InitItem, Layout, PullItem, PushItem, ResumeItem
 
 # Node <-> scheduler.
-VERSION = 9                  # bumped on any change of the wire format; checked at REGISTER
+VERSION = 10                 # bumped on any change of the wire format; checked at REGISTER
 REGISTER = 'register'        # node -> scheduler: {role, host, port, rank, pid, version}
 # scheduler -> node: {rank, num_workers, num_servers, servers, nodes, recovery_timeout, job (a
 # token naming this run, kept in server checkpoints), clock (the scheduler's monotonic ns: a
@@ -36,7 +36,9 @@ SERVER_LOST = 'server_lost'  # scheduler -> worker: {rank, reason}; the job wait
 SERVER_BACK = 'server_back'  # scheduler -> worker: {rank, host, port} of the replacement
 
 # Worker <-> server. A multi-key op lists one item per key part under `keys`, each of the
-# NamedTuple that ITEMS names (kvps.wire.items declares every field).
+# NamedTuple that ITEMS names (kvps.wire.items declares every field). PUSH, PULL and PULL_ROWS
+# may carry `priority` (an int in PRIORITIES; absent: 0), MXNet's: the worker sends, and the
+# server serves, a higher one first (kvps.wire.ordering keeps what must stay in order)
 # {sync, [device], keys: InitItem} + 1 buffer per item: key parts to create with these values
 # (`device`: on the server's GPU, if it has one)
 INIT = 'init'
@@ -144,6 +146,7 @@ ITEMS_BUDGET = MAX_HEADER_BYTES // 2
 STATE_CHUNK_BYTES = 64 << 20
 INT_ITEM_BYTES = 64   # an item with an int key: its list, 5 fields and key, 1 + 6 * 9 bytes
 MAX_KEY_CHARS = 1024
+PRIORITIES = range(-2 ** 31, 2 ** 31)   # MXNet's priority is a C int
 
 
 def encode(header, buffers=()):
@@ -206,6 +209,9 @@ def validate_header(header):
     if since is not None and not (type(since) is list and len(since) == 2
                                   and all(_natural(v) for v in since)):
         raise ProtocolError(f'{op}: since must be [epoch, count], two ints >= 0')
+    priority = header.get('priority')
+    if priority is not None and not (type(priority) is int and priority in PRIORITIES):
+        raise ProtocolError(f'{op}: priority must be an int of 32 bits')
     for flag in ('device', 'stage', 'ids', 'live', 'more'):
         if not isinstance(header.get(flag, False), bool):
             raise ProtocolError(f'{op}: {flag} must be true or false')

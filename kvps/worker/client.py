@@ -20,9 +20,9 @@ from ..timeline.counters import WorkerCounts
 from ..wire import protocol as P
 from ..wire.items import PullItem, PushItem, new
 from .collectives import Collectives
-from .loop import SCHEDULER, WorkerIO, server_name
-from .messages import (WAVE_BYTES, copier, describe, fuse, live_collector, part_nbytes, payload,
-                       row_writer)
+from .loop import SCHEDULER, WorkerIO
+from .messages import (copier, describe, fuse, live_collector, part_nbytes, payload, row_writer,
+                       server_name, waves)
 from .pending import Operation, PushWindow, Request
 from .sharding import Sharding
 
@@ -113,10 +113,10 @@ class DistClient:
         staging = self.io.staging
         return [None] * len(sizes) if staging is None else staging.stage(sizes)
 
-    def push(self, items):
+    def push(self, items, priority=0):
         """Send each ``(key, flat, dtype)`` (``flat``: a kvps-owned contiguous copy, maybe in a
         block from ``stage``) to the key's servers, small parts fused into one message per
-        server; do not wait."""
+        server, ahead of queued requests of a lower ``priority``; do not wait."""
         self._raise_pending_errors()
         self.counts.push_calls += 1
         step = self._count_pushes(items)
@@ -132,10 +132,10 @@ class DistClient:
         batches = fuse(parts, lambda item: 0 if item[4] is not None else item[2].nbytes)
         op = Operation(describe('push', items), len(batches), on_error=self._errors.append,
                        counts=self.counts)
-        self._send_pushes(batches, op, step)
+        self._send_pushes(batches, op, step, priority)
         self._window.add(op, nbytes)
 
-    def _send_pushes(self, batches, op, step):
+    def _send_pushes(self, batches, op, step, priority):
         """One PUSH per batch, each item numbered (its ``seq``) as it is made: numbering and
         queueing under one lock keep a key part's pushes to a server in the order of their
         numbers, whichever threads push at once."""
@@ -163,6 +163,8 @@ class DistClient:
                 header = {'op': P.PUSH, 'sync': self.sync, 'keys': keys}
                 if step:
                     header['step'] = step
+                if priority:
+                    header['priority'] = priority
                 self._submit(server, header, frames, Request(op, node, keep=keep))
 
     def _count_pushes(self, items):
@@ -180,50 +182,33 @@ class DistClient:
                     self._step = count
             return self._step
 
-    def pull(self, items):
+    def pull(self, items, priority=0):
         """Fill each ``out`` of ``items`` ([(key, out, dtype)]: writable numpy arrays, as the
         store checks them) with the key's value once this worker's pushes of it are applied.
         Every request leaves before any answer is awaited, and small parts share one message
         per server."""
         self._raise_pending_errors()
-        self.pull_begin(items)()
+        self.pull_begin(items, priority)()
 
-    def pull_begin(self, items):
+    def pull_begin(self, items, priority=0):
         """Send the pull requests of ``items`` now; returns the wait for their answers."""
-        sent = self._send_pulls(items)
+        sent = self._send_pulls(items, priority)
         return lambda: self._finish_pull(*sent)
 
-    def pushpull(self, pushes, pulls):
+    def pushpull(self, pushes, pulls, priority=0):
         """``push(pushes)`` then ``pull(pulls)`` (the same keys, in the same order), with each
         wave's pull requests sent right behind its pushes rather than behind all of them: a
         server answers a key's pull as soon as its round is complete, so results flow back
         while later keys are still being pushed (both directions of a link busy at once)."""
         self._raise_pending_errors()
         waits = []
-        for start, stop in self._waves(pulls):
-            self.push(pushes[start:stop])
-            waits.append(self.pull_begin(pulls[start:stop]))
+        for start, stop in waves(pulls, self.sharding, self.io.staging):
+            self.push(pushes[start:stop], priority)
+            waits.append(self.pull_begin(pulls[start:stop], priority))
         for wait in waits:
             wait()
 
-    def _waves(self, items):
-        """``(start, stop)`` runs of ``items`` ([(key, out, dtype)]) of about WAVE_BYTES each
-        on the socket (parts through shared memory count nothing: they cost no link time,
-        and splitting them would only add messages)."""
-        staging, runs, start, held = self.io.staging, [], 0, 0
-        for i, (key, out, _) in enumerate(items):
-            for part in self.sharding.parts(key):
-                nbytes = (part.stop - part.start) * out.itemsize
-                if staging is None or not staging.would_place(server_name(part.server), nbytes):
-                    held += nbytes
-            if held >= WAVE_BYTES:
-                runs.append((start, i + 1))
-                start, held = i + 1, 0
-        if start < len(items):
-            runs.append((start, len(items)))
-        return runs
-
-    def _send_pulls(self, items):
+    def _send_pulls(self, items, priority):
         """Send the pull requests of ``items``; returns what ``_finish_pull`` waits on."""
         targets, finish = [], []
         for key, out, dtype in items:
@@ -249,6 +234,8 @@ class DistClient:
             header = {'op': P.PULL, 'keys': [
                 new(PullItem, (key, part.part, None if block is None else block[0]))
                 for (key, part, _, _), block in zip(batch, blocks)]}
+            if priority:
+                header['priority'] = priority
             self._submit(server, header, (),
                          Request(op, node, copier(batch, blocks, staging, node, self.counts,
                                                   self.io.trace), keep=blocks))
@@ -262,14 +249,14 @@ class DistClient:
         # pull: the pull after it raises that error, as a local store's push does.
         self._raise_pending_errors()
 
-    def pull_rows(self, items):
+    def pull_rows(self, items, priority=0):
         """Fill some rows of each ``(key, table, ids, marks)``: ``table`` a writable 2-D
         (rows x width) numpy view of the key, ``ids`` sorted unique row ids, or None for the
         rows changed since ``marks`` (a dict, part -> [epoch, count], updated from the
         answers; empty: every row). Answered after this worker's pushes, as a pull is."""
-        self.pull_rows_begin(items)()
+        self.pull_rows_begin(items, priority)()
 
-    def pull_rows_begin(self, items):
+    def pull_rows_begin(self, items, priority=0):
         """Send the requests of ``pull_rows(items)`` now; returns the wait for the answers."""
         self._raise_pending_errors()
         ops = []
@@ -277,6 +264,8 @@ class DistClient:
             width = table.shape[1]
             for part in self.sharding.parts(key):
                 header = {'op': P.PULL_ROWS, 'key': key, 'part': part.part}
+                if priority:
+                    header['priority'] = priority
                 first, buffers = part.start // width, ()
                 if ids is not None:
                     a, b = np.searchsorted(ids, [first, part.stop // width])
@@ -291,7 +280,7 @@ class DistClient:
                                                               marks, part.part)))
         return self._waiter(ops)
 
-    def pull_live_begin(self, items):
+    def pull_live_begin(self, items, priority=0):
         """Send, for each ``(key, width, storage dtype, sink)``, a request for the rows of its
         value that a push of rows made (servers without an optimizer: the round's summed
         rows; every row where the value is dense); the answers append ``(ids, rows)`` per
@@ -301,6 +290,8 @@ class DistClient:
         for key, width, dtype, sink in items:
             for part in self.sharding.parts(key):
                 header = {'op': P.PULL_ROWS, 'key': key, 'part': part.part, 'live': True}
+                if priority:
+                    header['priority'] = priority
                 sink.append(None)
                 ops.append(self._request(part.server, f'pull of rows of key {key!r}', header, (),
                                          live_collector(sink, len(sink) - 1, part, width, dtype)))

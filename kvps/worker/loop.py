@@ -1,9 +1,10 @@
 """The worker's I/O thread: owns every socket, sends queued requests, routes replies.
 
 API threads never touch a socket: they append ``(node, header, buffers, request)`` to a queue
-and wake this thread, which assigns the request id, sends, and later completes the request's
-Operation from the reply. Many requests are in flight at once (pipelining), and replies from
-different servers are handled as they arrive.
+and wake this thread, which takes them in order of priority (kvps.wire.ordering), assigns the
+request id, sends, and later completes the request's Operation from the reply. Many requests
+are in flight at once (pipelining), and replies from different servers are handled as they
+arrive.
 """
 
 import collections
@@ -17,7 +18,9 @@ from ..timeline.counters import Ticker, WorkerCounts
 from ..wire import protocol as P
 from ..wire.items import ResumeItem
 from ..wire.link import SchedulerLink, decode_or_refusal
+from ..wire.ordering import PriorityOrder
 from ..wire.transport import Dealer, Poller, Waker, guard_from, new_context
+from .messages import server_name
 from .pending import Operation, PendingTable, PushCounts, Request
 from .staging import Staging
 from .tracing import MessageTrace
@@ -25,18 +28,6 @@ from .tracing import MessageTrace
 log = logging.getLogger('kvps.worker')
 
 SCHEDULER = 'scheduler'
-
-
-_SERVER_NAMES = {}
-
-
-def server_name(rank):
-    # One str per server, made once: asked per key part, and a str made anew hashes anew
-    # each time it is looked up.
-    name = _SERVER_NAMES.get(rank)
-    if name is None:
-        name = _SERVER_NAMES[rank] = f'server {rank}'
-    return name
 
 
 class WorkerIO(threading.Thread):
@@ -51,7 +42,8 @@ class WorkerIO(threading.Thread):
         self.ready = threading.Event()
         self.welcome = None
         self.fatal = None           # the error that ended this worker's link to the job
-        self._queue = collections.deque()
+        self._queue = collections.deque()   # submitted, not yet taken in by this thread
+        self._order = PriorityOrder()       # taken in, waiting to be sent (this thread only)
         self._wake_pending = False
         self._pending = PendingTable()
         # Scheduler requests (barrier, finish) are few and keyed by their own sequence numbers.
@@ -132,6 +124,8 @@ class WorkerIO(threading.Thread):
                                           'cannot complete')
         self._fail_everything()
         self._fail_queued()
+        while self._order:   # taken in by this thread and not sent
+            self._order.pop()[3].op.fail(self.fatal)
 
     def _fail_queued(self):
         """Fail every queued request (the thread is gone). Any thread: popleft hands each
@@ -168,7 +162,7 @@ class WorkerIO(threading.Thread):
 
     def _serve(self):
         tick = min(self.config.heartbeat_interval, 0.5)
-        while not (self._stopping and not self._queue):
+        while not (self._stopping and not self._queue and not self._order):
             for sock in self._poller.poll(tick):
                 if sock is self.waker.socket:
                     # Drain, then clear the flag, then send the queue (below): a submit before
@@ -190,29 +184,43 @@ class WorkerIO(threading.Thread):
                 self._ticker.tick(now)
 
     def _send_queued(self):
-        while self._queue:
-            node, header, buffers, request = self._queue.popleft()
-            if self.fatal is not None:
-                request.op.fail(self.fatal)
-                continue
-            if node == SCHEDULER:
-                self._scheduler_requests[header['id']] = request
-                request.op.waiting_on.add(SCHEDULER)
-                self._link.send(header)
-                continue
-            header['id'] = self._pending.add(request)
-            arena = None if self.staging is None else self.staging.arenas.get(node)
-            if arena is not None and header['op'] in (P.PUSH, P.PULL):
-                # What was lent to us is copied (replies are handled before this send): the
-                # server may reuse it; and it may lend more.
-                header['seen'] = arena.seen
-            start = recording.now() if self.trace is not None else 0
-            request.message = self._readable(node, header, buffers)
-            if node not in self._lost:
-                self._servers[node].send(P.encode(*request.message))
-                self.counts.messages += 1
-                if self.trace is not None and header['op'] in (P.PUSH, P.PULL):
-                    self.trace.sent(start, node, *request.message, request.keep)
+        """Send every queued request, highest priority first. Requests queued meanwhile join
+        the order before each send, so that one of a higher priority goes ahead of those still
+        waiting (kvps.wire.ordering: arrival order within one priority, and a key part's
+        requests to one server in the order they were queued)."""
+        queue, order = self._queue, self._order
+        while True:
+            while queue:
+                entry = queue.popleft()
+                order.add(entry[0], entry[1], entry)
+            entry = order.pop()
+            if entry is None:
+                return
+            self._send(*entry)
+
+    def _send(self, node, header, buffers, request):
+        """Send one request (fail it if this worker's link to the job is broken)."""
+        if self.fatal is not None:
+            request.op.fail(self.fatal)
+            return
+        if node == SCHEDULER:
+            self._scheduler_requests[header['id']] = request
+            request.op.waiting_on.add(SCHEDULER)
+            self._link.send(header)
+            return
+        header['id'] = self._pending.add(request)
+        arena = None if self.staging is None else self.staging.arenas.get(node)
+        if arena is not None and header['op'] in (P.PUSH, P.PULL):
+            # What was lent to us is copied (replies are handled before this send): the
+            # server may reuse it; and it may lend more.
+            header['seen'] = arena.seen
+        start = recording.now() if self.trace is not None else 0
+        request.message = self._readable(node, header, buffers)
+        if node not in self._lost:
+            self._servers[node].send(P.encode(*request.message))
+            self.counts.messages += 1
+            if self.trace is not None and header['op'] in (P.PUSH, P.PULL):
+                self.trace.sent(start, node, *request.message, request.keep)
 
     @property
     def in_flight(self):
@@ -222,7 +230,8 @@ class WorkerIO(threading.Thread):
     def _stats(self):
         """The counts of a --stats line, and the gauges: requests awaiting answers, and
         those queued for this thread to send."""
-        return self.counts.rates(), {'in_flight': self.in_flight, 'queued': len(self._queue)}
+        return self.counts.rates(), {'in_flight': self.in_flight,
+                                     'queued': len(self._queue) + len(self._order)}
 
     def _readable(self, node, header, buffers):
         """The message with its shared-memory items made frames if ``node`` lost the segment."""

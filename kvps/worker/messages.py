@@ -1,4 +1,5 @@
-"""How a worker's requests are cut into messages and how their answers land: parts fused per server, pulled bytes written into the caller's arrays."""
+"""How a worker's requests are cut into messages and how their answers land: parts fused per
+server, pulled bytes written into the caller's arrays."""
 
 from .. import rows
 from ..errors import ProtocolError
@@ -10,6 +11,19 @@ FUSE_BYTES = 1 << 20   # socket bytes up to which parts share a message for the 
 # results start coming back early in a big model's push, big enough that small keys still
 # share messages.
 WAVE_BYTES = 1 << 20
+
+
+_SERVER_NAMES = {}
+
+
+def server_name(rank):
+    """The node name of server ``rank`` ('server N'), as the I/O thread knows it."""
+    # One str per server, made once: asked per key part, and a str made anew hashes anew
+    # each time it is looked up.
+    name = _SERVER_NAMES.get(rank)
+    if name is None:
+        name = _SERVER_NAMES[rank] = f'server {rank}'
+    return name
 
 
 def part_nbytes(item):
@@ -42,6 +56,24 @@ def fuse(parts, wire_bytes=part_nbytes, shaped=False):
         batch[1] += listed
         batch[2].append(item)
     return batches
+
+
+def waves(items, sharding, staging):
+    """``(start, stop)`` runs of ``items`` ([(key, out, dtype)]) of about WAVE_BYTES each on
+    the socket (parts that ``staging``, the worker's shared memory or None, would place count
+    nothing: they cost no link time, and splitting them would only add messages)."""
+    runs, start, held = [], 0, 0
+    for i, (key, out, _) in enumerate(items):
+        for part in sharding.parts(key):
+            nbytes = (part.stop - part.start) * out.itemsize
+            if staging is None or not staging.would_place(server_name(part.server), nbytes):
+                held += nbytes
+        if held >= WAVE_BYTES:
+            runs.append((start, i + 1))
+            start, held = i + 1, 0
+    if start < len(items):
+        runs.append((start, len(items)))
+    return runs
 
 
 def payload(part, array):

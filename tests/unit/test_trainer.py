@@ -428,9 +428,9 @@ class PullLog(PushLog):
         self.calls.append(('pull at step', sorted(key)))
         super().pull(key, out, priority)
 
-    def pull_begin(self, key, out):
+    def pull_begin(self, key, out, priority=0):
         self.calls.append(('pull', sorted(key)))
-        return super().pull_begin(key, out)
+        return super().pull_begin(key, out, priority)
 
 
 @pytest.mark.parametrize('servers_update', [True, False])

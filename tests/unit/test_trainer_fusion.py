@@ -214,12 +214,14 @@ def test_gradients_bucketed_from_several_threads_each_leave_once():
     import sys
     import threading
     from kvps.trainer.fusion import PushBucket
+    from kvps.trainer.params import Param
 
     class Recording:
         def __init__(self):
             self.pushed = []
 
-        def push(self, keys, values):
+        def push(self, keys, values, priority):
+            assert priority == -min(keys)   # the first parameter's the highest
             self.pushed.extend(keys)
     kv = Recording()
     bucket = PushBucket(kv, cap=64)   # 4 gradients of 16 bytes fill it
@@ -228,7 +230,7 @@ def test_gradients_bucketed_from_several_threads_each_leave_once():
     def hook_thread(first):
         start.wait()
         for key in range(first, first + 500):
-            bucket.add(key, torch.ones(4), None)
+            bucket.add(key, torch.ones(4), Param(key, f'p{key}', None))
     threads = [threading.Thread(target=hook_thread, args=(i * 500,)) for i in range(4)]
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)   # switch threads often: between any two bytecodes
