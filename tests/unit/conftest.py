@@ -13,9 +13,9 @@ class RecordingBackend(LocalBackend):
         super().__init__()
         self.held = []
 
-    def push(self, items):
+    def push(self, items, priority=0):
         self.held += [flat for _, flat, _ in items]
-        super().push(items)
+        super().push(items, priority)
 
 
 @pytest.fixture
