@@ -109,6 +109,29 @@ def check_like(value, shape, dtype, key, what):
                          f'but the key was initialized with dtype {dtype}')
 
 
+def check_pull_target(value, shape, dtype, key):
+    """Raise ShapeError unless pull target ``value`` has the key's shape, DTypeError unless
+    its dtype is one kvps carries; returns its dtype name. Another dtype than the key's is
+    cast into (MXNet's CopyFromTo casts a pull into an array of another dtype)."""
+    if value.shape == shape and dtype_name(value) == dtype:   # the common case, kept cheap
+        return dtype
+    check_like(value, shape, dtype_name(value), key, 'pull target')
+    return dtype_name(value)
+
+
+def cast_into(target, target_dtype, source, source_dtype):
+    """Write ``source`` (numpy, wire dtype ``source_dtype``, bfloat16 as its bits) into
+    numpy view ``target`` (``target_dtype``), converted as C casts do (floats to integers
+    toward zero), as MXNet and torch convert; bfloat16 goes through float32 and is rounded
+    to nearest even."""
+    from .optimizer.kernels.common import bf16_to_f32, f32_to_bf16  # (bfloat16 lives there)
+    if source_dtype == 'bfloat16':
+        source = bf16_to_f32(source)   # exact
+    if target_dtype == 'bfloat16':
+        source = f32_to_bf16(source.astype(np.float32, copy=False))
+    np.copyto(target, source.reshape(target.shape), casting='unsafe')
+
+
 def flat_view(out):
     """A 1-D view of numpy array ``out`` if it is contiguous, else None. For backends, whose
     pull targets come already checked (``writable``, by the store)."""

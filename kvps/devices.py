@@ -86,12 +86,14 @@ def check_targets(targets, key):
     return views
 
 
-def pull_buffer(targets):
-    """A fresh host buffer for the backend to pull one key into: pinned when a target is on a
-    GPU, so that the copies to the devices can run asynchronously (targets checked with
+def pull_buffer(targets, dtype):
+    """A fresh host buffer of wire dtype ``dtype`` (the key's) for the backend to pull one key
+    into: pinned when a target is on a GPU, so that the copies to the devices (which cast to
+    a target of another dtype) can run asynchronously (targets checked with
     ``check_targets`` first)."""
+    torch = _torch()
     views = [as_torch(t) for t in targets]
-    return _host_buffer(views[0].numel(), views[0].dtype, any(v.is_cuda for v in views))
+    return _host_buffer(views[0].numel(), getattr(torch, dtype), any(v.is_cuda for v in views))
 
 
 def land(host, targets):

@@ -3,10 +3,13 @@
 
 import os
 
+import numpy as np
+
 from .. import arrays, compression, devices, rows
 from ..errors import ConfigError, DuplicateInitError, KeyNotInitializedError, StoreClosedError
 from ..optimizer import states
 from ..timeline.recording import traced
+from ..wire.protocol import DTYPES
 from . import row_calls
 from .job import dist_backend
 from .keys import StoreKeys, checked_priority
@@ -164,37 +167,48 @@ class KVStore:
     def _pull_items(self, key, out):
         """``(landings, backend items)`` for a pull into ``out``, every target checked first
         (a pull raises before it writes any of them). GPU targets are pulled into a pinned
-        host buffer and copied onto each device from there: landing ``(buffer, targets)``;
-        host targets are pulled into the first one, which feeds the rest: landing ``(None,
-        their numpy views)``."""
+        host buffer of the key's dtype and copied (cast) onto each device from there: landing
+        ``(buffer, targets)``; host targets are pulled into the first of the key's dtype (a
+        scratch array if none is), which feeds the rest, cast where their dtype differs:
+        landing ``(None, [(numpy view, its dtype)], that first view, the key's dtype)``."""
         landings, items = [], []
         for k, targets in self._keys.pairs(key, out):
             shape, dtype = self._keys.known(k)
+            names = []
             for t in targets:
                 if rows.is_row_sparse(t):
                     raise TypeError(f'key {k!r}: pull into dense arrays or tensors (row-sparse '
                                     'values are for push; row_sparse_pull pulls some rows)')
-                arrays.check_like(t, shape, dtype, k, 'pull target')
+                names.append(arrays.check_pull_target(t, shape, dtype, k))
             gpu = self._keys.on_gpu(k, targets)   # first: it names the device store types
             views = devices.check_targets(targets, k)
             if gpu:
-                host = devices.pull_buffer(targets)
+                host = devices.pull_buffer(targets, dtype)
                 landings.append((host, targets))
                 items.append((k, arrays.as_numpy(host), dtype))
-            else:
-                landings.append((None, views))
-                items.append((k, views[0], dtype))
+                continue
+            first = next((v for v, name in zip(views, names) if name == dtype), None)
+            if first is None:
+                first = np.empty(shape, DTYPES[dtype])
+            landings.append((None, list(zip(views, names)), first, dtype))
+            items.append((k, first, dtype))
         return landings, items
 
     @staticmethod
     def _land(landings):
         """Copy what a pull wrote into its first target or host buffer onto the rest."""
-        for host, targets in landings:
-            if host is not None:
-                devices.land(host, targets)
-            else:
-                for view in targets[1:]:
-                    view[...] = targets[0]
+        for landing in landings:
+            if landing[0] is not None:
+                devices.land(*landing)
+                continue
+            _, targets, first, dtype = landing
+            for view, name in targets:
+                if view is first:
+                    continue
+                if name == dtype:
+                    view[...] = first
+                else:
+                    arrays.cast_into(view, name, first, dtype)
 
     @traced('row_sparse_pull', 'pull')
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):

@@ -184,7 +184,7 @@ def test_host_sum_stages_into_a_fresh_buffer_each_time():
 
 def test_land_writes_every_target_and_kernel_view_shares_memory():
     targets = [torch.zeros(2, 2), np.zeros((2, 2), np.float32)]
-    host = devices.pull_buffer(targets)
+    host = devices.pull_buffer(targets, 'float32')
     assert not host.is_pinned() and host.shape == (4,)
     host.copy_(torch.arange(4.0))
     devices.land(host, targets)
