@@ -7,7 +7,9 @@ import types
 import numpy as np
 import pytest
 
+from kvps.optimizer import create
 from kvps.optimizer.kernels import cuda_kernels as C, cuda_launch as L, cuda_source as src
+from kvps.optimizer.updater import Updater
 from test_cuda_source import FAKE_CUPY, STREAM, DeviceLike, call, plan_of, recording, uploaded
 
 
@@ -201,3 +203,24 @@ def test_at_most_rounds_kept_call_lists_are_kept(gpu, monkeypatch):
     for calls in lists + lists[2:]:
         C.multi_update(calls, kept)
     assert gpu.rounds == 3 and len(kept) == 2   # the first list's Round went first
+
+
+class CupyLike(DeviceLike):
+    __module__ = 'cupy._stand_in'   # kernels_for takes it for a cupy array
+
+
+def test_the_updater_keeps_its_launches_and_drops_them_with_its_states(gpu, monkeypatch):
+    monkeypatch.setattr(L, 'cupy', lambda: types.SimpleNamespace(
+        **{**vars(FAKE_CUPY), 'zeros': CupyLike, 'empty': CupyLike}))
+    updater = Updater(create('adam', learning_rate=0.1, multi_precision=True))
+    weights = {key: CupyLike(n, 'float16') for key, n in enumerate(SIZES)}
+    monkeypatch.setattr(C, 'widen', lambda w: CupyLike(w.shape, 'float32'))
+    for _ in range(3):
+        updater.update_many([(key, 0, w, CupyLike(w.shape, 'float16'))
+                             for key, w in weights.items()])
+    assert gpu.rounds == 1 and len(gpu.launches) == 3
+    updater.install((updater.optimizer, {}, {}, 0))
+    assert updater._launches == {}       # they held the states just replaced
+    updater.update_many([(key, 0, w, CupyLike(w.shape, 'float16'))
+                         for key, w in weights.items()])
+    assert gpu.rounds == 2

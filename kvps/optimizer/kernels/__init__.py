@@ -23,15 +23,22 @@ def is_cupy(array):
 
 
 def kernels_for(array):
-    """The kernel module for an array: cuda_kernels for cupy arrays, numpy_kernels for numpy."""
-    if type(array) is np.ndarray:   # asked several times per key and update: answered first
-        return _loaded('numpy_kernels')
-    if is_cupy(array):
-        return _loaded('cuda_kernels')
-    if isinstance(array, np.ndarray):
-        return _loaded('numpy_kernels')
-    raise DTypeError(f'no optimizer kernels for {type(array).__module__}.'
-                     f'{type(array).__name__}; expected a numpy or cupy array')
+    """The kernel module for an array: cuda_kernels for cupy arrays, numpy_kernels for numpy.
+    Asked several times per key and update: answered by the array's type, once found."""
+    module = _BY_TYPE.get(type(array))
+    if module is None:
+        if is_cupy(array):
+            module = _loaded('cuda_kernels')
+        elif isinstance(array, np.ndarray):
+            module = _loaded('numpy_kernels')
+        else:
+            raise DTypeError(f'no optimizer kernels for {type(array).__module__}.'
+                             f'{type(array).__name__}; expected a numpy or cupy array')
+        _BY_TYPE[type(array)] = module
+    return module
+
+
+_BY_TYPE = {}   # array type -> kernel module
 
 
 _MODULES = {}
