@@ -17,7 +17,7 @@ import pytest
 
 from kvps.optimizer.kernels import (cuda_kernels as C, cuda_launch as L, cuda_source as src,
                                     numpy_kernels as K)
-from test_cuda_source import (BASE, CASES, DTYPES, NEEDS_T, STREAM, Device, every_plan,
+from test_cuda_source import (BASE, CASES, DTYPES, NEEDS_T, Device, current_stream, every_plan,
                               live_states, state_dtype)
 
 
@@ -134,7 +134,7 @@ HOST_CUPY = types.SimpleNamespace(
     zeros=lambda shape, dtype: on_host(np.zeros(shape, dtype)),
     float64=np.float64, uint32=np.uint32, asarray=lambda a: on_host(np.array(a)),
     ascontiguousarray=lambda a: on_host(np.ascontiguousarray(a)),
-    cuda=types.SimpleNamespace(get_current_stream=lambda: STREAM))
+    cuda=types.SimpleNamespace(get_current_stream=current_stream))
 
 
 def _f64(array):

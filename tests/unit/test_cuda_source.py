@@ -89,11 +89,18 @@ def uploaded(host):
     return out
 
 
-STREAM = types.SimpleNamespace(ptr=0)   # the current stream; a test may set another
+STREAM = types.SimpleNamespace(ptr=0)   # the current stream's handle; a test may set another
+
+
+def current_stream():
+    """cupy.cuda.get_current_stream(): a Stream object with the current handle."""
+    return types.SimpleNamespace(ptr=STREAM.ptr)
+
+
 FAKE_CUPY = types.SimpleNamespace(
     empty=DeviceLike, zeros=DeviceLike, float64=np.float64, uint32=np.uint32,
     asarray=uploaded, ascontiguousarray=lambda a: DeviceLike(a.shape, a.dtype),
-    cuda=types.SimpleNamespace(get_current_stream=lambda: STREAM))
+    cuda=types.SimpleNamespace(get_current_stream=current_stream))
 
 
 class Recorder:

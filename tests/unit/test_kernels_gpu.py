@@ -18,8 +18,7 @@ from kvps.optimizer import create  # noqa: E402
 from kvps.optimizer.kernels import (cuda_kernels as C, kernels_for, multi_apply,  # noqa: E402
                                     numpy_kernels as K)
 from kvps.optimizer.updater import Updater  # noqa: E402
-from test_cuda_source import (BASE, CASES, DTYPES, NEEDS_T, live_states,  # noqa: E402
-                              state_dtype)
+from test_cuda_source import BASE, CASES, DTYPES, NEEDS_T, live_states, state_dtype  # noqa: E402
 
 
 def _store(x, dtype):

@@ -261,7 +261,7 @@ class Round:
     def __init__(self, calls, rules):
         self.names = [call[0] for call in calls]
         self.fixed = _fixed(calls)
-        self.stream = _stream()
+        self.stream = _stream()   # held: its handle cannot go to another stream meanwhile
         self.reusable = not any(_ARRAY_KEYWORDS.intersection(kw) for _, _, kw in calls)
         plans = [plan_of(describe(rules[name], args, kw)) for name, args, kw in calls]
         self.launches = [Launch([plans[i] for i in keys], keys) for keys in _groups(plans)]
@@ -270,7 +270,7 @@ class Round:
     def matches(self, calls):
         fixed = _fixed(calls)
         return ([call[0] for call in calls] == self.names and len(fixed) == len(self.fixed)
-                and all(map(operator.is_, fixed, self.fixed)) and _stream() == self.stream)
+                and all(map(operator.is_, fixed, self.fixed)) and _stream().ptr == self.stream.ptr)
 
     def run_first(self, calls):
         """Launch for the calls the Round was planned from."""
@@ -309,7 +309,7 @@ def _fixed(calls):
 
 
 def _stream():
-    return cupy().cuda.get_current_stream().ptr
+    return cupy().cuda.get_current_stream()
 
 
 def _groups(plans):
