@@ -42,6 +42,9 @@ class Updater:
         self._num_update = optimizer.begin_num_update
         # Host states of small keys, cut end to end: they are updated in place, packed.
         self._slabs = Slabs()
+        # The device kernels' prepared launches of recent rounds (cuda_launch.Round): they
+        # hold the weights and states they were made for, and go with this updater.
+        self._launches = {}
 
     @property
     def optimizer(self):
@@ -79,7 +82,8 @@ class Updater:
         self._num_update = max(self._num_update, self._opt.begin_num_update + step)
         self._opt.num_update = self._num_update
         multi_apply(self._calls([(key, weight, grad, state, count) for (key, _, weight, _),
-                                 (grad, state), count in zip(items, checked, counts)]))
+                                 (grad, state), count in zip(items, checked, counts)]),
+                    self._launches)
 
     @property
     def updates_rows(self):
@@ -115,6 +119,8 @@ class Updater:
         if _plain_host_update(weight, grad):   # most updates: nothing to say, nothing to fix
             return grad, self._state_for(key, part, weight, numpy_kernels)
         kernels = kernels_for(weight)
+        if _plain_device_update(weight, grad, kernels):   # a GPU shard's updates: the same
+            return grad, self._state_for(key, part, weight, kernels)
         _check_dtype(key, 'weight', weight)
         if type(weight) is np.ndarray and (not weight.flags.c_contiguous
                                            or not weight.flags.writeable):
@@ -189,37 +195,42 @@ class Updater:
         grad, state, count)``. Every call of one optimizer builds its kwargs in one order
         (multi_update packs calls whose scalars are equal)."""
         opt, calls = self._opt, []
-        lr_of, wd_of = self._lr_wd_of(opt)
+        lr_of, wd_of, alike = self._lr_wd_of(opt)
         kernel, names, rescale, clip = (opt.kernel, opt.kernel_states, opt.rescale_grad,
                                         opt.clip_gradient)
         by_count = {}   # count -> the kernel's hyper-parameters: most keys share a count
-        # Keys without a master copy that share a count, lr and wd share one kwargs dict
-        # (kernels only read it), which multi_update also reads once for all of them.
+        # Keys that share a count, lr and wd share one kwargs dict (kernels only read it),
+        # which multi_update also reads once for all of them; a key with a master copy gets
+        # its own dict of the same value objects, which the CUDA launches read once too.
         shared = {}
         for key, weight, grad, state, count in updates:
             lr, wd, weight32 = lr_of(key), wd_of(key), state.get('weight32')
-            same = (count, *common.signed_key((lr, wd)))
-            kwargs = shared.get(same) if weight32 is None else None
+            same = count if alike else (count, *common.signed_key((lr, wd)))
+            kwargs = shared.get(same)
             if kwargs is None:
                 more = by_count.get(count)
                 if more is None:
                     more = by_count[count] = opt.kernel_args(count)
-                kwargs = dict(lr=lr, wd=wd, rescale_grad=rescale, clip_gradient=clip,
-                              weight32=weight32, **more)
-                if weight32 is None:
-                    shared[same] = kwargs
+                kwargs = shared[same] = dict(lr=lr, wd=wd, rescale_grad=rescale,
+                                             clip_gradient=clip, weight32=None, **more)
+            if weight32 is not None:
+                kwargs = dict(kwargs, weight32=weight32)
             calls.append((kernel, (weight, grad, *map(state.get, names)), kwargs))
         return calls
 
     def _lr_wd_of(self, opt):
         """Functions giving each key's lr and wd as ``opt.get_lr``/``get_wd`` do, with the
         scheduler asked once for all keys of an update (a registered optimizer that overrides
-        either is asked per key)."""
+        either is asked per key), and whether every key gets the same two (no multipliers:
+        the very same objects, so keys need no comparing)."""
         num_update = self._num_update
         if type(opt).get_lr is not Optimizer.get_lr or type(opt).get_wd is not Optimizer.get_wd:
-            return (lambda key: opt.get_lr(key, num_update)), opt.get_wd
+            return (lambda key: opt.get_lr(key, num_update)), opt.get_wd, False
         lr, lr_mult, wd, wd_mult = opt.base_lr(num_update), opt.lr_mult, opt.wd, opt.wd_mult
-        return (lambda key: lr * lr_mult.get(key, 1.0)), (lambda key: wd * wd_mult.get(key, 1.0))
+        if not lr_mult and not wd_mult:   # (x * 1.0 is x, to the bit)
+            return (lambda key: lr), (lambda key: wd), True
+        return ((lambda key: lr * lr_mult.get(key, 1.0)), (lambda key: wd * wd_mult.get(key, 1.0)),
+                False)
 
     # -- checkpoints ---------------------------------------------------------------------
     def get_states(self, dump_optimizer=False):
@@ -273,6 +284,7 @@ class Updater:
         self._states = {where: self._in_slabs(state) for where, state in states.items()}
         self._opt = opt
         self._fits = {}
+        self._launches.clear()   # they hold the replaced states
         self._num_update = opt.num_update = num_update
 
 
@@ -337,6 +349,14 @@ def _plain_host_update(weight, grad):
                 or not g.flags.c_contiguous:
             return False
     return True
+
+
+def _plain_device_update(weight, grad, kernels):
+    """Whether a device weight and its grad pass every check of ``Updater._check`` as they
+    are: one array type and shape, kernel dtypes (the kernels check the rest as they plan)."""
+    return (kernels is not numpy_kernels and type(grad) is type(weight)
+            and weight.dtype in _HOST_DTYPES and grad.dtype in _HOST_DTYPES
+            and grad.shape == weight.shape)
 
 
 def _check_dtype(key, label, array):

@@ -1,8 +1,11 @@
 """The generated CUDA kernels, run on the CPU: their C++ body compiled by g++ with CUDA's
-names shimmed, one emulated thread walking each grid-stride loop, fed numpy memory. They must
-give the numpy reference kernels' results bit for bit (LAMB to rounding: its norms come from
-numpy here), key by key and through multi-tensor apply. This checks the arithmetic and the
-pointer tables without a GPU; the `gpu` tests check the same on a device."""
+names shimmed, each block one emulated thread walking its grid-stride loop, blocks one after
+another, fed numpy memory through the real launch path (tables built and "uploaded", keys
+found from the prefix of their block counts, LAMB's partial norms added up by each key's last
+block). They must give the numpy reference kernels' results bit for bit (LAMB to rounding:
+its norms are sums in another order), key by key and through multi-tensor apply, round after
+round from kept launches. This checks the arithmetic and the tables without a GPU; the
+block-wide sums of 256 threads and the atomics run for real only in the `gpu` tests."""
 
 import ctypes
 import shutil
@@ -12,11 +15,10 @@ import types
 import numpy as np
 import pytest
 
-from kvps.optimizer.kernels import cuda_kernels as C
-from kvps.optimizer.kernels import cuda_source as src
-from kvps.optimizer.kernels import numpy_kernels as K
-from test_cuda_source import (BASE, CASES, DTYPES, FAKE_CUPY, NEEDS_T, Device, DeviceLike,
-                              every_plan, live_states, state_dtype)
+from kvps.optimizer.kernels import (cuda_kernels as C, cuda_launch as L, cuda_source as src,
+                                    numpy_kernels as K)
+from test_cuda_source import (BASE, CASES, DTYPES, NEEDS_T, Device, current_stream, every_plan,
+                              live_states, state_dtype)
 
 
 def _gxx_has_float16():
@@ -36,6 +38,12 @@ SHIM = r'''
 #define __device__
 #define __forceinline__ inline
 #define __global__
+#define __shared__ static
+static inline void __syncthreads() {}
+static inline void __threadfence() {}
+static inline unsigned int atomicAdd(unsigned int* at, unsigned int v) {
+    unsigned int old = *at; *at = old + v; return old;
+}
 struct kv_dim3 { unsigned int x, y, z; };
 extern "C" { kv_dim3 blockIdx = {0, 0, 0}, threadIdx = {0, 0, 0}, blockDim = {1, 1, 1},
                      gridDim = {1, 1, 1}; }
@@ -57,21 +65,11 @@ static inline unsigned short kv_f32_to_f16(float f) {
 
 @pytest.fixture(scope='module')
 def library(tmp_path_factory):
-    """Every kernel variant of every rule and dtype, in one shared object."""
-    record = []
-    patch = pytest.MonkeyPatch()
-    patch.setattr(C, '_cupy', lambda: FAKE_CUPY)
-    patch.setattr(C, '_sums_of_squares', lambda *arrays: DeviceLike(2, 'float64'))
-    patch.setattr(C, '_run', lambda plan: record.append(('one', plan)))
-    try:
-        plans = every_plan(record)
-    finally:
-        patch.undo()
+    """Every kernel of every rule and dtype, each layout, in one shared object."""
     kernels = {}
-    for plan in plans:
-        kernels[plan.kernel_name()] = src.definition(plan)
-        if not plan.raws:
-            kernels[plan.kernel_name(multi=True)] = src.definition(plan, multi=True)
+    for plan in every_plan():
+        kernels.update((name, code[len(src.PREAMBLE):])
+                       for name, code in src.kernels_of(plan).items())
     body = [SHIM, src.PREAMBLE.replace(src.HALF_CONVERSIONS, HALF_ON_CPU)]
     body += [f'namespace k{i} {{\n{text}\n}}' for i, text in enumerate(kernels.values())]
     where = tmp_path_factory.mktemp('cuda_emulated')
@@ -98,12 +96,45 @@ def on_host(array):
     return np.ascontiguousarray(array).view(HostDevice)
 
 
-def _pointer(array):
-    return ctypes.c_void_p(array.ctypes.data)
+class Dim3(ctypes.Structure):
+    _fields_ = [('x', ctypes.c_uint), ('y', ctypes.c_uint), ('z', ctypes.c_uint)]
 
 
-def _scalar(value, wide, compute):
-    return ctypes.c_double(value) if wide or compute == 'float64' else ctypes.c_float(value)
+_C_TYPES = {np.int64: ctypes.c_longlong, np.int32: ctypes.c_int, np.float32: ctypes.c_float,
+            np.float64: ctypes.c_double}
+
+
+def _c(value):
+    """A launch argument as C takes it: arrays by address, numpy scalars by value."""
+    if isinstance(value, np.ndarray):
+        return ctypes.c_void_p(value.ctypes.data)
+    return _C_TYPES[type(value)](value)
+
+
+class Emulated:
+    """A compiled kernel run on the CPU: its blocks one after another, one thread each."""
+
+    def __init__(self, library, name, log):
+        self.fn, self.name, self.log = getattr(library, name), name, log
+        self.dims = [Dim3.in_dll(library, d) for d in ('blockIdx', 'blockDim', 'gridDim')]
+
+    def __call__(self, grid, block, args):
+        self.log.append(self.name)
+        block_idx, block_dim, grid_dim = self.dims
+        block_dim.x, grid_dim.x = 1, grid[0]
+        args = [_c(a) for a in args]
+        for index in range(grid[0]):
+            block_idx.x = index
+            self.fn(*args)
+        block_idx.x = 0
+
+
+HOST_CUPY = types.SimpleNamespace(
+    empty=lambda shape, dtype: on_host(np.empty(shape, dtype)),
+    zeros=lambda shape, dtype: on_host(np.zeros(shape, dtype)),
+    float64=np.float64, uint32=np.uint32, asarray=lambda a: on_host(np.array(a)),
+    ascontiguousarray=lambda a: on_host(np.ascontiguousarray(a)),
+    cuda=types.SimpleNamespace(get_current_stream=current_stream))
 
 
 def _f64(array):
@@ -113,37 +144,11 @@ def _f64(array):
 
 @pytest.fixture
 def emulated(library, monkeypatch):
-    """cuda_kernels running on the CPU through ``library``; returns the launch log."""
+    """cuda_kernels running on the CPU through ``library``; returns the kernels launched."""
     log = []
-
-    def run(plan):
-        if plan.n == 0:
-            return
-        log.append(('one', plan.tag))
-        args = [ctypes.c_longlong(plan.n), *(_pointer(a) for _, a, _ in plan.arrays),
-                *(_pointer(r) for _, r in plan.raws),
-                *(_scalar(v, wide, plan.compute) for _, v, wide in plan.scalars)]
-        getattr(library, plan.kernel_name())(*args)
-
-    def run_multi(plans):
-        log.append(('multi', len(plans)))
-        table = np.array([[p.n] + [a.ctypes.data for _, a, _ in p.arrays] for p in plans],
-                         np.int64)
-        scal = np.ascontiguousarray([[float(v) for _, v, _ in p.scalars] for p in plans],
-                                    np.float64)
-        block = ctypes.c_uint.in_dll(library, 'blockIdx')   # its first field is x
-        y = ctypes.c_uint.from_address(ctypes.addressof(block) + 4)
-        for row in range(len(plans)):
-            y.value = row
-            getattr(library, plans[0].kernel_name(multi=True))(_pointer(table), _pointer(scal))
-        y.value = 0
-
-    monkeypatch.setattr(C, '_cupy', lambda: types.SimpleNamespace(
-        empty=lambda shape, dtype: on_host(np.empty(shape, dtype))))
-    monkeypatch.setattr(C, '_sums_of_squares', lambda *arrays: on_host(
-        np.array([np.sum(_f64(a) ** 2) for a in arrays])))
-    monkeypatch.setattr(C, '_run', run)
-    monkeypatch.setattr(C, '_run_multi', run_multi)
+    monkeypatch.setattr(L, 'cupy', lambda: HOST_CUPY)
+    monkeypatch.setattr(L, 'compiled', lambda code, name: Emulated(library, name, log))
+    monkeypatch.setattr(L, '_KERNELS', {})
     return log
 
 
@@ -204,17 +209,50 @@ def test_each_kernel_gives_the_numpy_result_bit_for_bit(emulated, name, states, 
     _assert_same(name, device, host)
 
 
+# (elements, dtypes) of a round's keys: float32, float64 and float16-with-master keys each share
+# a launch, big keys (over the 65536 elements that used to go key by key) with small ones;
+# the other dtype combinations have a key each, which runs the single layout
+KEYS = [(1, DTYPES[0]), (70001, DTYPES[0]), (300, DTYPES[1]), (66000, DTYPES[1]),
+        (7, DTYPES[2]), (2000, DTYPES[3]), (99, DTYPES[4]), (5, DTYPES[4]), (3, DTYPES[5]),
+        (40, DTYPES[6])]
+LAUNCHES = 7   # kernels (rule and dtypes) among KEYS
+
+
 @pytest.mark.parametrize('name,states,hyper,_', CASES,
                          ids=[f'{c[0]}-{i}' for i, c in enumerate(CASES)])
-def test_multi_tensor_apply_gives_the_numpy_results(emulated, name, states, hyper, _):
+def test_multi_tensor_apply_gives_the_numpy_results_round_after_round(emulated, name, states,
+                                                                       hyper, _):
+    """Three rounds over the same keys, new gradients and t each round: the first plans the
+    launches, the others run them as kept."""
     rng = np.random.default_rng(5)
-    sizes = [1, 7, 300, 2000, C.MULTI_MAX + 3, 2, 99, 5]
-    keys = [_key(rng, n, name, states, hyper, *dtypes)
-            for n, dtypes in zip(sizes, DTYPES + DTYPES[:1])]
+    keys = [_key(rng, n, name, states, hyper, *dtypes) for n, dtypes in KEYS]
     device, host = _copy(keys, True), _copy(keys, False)
+    kept = {}
     for step in range(3):
-        C.multi_update(_calls(name, states, hyper, device, step, step + 1))
+        C.multi_update(_calls(name, states, hyper, device, step, step + 1), kept)
+        K.multi_update(_calls(name, states, hyper, host, step, step + 1))
+        assert len(emulated) == LAUNCHES * (2 if name == 'lamb' else 1)
+        assert sum(kernel.endswith(('_multi', '_multi_pass1')) for kernel in emulated) == \
+            (LAUNCHES if name == 'lamb' else 3)
+        emulated.clear()
+    assert len(kept) == 1
+    _assert_same(name, device, host)
+
+
+@pytest.mark.parametrize('name,states,hyper,_', [CASES[4], CASES[9]], ids=['adam', 'lamb'])
+def test_gradients_rewritten_in_place_are_read_again(emulated, name, states, hyper, _):
+    """A shard may sum each round into the same buffers: the kept table's pointers stay, the
+    values under them are new."""
+    keys = [_key(np.random.default_rng(9), n, name, states, hyper, *dtypes)
+            for n, dtypes in KEYS[:4]]
+    device, host = _copy(keys, True), _copy(keys, False)
+    buffers = [grads[0].copy() for _, _, _, grads in device]
+    kept = {}
+    for step in range(3):
+        for buffer, (_, _, _, grads) in zip(buffers, device):
+            np.copyto(buffer, grads[step])
+        calls = _calls(name, states, hyper, device, step, step + 1)
+        C.multi_update([(fn, (args[0], buffer, *args[2:]), kwargs)
+                        for (fn, args, kwargs), buffer in zip(calls, buffers)], kept)
         K.multi_update(_calls(name, states, hyper, host, step, step + 1))
     _assert_same(name, device, host)
-    if name != 'lamb':    # the two float32 keys of this rule share a launch
-        assert ('multi', 2) in emulated

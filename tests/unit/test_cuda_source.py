@@ -1,6 +1,7 @@
 """The CUDA kernels without a GPU: every variant's generated source compiles with NVRTC (the
 `nvidia-cuda-nvrtc-cu12` wheel, a test dependency), and multi-tensor apply groups keys into
-launches whose pointer tables match the source that reads them."""
+launches whose tables match the source that reads them. Also the stand-ins the other CUDA
+tests share: arrays that look like cupy's (DeviceLike) and a cupy that records launches."""
 
 import ctypes
 import glob
@@ -10,8 +11,8 @@ import types
 import numpy as np
 import pytest
 
-from kvps.optimizer.kernels import cuda_kernels as C
-from kvps.optimizer.kernels import cuda_source as src
+from kvps.errors import ShapeError
+from kvps.optimizer.kernels import cuda_kernels as C, cuda_launch as L, cuda_source as src
 
 BASE = dict(lr=0.05, wd=0.01, rescale_grad=0.5, clip_gradient=0.8)
 # (optimizer, state names, hyper-parameters, whether the momentum-like state is live)
@@ -81,18 +82,50 @@ class DeviceLike:
         self.device = Device()
 
 
-FAKE_CUPY = types.SimpleNamespace(empty=DeviceLike, float64=np.float64)
+def uploaded(host):
+    """cupy.asarray of a host array: a DeviceLike that keeps a copy of what was sent."""
+    out = DeviceLike(np.shape(host), np.asarray(host).dtype)
+    out.host = np.array(host, copy=True)
+    return out
+
+
+STREAM = types.SimpleNamespace(ptr=0)   # the current stream's handle; a test may set another
+
+
+def current_stream():
+    """cupy.cuda.get_current_stream(): a Stream object with the current handle."""
+    return types.SimpleNamespace(ptr=STREAM.ptr)
+
+
+FAKE_CUPY = types.SimpleNamespace(
+    empty=DeviceLike, zeros=DeviceLike, float64=np.float64, uint32=np.uint32,
+    asarray=uploaded, ascontiguousarray=lambda a: DeviceLike(a.shape, a.dtype),
+    cuda=types.SimpleNamespace(get_current_stream=current_stream))
+
+
+class Recorder:
+    """A compiled kernel that records its launches: (kernel name, grid, block, args)."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def __call__(self, grid, block, args):
+        self.log.append((self.name, grid, block, args))
+
+
+def recording(monkeypatch):
+    """cuda_launch on FAKE_CUPY, launches recorded instead of run; returns the record."""
+    record = []
+    monkeypatch.setattr(L, 'cupy', lambda: FAKE_CUPY)
+    monkeypatch.setattr(L, 'compiled', lambda code, name: Recorder(name, record))
+    monkeypatch.setattr(L, '_KERNELS', {})
+    monkeypatch.setattr(STREAM, 'ptr', 0)
+    return record
 
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Record launches instead of running them: ('one', plan) and ('multi', [plans])."""
-    record = []
-    monkeypatch.setattr(C, '_cupy', lambda: FAKE_CUPY)
-    monkeypatch.setattr(C, '_sums_of_squares', lambda *arrays: DeviceLike(2, 'float64'))
-    monkeypatch.setattr(C, '_run', lambda plan: record.append(('one', plan)))
-    monkeypatch.setattr(C, '_run_multi', lambda plans: record.append(('multi', plans)))
-    return record
+    return recording(monkeypatch)
 
 
 def call(name, states, hyper, wdt, gdt, mp, n=1000):
@@ -107,12 +140,14 @@ def call(name, states, hyper, wdt, gdt, mp, n=1000):
     return name + '_update', args, kwargs
 
 
-def every_plan(launches):
-    for case in CASES:
-        for dtypes in DTYPES:
-            name, args, kwargs = call(*case[:3], *dtypes)
-            getattr(C, name)(*args, **kwargs)
-    return [plan for _, plan in launches]
+def plan_of(name, args, kwargs):
+    return L.plan_of(L.describe(getattr(C, name), args, kwargs))
+
+
+def every_plan():
+    """The plan of every rule and hyper-parameter case in every dtype combination."""
+    return [plan_of(*call(*case[:3], *dtypes)) for case in CASES for dtypes in DTYPES]
+
 
 
 # -- NVRTC ---------------------------------------------------------------------------------
@@ -133,7 +168,7 @@ def compile_errors(code):
     program = ctypes.c_void_p()
     assert NVRTC.nvrtcCreateProgram(ctypes.byref(program), code.encode(), b'kvps.cu', 0,
                                     None, None) == 0
-    options = [b'--gpu-architecture=compute_75', *(o.encode() for o in C._OPTIONS)]
+    options = [b'--gpu-architecture=compute_75', *(o.encode() for o in L.OPTIONS)]
     status = NVRTC.nvrtcCompileProgram(program, len(options),
                                        (ctypes.c_char_p * len(options))(*options))
     size = ctypes.c_size_t()
@@ -149,24 +184,16 @@ needs_nvrtc = pytest.mark.skipif(NVRTC is None, reason='NVRTC (nvidia-cuda-nvrtc
 
 
 @needs_nvrtc
-def test_every_update_kernel_compiles_single_and_multi_tensor(launches):
+def test_every_update_kernel_compiles_in_each_layout():
     sources = {}
-    for plan in every_plan(launches):
-        sources[src.source(plan)] = plan.kernel_name()
-        if not plan.raws:
-            sources[src.source(plan, multi=True)] = plan.kernel_name(multi=True)
-    assert len(sources) > 100            # every rule x dtype combination, both layouts
-    for code, name in sources.items():
+    for plan in every_plan():
+        sources.update(src.kernels_of(plan))
+    assert len(sources) > 150            # every rule x dtype combination, each layout
+    lamb = [name for name in sources if name.startswith('kvps_lamb_')]
+    assert lamb and all(name.endswith(('_multi_pass1', '_multi_pass2')) for name in lamb)
+    for name, code in sources.items():
         assert f'void {name}(' in code
         assert compile_errors(code) == '', name
-
-
-@needs_nvrtc
-@pytest.mark.parametrize('dtype', sorted(src.CTYPES))
-def test_the_lamb_norm_kernels_compile(dtype):
-    code = src.sumsq_source(dtype)
-    assert src.sumsq_name(dtype) in code and 'kvps_sum_rows' in code
-    assert compile_errors(code) == ''
 
 
 @needs_nvrtc
@@ -175,64 +202,72 @@ def test_a_broken_kernel_is_reported():
 
 
 # -- planning and multi-tensor apply ----------------------------------------------------------
-def test_small_keys_of_one_rule_share_a_launch_big_keys_and_lamb_go_alone(launches):
-    small = [call('sgd', ['mom'], dict(momentum=0.9), 'float32', 'float32', False, n)
-             for n in (1, 100, 5000)]
-    other = call('adam', ['mean', 'var'], {}, 'float32', 'float32', False, 10)
-    big = call('sgd', ['mom'], dict(momentum=0.9), 'float32', 'float32', False,
-               C.MULTI_MAX + 1)
+def sgd(n, dtype='float32'):
+    return call('sgd', ['mom'], dict(momentum=0.9), dtype, dtype, False, n)
+
+
+def test_keys_of_one_kernel_share_one_launch_whatever_their_sizes(launches):
+    sizes = (1, 100, 5000, (1 << 16) + 1, 1 << 20)
+    alone = call('adam', ['mean', 'var'], {}, 'float32', 'float32', False, 10)
     lamb = call('lamb', ['mean', 'var'], {}, 'float32', 'float32', False, 10)
-    C.multi_update([*small, other, big, lamb])
-    kinds = [(kind, len(p) if kind == 'multi' else p.tag) for kind, p in launches]
-    assert kinds.count(('multi', 3)) == 1                       # the three small sgd keys
-    assert ('one', 'sgd_mom') in kinds and ('one', 'adam') in kinds   # big; alone in its kind
-    assert [k for k in kinds if k[1] in ('lamb_phase1', 'lamb_phase2')] == [
-        ('one', 'lamb_phase1'), ('one', 'lamb_phase2')]
-    assert len(launches) == 5
+    C.multi_update([sgd(n) for n in sizes] + [alone, lamb])
+    names = [name for name, *_ in launches]
+    assert names == ['kvps_sgd_mom_f32_f32_f32_f32_multi', 'kvps_adam_f32_f32_f32_f32_f32',
+                     'kvps_lamb_f32_f32_f32_f32_f32_multi_pass1',
+                     'kvps_lamb_f32_f32_f32_f32_f32_multi_pass2']
+    assert launches[0][1] == (sum(src.blocks_for(n) for n in sizes),)
+    assert launches[1][1] == (1,) and launches[1][3][0] == 10     # by value: n first
+    assert launches[2][3] == launches[3][3]     # LAMB's passes: one table, one scratch
 
 
-def test_a_key_met_twice_is_flushed_before_its_second_update(launches):
-    first = call('sgd', ['mom'], dict(momentum=0.9), 'float32', 'float32', False, 10)
-    other = call('sgd', ['mom'], dict(momentum=0.9), 'float32', 'float32', False, 20)
+def test_a_key_met_twice_waits_for_the_launch_before(launches):
+    first, other = sgd(10), sgd(20)
     again = (first[0], first[1], dict(first[2], lr=0.5))
     C.multi_update([first, other, again])
-    assert [kind for kind, _ in launches] == ['multi', 'one']
-    assert launches[1][1].scalars[0] == ('lr', 0.5, False)
+    assert [name.endswith('_multi') for name, *_ in launches] == [True, False]
+    plan = plan_of(*again)
+    lr = 1 + len(plan.arrays) + [s[0] for s in plan.scalars].index('lr')
+    assert launches[1][3][lr] == np.float32(0.5)
 
 
-def test_the_pointer_table_matches_the_order_the_source_reads(monkeypatch):
-    uploaded, launched = [], []
-
-    class Kernel:
-        def __call__(self, grid, block, args):
-            launched.append((grid, block, args))
-    monkeypatch.setattr(C, '_cupy', lambda: types.SimpleNamespace(
-        asarray=lambda a: uploaded.append(a) or a))
-    monkeypatch.setattr(C, '_compiled', lambda code, name: Kernel())
-    monkeypatch.setattr(C, '_KERNELS', {})
-    plans = []
-    for n in (7, 3000):
-        name, args, kwargs = call('adam', ['mean', 'var'], {}, 'float16', 'float16', True, n)
-        plans += C._planned(getattr(C, name), args, kwargs)
-    C._run_multi(plans)
-    table, scalars = uploaded
+def test_the_table_matches_what_the_source_reads(launches):
+    sizes = (7, 3000, 70000)
+    calls = [call('adam', ['mean', 'var'], {}, 'float16', 'float16', True, n) for n in sizes]
+    calls[1][2]['lr'] = 0.25
+    C.multi_update(calls)
+    (name, grid, block, (table, nkeys)), = launches
+    plans = [plan_of(*c) for c in calls]
+    rows_at, width, scalars_at, count, total = src.table_words(
+        3, len(plans[0].arrays), len(plans[0].scalars))
+    words = table.host
+    assert len(words) == total and nkeys == 3 and block == (src.THREADS,)
+    assert list(words[:4]) == list(np.cumsum([0] + [src.blocks_for(n) for n in sizes]))
+    assert grid == (words[3],)
     code = src.source(plans[0], multi=True)
-    for plan, row, scal in zip(plans, table, scalars):
+    rows = words[rows_at:scalars_at].reshape(3, width)
+    scalars = words[scalars_at:].view(np.float64).reshape(3, count)
+    for (_, args, kwargs), plan, row, scal in zip(calls, plans, rows, scalars):
         assert row[0] == plan.n
-        for index, (local, arr, _) in enumerate(plan.arrays, start=1):
-            assert row[index] == arr.data.ptr and f'p_{local}_ = ' in code
-            assert f'row[{index}]' in code.split(f'p_{local}_ = ')[1].split(';')[0]
-        for index, (local, value, _) in enumerate(plan.scalars):
-            assert scal[index] == value
-            assert f"s_{local} = (KC)sc[{index}]" in code or f"s_{local}" not in plan.body
-    (grid, block, _), = launched
-    assert grid == (src.blocks_for(3000), 2) and block == (src.THREADS,)
+        for slot, (local, arr) in enumerate(plan.arrays, start=1):
+            want = args[1] if local == 'g' else (arr if local != 'weight' else args[0])
+            assert row[slot] == want.data.ptr
+            assert f'p_{local}_ = ' in code
+            assert f'row[{slot}]' in code.split(f'p_{local}_ = ')[1].split(';')[0]
+        for slot, (local, value, _) in enumerate(plan.scalars):
+            assert scal[slot] == value
+            assert f's_{local} = (KC)sc[{slot}]' in code or f's_{local}' not in code
+    assert scalars[1][0] == 0.25 and scalars[0][0] == BASE['lr']
 
 
-def test_an_empty_key_launches_nothing(monkeypatch):
-    compiled = []
-    monkeypatch.setattr(C, '_compiled', lambda code, name: compiled.append(name))
-    monkeypatch.setattr(C, '_KERNELS', {})
-    name, args, kwargs = call('sgd', ['mom'], dict(momentum=0.9), 'float32', 'float32', False, 0)
-    getattr(C, name)(*args, **kwargs)
-    assert compiled == []
+def test_an_empty_key_launches_nothing(launches):
+    C.sgd_update(*sgd(0)[1], **sgd(0)[2])
+    C.multi_update([sgd(0), sgd(5)])
+    assert [name for name, *_ in launches] == ['kvps_sgd_mom_f32_f32_f32_f32']
+
+
+def test_every_call_is_checked_before_anything_is_launched(launches):
+    bad = sgd(5)
+    bad = (bad[0], (bad[1][0], DeviceLike(6, 'float32'), bad[1][2]), bad[2])
+    with pytest.raises(ShapeError, match='grad has shape'):
+        C.multi_update([sgd(5), sgd(7), bad])
+    assert launches == []

@@ -1,4 +1,5 @@
-"""Every CUDA kernel against the numpy reference: bit for bit, except LAMB's reductions (1e-6)."""
+"""Every CUDA kernel against the numpy reference: bit for bit, except LAMB's reductions (1e-6);
+one launch per kernel for many keys, from kept launches, against one launch per key."""
 
 import numpy as np
 import pytest
@@ -13,12 +14,11 @@ except Exception:  # no driver, or a broken CUDA install: same as no GPU
 if _DEVICES == 0:
     pytest.skip('no CUDA device', allow_module_level=True)
 
-from kvps.optimizer.kernels import cuda_kernels as C  # noqa: E402
-from kvps.optimizer.kernels import kernels_for, multi_apply, numpy_kernels as K  # noqa: E402
 from kvps.optimizer import create  # noqa: E402
+from kvps.optimizer.kernels import (cuda_kernels as C, kernels_for, multi_apply,  # noqa: E402
+                                    numpy_kernels as K)
 from kvps.optimizer.updater import Updater  # noqa: E402
-
-from test_cuda_source import BASE, CASES, DTYPES, NEEDS_T, live_states, state_dtype  # noqa: E402,E501
+from test_cuda_source import BASE, CASES, DTYPES, NEEDS_T, live_states, state_dtype  # noqa: E402
 
 
 def _store(x, dtype):
@@ -75,43 +75,99 @@ def test_kernels_for_and_multi_apply_on_device():
     assert all(bool((w == 2).all()) for w in ws)
 
 
-@pytest.mark.parametrize('name,states,hyper,_', CASES,
-                         ids=[f'{c[0]}-{i}' for i, c in enumerate(CASES)])
-def test_multi_tensor_apply_matches_key_by_key(name, states, hyper, _):
-    """Many keys of mixed sizes and dtypes in multi-tensor launches give, bit for bit, what
-    one launch per key gives (LAMB and keys over MULTI_MAX go key by key anyway)."""
-    rng = np.random.default_rng(5)
-    keys = []
-    for n, (wdt, gdt, mp) in zip([1, 7, 300, 5000, C.MULTI_MAX, C.MULTI_MAX + 3, 2, 99],
-                                 DTYPES + DTYPES[:1]):
+# (elements, dtypes): keys of one kernel share a launch, big ones (beyond the 65536 elements
+# that used to go key by key, one of 3M: MAX_BLOCKS blocks striding) with small ones
+MULTI_KEYS = [(1, DTYPES[0]), (7, DTYPES[0]), (70001, DTYPES[0]), (3 << 20, DTYPES[0]),
+              (300, DTYPES[1]), (66000, DTYPES[1]), (5000, DTYPES[2]), (99, DTYPES[3]),
+              (2, DTYPES[4]), (65536, DTYPES[4]), (40, DTYPES[5]), (12345, DTYPES[6])]
+
+
+def _multi_keys(name, states, hyper, seed=5):
+    rng, keys = np.random.default_rng(seed), []
+    for n, (wdt, gdt, mp) in MULTI_KEYS:
         w = _store(rng.standard_normal(n), wdt)
         master = (K.bf16_to_f32(w) if wdt == 'bfloat16' else w.astype(np.float32)) if mp \
             else None
         keys.append((w, _states(name, states, hyper, w, state_dtype(name, wdt, mp)), master,
-                     _store(rng.standard_normal(n), gdt)))
+                     [_store(rng.standard_normal(n), gdt) for _ in range(3)]))
+    return keys
 
-    def calls(copies):
-        out = []
-        for w, st, master, g in copies:
-            extra = {'t': 2} if name in NEEDS_T else {}
-            out.append((name + '_update', (w, g, *[st.get(s) for s in states]),
-                        dict(BASE, **hyper, **extra, weight32=master)))
-        return out
 
-    def on_device():
-        return [(cp.asarray(w), {k: cp.asarray(v) for k, v in st.items()},
-                 None if m is None else cp.asarray(m), cp.asarray(g)) for w, st, m, g in keys]
-    fused, alone = on_device(), on_device()
-    for _ in range(3):
-        C.multi_update(calls(fused))
-        for fn, args, kwargs in calls(alone):
+def _calls(name, states, copies, step, hyper):
+    """Step ``step``'s calls over ``copies`` (as _multi_keys makes them, on either side)."""
+    extra = {'t': step + 1} if name in NEEDS_T else {}
+    return [(name + '_update', (w, grads[step], *[st.get(s) for s in states]),
+             dict(BASE, **hyper, **extra, weight32=m))
+            for w, st, m, grads in copies]
+
+
+def _on_device(keys):
+    return [(cp.asarray(w), {k: cp.asarray(v) for k, v in st.items()},
+             None if m is None else cp.asarray(m), [cp.asarray(g) for g in grads])
+            for w, st, m, grads in keys]
+
+
+def _arrays(copies):
+    return [cp.asnumpy(a) for w, st, m, _ in copies for a in (w, *st.values(), m)
+            if a is not None]
+
+
+@pytest.mark.parametrize('name,states,hyper,_', CASES,
+                         ids=[f'{c[0]}-{i}' for i, c in enumerate(CASES)])
+def test_one_launch_per_kernel_matches_key_by_key(name, states, hyper, _):
+    """Keys of mixed sizes and dtypes, one launch per kernel from launches kept over three
+    rounds, give bit for bit what one launch per key gives; LAMB too (a key's norms are
+    summed over the same blocks, in the same order, either way)."""
+    keys = _multi_keys(name, states, hyper)
+    fused, alone, kept = _on_device(keys), _on_device(keys), {}
+    for step in range(3):
+        C.multi_update(_calls(name, states, fused, step, hyper), kept)
+        for fn, args, kwargs in _calls(name, states, alone, step, hyper):
             getattr(C, fn)(*args, **kwargs)
-    for (w1, st1, m1, _), (w2, st2, m2, _) in zip(fused, alone):
-        np.testing.assert_array_equal(cp.asnumpy(w1), cp.asnumpy(w2))
-        for k in st1:
-            np.testing.assert_array_equal(cp.asnumpy(st1[k]), cp.asnumpy(st2[k]))
-        if m1 is not None:
-            np.testing.assert_array_equal(cp.asnumpy(m1), cp.asnumpy(m2))
+    assert len(kept) == 1
+    for a, b in zip(_arrays(fused), _arrays(alone)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize('hyper', [CASES[9][2], CASES[10][2]], ids=['bias', 'bounds'])
+def test_lamb_in_one_launch_matches_numpy(hyper):
+    """LAMB's first pass sums the norms per block and each key's last block finishes them
+    (atomics, 256-thread sums, 8192 blocks on the 3M key): 1e-6 of numpy, and the same bits
+    on a second run."""
+    keys = _multi_keys('lamb', ['mean', 'var'], hyper, seed=8)
+    runs = [_on_device(keys), _on_device(keys)]
+    host = [(w.copy(), {k: v.copy() for k, v in st.items()}, None if m is None else m.copy(),
+             grads) for w, st, m, grads in keys]
+    for step in range(3):
+        for copies in runs:
+            C.multi_update(_calls('lamb', ['mean', 'var'], copies, step, hyper), {})
+        K.multi_update(_calls('lamb', ['mean', 'var'], host, step, hyper))
+    got, again = _arrays(runs[0]), _arrays(runs[1])
+    want = [a for w, st, m, _ in host for a in (w, *st.values(), m) if a is not None]
+    for a, b, c in zip(got, again, want):
+        np.testing.assert_array_equal(a, b)
+        tol = {'uint16': 8e-3, 'float16': 1e-3}.get(str(a.dtype), 1e-6)
+        a = K.bf16_to_f32(a) if a.dtype == np.uint16 else a
+        c = K.bf16_to_f32(c) if c.dtype == np.uint16 else c
+        np.testing.assert_allclose(a, c, rtol=tol, atol=tol)
+
+
+def test_kept_launches_follow_new_arrays_and_streams():
+    """A weight reallocated and another stream plan the round anew (cuda_launch.Round)."""
+    hyper = dict(momentum=0.9)
+    keys = _multi_keys('sgd', ['mom'], hyper)[:4]
+    fused, alone, kept = _on_device(keys), _on_device(keys), {}
+    C.multi_update(_calls('sgd', ['mom'], fused, 0, hyper), kept)
+    fused[2] = (fused[2][0].copy(), *fused[2][1:])
+    with cp.cuda.Stream():
+        C.multi_update(_calls('sgd', ['mom'], fused, 1, hyper), kept)
+    C.multi_update(_calls('sgd', ['mom'], fused, 2, hyper), kept)
+    for step in range(3):
+        for fn, args, kwargs in _calls('sgd', ['mom'], alone, step, hyper):
+            getattr(C, fn)(*args, **kwargs)
+    cp.cuda.Device().synchronize()
+    for a, b in zip(_arrays(fused), _arrays(alone)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_widen_matches_numpy():

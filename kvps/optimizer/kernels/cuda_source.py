@@ -1,11 +1,18 @@
 """CUDA C source of the fused update kernels, generated from dtype names alone (no cupy needed).
 
-cuda_kernels describes each update as a Plan (its arrays, scalars and the rule's C body) and
-launches the source made here through cupy.RawKernel. Keeping generation free of cupy lets
-the tests compile every variant with NVRTC on a machine without a GPU. Two layouts share one
-body: `single` (one array set, scalars by value) and `multi` (one launch over many keys: a
-row per key in a table of element counts and pointers, and a row of scalars per key, as
-MXNet's and apex's multi-tensor apply do).
+cuda_kernels describes each update as a Plan (its arrays, scalars and the rule's C body in one
+or two passes) and cuda_launch runs the source made here through cupy.RawKernel. Keeping
+generation free of cupy lets the tests compile every variant with NVRTC on a machine without a
+GPU. Two layouts share one body:
+- `single`: one key, its arrays and scalars by value (one-pass rules only);
+- `multi`: one launch over many keys of any sizes, as apex's multi-tensor apply and MXNet's
+  multi-sgd do: key k runs on its own run of blocks (found from a prefix of the keys' block
+  counts) in a grid-stride loop over its elements; a table on the device gives each key's
+  element count, pointers and scalars (`table_words` says where each lies).
+A rule of two passes (LAMB) sums, in its first, ``kv_norm[0]`` and ``kv_norm[1]`` over each
+key (its body adds to them); per-block partial sums are added up by the key's last block to
+finish, in a fixed order, into the key's trust ratio, which the second pass reads as
+``kv_ratio``. The weight is read twice and written once; nothing else is kept between passes.
 """
 
 import dataclasses
@@ -31,7 +38,7 @@ __device__ __forceinline__ unsigned short kv_f32_to_f16(float f) {
 }
 '''
 
-PREAMBLE = r'''
+PREAMBLE = f'#define KV_THREADS {THREADS}\n' + r'''
 struct kv_f16 { unsigned short x; };
 struct kv_bf16 { unsigned short x; };
 ''' + HALF_CONVERSIONS + r'''
@@ -66,139 +73,194 @@ template <typename C> __device__ __forceinline__ C kv_clip(C x, C c) {
 template <typename C> __device__ __forceinline__ C kv_sign(C x) {
     return (C)((x > 0) - (x < 0));
 }
+/* multi layout: the key whose blocks hold this block, the last k with starts[k] <= block */
+__device__ __forceinline__ int kv_key_of(const long long* starts, int nkeys) {
+    const long long block = blockIdx.x;
+    int lo = 0, hi = nkeys - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (starts[mid] <= block) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+/* two sums over a block's threads, added as a tree (a fixed order), left in acc[.][0] */
+__device__ __forceinline__ void kv_block_sum2(const double* s, double (*acc)[KV_THREADS]) {
+    acc[0][threadIdx.x] = s[0];
+    acc[1][threadIdx.x] = s[1];
+    __syncthreads();
+    for (unsigned int h = blockDim.x / 2; h > 0; h >>= 1) {
+        if (threadIdx.x < h) {
+            acc[0][threadIdx.x] += acc[0][threadIdx.x + h];
+            acc[1][threadIdx.x] += acc[1][threadIdx.x + h];
+        }
+        __syncthreads();
+    }
+}
+/* common.lamb_ratio: ||w|| / ||d||, ||w|| bounded by the bounds > 0 (max and min as Python's:
+   a NaN norm stays NaN); 1 when either norm is 0 or the ratio is not finite */
+__device__ __forceinline__ double kv_trust_ratio(double sw, double sd, double lower,
+                                                 double upper) {
+    double r1 = sqrt(sw), r2 = sqrt(sd);
+    if (lower > 0) r1 = lower > r1 ? lower : r1;
+    if (upper > 0) r1 = upper < r1 ? upper : r1;
+    return (r1 > 0 && r2 > 0 && isfinite(r1 / r2)) ? r1 / r2 : 1.0;
+}
 '''
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """One sweep over a key: ``body`` is C (the loads, the rule, the stores) run per element
+    with ``p_<name>`` a reference to the element of array ``name``; ``written``: the arrays
+    it stores."""
+    body: str
+    written: frozenset
 
 
 @dataclasses.dataclass
 class Plan:
-    """One update on one key, ready to launch: ``arrays`` are (local name, array, written)
-    read element by element as ``p_<name>``; ``raws`` are (name, array) indexed freely;
-    ``scalars`` are (name, value, wide) passed as ``s_<name>`` in the compute type (double
-    when wide); ``body`` is the rule in C, between the loads and stores it implies."""
+    """One update on one key, ready to launch: ``arrays`` are (local name, array) in table
+    order; ``passes`` run one after the other (two for LAMB: see the module docstring);
+    ``scalars`` are (name, value, wide) read as ``s_<name>`` in the compute type (double when
+    wide); ``variant`` is what the rule asked for before any array was looked at."""
     tag: str
     compute: str                 # 'float32' or 'float64'
     n: int
     arrays: list
-    body: str
+    passes: tuple
     scalars: list
-    raws: list = dataclasses.field(default_factory=list)
+    variant: tuple = ()
 
     def signature(self):
-        """What makes two plans share a kernel, and all its source depends on: rule, body,
-        dtypes, scalar names. Asked at every launch (it keys the compiled kernels), so it
-        reads cached dtype names instead of building the source."""
-        return (self.tag, self.compute, self.body,
-                tuple([(a[0], storage_name(a[1]), a[2]) for a in self.arrays]),
-                tuple([(r[0], storage_name(r[1])) for r in self.raws]),
+        """What makes two plans share a kernel, and all its source depends on: rule, passes,
+        dtypes, scalar names (cached dtype names: no source is built to ask)."""
+        return (self.tag, self.compute, self.passes,
+                tuple([(a[0], storage_name(a[1])) for a in self.arrays]),
                 tuple([(s[0], s[2]) for s in self.scalars]))
 
-    def kernel_name(self, multi=False):
-        dtypes = '_'.join(_SHORT[str(a[1].dtype)] for a in self.arrays)
-        return f'kvps_{self.tag}_{_SHORT[self.compute]}_{dtypes}' + ('_multi' if multi else '')
+
+def kernel_name(plan, multi=False, index=0):
+    """``kvps_<rule>_<compute>_<array dtypes>[_multi][_pass<i>]``."""
+    dtypes = '_'.join(_SHORT[storage_name(a[1])] for a in plan.arrays)
+    name = f'kvps_{plan.tag}_{_SHORT[plan.compute]}_{dtypes}' + ('_multi' if multi else '')
+    return name + (f'_pass{index + 1}' if len(plan.passes) > 1 else '')
 
 
-def _ctype_of_compute(compute):
-    return 'double' if compute == 'float64' else 'float'
+def kernels_of(plan):
+    """{kernel name: source} of every kernel ``plan`` may launch."""
+    layouts = [(True, i) for i in range(len(plan.passes))]
+    if len(plan.passes) == 1:
+        layouts.append((False, 0))
+    return {kernel_name(plan, *layout): source(plan, *layout) for layout in layouts}
 
 
-def _element_refs(plan):
-    """``p_x`` as a reference to element i of each array, const unless written."""
-    refs = []
-    for name, arr, written in plan.arrays:
-        ctype = CTYPES[str(arr.dtype)]
-        const = '' if written else 'const '
-        refs.append(f'{const}{ctype}& p_{name} = p_{name}_[i];')
-    return refs
+def source(plan, multi=False, index=0):
+    """The complete CUDA C source of one kernel of ``plan``, named kernel_name(plan, ...)."""
+    return PREAMBLE + definition(plan, multi, index)
 
 
-def _loop(plan):
-    return '\n'.join([
-        '    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;',
-        '         i += (long long)gridDim.x * blockDim.x) {',
-        *('        ' + line for line in _element_refs(plan)),
-        *('        ' + line for line in plan.body.split('\n')),
-        '    }'])
+def _uses(text, name):
+    return re.search(rf'\b{name}\b', text) is not None
 
 
-def _pointer_decl(name, arr, written):
-    ctype = CTYPES[str(arr.dtype)]
-    return f'{"" if written else "const "}{ctype}* __restrict__ p_{name}_'
+def _pointer_type(arr, written):
+    return f'{"" if written else "const "}{CTYPES[storage_name(arr)]}*'
 
 
-def source(plan, multi=False):
-    """The complete CUDA C source of ``plan``'s kernel, named ``plan.kernel_name(multi)``."""
-    return PREAMBLE + definition(plan, multi)
-
-
-def definition(plan, multi=False):
+def definition(plan, multi=False, index=0):
     """The kernel alone: its compute type and its function, after PREAMBLE."""
-    kc = _ctype_of_compute(plan.compute)
-    head = [f'typedef {kc} KC;']
-    if not multi:
+    step = plan.passes[index]
+    used = [(name, arr, name in step.written) for name, arr in plan.arrays
+            if _uses(step.body, f'p_{name}')]
+    loop = [*(f'{_pointer_type(a, w)[:-1]}& p_{n} = p_{n}_[i];' for n, a, w in used),
+            *step.body.split('\n')]
+    norms = multi and len(plan.passes) > 1 and index == 0
+    tail = _FINISH_NORMS if norms else ''
+    if multi:
+        params, prologue = _multi_head(plan, used, step.body + tail, len(plan.passes) > 1)
+        first, stride = '(blockIdx.x - first) * blockDim.x', 'blocks * blockDim.x'
+    else:
+        assert len(plan.passes) == 1, 'a rule of two passes runs in the multi layout only'
         params = ['const long long n']
-        params += [_pointer_decl(n, a, w) for n, a, w in plan.arrays]
-        params += [f'const double* __restrict__ p_{n}' for n, _ in plan.raws]
+        params += [f'{_pointer_type(a, n in step.written)} __restrict__ p_{n}_'
+                   for n, a in plan.arrays]
         params += [f'const {"double" if wide else "KC"} s_{n}' for n, _, wide in plan.scalars]
         prologue = []
-    else:  # row k of `table`: n, then one pointer per array; row k of `scal`: the scalars
-        assert not plan.raws, 'a multi-tensor launch takes element-wise arrays only'
-        params = ['const long long* __restrict__ table', 'const double* __restrict__ scal']
-        width = 1 + len(plan.arrays)
-        prologue = [f'const long long* row = table + (long long)blockIdx.y * {width};',
-                    'const long long n = row[0];']
-        for index, (name, arr, written) in enumerate(plan.arrays, start=1):
-            decl = _pointer_decl(name, arr, written)
-            ptype = decl.split('*')[0] + '*'
-            prologue.append(f'{decl} = ({ptype})row[{index}];')
-        prologue.append(f'const double* sc = scal + (long long)blockIdx.y * {len(plan.scalars)};')
-        for index, (name, _, wide) in enumerate(plan.scalars):
-            if re.search(rf'\bs_{name}\b', plan.body):   # (unread ones would warn)
-                ctype = 'double' if wide else 'KC'
-                prologue.append(f'const {ctype} s_{name} = ({ctype})sc[{index}];')
-    return '\n'.join([*head,
-                      f'extern "C" __global__ void {plan.kernel_name(multi)}(',
-                      '        ' + ',\n        '.join(params) + ') {',
-                      *('    ' + line for line in prologue),
-                      _loop(plan), '}', ''])
+        first, stride = 'blockIdx.x * blockDim.x', 'gridDim.x * blockDim.x'
+    if norms:
+        prologue.append('double kv_norm[2] = {0, 0};')
+    return '\n'.join([
+        f'typedef {"double" if plan.compute == "float64" else "float"} KC;',
+        f'extern "C" __global__ void {kernel_name(plan, multi, index)}(',
+        '        ' + ',\n        '.join(params) + ') {',
+        *('    ' + line for line in prologue),
+        f'    for (long long i = (long long){first} + threadIdx.x; i < n;',
+        f'         i += (long long){stride}) {{',
+        *('        ' + line for line in loop),
+        '    }', *([tail] if tail else []), '}', ''])
 
 
-def sumsq_source(dtype):
-    """Two kernels for a deterministic sum of squares in double: ``kvps_sumsq_<t>`` leaves one
-    partial per block (launch exactly THREADS blocks), ``kvps_sum_rows`` adds each row of
-    THREADS partials in a fixed order (one block per row)."""
-    ctype = CTYPES[dtype]
-    reduce_shared = '''    acc[threadIdx.x] = s;
+def _multi_head(plan, used, text, two_passes):
+    """Parameters and prologue of a multi-layout kernel: find the block's key, then its
+    element count, pointers and scalars in the table (see table_words)."""
+    width, count = 1 + len(plan.arrays), len(plan.scalars)
+    params = ['const long long* __restrict__ tab', 'const int nkeys']
+    if two_passes:
+        params += ['double* __restrict__ partial', 'unsigned int* __restrict__ count',
+                   'double* __restrict__ ratio']
+    prologue = ['const int k = kv_key_of(tab, nkeys);',
+                'const long long first = tab[k], blocks = tab[k + 1] - first;',
+                f'const long long* row = tab + (nkeys + 1) + (long long)k * {width};',
+                'const long long n = row[0];']
+    slots = {name: slot for slot, (name, _) in enumerate(plan.arrays, start=1)}
+    for name, arr, written in used:
+        ptype = _pointer_type(arr, written)
+        prologue.append(f'{ptype} __restrict__ p_{name}_ = ({ptype})row[{slots[name]}];')
+    prologue.append(f'const double* sc = (const double*)(tab + (nkeys + 1) + (long long)nkeys'
+                    f' * {width}) + (long long)k * {count};')
+    for slot, (name, _, wide) in enumerate(plan.scalars):
+        if _uses(text, f's_{name}'):   # (unread ones would warn)
+            ctype = 'double' if wide else 'KC'
+            prologue.append(f'const {ctype} s_{name} = ({ctype})sc[{slot}];')
+    if two_passes and _uses(text, 'kv_ratio'):
+        prologue.append('const double kv_ratio = ratio[k];')
+    return params, prologue
+
+
+# After the first pass of a two-pass rule: the block's sums of kv_norm become two partials;
+# the key's last block to finish (counted atomically) adds the key's partials in block order,
+# so the sums do not depend on which block finished last, and leaves the trust ratio.
+_FINISH_NORMS = r'''    __shared__ double kv_acc[2][KV_THREADS];
+    __shared__ bool kv_last;
+    kv_block_sum2(kv_norm, kv_acc);
+    if (threadIdx.x == 0) {
+        partial[2 * blockIdx.x] = kv_acc[0][0];
+        partial[2 * blockIdx.x + 1] = kv_acc[1][0];
+        __threadfence();   /* the partials are visible before the count that announces them */
+        kv_last = atomicAdd(count + k, 1u) == (unsigned int)(blocks - 1);
+    }
     __syncthreads();
-    for (int k = THREADS / 2; k > 0; k >>= 1) {
-        if (threadIdx.x < k) acc[threadIdx.x] += acc[threadIdx.x + k];
-        __syncthreads();
+    if (!kv_last) return;
+    const volatile double* parts = partial;   /* written by other blocks: not from L1 */
+    kv_norm[0] = kv_norm[1] = 0;
+    for (long long j = first + threadIdx.x; j < first + blocks; j += blockDim.x) {
+        kv_norm[0] += parts[2 * j];
+        kv_norm[1] += parts[2 * j + 1];
+    }
+    kv_block_sum2(kv_norm, kv_acc);
+    if (threadIdx.x == 0) {
+        ratio[k] = kv_trust_ratio(kv_acc[0][0], kv_acc[1][0], s_lower, s_upper);
+        count[k] = 0;   /* zero again for the next launch */
     }'''
-    return PREAMBLE + f'''
-#define THREADS {THREADS}
-extern "C" __global__ void kvps_sumsq_{_SHORT[dtype]}(const {ctype}* __restrict__ x,
-        const long long n, double* __restrict__ partial) {{
-    __shared__ double acc[THREADS];
-    double s = 0;
-    for (long long i = (long long)blockIdx.x * THREADS + threadIdx.x; i < n;
-         i += (long long)gridDim.x * THREADS) {{
-        double v = kv_ld<double>(x[i]);
-        s += v * v;
-    }}
-{reduce_shared}
-    if (threadIdx.x == 0) partial[blockIdx.x] = acc[0];
-}}
-extern "C" __global__ void kvps_sum_rows(const double* __restrict__ partial,
-        double* __restrict__ out) {{
-    __shared__ double acc[THREADS];
-    double s = partial[(long long)blockIdx.x * THREADS + threadIdx.x];
-{reduce_shared}
-    if (threadIdx.x == 0) out[blockIdx.x] = acc[0];
-}}
-'''
 
 
-def sumsq_name(dtype):
-    return f'kvps_sumsq_{_SHORT[dtype]}'
+def table_words(nkeys, arrays, scalars):
+    """Where the multi layout's table puts things, in 8-byte words: (offset of the rows of
+    element count and pointers, their width, offset of the scalar rows, their width, total).
+    Words 0..nkeys hold the keys' first blocks and, last, the launch's block count."""
+    width, count = 1 + arrays, scalars
+    rows = nkeys + 1
+    return rows, width, rows + nkeys * width, count, rows + nkeys * (width + count)
 
 
 def blocks_for(n):

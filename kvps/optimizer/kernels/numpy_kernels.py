@@ -347,7 +347,8 @@ def from_host(array, like):
     return np.ascontiguousarray(array)
 
 
-def multi_update(calls):
+def multi_update(calls, launches=None):
     """Many keys at once, calls: [(fn_name, args, kwargs)], args = (weight, grad, *states):
-    small keys of one elementwise rule and equal scalars in packed passes (numpy_packing)."""
+    small keys of one elementwise rule and equal scalars in packed passes (numpy_packing).
+    ``launches`` is cuda_kernels': the packed passes keep their layouts themselves."""
     numpy_packing.multi_update(calls, globals())
