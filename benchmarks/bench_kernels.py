@@ -7,7 +7,8 @@ device (read + write bytes over time), the ceiling a streaming kernel can approa
 One JSON line per (optimizer, device, size). Then, per device, many small keys (as a model's
 biases and norms) updated key by key against `multi_update` (one multi-tensor launch per rule
 on a GPU; packed passes on the CPU, in place where the keys' arrays lie end to end, as a
-server lays out small keys).
+server lays out small keys), and its later rounds from the launches it keeps, as a server's
+Updater runs them (with the host's share of that time alone).
 
     python benchmarks/bench_kernels.py            # 1M and 16M float32 elements
     python benchmarks/bench_kernels.py --quick    # 1M only, few repetitions
@@ -82,6 +83,17 @@ def _median(dev, fn, before, reps):
     return statistics.median(dev.time(fn, before) for _ in range(reps))
 
 
+def _host_median(fn, reps):
+    """Host time of one call (planning and launching; on a GPU the kernels may still run)."""
+    fn()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
 def bench(dev, label, n, reps):
     kernel, nstates, hyper = CONFIGS[label]
     xp = dev.xp
@@ -134,10 +146,15 @@ def bench_many(dev, label, keys, n, reps):
     alone = _median(dev, one_by_one, lambda: None, reps)
     together = _median(dev, lambda: dev.mod.multi_update(apart), lambda: None, reps)
     in_place = _median(dev, lambda: dev.mod.multi_update(laid), lambda: None, reps)
+    kept = {}   # as a server's Updater keeps them: the warm-up round plans, later rounds reuse
+    reused = _median(dev, lambda: dev.mod.multi_update(laid, kept), lambda: None, reps)
+    host = _host_median(lambda: dev.mod.multi_update(laid, kept), reps)
     return {'bench': 'kernels_many_keys', 'optimizer': label, 'device': dev.name,
             'dtype': 'float32', 'keys': keys, 'elements_per_key': n,
             'ms_key_by_key': round(alone * 1e3, 3), 'ms_multi_tensor': round(together * 1e3, 3),
             'ms_multi_tensor_end_to_end': round(in_place * 1e3, 3),
+            'ms_multi_tensor_kept': round(reused * 1e3, 3),
+            'host_ms_multi_tensor_kept': round(host * 1e3, 3),
             'speedup': round(alone / together, 2),
             'speedup_end_to_end': round(alone / in_place, 2)}
 
