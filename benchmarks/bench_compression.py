@@ -13,12 +13,16 @@ less is the one kvps keeps (docs/api.md says which and why).
 """
 
 import argparse
+import os
+import sys
 
 import numpy as np
 import torch
 
-from _common import JsonLines, default_out_dir, note
 from kvps import compression
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import JsonLines, default_out_dir, note  # noqa: E402  (benchmarks/: no package)
 
 
 def make_data(samples, features, classes, seed):
