@@ -73,6 +73,11 @@ def _count_or_auto(text):
     return 'auto' if low == 'auto' else _positive_int(low)
 
 
+def _count_or_all(text):
+    low = text.strip().lower()
+    return 'all' if low == 'all' else _nonneg_int(low)
+
+
 def _text(text):
     return text.strip()
 
@@ -143,6 +148,10 @@ VARS = (
         'run on, at most 4.'),
     Var('log_level', ('KVPS_LOG_LEVEL',), _log_level, 'WARNING',
         'Python logging level of kvps\'s messages, on nodes and in workers (DEBUG, INFO, ...).'),
+    Var('log_refusals', ('KVPS_LOG_REFUSALS',), _count_or_all, 3,
+        'Refused messages (no or a wrong secret, malformed, from a stranger) of each sender '
+        'that a node logs in full; the rest are counted (`refused` in its stats) and summed '
+        'up in one line every 10 s, so strangers cannot flood its log. all: log every one.'),
     Var('port_file', ('KVPS_PORT_FILE',), _text, None,
         'Scheduler only: write the bound port to this file (the launcher uses it).'),
     Var('checkpoint_dir', ('KVPS_CHECKPOINT_DIR',), _text, None,
@@ -216,6 +225,7 @@ class Config:
     server_device: str = 'auto'
     update_threads: object = 1
     log_level: str = 'WARNING'
+    log_refusals: object = 3
     port_file: str = None
     checkpoint_dir: str = None
     checkpoint_every: int = 0

@@ -8,6 +8,7 @@ from .allocator import collect_garbage_rarely, keep_freed_memory
 from .config import LOG_FORMAT, Config
 from .errors import KVPSError
 from .timeline import recording
+from .wire.refusals import REFUSALS
 
 
 def run_role(config=None):
@@ -15,6 +16,7 @@ def run_role(config=None):
     config = config or Config.from_env()
     _end_cleanly_on_termination()
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
+    REFUSALS.configure(config.log_refusals)
     try:
         recording.start(config.timeline, config.role)
         if config.role == 'scheduler':
@@ -28,7 +30,8 @@ def run_role(config=None):
     except KVPSError as exc:
         logging.getLogger('kvps').error('%s failed: %s', config.role, exc)
         return 1
-    finally:   # what a failing node recorded is written too
+    finally:   # what a failing node recorded is written too, and what it refused is said
+        REFUSALS.flush()
         recording.stop()
     raise SystemExit(f'kvps.node runs the scheduler or a server; DMLC_ROLE={config.role!r}')
 

@@ -10,6 +10,7 @@ import threading
 from ..config import LOG_FORMAT, Config
 from ..errors import ConfigError, KVPSError, StoreClosedError
 from ..timeline import recording
+from ..wire.refusals import REFUSALS
 
 _dist_lock = threading.Lock()
 _dist_client = None      # one job membership per process, shared by every dist store
@@ -27,6 +28,7 @@ def dist_backend(sync):
             from ..worker.client import DistClient  # sockets load only for distributed stores
             config = Config.from_env()
             _worker_logging(config.log_level)
+            REFUSALS.configure(config.log_refusals)
             recording.start(config.timeline, 'worker')
             _dist_client = DistClient(config, sync)
             atexit.register(_leave_job_at_exit, _dist_client)

@@ -12,6 +12,7 @@ from ..timeline import recording
 from ..timeline.counters import SchedulerCounts, Ticker
 from ..wire import protocol as P
 from ..wire.link import decode_or_log
+from ..wire.refusals import REFUSALS
 from ..wire.transport import Poller, Router, bind_host, guard_from, new_context, resolve
 from .membership import Membership
 
@@ -43,7 +44,8 @@ class Scheduler:
         self._barrier_began = {}  # barrier number -> when its first worker came (timeline)
         self.counts = SchedulerCounts()
         self.ticker = Ticker(config.stats_seconds, 'scheduler', lambda: (
-            dataclasses.asdict(self.counts), {'nodes': len(self.members.nodes)}))
+            {**dataclasses.asdict(self.counts), 'refused': REFUSALS.total},
+            {'nodes': len(self.members.nodes)}))
         if recording.RECORDER is not None:
             recording.RECORDER.name_node(0, 'scheduler')
         log.info('scheduler listening on %s:%d', host, self.port)
@@ -83,7 +85,8 @@ class Scheduler:
         self.members.seen(identity, time.monotonic())
         handler = self._HANDLERS.get(header['op'])
         if handler is None:
-            log.warning('rejected %s from %r: not a scheduler op', header['op'], identity)
+            REFUSALS.refuse(identity, 'not a scheduler op',
+                            'rejected %s from %r: not a scheduler op', header['op'], identity)
             return
         try:
             handler(self, identity, header)
@@ -216,6 +219,7 @@ class Scheduler:
 
     # -- time -------------------------------------------------------------------------------
     def _tick(self, now):
+        REFUSALS.tick(now)
         self.ticker.tick(now)
         if not self.members.ranked:
             if now - self.started > self.config.connect_timeout:

@@ -10,6 +10,7 @@ from ..timeline.counters import ServerCounts, Ticker
 from ..wire import protocol as P
 from ..wire.link import SchedulerLink, decode_or_refusal
 from ..wire.ordering import by_priority
+from ..wire.refusals import REFUSALS
 from ..wire.transport import Poller, Router, bind_host, guard_from, new_context
 from . import checkpoint
 from .lending import Lending
@@ -112,14 +113,16 @@ class Server:
         except PeerLostError as exc:
             log.error('%s: %s', self.name, exc)
             self.exit_code = 1
+        REFUSALS.tick(now)
         self.ticker.tick(now)
 
     def _stats(self):
-        """The counts of a --stats line (requests, replies, their bytes, updates), and the
-        requests that wait in open rounds."""
+        """The counts of a --stats line (requests, replies, their bytes, updates, refused
+        messages), and the requests that wait in open rounds."""
         held = sum(len(entry.held) for entry in self.shard.entries.values())
-        return {**dataclasses.asdict(self.counts), 'updates': self.shard.updates}, {
-            'held': held}
+        counts = {**dataclasses.asdict(self.counts), 'updates': self.shard.updates,
+                  'refused': REFUSALS.total}
+        return counts, {'held': held}
 
     def _flush(self):
         """Checkpoint if due, then send the replies: an acknowledged init or optimizer change
@@ -177,8 +180,9 @@ class Server:
         self.counts.requests += 1
         self.counts.request_bytes += sum(len(frame) for frame in frames)
         if identity not in self.workers:
-            log.warning('%s: refused a message from %r: not a worker of this job',
-                        self.name, identity)
+            REFUSALS.refuse(identity, 'not a worker of this job',
+                            '%s: refused a message from %r: not a worker of this job',
+                            self.name, identity)
             return None
         decoded = decode_or_refusal(frames, self.config, identity)
         if isinstance(decoded, ProtocolError):   # tell the member why rather than leave it waiting

@@ -9,6 +9,7 @@ from ..errors import (ConfigError, KVPSError, PeerLostError, ProtocolError, Requ
                       from_remote)
 from ..timeline import recording
 from . import protocol as P
+from .refusals import REFUSALS
 from .transport import Dealer, advertised_host, guard_from, resolve
 
 log = logging.getLogger('kvps')
@@ -161,5 +162,5 @@ def decode_or_refusal(frames, config, source):
     try:
         return P.decode(frames, config.max_message_bytes)
     except ProtocolError as exc:
-        log.warning('rejected a message from %s: %s', source, exc)
+        REFUSALS.refuse(source, 'malformed', 'rejected a message from %s: %s', source, exc)
         return exc

@@ -12,6 +12,7 @@ import zmq
 from ..config import variable
 from ..errors import AuthError, ConfigError, TransportError
 from .auth import TO_DEALER, TO_ROUTER, Guard
+from .refusals import REFUSALS
 
 log = logging.getLogger('kvps.wire.transport')
 
@@ -199,7 +200,8 @@ def _verified(guard, frames, direction, identity):
     try:
         return guard.verify(frames, direction, identity)
     except AuthError as exc:
-        log.warning('refused a message from %r: %s', identity, exc)
+        REFUSALS.refuse(identity, str(exc).split(' (')[0], 'refused a message from %r: %s',
+                        identity, exc)
         return None
 
 

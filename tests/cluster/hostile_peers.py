@@ -16,7 +16,9 @@ from kvps.wire.auth import TO_DEALER, TO_ROUTER, Guard
 SECRET = 'hostile-input-test-secret'
 
 # Longer liveness bound than conftest.FAST: this test keeps both cores busy on purpose.
-CLUSTER_ENV = {'KVPS_HEARTBEAT_TIMEOUT': '20', 'KVPS_TIMEOUT': '60', 'KVPS_SECRET': SECRET}
+# Every refusal logged: the test counts one line per refused message (kvps.wire.refusals).
+CLUSTER_ENV = {'KVPS_HEARTBEAT_TIMEOUT': '20', 'KVPS_TIMEOUT': '60', 'KVPS_SECRET': SECRET,
+               'KVPS_LOG_REFUSALS': 'all'}
 
 
 class Output:

@@ -527,7 +527,7 @@ def test_fuzzed_server_and_scheduler_keep_serving_exact_values(by_hand, tmp_path
         ctx.destroy(linger=0)
 
     # Every message was refused or rejected with one logged reason, or answered, on the node.
-    assert server.text.count('kvps.wire.transport WARNING refused a message from') == \
+    assert server.text.count('kvps.wire.refusals WARNING refused a message from') == \
         server_out.expected['auth'] + server_in.expected['auth']
     # Today an outsider's message is logged a second time ('not a worker of this job') after
     # authentication refused it; either way is fine.

@@ -3,6 +3,7 @@
 import pytest
 
 from kvps.kvstore.local import LocalBackend
+from kvps.wire.refusals import REFUSALS
 
 
 class RecordingBackend(LocalBackend):
@@ -21,3 +22,12 @@ class RecordingBackend(LocalBackend):
 @pytest.fixture
 def recording_backend():
     return RecordingBackend()
+
+
+@pytest.fixture(autouse=True)
+def fresh_refusals():
+    """Each test starts with no refusals counted: the log budget is per process, and a test
+    that checks a refusal is logged must not find it spent by an earlier test."""
+    REFUSALS.reset()
+    yield
+    REFUSALS.reset()
