@@ -1,17 +1,14 @@
 """Optimizers of a user's own on the servers, from plugins they import at start: a job equals
 the local store exactly; refusals reach every worker; a broken plugin stops the job at start."""
 
-import importlib
 import json
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import kvps
-from kvps.optimizer import optimizers
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -83,21 +80,6 @@ kv.load_optimizer_states(os.environ['STATES'])    # collective: the servers take
 steps(2 * STEPS)
 report(refused=refused, at_save=at_save, at_end=at_end, reloaded=pulled())
 '''
-
-
-@pytest.fixture
-def plugin():
-    """The tests' plugin in this process too (the reference runs it in a local store)."""
-    saved = dict(optimizers._REGISTRY)
-    sys.path.insert(0, PLUGINS)
-    try:
-        loaded = sys.modules.get('kvps_test_optimizers')
-        yield importlib.reload(loaded) if loaded else importlib.import_module(
-            'kvps_test_optimizers')
-    finally:
-        sys.path.remove(PLUGINS)
-        optimizers._REGISTRY.clear()
-        optimizers._REGISTRY.update(saved)
 
 
 def local_run(start, steps, states=None, save=None):

@@ -2,36 +2,16 @@
 by key, with kvps's counts, lr/wd multipliers, multi-precision, checkpoints; checked at
 register; the same in the local store."""
 
-import importlib
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import kvps
 from kvps.errors import ConfigError
-from kvps.optimizer import FactorScheduler, Optimizer, create, optimizers, register
+from kvps.optimizer import FactorScheduler, Optimizer, create, register
 from kvps.optimizer.updater import Updater
 
-PLUGINS = str(Path(__file__).resolve().parents[1] / 'plugins')
 RNG = np.random.default_rng(11)
-
-
-@pytest.fixture(autouse=True, scope='module')
-def plugin():
-    """The tests' server plugin, imported here; the registry as it was afterwards (the
-    other tests see kvps's own optimizers only)."""
-    saved = dict(optimizers._REGISTRY)
-    sys.path.insert(0, PLUGINS)
-    try:
-        loaded = sys.modules.get('kvps_test_optimizers')
-        yield importlib.reload(loaded) if loaded else importlib.import_module(
-            'kvps_test_optimizers')
-    finally:
-        sys.path.remove(PLUGINS)
-        optimizers._REGISTRY.clear()
-        optimizers._REGISTRY.update(saved)
+pytestmark = pytest.mark.usefixtures('plugin')   # the tests' plugin (tests/conftest.py)
 
 
 def grads(shape, steps, dtype=np.float32):
