@@ -214,6 +214,11 @@ def split_partly_frozen(store, layout, server_has_optimizer):
 def pull_weights(store, entries):
     """Pull ``entries`` (as Layout.store_keys gives) into the parameters."""
     store.pull([key for _, key, _ in entries], out=[weights_of(entry) for _, _, entry in entries])
+    scatter_fused(entries)
+
+
+def scatter_fused(entries):
+    """The packed weights of the fused keys of ``entries`` into their members."""
     for _, _, entry in entries:
         if isinstance(entry, FusedKey):
             entry.scatter_weights()
