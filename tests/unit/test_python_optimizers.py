@@ -366,3 +366,43 @@ def test_an_update_that_raises_fails_that_key_of_the_push_and_the_store_goes_on(
     got = [np.zeros(2, np.float32) for _ in range(2)]
     kv.pull([0, 1], out=got)
     assert [g.tolist() for g in got] == [[-2.0, -2.0], [-1.0, -1.0]]
+
+
+@pytest.mark.parametrize('uok', [True, False])
+def test_the_trainer_runs_it_alone_and_through_a_store_alike(uok, tmp_path):
+    """The Trainer hands each parameter in its shape (its own key: not fused when it reads
+    weights whole), whoever updates; states saved by one load into the other."""
+    torch = pytest.importorskip('torch')
+    from kvps.kvstore import KVStore
+    from kvps.kvstore.local import LocalBackend
+
+    def run(kvstore, steps, load=None, save=None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+        x, y = torch.randn(16, 6), torch.randn(16, 2)
+        trainer = kvps.Trainer(model, 'test_py_dcasgd', dict(SPECS['test_py_dcasgd']),
+                               kvstore=kvstore, update_on_kvstore=uok if kvstore else None)
+        if load:
+            for _ in range(2):   # the weights the file's state goes with, then its state
+                trainer.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y, reduction='sum').backward()
+                trainer.step(16)
+            trainer.load_states(load)
+        for _ in range(steps):
+            trainer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y, reduction='sum').backward()
+            trainer.step(16)
+        if save:
+            trainer.save_states(save)
+        return trainer, [p.detach().clone() for p in model.parameters()]
+
+    _, alone = run(None, 4)
+    trainer, _ = run(KVStore('dist_sync', LocalBackend()), 2, save=tmp_path / 's')
+    assert not trainer._layout.fused or not uok
+    assert all(not f.updated_whole for f in trainer._layout.fused)
+    _, resumed = run(None, 2, load=tmp_path / 's')   # the store's state goes on alone
+    for a, b in zip(alone, resumed):
+        assert torch.equal(a, b)
+    _, more = run(KVStore('dist_sync', LocalBackend()), 2, load=tmp_path / 's')
+    for a, b in zip(alone, more):
+        assert torch.equal(a, b)
