@@ -58,12 +58,16 @@ class Updater:
 
     def retune(self, optimizer):
         """Take ``optimizer``'s hyper-parameters and keep every key's state and count, if it
-        is the same kind of optimizer with the same state; return whether it was."""
+        is the same kind of optimizer with the same state; return whether it was. (What a
+        Python update's create_state makes may follow its own hyper-parameters: it keeps its
+        state only while they are the same, through new learning rates and rescales.)"""
         if isinstance(optimizer, dict):
             optimizer = Optimizer.from_spec(optimizer)
         same = (optimizer.name == self._opt.name and
                 optimizer.state_names() == self._opt.state_names() and
-                optimizer.multi_precision == self._opt.multi_precision)
+                optimizer.multi_precision == self._opt.multi_precision and
+                (not optimizer.runs_python or all(
+                    getattr(optimizer, n) == getattr(self._opt, n) for n in optimizer.hyper)))
         if same:
             self._opt = optimizer
             self._opt.num_update = self._num_update

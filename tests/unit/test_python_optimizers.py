@@ -233,6 +233,17 @@ def test_an_unknown_name_says_how_to_register_one_on_the_servers():
     assert '--server-plugin' in text and 'this server' not in text   # not a server
 
 
+def test_setting_it_again_keeps_its_state_unless_its_own_hyper_parameters_change():
+    u, w = Updater(create('test_py_momentum', learning_rate=0.1, momentum=0.5)), np.zeros(2)
+    u.update('k', w, np.ones(2))
+    state = u.get_states()
+    assert u.retune(create('test_py_momentum', learning_rate=0.2, momentum=0.5, wd=0.1,
+                           rescale_grad=0.5).to_spec())
+    assert u.get_states() == state and u.optimizer.learning_rate == 0.2
+    # momentum 0 makes no state (create_state returns None): the state starts afresh
+    assert not u.retune(create('test_py_momentum', momentum=0.0).to_spec())
+
+
 # -- register's checks ----------------------------------------------------------------------
 def _registers(body, **attrs):
     return register(type('Opt' + str(abs(hash(body)) % 10**6), (Optimizer,),
@@ -306,103 +317,3 @@ def test_a_kernel_subclass_of_a_builtin_runs_the_kernel():
     assert not opt.runs_python and opt.kernel == 'sgd_update' and opt.momentum == 0.99
     with pytest.raises(NotImplementedError, match='runs the kernel'):
         opt.update(0, None, None, None)
-
-
-# -- stores that run the updater in this process ----------------------------------------------
-def test_the_local_store_runs_it_with_shapes_and_saves_its_state(tmp_path):
-    shape, gs = (3, 4), grads((3, 4), 4)
-    kv = kvps.create('local')
-    kv.init('w', np.ones(shape, np.float32))
-    kv.set_optimizer(create('test_py_dcasgd', **SPECS['test_py_dcasgd']))
-    for g in gs[:2]:
-        kv.push('w', g)
-    kv.save_optimizer_states(tmp_path / 's', dump_optimizer=True)
-    for g in gs[2:]:
-        kv.push('w', g)
-    got = np.zeros(shape, np.float32)
-    kv.pull('w', out=got)
-    want = by_hand(create('test_py_dcasgd', **SPECS['test_py_dcasgd']), 'w',
-                   np.ones(shape, np.float32), gs)
-    np.testing.assert_array_equal(got, want)
-    # a new store at the weights of step 2, with the file's optimizer, state and counts
-    again = kvps.create('local')
-    again.init('w', by_hand(create('test_py_dcasgd', **SPECS['test_py_dcasgd']), 'w',
-                            np.ones(shape, np.float32), gs[:2]))
-    again.load_optimizer_states(tmp_path / 's')
-    for g in gs[2:]:
-        again.push('w', g)
-    again.pull('w', out=got)
-    np.testing.assert_array_equal(got, want)
-
-
-def test_rows_pushed_to_a_python_update_are_applied_densely():
-    kv = kvps.create('local')
-    kv.init(0, np.zeros((4, 2), np.float32))
-    kv.set_optimizer(create('test_py_momentum', learning_rate=1.0))
-    kv.push(0, kvps.RowSparse(np.array([2]), np.ones((1, 2), np.float32)))
-    got = np.zeros((4, 2), np.float32)
-    kv.pull(0, out=got)
-    assert got.tolist() == [[0, 0], [0, 0], [-1, -1], [0, 0]]
-
-
-def test_a_bfloat16_key_of_the_local_store_is_not_refused():
-    kv = kvps.create('local')
-    torch = pytest.importorskip('torch')
-    kv.init(0, torch.ones(4, dtype=torch.bfloat16))
-    kv.set_optimizer(create('test_py_momentum', learning_rate=0.5))
-    kv.push(0, torch.ones(4, dtype=torch.bfloat16))
-    got = torch.zeros(4, dtype=torch.bfloat16)
-    kv.pull(0, out=got)
-    assert got.tolist() == [0.5] * 4
-
-
-def test_an_update_that_raises_fails_that_key_of_the_push_and_the_store_goes_on():
-    kv = kvps.create('local')
-    kv.init([0, 1], [np.zeros(2, np.float32)] * 2)
-    kv.set_optimizer(create('test_py_picky', learning_rate=1.0))
-    with pytest.raises(ValueError, match='key 1: a negative gradient'):
-        kv.push([0, 1], [np.ones(2, np.float32), -np.ones(2, np.float32)])
-    kv.push([0, 1], [np.ones(2, np.float32)] * 2)
-    got = [np.zeros(2, np.float32) for _ in range(2)]
-    kv.pull([0, 1], out=got)
-    assert [g.tolist() for g in got] == [[-2.0, -2.0], [-1.0, -1.0]]
-
-
-@pytest.mark.parametrize('uok', [True, False])
-def test_the_trainer_runs_it_alone_and_through_a_store_alike(uok, tmp_path):
-    """The Trainer hands each parameter in its shape (its own key: not fused when it reads
-    weights whole), whoever updates; states saved by one load into the other."""
-    torch = pytest.importorskip('torch')
-    from kvps.kvstore import KVStore
-    from kvps.kvstore.local import LocalBackend
-
-    def run(kvstore, steps, load=None, save=None):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
-        x, y = torch.randn(16, 6), torch.randn(16, 2)
-        trainer = kvps.Trainer(model, 'test_py_dcasgd', dict(SPECS['test_py_dcasgd']),
-                               kvstore=kvstore, update_on_kvstore=uok if kvstore else None)
-        if load:
-            for _ in range(2):   # the weights the file's state goes with, then its state
-                trainer.zero_grad()
-                torch.nn.functional.mse_loss(model(x), y, reduction='sum').backward()
-                trainer.step(16)
-            trainer.load_states(load)
-        for _ in range(steps):
-            trainer.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y, reduction='sum').backward()
-            trainer.step(16)
-        if save:
-            trainer.save_states(save)
-        return trainer, [p.detach().clone() for p in model.parameters()]
-
-    _, alone = run(None, 4)
-    trainer, _ = run(KVStore('dist_sync', LocalBackend()), 2, save=tmp_path / 's')
-    assert not trainer._layout.fused or not uok
-    assert all(not f.updated_whole for f in trainer._layout.fused)
-    _, resumed = run(None, 2, load=tmp_path / 's')   # the store's state goes on alone
-    for a, b in zip(alone, resumed):
-        assert torch.equal(a, b)
-    _, more = run(KVStore('dist_sync', LocalBackend()), 2, load=tmp_path / 's')
-    for a, b in zip(alone, more):
-        assert torch.equal(a, b)
