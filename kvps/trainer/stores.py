@@ -52,7 +52,7 @@ def check_compression(kvstore, compression_params):
     """compression_params with a type name that cannot compress: the store's own error at
     construction (a 'local' name makes no store here, so nothing else would refuse them and
     they would be ignored without a word)."""
-    if compression_params and isinstance(kvstore, str):
+    if compression_params and isinstance(kvstore, str) and registered(kvstore) is None:
         kvstore_mod.check_compression_type(kvstore)
 
 

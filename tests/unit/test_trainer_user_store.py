@@ -263,3 +263,14 @@ def test_kvps_extensions_of_a_store_of_ones_own_are_used_when_present():
     Trainer(model.parameters(), 'sgd', kvstore=kv)
     # the parameter table, then the fused layout (none), then the placement hint
     assert kv.asked == [('agree', 32), ('agree', 32), ('balance_keys', 4 * 8 + 8 + 8 + 1)]
+
+
+def test_a_registered_name_with_compression_params_reaches_the_store(registry):
+    class Compressing(Loopback):
+        def set_gradient_compression(self, params):
+            Compressing.given = params
+    KVStoreBase.register(Compressing)
+    model, _, _ = model_and_data()
+    Trainer(model.parameters(), 'sgd', kvstore='compressing',
+            compression_params={'type': '2bit', 'threshold': 0.5})
+    assert Compressing.given == {'type': '2bit', 'threshold': 0.5}
