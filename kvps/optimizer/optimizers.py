@@ -172,9 +172,8 @@ class Optimizer:
         return type(self).update is not Optimizer.update
 
     def create_state(self, index, weight):
-        """MXNet's: the state ``update`` gets for key ``index``, made at its first update from
-        ``weight``: None, an array of the weight's size, or a tuple or list of those."""
-        return None
+        """MXNet's: the state ``update`` gets for key ``index`` (None, an array of the weight's
+        size, or a tuple or list of those), made at its first update from ``weight``."""
 
     def update(self, index, weight, grad, state):
         """MXNet's: change ``weight`` (and ``state``) in place by ``grad``. Override it, with
@@ -182,15 +181,13 @@ class Optimizer:
         raise NotImplementedError(f'{type(self).__name__} runs the kernel {self.kernel!r} '
                                   '(kvps.optimizer.updater.Updater), not a Python update')
 
-    def _get_lr(self, index):
-        """MXNet's: the lr of key ``index`` now (scheduler at num_update, lr_mult)."""
+    def _get_lr(self, index):   # MXNet's: the scheduler at num_update, times the lr_mult
         return self.get_lr(index, self.num_update)
 
     def _get_lrs(self, indices):
         return [self._get_lr(index) for index in indices]
 
-    def _get_wd(self, index):
-        """MXNet's: the wd of key ``index`` (wd_mult applied)."""
+    def _get_wd(self, index):   # MXNet's
         return self.get_wd(index)
 
     def _get_wds(self, indices):
@@ -255,6 +252,9 @@ class Optimizer:
 
     def __repr__(self):
         return f'{type(self).__name__}({self.to_spec()["params"]})'
+
+
+Optimizer.register = staticmethod(register)   # MXNet's spelling: @Optimizer.register
 
 
 def _unit_interval(opt, *names):

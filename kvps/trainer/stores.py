@@ -91,15 +91,15 @@ class _Surface:
     def type(self):
         return self.kv.type
 
+    @property
+    def distributed(self):
+        return 'dist' in self.kv.type
+
     def broadcast(self, keys, values):
         """Rank 0's ``values`` of ``keys`` into ``values`` on every worker: init, then pull
         (collective; a key initialized before raises DuplicateInitError)."""
         self.init(keys, values)
         self.pull(keys, out=values)
-
-    @property
-    def distributed(self):
-        return 'dist' in self.kv.type
 
     def init(self, keys, values):
         self.kv.init(keys, values)

@@ -317,3 +317,12 @@ def test_a_kernel_subclass_of_a_builtin_runs_the_kernel():
     assert not opt.runs_python and opt.kernel == 'sgd_update' and opt.momentum == 0.99
     with pytest.raises(NotImplementedError, match='runs the kernel'):
         opt.update(0, None, None, None)
+
+
+def test_mxnets_spelling_of_register_works_too():
+    @Optimizer.register
+    class MXNetStyle(Optimizer):
+        def update(self, index, weight, grad, state):
+            weight -= self.learning_rate * grad
+    assert type(create('mxnetstyle')) is MXNetStyle and create('mxnetstyle').create_state(
+        0, np.zeros(1)) is None
