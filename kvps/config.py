@@ -4,6 +4,7 @@ import dataclasses
 import difflib
 import logging
 import os
+import re
 
 from .errors import ConfigError
 
@@ -82,6 +83,18 @@ def _text(text):
     return text.strip()
 
 
+_MODULE = re.compile(r'[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*')
+
+
+def _modules(text):
+    names = tuple(n.strip() for n in text.split(',') if n.strip())
+    bad = [n for n in names if not _MODULE.fullmatch(n)]
+    if bad:
+        raise ValueError(f'{bad[0]!r} is not a Python module name; expected module names '
+                         'separated by commas (e.g. mypkg.optimizers,other)')
+    return names
+
+
 def _port(text):
     value = int(text)
     if not 0 <= value <= 65535:
@@ -137,6 +150,10 @@ VARS = (
         'Seconds between heartbeats from each node to the scheduler.'),
     Var('heartbeat_timeout', ('KVPS_HEARTBEAT_TIMEOUT',), _positive_float, 30.0,
         'Seconds of silence after which a node is declared lost (PeerLostError).'),
+    Var('server_plugins', ('KVPS_SERVER_PLUGINS',), _modules, None,
+        'Servers: modules (comma-separated, installed on their hosts) imported at start, whose '
+        'registered optimizers they then run; one that fails stops its server at start '
+        '(`kvps.launch --server-plugin`; [plugins.md](plugins.md)).'),
     Var('server_device', ('KVPS_SERVER_DEVICE',), _device, 'auto',
         'Where servers keep shards: auto (keys of device-side stores on the GPU when the '
         'server has one, others in host memory), cpu, or cuda (all on the GPU; needs cupy).'),
@@ -222,6 +239,7 @@ class Config:
     connect_timeout: float = 120.0
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 30.0
+    server_plugins: tuple = None
     server_device: str = 'auto'
     update_threads: object = 1
     log_level: str = 'WARNING'
@@ -367,7 +385,8 @@ class Config:
         for var in VARS:
             value = getattr(self, var.field)
             if value is not None and value != var.default:
-                env[var.names[0]] = str(int(value) if isinstance(value, bool) else value)
+                env[var.names[0]] = (','.join(value) if isinstance(value, tuple) else
+                                     str(int(value) if isinstance(value, bool) else value))
         return env
 
 

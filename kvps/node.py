@@ -23,6 +23,9 @@ def run_role(config=None):
             from .scheduler.loop import Scheduler
             return Scheduler(config).run()
         if config.role == 'server':
+            # before joining: a plugin that fails stops this server at start, traceback logged
+            from .optimizer.plugins import import_plugins
+            import_plugins(config.server_plugins)
             from .server.loop import Server
             keep_freed_memory(config.malloc_trim_bytes)
             collect_garbage_rarely()

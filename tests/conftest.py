@@ -3,15 +3,18 @@ node, an example, a launch/ recipe) carries the `cluster` mark, so that
 `pytest -m "not cluster"` starts none. A test without the mark is stopped, with the reason,
 before such a process starts. (tests/cluster/conftest.py marks every test there.)"""
 
+import importlib
 import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+PLUGINS = str(REPO / 'tests' / 'plugins')   # optimizer plugins, as servers import them
 NODE_MODULES = ('kvps.launch', 'kvps.node')
 JOB_FOLDERS = (REPO / 'launch', REPO / 'examples')
 IMPORTS_KVPS = re.compile(r'^\s*(import|from)\s+kvps\b', re.M)
@@ -75,3 +78,20 @@ def _kvps_processes_only_in_cluster_tests(request, monkeypatch):
         return spawn(popen, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, *rest)
 
     monkeypatch.setattr(subprocess.Popen, '_execute_child', refusing)
+
+
+@pytest.fixture(scope='module')
+def plugin():
+    """tests/plugins/kvps_test_optimizers (the tests' optimizer plugin) imported in this
+    process; kvps's registry as it was afterwards, so that other tests see kvps's own."""
+    from kvps.optimizer import optimizers
+    saved = dict(optimizers._REGISTRY)
+    sys.path.insert(0, PLUGINS)
+    try:
+        loaded = sys.modules.get('kvps_test_optimizers')
+        yield importlib.reload(loaded) if loaded else importlib.import_module(
+            'kvps_test_optimizers')
+    finally:
+        sys.path.remove(PLUGINS)
+        optimizers._REGISTRY.clear()
+        optimizers._REGISTRY.update(saved)

@@ -40,8 +40,9 @@ class FunctionUpdater:
         if failure is not None:
             raise failure
 
-    def update_many(self, items, step=0):
-        """A Python updater has no lr scheduler: ``step`` means nothing to it."""
+    def update_many(self, items, step=0, failures=None):
+        """A Python updater has no lr scheduler: ``step`` means nothing to it; its failure is
+        raised by the push (raise_failure), not kept per key."""
         for key, part, weight, grad in items:
             self.update(key, weight, grad, part)
 

@@ -11,13 +11,14 @@ from ..optimizer import states
 from ..timeline.recording import traced
 from ..wire.protocol import DTYPES
 from . import row_calls
+from .base import KVStoreBase, registered
 from .job import dist_backend
 from .keys import StoreKeys, checked_priority
 from .local import LocalBackend
 from .types import CAPABILITIES, check_compression_type, parse_type
 
 
-class KVStore:
+class KVStore(KVStoreBase):
     """Keys to arrays, shared by every worker of the job (MXNet's KVStore interface).
 
     The threads of a process may share a store, as ps-lite's KVWorker allows: push and pull
@@ -380,7 +381,11 @@ class KVStore:
 
 
 def create(name='local'):
-    """Create a KVStore: 'local'/'device' in this process, 'dist_*' across the job."""
+    """Create a KVStore: 'local'/'device' in this process, 'dist_*' across the job; or a store
+    of one's own registered under ``name`` with KVStoreBase.register (MXNet 2.0's rule)."""
+    own = registered(name)
+    if own is not None:
+        return own()
     distributed, sync, _ = parse_type(name)
     backend = dist_backend(sync) if distributed else LocalBackend()
     return KVStore(name, backend)

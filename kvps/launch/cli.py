@@ -88,6 +88,13 @@ def _grace(text):
     return value
 
 
+def _plugin(text):
+    names = _checked('server_plugins', convert=True)(text)
+    if len(names) != 1:
+        raise argparse.ArgumentTypeError(f'{text!r}: one module name per --server-plugin')
+    return names[0]
+
+
 def _count(text):
     if not text.strip().isdigit():
         raise argparse.ArgumentTypeError(f'{text!r}: expected a whole number >= 0')
@@ -132,6 +139,11 @@ def build_parser():
                        help=f'{var.doc} Passed down as {var.names[0]}.')
     p.add_argument('--env', dest='env', action='append', default=[], type=_assignment,
                    metavar='NAME=VALUE', help='set NAME=VALUE for every process (repeatable)')
+    p.add_argument('--server-plugin', dest='server_plugins', action='append', default=[],
+                   type=_plugin, metavar='MODULE',
+                   help='a module every server imports at start, whose registered optimizers '
+                        'it may then run (repeatable; added to KVPS_SERVER_PLUGINS, which only '
+                        'servers are given)')
     p.add_argument('--no-auth', dest='auth', action='store_false',
                    help='do not generate a job secret (by default every message of the job is '
                         'authenticated with a fresh KVPS_SECRET, unless one is already set)')
@@ -210,8 +222,16 @@ def plan_nodes(opts, environ, port, node_argv=NODE_ARGV):
                               ('worker', opts.num_workers, opts.command)):
         for rank in range(count):
             env = dict(common, **{_name('role'): role, _name('rank'): str(rank)})
+            if role == 'server' and opts.server_plugins:
+                _add_plugins(env, opts.server_plugins)
             specs.append(ProcSpec(role, rank, tuple(argv), env))
     return specs
+
+
+def _add_plugins(env, plugins):
+    """--server-plugin modules after those KVPS_SERVER_PLUGINS already names."""
+    name = _BY_FIELD['server_plugins'].names[0]
+    env[name] = ','.join(filter(None, (env.get(name, '').strip(), *plugins)))
 
 
 def run(opts, environ=None, node_argv=NODE_ARGV, out=None, err=None):

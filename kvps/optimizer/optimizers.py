@@ -3,6 +3,7 @@
 import warnings
 
 from ..errors import ConfigError
+from . import python_rules
 from .hyper import check_params, coerce
 from .lr_scheduler import (CosineScheduler, FactorScheduler, LRScheduler, MultiFactorScheduler,
                            PolyScheduler, create_scheduler)
@@ -22,7 +23,10 @@ _BASE = {'learning_rate': ('float?', None), 'wd': ('float', 0.0),
 
 
 def register(cls):
-    """Class decorator: make an Optimizer subclass creatable by its (case-insensitive) name."""
+    """Class decorator: make an Optimizer subclass creatable by its (case-insensitive) name.
+    The class is checked first (its ``hyper`` table, its ``__init__``, a kernel or an update of
+    its own): ConfigError or TypeError naming what is wrong."""
+    python_rules.check_class(cls, Optimizer, _BASE)
     key = (cls.name or cls.__name__).lower()
     if key in _REGISTRY and _REGISTRY[key] is not cls:
         warnings.warn(f'optimizer {key!r} re-registered: {cls.__name__} replaces '
@@ -40,16 +44,15 @@ def registered():
 def create(name, **params):
     """Create an optimizer by registry name (case-insensitive)."""
     if not isinstance(name, str) or name.lower() not in _REGISTRY:
-        raise ConfigError(f'unknown optimizer {name!r}; known: {", ".join(registered())}')
+        raise ConfigError(python_rules.unknown_message(name, registered()))
     return _REGISTRY[name.lower()](**params)
 
 
-def needs_whole_tensors(spec):
-    """Whether the optimizer a spec names must see each weight whole (False for unknown
-    names: whoever builds it refuses those)."""
+def registered_class(spec):
+    """The class registered here under the name a spec gives, or None (unknown here: a
+    plugin's that only servers import, say)."""
     name = spec.get('name') if isinstance(spec, dict) else None
-    cls = _REGISTRY.get(name.lower()) if isinstance(name, str) else None
-    return cls is not None and cls.whole_tensor
+    return _REGISTRY.get(name.lower()) if isinstance(name, str) else None
 
 
 def _mult_table(mults, what):
@@ -78,7 +81,9 @@ class Optimizer:
     the kernel takes), `needs_count` (kernel takes the per-key update count as `t`) and
     `fp32_states` (float32 states for low-precision weights even without multi_precision)
     and `whole_tensor` (the update reads the whole weight, as LAMB's norms do: servers must
-    not split it).
+    not split it). An optimizer of one's own may instead override MXNet's `create_state` and
+    `update` (Python on numpy or cupy arrays, key by key; whole tensors unless it sets
+    `whole_tensor = False`): see kvps.optimizer.python_rules and docs/plugins.md.
     """
     name = None
     default_lr = 0.01
@@ -90,6 +95,10 @@ class Optimizer:
     needs_count = False
     fp32_states = False  # keep states fp32 for float16/bfloat16 weights even without a master
     whole_tensor = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        python_rules.default_whole_tensor(cls, Optimizer)
 
     def __init__(self, learning_rate=None, wd=0.0, rescale_grad=1.0, clip_gradient=None,
                  lr_scheduler=None, multi_precision=False, begin_num_update=0, **hyper):
@@ -118,6 +127,7 @@ class Optimizer:
             lr = self.lr_scheduler.base_lr
         self.lr = self.default_lr if lr is None else lr
         self.lr_mult, self.wd_mult = {}, {}
+        self._index_update_count = {}   # MXNet's: key -> its updates (see _update_count)
         self._validate()
 
     def _validate(self):
@@ -154,6 +164,39 @@ class Optimizer:
 
     def get_wd(self, key):
         return self.wd * self.wd_mult.get(key, 1.0)
+
+    # -- an update written in Python, as MXNet's are (kvps.optimizer.python_rules runs it) ---
+    @property
+    def runs_python(self):
+        """Whether updates run this class's own ``update`` (else its ``kernel``)."""
+        return type(self).update is not Optimizer.update
+
+    def create_state(self, index, weight):
+        """MXNet's: the state ``update`` gets for key ``index`` (None, an array of the weight's
+        size, or a tuple or list of those), made at its first update from ``weight``."""
+
+    def update(self, index, weight, grad, state):
+        """MXNet's: change ``weight`` (and ``state``) in place by ``grad``. Override it, with
+        create_state, to write an optimizer in Python; kvps's own name a ``kernel``."""
+        raise NotImplementedError(f'{type(self).__name__} runs the kernel {self.kernel!r} '
+                                  '(kvps.optimizer.updater.Updater), not a Python update')
+
+    def _get_lr(self, index):   # MXNet's: the scheduler at num_update, times the lr_mult
+        return self.get_lr(index, self.num_update)
+
+    def _get_lrs(self, indices):
+        return [self._get_lr(index) for index in indices]
+
+    def _get_wd(self, index):   # MXNet's
+        return self.get_wd(index)
+
+    def _get_wds(self, indices):
+        return [self.get_wd(index) for index in indices]
+
+    def _update_count(self, index):
+        """MXNet's count of an update. kvps counts each key's updates before ``update`` runs
+        (``num_update`` and ``_index_update_count[index]`` include this one already): nothing
+        to do here; kept so that MXNet's code runs unchanged."""
 
     # -- kernel interface --------------------------------------------------------------------
     def state_names(self):
@@ -209,6 +252,9 @@ class Optimizer:
 
     def __repr__(self):
         return f'{type(self).__name__}({self.to_spec()["params"]})'
+
+
+Optimizer.register = staticmethod(register)   # MXNet's spelling: @Optimizer.register
 
 
 def _unit_interval(opt, *names):

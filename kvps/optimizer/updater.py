@@ -3,16 +3,16 @@
 import numpy as np
 
 from ..errors import ConfigError, DTypeError, ShapeError
+from . import python_rules
 from .kernels import common, kernels_for, multi_apply, numpy_kernels
 from .kernels.numpy_packing import PACK_UP_TO, Slabs
 from .optimizers import Optimizer
+from .state_fit import (STATE_DTYPES, STATE_FORMAT, STATE_ITEMSIZE, check_state_names, misfit,
+                        pack, state_dtype, unpacked_state, wants_master)
 
-STATE_FORMAT = 'kvps.updater.states/1'
-_LOW_PRECISION = ('float16', 'uint16')  # uint16 storage is bfloat16
-_STATE_DTYPES = {'float16': np.float16, 'float32': np.float32, 'float64': np.float64,
-                 'bfloat16': np.uint16}
-STATE_ITEMSIZE = {name: np.dtype(t).itemsize for name, t in _STATE_DTYPES.items()}
-_HOST_DTYPES = frozenset(map(np.dtype, _STATE_DTYPES.values()))   # the kernels' dtypes
+__all__ = ['Updater', 'STATE_FORMAT', 'STATE_ITEMSIZE']
+
+_HOST_DTYPES = frozenset(map(np.dtype, STATE_DTYPES.values()))   # the kernels' dtypes
 
 
 class Updater:
@@ -26,15 +26,19 @@ class Updater:
     Update counts are kept per (key, part) and drive the lr scheduler as in MXNet: a key's
     count is incremented before its lr is computed, and num_update = the max over keys
     (in sync rounds at least the workers' push ``step``: the keys of other servers count).
+    An optimizer written in Python (``update``/``create_state``, kvps.optimizer.python_rules)
+    runs key by key on the same state, counts and checkpoints; ``shape_of(key, part)`` gives
+    the shape it sees a whole key in (None: the flat part).
     """
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, shape_of=None):
         if isinstance(optimizer, dict):
             optimizer = Optimizer.from_spec(optimizer)
         if not isinstance(optimizer, Optimizer):
             raise ConfigError(f'Updater needs an Optimizer or its spec dict, got '
                               f'{type(optimizer).__name__}')
         self._opt = optimizer
+        self._shape_of = shape_of or _flat
         self._states = {}   # (key, part) -> {state name: array}
         self._counts = {}   # (key, part) -> updates applied
         # (key, part) -> (id of its state, weight dtype, shape, kernels) last checked to fit
@@ -45,6 +49,8 @@ class Updater:
         # The device kernels' prepared launches of recent rounds (cuda_launch.Round): they
         # hold the weights and states they were made for, and go with this updater.
         self._launches = {}
+        # Python updates: (key, part) -> (id of its state, what rebuilds create_state's value)
+        self._layouts = {}
 
     @property
     def optimizer(self):
@@ -52,12 +58,16 @@ class Updater:
 
     def retune(self, optimizer):
         """Take ``optimizer``'s hyper-parameters and keep every key's state and count, if it
-        is the same kind of optimizer with the same state; return whether it was."""
+        is the same kind of optimizer with the same state; return whether it was. (What a
+        Python update's create_state makes may follow its own hyper-parameters: it keeps its
+        state only while they are the same, through new learning rates and rescales.)"""
         if isinstance(optimizer, dict):
             optimizer = Optimizer.from_spec(optimizer)
         same = (optimizer.name == self._opt.name and
                 optimizer.state_names() == self._opt.state_names() and
-                optimizer.multi_precision == self._opt.multi_precision)
+                optimizer.multi_precision == self._opt.multi_precision and
+                (not optimizer.runs_python or all(
+                    getattr(optimizer, n) == getattr(self._opt, n) for n in optimizer.hyper)))
         if same:
             self._opt = optimizer
             self._opt.num_update = self._num_update
@@ -71,16 +81,25 @@ class Updater:
         """weight <- optimizer step with the summed grad, in place. grad may be clobbered."""
         self.update_many([(key, part, weight, grad)])
 
-    def update_many(self, items, step=0):
+    def update_many(self, items, step=0, failures=None):
         """Multi-tensor apply over [(key, part, weight, grad), ...]. Everything is checked
         before any count moves or any weight changes; then all counts tick (MXNet's
         aggregated update), then the kernels run. ``step``: the workers' count of pushes of
         their most pushed key (a sync round), which num_update is brought up to: a server
-        holding some of the keys then schedules the lr as one holding all of them would."""
+        holding some of the keys then schedules the lr as one holding all of them would.
+        ``failures``: where a Python update's exception is kept per item index, the other
+        keys updating on (else it is raised)."""
         checked = [self._check(key, part, weight, grad) for key, part, weight, grad in items]
         counts = [self._tick(key, part) for key, part, _, _ in items]
         self._num_update = max(self._num_update, self._opt.begin_num_update + step)
         self._opt.num_update = self._num_update
+        if self._opt.runs_python:
+            python_rules.run(self._opt, [
+                (key, weight, grad, state, self._layouts[key, part][1], count,
+                 self._shape_of(key, part))
+                for (key, part, weight, _), (grad, state), count in zip(items, checked, counts)],
+                failures)
+            return
         multi_apply(self._calls([(key, weight, grad, state, count) for (key, _, weight, _),
                                  (grad, state), count in zip(items, checked, counts)]),
                     self._launches)
@@ -88,8 +107,10 @@ class Updater:
     @property
     def updates_rows(self):
         """Whether pushed rows are updated alone (MXNet's lazy_update, on by default for sgd
-        and adam); else the server applies them as the dense gradient they stand for."""
-        return getattr(self._opt, 'lazy_update', False) and not self._opt.whole_tensor
+        and adam); else the server applies them as the dense gradient they stand for
+        (always for a Python update: MXNet hands it rows in a type of its own)."""
+        return (getattr(self._opt, 'lazy_update', False) and not self._opt.whole_tensor
+                and not self._opt.runs_python)
 
     def update_rows(self, key, part, weight, ids, grad, width):
         """MXNet's lazy update: only rows ``ids`` (sorted, unique) of ``weight`` (flat, rows
@@ -152,7 +173,7 @@ class Updater:
         to another device), not at every update."""
         state = self._states.get((key, part))
         if state is None:
-            state = self._states[(key, part)] = self._new_state(weight, kernels)
+            state = self._states[(key, part)] = self._new_state(key, part, weight, kernels)
         fit = (id(state), weight.dtype, weight.shape, kernels)
         if self._fits.get((key, part)) != fit:
             self._fit(key, part, state, weight, kernels)
@@ -161,21 +182,36 @@ class Updater:
 
     def _fit(self, key, part, state, weight, kernels):
         """Check ``state`` against ``weight``, moving it to the weight's device if need be."""
-        misfit = _misfit(self._opt, key, part, state, weight)
-        if misfit is not None:
-            error, message = misfit
+        problem = misfit(self._opt, key, part, state, weight)
+        if problem is not None:
+            error, message = problem
             raise error(message)
         for name, arr in list(state.items()):
             if kernels_for(arr) is not kernels:  # restored by set_states, or device moved
                 state[name] = kernels.from_host(kernels_for(arr).to_host(arr), weight)
+        if self._opt.runs_python and self._layouts.get((key, part), (None,))[0] != id(state):
+            self._layouts[key, part] = id(state), python_rules.fit(
+                self._opt, key, part, state, self._work(key, part, weight, state, kernels))
 
-    def _new_state(self, weight, kernels):
+    def _new_state(self, key, part, weight, kernels):
         state = {}
-        if _wants_master(self._opt, weight):
+        if wants_master(self._opt, weight):
             state['weight32'] = kernels.widen(weight)
+        if self._opt.runs_python:   # whatever its create_state makes, as named arrays
+            layout, arrays = python_rules.new_state(
+                self._opt, key, self._work(key, part, weight, state, kernels))
+            state.update(arrays)
+            self._layouts[key, part] = id(state), layout
+            return state
         for name in self._opt.state_names():
-            state[name] = kernels.zeros_like(weight, _state_dtype(self._opt, weight))
+            state[name] = kernels.zeros_like(weight, state_dtype(self._opt, weight))
         return self._in_slabs(state)
+
+    def _work(self, key, part, weight, state, kernels):
+        """The array a Python update changes for this key part, in the shape it sees."""
+        work = python_rules.working(weight, state, kernels)
+        shape = self._shape_of(key, part)
+        return work if shape is None else work.reshape(shape)
 
     def _in_slabs(self, state):
         """``state`` with its small host arrays moved into the slabs, which lay the states
@@ -244,7 +280,7 @@ class Updater:
         """
         out = {'format': STATE_FORMAT, 'num_update': self._num_update,
                'counts': [[k, p, c] for (k, p), c in self._counts.items()],
-               'states': [[k, p, {n: _pack(a) for n, a in st.items()}]
+               'states': [[k, p, {n: pack(a) for n, a in st.items()}]
                           for (k, p), st in self._states.items()]}
         if dump_optimizer:
             out['optimizer'] = self._opt.to_spec()
@@ -266,17 +302,29 @@ class Updater:
         opt = Optimizer.from_spec(states['optimizer']) if 'optimizer' in states else self._opt
         try:
             counts = {(k, int(p)): int(c) for k, p, c in states['counts']}
-            restored = dict(_unpacked_state(*item) for item in states['states'])
+            restored = dict(unpacked_state(*item) for item in states['states'])
             num_update = int(states['num_update'])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ConfigError(f'set_states: malformed state dict ({exc})') from None
-        _check_state_names(opt, restored)
+        if not opt.runs_python:   # (a Python update's names: its create_state's, below)
+            check_state_names(opt, restored)
         for where, state in restored.items():
-            misfit = _misfit(opt, *where, state, weights[where]) if where in (weights or ()) \
-                else None
-            if misfit is not None:
-                raise ConfigError(misfit[1])
+            weight = (weights or {}).get(where)
+            problem = None if weight is None else misfit(opt, *where, state, weight)
+            if problem is not None:
+                raise ConfigError(problem[1])
+            if weight is not None and opt.runs_python:
+                self._fits_python(opt, where, state, weight)
         return opt, counts, restored, num_update
+
+    def _fits_python(self, opt, where, state, weight):
+        """ConfigError unless a loaded ``state`` is what ``opt``'s create_state makes."""
+        work = python_rules.working(weight, state, kernels_for(weight))
+        shape = self._shape_of(*where)
+        try:
+            python_rules.fit(opt, *where, state, work if shape is None else work.reshape(shape))
+        except (ShapeError, DTypeError) as exc:
+            raise ConfigError(str(exc)) from None
 
     def install(self, checked):
         """Take ``checked`` (from checked_states) in place of every key's state and count."""
@@ -284,54 +332,23 @@ class Updater:
         self._states = {where: self._in_slabs(state) for where, state in states.items()}
         self._opt = opt
         self._fits = {}
+        self._layouts = {}
         self._launches.clear()   # they hold the replaced states
         self._num_update = opt.num_update = num_update
 
 
-def _unpacked_state(key, part, state):
-    """``((key, part), {name: array})`` of one saved state; the error names the key."""
-    try:
-        return (key, int(part)), {str(n): _unpack(a) for n, a in state.items()}
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise ConfigError(f'set_states: key {key!r} part {part}: malformed optimizer state '
-                          f'({exc})') from None
 
 
-def _misfit(opt, key, part, state, weight):
-    """``(error type, message)`` if ``state`` was not made for ``weight`` under ``opt`` (a
-    state of another job's key: another dtype, shape or multi_precision), else None."""
-    where, dtype = f'key {key!r} part {part}', common.dtype_name(weight)
-    if _wants_master(opt, weight) != ('weight32' in state):
-        return DTypeError, (
-            f'{where}: the optimizer state holds an fp32 master weight, but this {dtype} key '
-            'keeps none (only float16 and bfloat16 keys keep one, under multi_precision)'
-            if 'weight32' in state else
-            f'{where}: the optimizer state holds no fp32 master weight, but this {dtype} key '
-            'keeps one under multi_precision')
-    want = np.dtype(_state_dtype(opt, weight))
-    for name, arr in state.items():
-        if tuple(arr.shape) != tuple(weight.shape):
-            return ShapeError, (f'{where}: optimizer state {name!r} has shape '
-                                f'{tuple(arr.shape)}, the key part {tuple(weight.shape)}')
-        need = np.dtype(np.float32) if name == 'weight32' else want
-        if arr.dtype != need:
-            return DTypeError, (f'{where}: optimizer state {name!r} is {_name(arr.dtype)}, but '
-                                f'the key is {dtype}, whose state is {_name(need)}')
+
+
+def _flat(key, part):
     return None
 
 
-def _wants_master(opt, weight):
-    return opt.multi_precision and common.storage_name(weight) in _LOW_PRECISION
 
 
-def _state_dtype(opt, weight):
-    low = common.storage_name(weight) in _LOW_PRECISION
-    return np.float32 if low and (opt.multi_precision or opt.fp32_states) else weight.dtype
 
 
-def _name(dtype):
-    """kvps's name of a numpy dtype: uint16 storage is bfloat16."""
-    return 'bfloat16' if dtype == np.uint16 else str(dtype)
 
 
 def _plain_host_update(weight, grad):
@@ -365,31 +382,6 @@ def _check_dtype(key, label, array):
                          'use float16, float32, float64 or bfloat16 (uint16 storage)')
 
 
-def _check_state_names(opt, restored):
-    """States saved under another optimizer (adam's mean and var for sgd with momentum, say)
-    would be silently ignored or fail every update: refuse them at load."""
-    want = set(opt.state_names())
-    for (key, part), state in restored.items():
-        have = set(state) - {'weight32'}
-        if have != want:
-            raise ConfigError(
-                f'set_states: key {key!r} part {part} holds optimizer state '
-                f'{sorted(have) or "none"}, but {opt.name} keeps {sorted(want) or "none"}: the '
-                'states were saved under another optimizer. Set that optimizer first, or save '
-                'with dump_optimizer=True so that the file carries it')
 
 
-def _pack(array):
-    host = kernels_for(array).to_host(array)
-    return {'dtype': common.dtype_name(host), 'shape': list(host.shape), 'data': host.tobytes()}
 
-
-def _unpack(blob):
-    dtype = _STATE_DTYPES.get(blob.get('dtype'))
-    if dtype is None:
-        raise ValueError(f'unknown state dtype {blob.get("dtype")!r}')
-    shape = tuple(int(s) for s in blob['shape'])
-    data = blob['data']
-    if len(data) != int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize:
-        raise ValueError(f'state data of {len(data)} bytes does not fit shape {shape}')
-    return np.frombuffer(data, dtype=dtype).reshape(shape).copy()

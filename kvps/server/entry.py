@@ -1,6 +1,7 @@
 """One key part on a server (Entry: its weight, rounds, buffers) and the Leases on its buffers."""
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 from ..wire.items import new
@@ -79,6 +80,11 @@ class Entry:
     @property
     def n(self):
         return self.weight.size
+
+    @property
+    def whole_shape(self):
+        """The key's shape if this entry holds all of it, else None (a part of a split key)."""
+        return self.shape if self.n == math.prod(self.shape) else None
 
     def needed_by(self, worker):
         """The version a pull by ``worker`` must see: in sync, that of the round of its

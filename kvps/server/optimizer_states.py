@@ -7,8 +7,11 @@ class OptimizerStates:
     """The optimizer a Shard holds (``updater``: an Updater, or None: a push replaces the
     value) and the states staged for ``commit_states``."""
 
-    def __init__(self, updater=None):
+    def __init__(self, updater=None, shape_of=None):
+        """``shape_of(key, part)``: the shape of a key held whole (None: a part of it), in
+        which an optimizer written in Python sees it."""
         self.updater = updater
+        self._shape_of = shape_of
         self._staged = None        # (updater, checked states) awaiting commit_states
 
     def set_optimizer(self, spec):
@@ -16,16 +19,23 @@ class OptimizerStates:
         rate, a resumed job setting it anew) keeps every key's state and update count;
         another kind starts fresh."""
         if self.updater is None or not self.updater.retune(spec):
-            self.updater = _updater(spec)
+            self.updater = _updater(spec, self._shape_of)
+
+    def check_optimizer(self, spec):
+        """Whether ``spec`` names an optimizer this server runs, with valid hyper-parameters
+        (raises ConfigError otherwise); returns whether it reads each weight whole. Nothing
+        changes: a worker asks every server before rank 0 sets it on any."""
+        return _updater(spec, self._shape_of).optimizer.whole_tensor
 
     def update(self, items, step=0):
         """Run the optimizer over ``items`` ((key, part, weight, grad)); returns {index:
         exception} of those it could not update. The updater checks every item before it
         changes anything, so after a failed check each item is tried alone: one bad key does
-        not fail the keys sent with it."""
+        not fail the keys sent with it (nor does a Python update that raises)."""
         try:
-            self.updater.update_many(items, step)
-            return {}
+            failures = {}
+            self.updater.update_many(items, step, failures)
+            return failures
         except KVPSError as exc:
             if len(items) == 1:
                 return {0: exc}
@@ -64,7 +74,7 @@ class OptimizerStates:
             if 'optimizer' not in states:
                 raise ConfigError('set an optimizer before loading optimizer states (or load a '
                                   'file saved with dump_optimizer=True)')
-            updater = _updater(states['optimizer'])
+            updater = _updater(states['optimizer'], self._shape_of)
         staged = updater, updater.checked_states(states, weights)
         self._staged = None
         if stage:
@@ -85,6 +95,6 @@ class OptimizerStates:
         self.updater = updater
 
 
-def _updater(spec):
+def _updater(spec, shape_of):
     from ..optimizer.updater import Updater  # the optimizer stack loads only when one is used
-    return Updater(spec)
+    return Updater(spec, shape_of)

@@ -23,7 +23,8 @@ def durable(header):
     """Whether the request ``header`` changes what a restarted server must find in the
     checkpoint (a SET_STATES piece with more to come changes nothing yet)."""
     op = header['op']
-    return op in _DURABLE and not (op == P.SET_STATES and header.get('more'))
+    return op in _DURABLE and not (op == P.SET_STATES and header.get('more')) and not (
+        op == P.SET_OPTIMIZER and header.get('check'))
 
 
 class Requests:
@@ -163,7 +164,10 @@ class Requests:
 
     def _set_optimizer(self, token, h, buffers):
         # (a frame, not a header field: per-key options of many keys outgrow a header)
-        self.shard.set_optimizer(_map_in(buffers[0], 'set_optimizer: the spec'))
+        spec = _map_in(buffers[0], 'set_optimizer: the spec')
+        if h.get('check'):   # a worker asks before rank 0 sets it on any server
+            return [Reply(ACK, token, {'whole': self.shard.optimizer.check_optimizer(spec)})]
+        self.shard.set_optimizer(spec)
         return [Reply(ACK, token, None)]
 
     def _get_states(self, token, h, buffers):

@@ -39,7 +39,8 @@ class Shard:
 
     def __init__(self, num_workers, updater=None, storage=None):
         self.num_workers = num_workers
-        self.optimizer = OptimizerStates(updater)
+        # (an optimizer written in Python sees a key this server holds whole in its shape)
+        self.optimizer = OptimizerStates(updater, lambda k, p: self.entries[k, p].whole_shape)
         self.storage = storage or Storage(HostArrays())   # host or a CUDA device
         self.entries = {}          # (key, part) -> Entry
         self.finished = {}         # worker -> pushes it made per key, frozen at finish

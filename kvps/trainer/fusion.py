@@ -124,7 +124,9 @@ class Layout:
         next_key = max(p.key for p in params) + 1
         for (_, _, lr_mult, wd_mult), members in groups:
             if len(members) > 1:       # one parameter alone keeps its own key
-                plain = whole_updates and lr_mult == wd_mult == 1.0
+                # (an update that reads weights whole, LAMB's or one in Python, runs per member)
+                plain = whole_updates and lr_mult == wd_mult == 1.0 and \
+                    not optimizer.whole_tensor
                 self._add(FusedKey(next_key, members, plain))
                 next_key += 1
 
@@ -212,6 +214,11 @@ def split_partly_frozen(store, layout, server_has_optimizer):
 def pull_weights(store, entries):
     """Pull ``entries`` (as Layout.store_keys gives) into the parameters."""
     store.pull([key for _, key, _ in entries], out=[weights_of(entry) for _, _, entry in entries])
+    scatter_fused(entries)
+
+
+def scatter_fused(entries):
+    """The packed weights of the fused keys of ``entries`` into their members."""
     for _, _, entry in entries:
         if isinstance(entry, FusedKey):
             entry.scatter_weights()

@@ -13,7 +13,9 @@ class LocalUpdates:
     (one kernel call instead of one per member)."""
 
     def __init__(self, optimizer, params, layout):
-        self.updater = Updater(optimizer)
+        shapes = {p.key: tuple(p.tensor.shape) for p in params}   # (fused keys: flat)
+        # An optimizer written in Python sees each parameter in its shape, as in Gluon
+        self.updater = Updater(optimizer, lambda key, part: shapes.get(key))
         self._params, self._layout = params, layout
 
     @property

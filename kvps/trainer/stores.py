@@ -1,15 +1,20 @@
-"""The Trainer's view of its store, chosen once: a kvps KVStore, or one with MXNet's surface."""
+"""The Trainer's view of its store, chosen once: a kvps KVStore, or one of the user's own with
+MXNet 1.x's surface (init, push, pull) or MXNet 2.0's protocol (broadcast, pushpull)."""
 
 import warnings
 
 from .. import kvstore as kvstore_mod
+from ..kvstore.base import registered
 from ..optimizer import states
 from .early_pulls import NO_EARLY_PULLS, EarlyPulls
 from .params import check_same_everywhere
 
-# What a store of the user's own must have (MXNet's KVStore surface); is_capable,
-# set_gradient_compression and save/load_optimizer_states are optional.
+# What a store of the user's own must have: MXNet 1.x's KVStore surface, or MXNet 2.0's
+# custom-store protocol (kvps.kvstore.KVStoreBase, as Horovod and BytePS plug into Gluon 2.0);
+# is_capable, set_gradient_compression and save/load_optimizer_states are optional, and so
+# are kvps's agree and placement hints (used when present).
 MXNET_SURFACE = ('type', 'init', 'push', 'pull')
+KVSTOREBASE_SURFACE = ('type', 'broadcast', 'pushpull')
 
 
 def open_store(kvstore, requested):
@@ -47,7 +52,7 @@ def check_compression(kvstore, compression_params):
     """compression_params with a type name that cannot compress: the store's own error at
     construction (a 'local' name makes no store here, so nothing else would refuse them and
     they would be ignored without a word)."""
-    if compression_params and isinstance(kvstore, str):
+    if compression_params and isinstance(kvstore, str) and registered(kvstore) is None:
         kvstore_mod.check_compression_type(kvstore)
 
 
@@ -56,15 +61,24 @@ def _view(kvstore):
     if kvstore is None:
         return None
     if isinstance(kvstore, str):
+        if registered(kvstore) is not None:   # a KVStoreBase of one's own, by its name
+            return _view(kvstore_mod.create(kvstore))
         distributed, _, _ = kvstore_mod.parse_type(kvstore)   # rejects unknown names
         # One device per process: a local store would only copy gradients onto themselves.
         return KvpsStore(kvstore_mod.create(kvstore)) if distributed else None
     if isinstance(kvstore, kvstore_mod.KVStore):
         return KvpsStore(kvstore)
-    if all(hasattr(kvstore, name) for name in MXNET_SURFACE):
+    has = [name for name in {*MXNET_SURFACE, *KVSTOREBASE_SURFACE} if hasattr(kvstore, name)]
+    if isinstance(kvstore, kvstore_mod.KVStoreBase) or (
+            set(KVSTOREBASE_SURFACE) <= set(has) and not set(MXNET_SURFACE) <= set(has)):
+        return PushPullStore(kvstore)
+    if set(MXNET_SURFACE) <= set(has):
         return UserStore(kvstore)
-    raise TypeError('kvstore must be None, a type name (e.g. \'dist_sync\') or a KVStore, got '
-                    f'{type(kvstore).__name__}')
+    raise TypeError(
+        'kvstore must be None, a type name (e.g. \'dist_sync\'), a kvps KVStore, or a store '
+        f'with MXNet\'s surface ({", ".join(MXNET_SURFACE)}) or MXNet 2.0\'s (a '
+        f'kvps.kvstore.KVStoreBase: {", ".join(KVSTOREBASE_SURFACE)}); got '
+        f'{type(kvstore).__name__}, which has {", ".join(sorted(has)) or "none of them"}')
 
 
 class _Surface:
@@ -81,6 +95,12 @@ class _Surface:
     def distributed(self):
         return 'dist' in self.kv.type
 
+    def broadcast(self, keys, values):
+        """Rank 0's ``values`` of ``keys`` into ``values`` on every worker: init, then pull
+        (collective; a key initialized before raises DuplicateInitError)."""
+        self.init(keys, values)
+        self.pull(keys, out=values)
+
     def init(self, keys, values):
         self.kv.init(keys, values)
 
@@ -95,22 +115,28 @@ class _Surface:
 
 
 class UserStore(_Surface):
-    """A store of the user's own making, used through MXNet's surface only: no early pulls,
-    no fused keys, no pulls of rows, no kvps collectives. KvpsStore has the same methods,
-    doing what a kvps store can."""
+    """A store of the user's own making, used through MXNet's surface: no early pulls, no
+    fused keys, no pulls of rows; kvps's agree and placement hints only if it has them.
+    KvpsStore has the same methods, doing what a kvps store can."""
 
     fuses = False       # fused keys need the state calls that translate them (KvpsStore)
 
     def __init__(self, kv):
         super().__init__(kv)
-        # MXNet's optional members, looked up once here: a store of one's own may lack them
+        # The optional members, looked up once here: a store of one's own may lack them
         self._is_capable = getattr(kv, 'is_capable', None)
         self._compress = getattr(kv, 'set_gradient_compression', None)
         self._save = getattr(kv, 'save_optimizer_states', None)
         self._load = getattr(kv, 'load_optimizer_states', None)
+        self._agree = getattr(kv, 'agree', None)
+        self._balance = getattr(kv, 'balance_keys', None)
+        self._keep_whole = getattr(kv, 'keep_keys_whole', None)
 
     def runs_optimizers(self):
-        return self._is_capable is not None and self._is_capable('optimizer')
+        try:
+            return self._is_capable is not None and bool(self._is_capable('optimizer'))
+        except NotImplementedError:   # KVStoreBase's own, not overridden
+            return False
 
     def early_pulls(self, weights, gradient_buffer):
         """Nothing is pulled before step(): MXNet's surface has no pull that returns early."""
@@ -124,13 +150,19 @@ class UserStore(_Surface):
         raise _lacks('pulls of rows')   # never asked: sends_rows is False
 
     def agree_on(self, params, layout_digest):
-        """Nothing to check with: MXNet's surface has no collective that compares a value
-        across workers (kvps's ``agree``), and one built from push and pull would need keys
-        of the Trainer's own in the user's store. The user keeps the workers' models alike,
-        as with MXNet."""
+        """With kvps's ``agree``, as for a kvps store. Without, nothing to check with: MXNet's
+        surface has no collective that compares a value across workers, and one built from
+        push and pull would need keys of the Trainer's own in the user's store. The user
+        keeps the workers' models alike, as with MXNet."""
+        if self._agree is not None:
+            check_same_everywhere(self.kv, params, layout_digest)
 
     def prepare_init(self, total, keep_whole):
-        """No placement hints: MXNet's surface has none (the store places keys its way)."""
+        """kvps's placement hints, if the store has them (MXNet's surface has none)."""
+        if self._balance is not None:
+            self._balance(total)
+        if keep_whole and self._keep_whole is not None:
+            self._keep_whole()
 
     def set_compression(self, compression_params):
         if self._compress is None:
@@ -147,14 +179,40 @@ class UserStore(_Surface):
         raise _lacks('fused keys')   # never asked: fuses is False
 
     def save_server_states(self, fname, layout):
-        if self._save is None:
-            raise no_server_states('save_states')
-        self._save(fname, dump_optimizer=True)
+        _call_or_refuse(self._save, 'save_states', fname, dump_optimizer=True)
 
     def load_server_states(self, fname, layout):
-        if self._load is None:
-            raise no_server_states('load_states')
-        self._load(fname)
+        _call_or_refuse(self._load, 'load_states', fname)
+
+
+class PushPullStore(UserStore):
+    """A store of MXNet 2.0's protocol (a kvps.kvstore.KVStoreBase), used as Gluon 2.0 uses
+    it: ``broadcast`` for the initial weights, ``pushpull`` per key for the exchange. A push
+    is its pushpull, at once, into a buffer of the view's (the gradient leaves when kvps
+    sends it, as with any store); the pull of the key copies it to where the Trainer wants."""
+
+    def __init__(self, kv):
+        super().__init__(kv)
+        self._results = {}    # key -> the buffer its last pushpull wrote
+
+    def broadcast(self, keys, values):
+        for key, value in zip(keys, values):
+            self.kv.broadcast(key, value, out=value)
+
+    def init(self, keys, values):
+        raise _lacks('init: MXNet 2.0\'s protocol broadcasts')   # never asked: fuses is False
+
+    def push(self, keys, values, priority=0):
+        for key, value in zip(keys, values):
+            out = self._results.get(key)
+            if out is None or out.shape != value.shape or out.dtype != value.dtype \
+                    or out.device != value.device:
+                out = self._results[key] = value.detach().new_empty(value.shape)
+            self.kv.pushpull(key, value, out=out, priority=priority)
+
+    def pull(self, keys, out, priority=0):
+        for key, target in zip(keys, out):
+            target.detach().copy_(self._results[key].reshape(target.shape))
 
 
 class KvpsStore(_Surface):
@@ -226,6 +284,17 @@ class KvpsStore(_Surface):
         if 'optimizer' in merged:   # it replaces the servers' own: it must know the fused keys
             merged['optimizer'] = layout.server_spec(merged['optimizer'])
         self.kv.set_optimizer_states(merged)
+
+
+def _call_or_refuse(method, what, *args, **kwargs):
+    """The store's optimizer-state call; a store without one (or KVStoreBase's own, which
+    raises NotImplementedError) is refused, saying what to do instead."""
+    if method is None:
+        raise no_server_states(what)
+    try:
+        method(*args, **kwargs)
+    except NotImplementedError as exc:
+        raise no_server_states(what) from exc
 
 
 def _lacks(what):

@@ -10,7 +10,7 @@ from ..optimizer import optimizers as opt_mod
 from ..timeline.recording import traced
 from .cross_barrier import Arrivals, check_cross_barrier, hook_modules
 from .exchange import Exchange
-from .fusion import Layout, check_bucket_bytes, pull_weights, split_partly_frozen, weights_of
+from .fusion import Layout, check_bucket_bytes, scatter_fused, split_partly_frozen, weights_of
 from .grads import GradientLog
 from .local_updates import LocalUpdates
 from .mode import Mode
@@ -253,7 +253,7 @@ class Trainer:
         entries = self._layout.store_keys(self._params)
         keys = [key for _, key, _ in entries]
         try:   # refused alike on every worker (they hold the same key table), before sending
-            self._store.init(keys, [weights_of(entry, gather=True) for _, _, entry in entries])
+            self._store.broadcast(keys, [weights_of(e, gather=True) for _, _, e in entries])
         except DuplicateInitError as exc:
             raise DuplicateInitError(
                 f'{exc}: this store already holds keys (another Trainer, or kv.init calls of '
@@ -263,7 +263,7 @@ class Trainer:
                 'trains those requiring grad at each step, so freeze the other model with '
                 'requires_grad_(False), and lr_mult/wd_mult attributes on parameters set their '
                 'own rates') from None
-        pull_weights(self._store, entries)
+        scatter_fused(entries)
 
     # -- internals: one step ---------------------------------------------------------------
     def _rescale(self, batch_size):

@@ -14,7 +14,7 @@ from ..errors import ProtocolError
 from .items import CheckItem, DataItem, InitItem, Layout, PullItem, PushItem, ResumeItem
 
 # Node <-> scheduler.
-VERSION = 10                 # bumped on any change of the wire format; checked at REGISTER
+VERSION = 11                 # bumped on any change of the wire format; checked at REGISTER
 REGISTER = 'register'        # node -> scheduler: {role, host, port, rank, pid, version}
 # scheduler -> node: {rank, num_workers, num_servers, servers, nodes, recovery_timeout, job (a
 # token naming this run, kept in server checkpoints), clock (the scheduler's monotonic ns: a
@@ -62,7 +62,10 @@ ROWS = 'row_data'
 # {keys: PullItem}. `seen` (an int, only from a worker that mapped this server's arena) also
 # allows answers from the arena
 PULL = 'pull'
-SET_OPTIMIZER = 'set_optimizer'  # + 1 buffer: the optimizer's spec (a map), msgpack
+# + 1 buffer: the optimizer's spec (a map), msgpack. With `check` true the server only
+# checks that it runs that optimizer with those parameters (an ERROR if not) and answers
+# ACK {whole: whether it reads each weight whole}; nothing changes
+SET_OPTIMIZER = 'set_optimizer'
 GET_STATES = 'get_states'    # {dump}: answered by STATES
 # + 1 buffer: the updater state dict, msgpack; installed at once, or with `stage` true only
 # checked and held until COMMIT_STATES (so that no server installs any if one refuses).
@@ -212,7 +215,7 @@ def validate_header(header):
     priority = header.get('priority')
     if priority is not None and not (type(priority) is int and priority in PRIORITIES):
         raise ProtocolError(f'{op}: priority must be an int of 32 bits')
-    for flag in ('device', 'stage', 'ids', 'live', 'more'):
+    for flag in ('device', 'stage', 'ids', 'live', 'more', 'check', 'whole'):
         if not isinstance(header.get(flag, False), bool):
             raise ProtocolError(f'{op}: {flag} must be true or false')
     if 'key' in header:

@@ -79,9 +79,10 @@ class DistClient:
         optimizers sent as plain data."""
         raise ConfigError(
             'a distributed store cannot take a Python updater: its servers run only '
-            'optimizers sent as plain data (kvps never sends code). Use '
-            'kv.set_optimizer(kvps.optimizer.create(...)), or update on the workers '
-            '(kvps.Trainer(..., update_on_kvstore=False))')
+            'optimizers named as plain data (kvps never sends code). Use '
+            'kv.set_optimizer(kvps.optimizer.create(...)), write an Optimizer subclass and '
+            'install it on the servers (KVPS_SERVER_PLUGINS, docs/plugins.md), or update on '
+            'the workers (kvps.Trainer(..., update_on_kvstore=False))')
 
     # -- setup: collective (Collectives) or this worker's ----------------------------------
     def init(self, items, device=False):

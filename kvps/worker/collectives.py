@@ -4,7 +4,7 @@ import msgpack
 
 from .. import rows
 from ..errors import ConfigError, KVPSError, RemoteError
-from ..optimizer.optimizers import needs_whole_tensors
+from ..optimizer.optimizers import Optimizer, registered_class
 from ..wire import protocol as P
 from ..wire.items import CheckItem, InitItem
 from .messages import describe, fuse, state_collector
@@ -55,9 +55,11 @@ class Collectives:
         return ops
 
     def set_optimizer(self, spec):
-        """Rank 0 installs the optimizer on every server; everyone returns when all have it."""
-        self._require_whole_keys(spec)
+        """Rank 0 installs the optimizer on every server; everyone returns when all have it.
+        A spec that any server would refuse is refused first on every worker alike (see
+        _reads_whole), and no server gets it."""
         blob = msgpack.packb(spec, use_bin_type=True)
+        self._require_whole_keys(spec, self._reads_whole(spec, blob))
         self._by_rank_0('set_optimizer', lambda: self._wait_all([
             self._request(s, 'set_optimizer', {'op': P.SET_OPTIMIZER}, (blob,))
             for s in range(self.sharding.num_servers)]), after_pushes=True)
@@ -82,7 +84,9 @@ class Collectives:
         server checks its share before any installs it: a share one server refuses changes
         no server's state."""
         if per_server and 'optimizer' in per_server[0]:
-            self._require_whole_keys(per_server[0]['optimizer'])
+            spec = per_server[0]['optimizer']
+            self._require_whole_keys(spec, self._reads_whole(
+                spec, msgpack.packb(spec, use_bin_type=True)))
 
         def send():
             what = 'load_optimizer_states'
@@ -128,11 +132,35 @@ class Collectives:
             raise RemoteError(f'{what} failed: the servers refused it on rank 0, which raised '
                               'their reason', remote_type='CollectiveRefused', node='rank 0')
 
-    def _require_whole_keys(self, spec):
-        """An optimizer whose update reads each weight whole (LAMB's norms) would get a
-        slice on every server of a split key, and a different answer: refuse it there (every
-        rank alike: placement is the same everywhere), else keep later keys whole."""
-        if not needs_whole_tensors(spec):
+    def _reads_whole(self, spec, blob):
+        """Whether the optimizer of ``spec`` reads each weight whole. One of kvps's own is
+        checked here (ConfigError for bad parameters) and its class says. Any other (a
+        plugin's: servers import it from KVPS_SERVER_PLUGINS, this worker may not have it) is
+        checked by every server, asked by every worker: a server that does not run it, or
+        refuses its parameters, raises its ConfigError on every worker alike, before rank 0
+        sets it anywhere; and every worker places keys by the same answer."""
+        cls = registered_class(spec)
+        if cls is not None:
+            Optimizer.from_spec(spec)
+            if cls.__module__.startswith('kvps.'):
+                return cls.whole_tensor
+        answers = []
+        self._wait_all([self._request(
+            s, 'set_optimizer', {'op': P.SET_OPTIMIZER, 'check': True}, (blob,),
+            on_data=lambda header, _: answers.append(bool(header.get('whole'))))
+            for s in range(self.sharding.num_servers)])
+        if len(set(answers)) > 1:
+            raise ConfigError(f'the servers disagree on whether optimizer {spec["name"]!r} reads '
+                              'each weight whole: install one version of its plugin on every '
+                              'server host')
+        return answers[0]
+
+    def _require_whole_keys(self, spec, whole):
+        """An optimizer whose update reads each weight whole (LAMB's norms, an update written
+        in Python) would get a slice on every server of a split key, and a different answer:
+        refuse it there (every rank alike: placement is the same everywhere), else keep later
+        keys whole."""
+        if not whole:
             return
         split = self.sharding.split_keys()
         if split:

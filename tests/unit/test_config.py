@@ -67,6 +67,16 @@ def test_missing_cluster_variables_are_listed():
 def test_to_env_round_trips():
     c = Config.from_env(DMLC)
     assert Config.from_env(c.to_env()) == c
+    plugins = Config.from_env({**DMLC, 'KVPS_SERVER_PLUGINS': ' a.b , c,'})
+    assert plugins.server_plugins == ('a.b', 'c')
+    assert plugins.to_env()['KVPS_SERVER_PLUGINS'] == 'a.b,c'
+    assert Config.from_env(plugins.to_env()) == plugins
+
+
+def test_server_plugins_must_be_module_names():
+    with pytest.raises(ConfigError, match="KVPS_SERVER_PLUGINS='a,2b'.*'2b' is not a Python "
+                                          'module name'):
+        Config.from_env({'KVPS_SERVER_PLUGINS': 'a,2b'})
 
 
 def test_docs_list_every_variable_as_config_describes_it():

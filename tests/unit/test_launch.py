@@ -161,6 +161,8 @@ def test_parse_command_forms():
     (['-n', '1', '-s', '1', '--env', '\u00e9T\u00c9=2', 'cmd'], 'valid variable name'),
     (['-n', '1', '-s', '1', '--env', 'DMLC_ROLE=server', 'cmd'], 'set by the launcher'),
     (['-n', '1', '-s', '1', '--env', 'KVPS_RANK=3', 'cmd'], 'set by the launcher'),
+    (['-n', '1', '-s', '1', '--server-plugin', 'my-opts', 'cmd'], 'not a Python module name'),
+    (['-n', '1', '-s', '1', '--server-plugin', 'a,b', 'cmd'], 'one module name per'),
 ])
 def test_parse_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
@@ -206,6 +208,20 @@ def test_plan_host_and_passed_down_options():
     env = launch.plan_nodes(opts, {}, 1, node_argv=('node',))[1].env
     assert env['DMLC_PS_ROOT_URI'] == '10.0.0.5' and env['KVPS_CONNECT_TIMEOUT'] == '3'
     assert env['KVPS_HEARTBEAT_INTERVAL'] == '0.5' and env['KVPS_LOG_LEVEL'] == 'DEBUG'
+
+
+def test_server_plugins_reach_the_servers_only_after_those_inherited():
+    opts = launch.parse_args(['-n', '1', '-s', '2', '--server-plugin', 'mine.optimizers',
+                              '--server-plugin', 'other', 'c'])
+    nodes = launch.plan_nodes(opts, {'KVPS_SERVER_PLUGINS': 'site_opts'}, 1, node_argv=('n',))
+    assert [s.env['KVPS_SERVER_PLUGINS'] for s in nodes] == [
+        'site_opts,mine.optimizers,other'] * 2 + ['site_opts']   # a worker: only inherited
+    assert Config.from_env(nodes[0].env).server_plugins == ('site_opts', 'mine.optimizers',
+                                                            'other')
+    alone = launch.plan_nodes(launch.parse_args(['-n', '1', '-s', '1', '--server-plugin', 'x',
+                                                 'c']), {}, 1, node_argv=('n',))
+    assert alone[0].env['KVPS_SERVER_PLUGINS'] == 'x' and 'KVPS_SERVER_PLUGINS' not in \
+        alone[1].env
 
 
 def module_entry(argv, monkeypatch, capsys):

@@ -149,7 +149,7 @@ ERRORS = {'KVPSError', 'ConfigError', 'ProtocolError', 'TransportError', 'Reques
 PUBLIC = {
     'kvps': {'create', 'KVStore', 'Trainer', 'RowSparse', 'kvstore', 'optimizer', 'timeline',
              '__version__'} | ERRORS,
-    'kvps.kvstore': {'create', 'KVStore', 'KNOWN_TYPES', 'parse_type',
+    'kvps.kvstore': {'create', 'KVStore', 'KVStoreBase', 'KNOWN_TYPES', 'parse_type',
                      'check_compression_type'},
     'kvps.optimizer': {'Optimizer', 'SGD', 'NAG', 'Adam', 'AdamW', 'AdaGrad', 'RMSProp', 'LAMB',
                        'Ftrl', 'Signum', 'Test', 'create', 'register', 'registered',

@@ -94,6 +94,9 @@ def test_round_trip_keeps_header_and_shares_the_buffer():
     ([msgpack.packb({'op': 'row_data', 'id': 1, 'epoch': 1, 'count': 1})], 'expected 1 data'),
     ([msgpack.packb({'op': 'push', 'id': 1, 'sync': True,
                      'keys': [[1, 0, 'rows', 16, None, 0]]}), b'\0' * 8], 'has 8 bytes'),
+    ([msgpack.packb({'op': 'set_optimizer', 'id': 1, 'check': 'yes'}), b'\x80'],
+     'check must be true or false'),
+    ([msgpack.packb({'op': 'ack', 'id': 1, 'whole': 1})], 'whole must be true or false'),
 ])
 def test_malformed_messages_are_rejected_with_a_reason(frames, reason):
     with pytest.raises(ProtocolError, match=reason):

@@ -113,7 +113,7 @@ class AddUpdater:
     def __init__(self):
         self.calls, self.parts = 0, []
 
-    def update_many(self, items, step=0):
+    def update_many(self, items, step=0, failures=None):
         for _, _, weight, grad in items:
             self.calls += 1
             self.parts.append(len(grad) if isinstance(grad, tuple) else 1)
@@ -330,9 +330,10 @@ def test_a_rounds_last_push_is_summed_in_the_update_exactly_as_a_merge_would(wor
     for dtype, fused in (('float32', True), ('float16', False)):
         spec = create('sgd', learning_rate=0.1, momentum=0.9, wd=0.01).to_spec()
         recorder, shard = AddUpdater(), Shard(workers, Updater(spec))
-        shard.updater.update_many = lambda items, step=0, real=shard.updater.update_many: (
-            recorder.parts.extend(len(g) if isinstance(g, tuple) else 1 for *_, g in items),
-            real(items, step))
+        shard.updater.update_many = lambda items, step=0, failures=None, \
+            real=shard.updater.update_many: (
+                recorder.parts.extend(len(g) if isinstance(g, tuple) else 1 for *_, g in items),
+                real(items, step, failures))
         reference = Updater(spec)
         w_ref = np.ones(1000, dtype)
         shard.init('i', 'k', 0, dtype, [1000], True, w_ref.tobytes())
@@ -357,7 +358,7 @@ class CountingUpdater:
         self.real = Updater(create('sgd', learning_rate=0.5).to_spec())
         self.calls = []
 
-    def update_many(self, items, step=0):
+    def update_many(self, items, step=0, failures=None):
         self.calls.append(sorted(key for key, *_ in items))
         self.real.update_many(items)
 

@@ -132,6 +132,18 @@ def test_fused_training_is_bit_for_bit_unfused_training(name, kwargs, uok):
         assert {key for key, _, _ in t._local.updater.get_states()['states']} == {5, 8, 9, 4, 6}
 
 
+@pytest.mark.parametrize('name, kwargs', [
+    ('lamb', {'learning_rate': 0.01, 'wd': 0.01}),
+    ('test_py_dcasgd', {'learning_rate': 0.05, 'momentum': 0.5})])   # reads rows: a plugin's
+def test_updates_that_read_weights_whole_run_per_member_of_a_fused_key(name, kwargs, plugin):
+    """The workers' sums still travel fused; LAMB's norms, or an update in Python that sees
+    each parameter in its shape, then run per member, as without fusion."""
+    (fused, t), (alone, _) = fused_and_alone(name, kwargs, False)
+    assert t._layout.fused and not any(f.updated_whole for f in t._layout.fused)
+    for a, b in zip(fused, alone):
+        assert torch.equal(a, b)
+
+
 def gan(params, step):
     """Alternate halves, as README's GAN recipe does: the split runs through fused keys 8
     ([0, 1]) and 10 ([4, 6])."""
