@@ -102,6 +102,17 @@ def off_if_not_positive(value):
     return float(value) if value is not None and value > 0 else -1.0
 
 
+def kernel_scalars(lr, wd, rescale_grad, clip_gradient, **more):
+    """The scalars of an update under the names its rule reads (numpy and CUDA alike)."""
+    return dict(lr=lr, wd=wd, rescale=rescale_grad, clip=off_if_not_positive(clip_gradient),
+                **more)
+
+
+def moment_scalars(beta1, beta2, epsilon):
+    """The decay rates of Adam-like moments, each with its complement, and epsilon."""
+    return dict(beta1=beta1, beta2=beta2, omb1=1 - beta1, omb2=1 - beta2, epsilon=epsilon)
+
+
 def adam_lr(lr, beta1, beta2, t):
     """MXNet Adam folds both bias corrections into the step size."""
     coef1 = 1.0 - beta1 ** t

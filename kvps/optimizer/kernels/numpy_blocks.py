@@ -50,6 +50,18 @@ def _executor():
     return _pool.executor
 
 
+def prep(g, w, tmp, sc, wd=True):
+    """g = clip(rescale * g) (+ wd * w): MXNet's gradient preprocessing, in place in a block
+    (``tmp``: a block of scratch)."""
+    if sc.rescale != 1:
+        g *= sc.rescale
+    if sc.clip >= 0:
+        np.clip(g, -sc.clip, sc.clip, out=g)
+    if wd and sc.wd != 0:
+        np.multiply(w, sc.wd, out=tmp)
+        g += tmp
+
+
 def load(src, dst):
     if src.dtype == np.uint16:
         bf16_to_f32(src, out=dst)
