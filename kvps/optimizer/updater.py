@@ -173,8 +173,11 @@ class Updater:
         state = {}
         if _wants_master(self._opt, weight):
             state['weight32'] = kernels.widen(weight)
+        from_weight = getattr(self._opt, 'state_from_weight', ())   # DCASGD's previous weight
+        dtype = _state_dtype(self._opt, weight)
         for name in self._opt.state_names():
-            state[name] = kernels.zeros_like(weight, _state_dtype(self._opt, weight))
+            state[name] = kernels.zeros_like(weight, dtype) if name not in from_weight else \
+                _copy(state.get('weight32', weight), dtype, kernels)
         return self._in_slabs(state)
 
     def _in_slabs(self, state):
@@ -196,6 +199,7 @@ class Updater:
         (multi_update packs calls whose scalars are equal)."""
         opt, calls = self._opt, []
         lr_of, wd_of, alike = self._lr_wd_of(opt)
+        key_args = getattr(opt, 'key_args', None)   # per key (SGLD's noise, LARS's names)
         kernel, names, rescale, clip = (opt.kernel, opt.kernel_states, opt.rescale_grad,
                                         opt.clip_gradient)
         by_count = {}   # count -> the kernel's hyper-parameters: most keys share a count
@@ -213,8 +217,9 @@ class Updater:
                     more = by_count[count] = opt.kernel_args(count)
                 kwargs = shared[same] = dict(lr=lr, wd=wd, rescale_grad=rescale,
                                              clip_gradient=clip, weight32=None, **more)
-            if weight32 is not None:
-                kwargs = dict(kwargs, weight32=weight32)
+            if weight32 is not None or key_args is not None:
+                kwargs = dict(kwargs, weight32=weight32,
+                              **(key_args(key, count) if key_args is not None else {}))
             calls.append((kernel, (weight, grad, *map(state.get, names)), kwargs))
         return calls
 
@@ -318,6 +323,11 @@ def _misfit(opt, key, part, state, weight):
             return DTypeError, (f'{where}: optimizer state {name!r} is {_name(arr.dtype)}, but '
                                 f'the key is {dtype}, whose state is {_name(need)}')
     return None
+
+
+def _copy(array, dtype, kernels):
+    """A copy of ``array`` in ``dtype``: its own, or float32 from a low-precision one."""
+    return array.copy() if array.dtype == dtype else kernels.widen(array)
 
 
 def _wants_master(opt, weight):

@@ -12,9 +12,9 @@ rule and dtypes. cupy is imported lazily: importing kvps never needs it.
 
 import numpy as np
 
-from . import common, cuda_launch as launch
+from . import common, cuda_launch as launch, cuda_more
 from .common import kernel_scalars as _base, moment_scalars as _moment_scalars
-from .cuda_source import MOMENTS, PREP, PREP_WD
+from .cuda_source import MOMENTS, PREP, PREP_WD, sgd_step
 
 
 def _launch(tag, core, weight, grad, states, weight32, scalars, then=None, wide=()):
@@ -29,12 +29,12 @@ def sgd_update(weight, grad, mom, lr, wd, rescale_grad, clip_gradient, momentum=
                nesterov=False, weight32=None):
     """MXNet SGD (mom is None when momentum is 0); nesterov=True is NAG."""
     if mom is None:
-        core, tag = PREP_WD + ' w = w - s_lr * g;', 'sgd'
+        core, tag = PREP_WD + sgd_step(False), 'sgd'
     elif nesterov:
         core, tag = PREP_WD + (' mom = s_momentum * mom + g;'
                                ' w = w - s_lr * (g + s_momentum * mom);'), 'nag_mom'
     else:
-        core, tag = PREP_WD + ' mom = s_momentum * mom - s_lr * g; w = w + mom;', 'sgd_mom'
+        core, tag = PREP_WD + sgd_step(True), 'sgd_mom'
     _launch(tag, core, weight, grad, [('mom', mom)], weight32,
             _base(lr, wd, rescale_grad, clip_gradient, momentum=momentum))
 
@@ -194,6 +194,10 @@ def from_host(array, like):
     cp = launch.cupy()
     with like.device:
         return cp.asarray(array)
+
+
+# cuda_more's rules join this module's rule table (multi_update looks them up here)
+globals().update({name: getattr(cuda_more, name) for name in cuda_more.__all__})
 
 
 def multi_update(calls, launches=None):

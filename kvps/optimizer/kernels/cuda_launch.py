@@ -29,7 +29,8 @@ OPTIONS = ('--fmad=false',)
 ROUNDS_KEPT = 64    # call lists a caller's cache remembers (a shard sees one per message kind)
 # Keyword arguments that carry arrays of the update: a call that passes one by keyword is
 # planned every time (a Round checks the arrays it is given positionally).
-_ARRAY_KEYWORDS = frozenset({'weight', 'grad', 'mom', 'mean', 'var', 'history', 'z', 'n'})
+_ARRAY_KEYWORDS = frozenset({'weight', 'grad', 'mom', 'mean', 'var', 'history', 'z', 'n',
+                             'acc_g', 'acc_delta', 'u', 'd', 'v', 'cum', 'prev'})
 _collecting = threading.local()   # .requests: a list while a call list is described
 
 

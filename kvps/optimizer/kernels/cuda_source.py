@@ -20,6 +20,7 @@ weights are written by the last pass only; nothing else is kept between passes.
 import dataclasses
 import re
 
+from . import noise
 from .common import storage_name
 
 THREADS = 256           # threads per block, every kernel here
@@ -31,6 +32,14 @@ KV_SLOTS = 4            # doubles per key that a pass's finish keeps for the pas
 PREP = 'g = kv_clip<KC>(g * s_rescale, s_clip);'
 PREP_WD = PREP + ' g = g + s_wd * w;'
 MOMENTS = 'mean = s_beta1 * mean + s_omb1 * g; var = s_beta2 * var + s_omb2 * (g * g);'
+
+
+def sgd_step(momentum, lr='s_lr'):
+    """C of SGD's step on a preprocessed ``g``, with heavy-ball momentum or without; ``lr``:
+    the C of its learning rate (LARS and LBSGD scale it)."""
+    if momentum:
+        return f' mom = s_momentum * mom - {lr} * g; w = w + mom;'
+    return f' w = w - {lr} * g;'
 
 # Storage dtype (numpy name) -> C type. Half types are 16-bit structs converted by hand (PTX
 # cvt for float16, bit arithmetic for bfloat16), so no CUDA header is needed to compile.
@@ -114,7 +123,22 @@ __device__ __forceinline__ double kv_trust_ratio(double sw, double sd, double lo
     if (upper > 0) r1 = upper < r1 ? upper : r1;
     return (r1 > 0 && r2 > 0 && isfinite(r1 / r2)) ? r1 / r2 : 1.0;
 }
-'''
+/* common.lars_factor: MXNet's multi_lars, eta ||w|| / (||g|| rescale + wd ||w|| + eps) */
+__device__ __forceinline__ double kv_lars_factor(double sw, double sg, double eta, double eps,
+                                                 double wd, double rescale) {
+    const double wn = sqrt(sw);
+    return (wn > 0 && sg > 0) ? eta * wn / (sqrt(sg) * rescale + wd * wn + eps) : 1.0;
+}
+/* common.lbsgd_lars: LBSGD's 'lars' warm-up, sqrt(|w|^2 / (|g|^2 + wd |w|^2)) in [0.01, 100] */
+__device__ __forceinline__ double kv_lbsgd_lars(double sw, double sg, double wd) {
+    const double r = sqrt(sw / (sg + wd * sw + 1e-18));
+    return r < 0.01 ? 0.01 : (r > 100.0 ? 100.0 : r);
+}
+/* np.maximum: NaN if either is */
+template <typename C> __device__ __forceinline__ C kv_max(C a, C b) {
+    return (a > b || a != a) ? a : b;
+}
+''' + noise.C_SOURCE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,12 +252,14 @@ def _multi_head(plan, used, text, two_passes):
     for name, arr, written in used:
         ptype = _pointer_type(arr, written)
         prologue.append(f'{ptype} __restrict__ p_{name}_ = ({ptype})row[{slots[name]}];')
-    prologue.append(f'const double* sc = (const double*)(tab + (nkeys + 1) + (long long)nkeys'
-                    f' * {width}) + (long long)k * {count};')
-    for slot, (name, _, wide) in enumerate(plan.scalars):
-        if uses(text, f's_{name}'):   # (unread ones would warn)
-            ctype = 'double' if wide else 'KC'
-            prologue.append(f'const {ctype} s_{name} = ({ctype})sc[{slot}];')
+    read = [(slot, name, wide) for slot, (name, _, wide) in enumerate(plan.scalars)
+            if uses(text, f's_{name}')]   # (unread ones would warn)
+    if read:
+        prologue.append(f'const double* sc = (const double*)(tab + (nkeys + 1) + (long long)'
+                        f'nkeys * {width}) + (long long)k * {count};')
+    for slot, name, wide in read:
+        ctype = 'double' if wide else 'KC'
+        prologue.append(f'const {ctype} s_{name} = ({ctype})sc[{slot}];')
     for slot in range(KV_SLOTS if two_passes else 0):   # kept by the finishes before
         if uses(text, f'kv_r{slot}'):
             prologue.append(f'const double kv_r{slot} = ratio[{KV_SLOTS} * (long long)k'

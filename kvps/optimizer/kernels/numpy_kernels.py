@@ -19,40 +19,22 @@ small keys at once run as packed passes of numpy_packing (multi_update).
 
 import numpy as np
 
-from . import common, numpy_packing
+from . import common, numpy_more, numpy_packing
 from .common import bf16_to_f32, f32_to_bf16, kernel_scalars as _base, moment_scalars
-from .numpy_blocks import BLOCK, prep as _prep, run, set_threads, store
+from .numpy_blocks import (BLOCK, adam_step, first_moment, prep as _prep, run, set_threads,
+                           sgd_body, store)
 
 __all__ = ['sgd_update', 'nag_update', 'adam_update', 'adamw_update', 'adagrad_update',
            'rmsprop_update', 'lamb_update', 'ftrl_update', 'signum_update', 'test_update',
-           'zeros_like', 'widen', 'add_widened', 'narrow', 'to_host', 'from_host',
-           'multi_update', 'set_threads', 'bf16_to_f32', 'f32_to_bf16', 'BLOCK']
-
-
-def _sgd(w, g, mom, tmp, sc):
-    _prep(g, w, tmp[0], sc)
-    if mom is None:
-        g *= sc.lr
-        w -= g
-    elif sc.nesterov:  # mom = m*mom + g; w -= lr*(g + m*mom)
-        mom *= sc.momentum
-        mom += g
-        np.multiply(mom, sc.momentum, out=tmp[0])
-        g += tmp[0]
-        g *= sc.lr
-        w -= g
-    else:  # mom = m*mom - lr*g; w += mom
-        mom *= sc.momentum
-        g *= sc.lr
-        mom -= g
-        w += mom
+           *numpy_more.__all__, 'zeros_like', 'widen', 'add_widened', 'narrow', 'to_host',
+           'from_host', 'multi_update', 'set_threads', 'bf16_to_f32', 'f32_to_bf16', 'BLOCK']
 
 
 def sgd_update(weight, grad, mom, lr, wd, rescale_grad, clip_gradient, momentum=0.0,
                nesterov=False, weight32=None):
     """MXNet SGD (mom is None when momentum is 0); nesterov=True is NAG."""
     sc = _base(lr, wd, rescale_grad, clip_gradient, momentum=momentum, nesterov=bool(nesterov))
-    run(_sgd, weight, grad, (mom,), weight32, sc)
+    run(sgd_body, weight, grad, (mom,), weight32, sc)
 
 
 def nag_update(weight, grad, mom, lr, wd, rescale_grad, clip_gradient, momentum=0.0,
@@ -63,9 +45,7 @@ def nag_update(weight, grad, mom, lr, wd, rescale_grad, clip_gradient, momentum=
 
 def _moments(g, mean, var, tmp, sc):
     """mean = b1*mean + (1-b1)*g; var = b2*var + (1-b2)*g*g (clobbers g)."""
-    mean *= sc.beta1
-    np.multiply(g, sc.omb1, out=tmp)
-    mean += tmp
+    first_moment(mean, g, tmp, sc)
     np.multiply(g, g, out=g)
     g *= sc.omb2
     var *= sc.beta2
@@ -75,11 +55,7 @@ def _moments(g, mean, var, tmp, sc):
 def _adam(w, g, mean, var, tmp, sc):
     _prep(g, w, tmp[0], sc)
     _moments(g, mean, var, tmp[0], sc)
-    np.sqrt(var, out=tmp[0])
-    tmp[0] += sc.epsilon
-    np.divide(mean, tmp[0], out=tmp[0])
-    tmp[0] *= sc.step
-    w -= tmp[0]
+    adam_step(w, mean, var, tmp[0], sc, sc.step)
 
 
 def adam_update(weight, grad, mean, var, lr, wd, rescale_grad, clip_gradient, beta1=0.9,
@@ -329,6 +305,10 @@ def to_host(array):
 
 def from_host(array, like):
     return np.ascontiguousarray(array)
+
+
+# numpy_more's rules join this module's rule table (multi_update looks them up here)
+globals().update({name: getattr(numpy_more, name) for name in numpy_more.__all__})
 
 
 def multi_update(calls, launches=None):

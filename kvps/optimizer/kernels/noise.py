@@ -1,0 +1,141 @@
+"""Gaussian noise for SGLD, counter-based: the same bits from numpy on a CPU and CUDA on a GPU.
+
+A server draws the noise of element ``i`` of a key at its ``count``-th update from a 64-bit
+stream number (made from the optimizer's ``seed``, the key and the count, see ``stream``) and
+``i`` alone: no generator state is kept or saved, a job is reproducible, the noise does not
+depend on the order of keys, on threads or on launch sizes, and a restarted job (its counts
+restored) draws what the uninterrupted one would have.
+
+Each draw is Marsaglia's polar method on uniforms from a splitmix64 hash of (stream, i,
+attempt), in double precision with only IEEE-exact operations (+ - * / sqrt and exact bit
+manipulation): the logarithm is a fixed series rather than the platform's ``log``, whose last
+bits differ between glibc and CUDA. numpy and the C below do the same operations in the same
+order (no FMA contraction), so they agree bit for bit.
+"""
+
+import hashlib
+import math
+
+import numpy as np
+
+ATTEMPTS = 64   # polar draws per element before giving up (then 0): (1 - pi/4)**64 < 1e-42
+_MASK = (1 << 64) - 1
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+# log(m) = 2 atanh(f), f = (m - 1) / (m + 1), for m in [sqrt(1/2), sqrt(2)): |f| < 0.172, so
+# 12 terms of 2 f (1 + f^2/3 + f^4/5 + ...) leave under 1e-20 of it
+_LOG_TERMS = [1.0 / (2 * k + 1) for k in range(12)]
+_LN2, _SQRT_HALF = math.log(2.0), math.sqrt(0.5)
+
+
+def _mix(x):
+    """splitmix64's finalizer on Python ints (the host side of ``stream``)."""
+    x = (x + _GOLDEN) & _MASK
+    x = ((x ^ (x >> 30)) * _MIX1) & _MASK
+    x = ((x ^ (x >> 27)) * _MIX2) & _MASK
+    return x ^ (x >> 31)
+
+
+def stream(seed, key, count):
+    """The stream number of ``key``'s ``count``-th update under ``seed``, as two 32-bit
+    halves (each exact in a double: they travel as kernel scalars). Keys are int or str;
+    a str key hashes its UTF-8 bytes, so every process finds the same number."""
+    if isinstance(key, str):
+        digest = hashlib.blake2b(key.encode(), digest_size=8, person=b'kvps.sgld').digest()
+        ident = int.from_bytes(digest, 'little')
+    else:
+        ident = _mix(int(key) & _MASK)
+    number = _mix(_mix(_mix(int(seed) & _MASK) ^ ident) ^ (int(count) & _MASK))
+    return number >> 32, number & 0xFFFFFFFF
+
+
+def _mix_array(x):
+    """splitmix64's finalizer on uint64 arrays (wrapping arithmetic)."""
+    x = x + np.uint64(_GOLDEN)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(_MIX1)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(_MIX2)
+    return x ^ (x >> np.uint64(31))
+
+
+def _uniform(number, counter):
+    """A double in [-1, 1) from the stream number and a counter (uint64 arrays)."""
+    bits = _mix_array(_mix_array(counter) ^ number)
+    return (bits >> np.uint64(11)).astype(np.float64) * (2.0 ** -52) - 1.0
+
+
+def _log(s):
+    """The natural logarithm of doubles in (0, 1], from exact operations only."""
+    m, e = np.frexp(s)
+    low = m < _SQRT_HALF
+    m = np.where(low, m * 2.0, m)
+    e = (e - low).astype(np.float64)
+    f = (m - 1.0) / (m + 1.0)
+    f2 = f * f
+    series = np.full_like(f, _LOG_TERMS[-1])
+    for term in reversed(_LOG_TERMS[:-1]):
+        series = series * f2 + term
+    return e * _LN2 + (2.0 * f) * series
+
+
+def gaussian(hi, lo, start, n):
+    """Standard normal doubles for elements ``start``..``start + n`` of the stream (hi, lo)."""
+    number = np.uint64((int(hi) << 32) | int(lo))
+    index = np.arange(start, start + n, dtype=np.uint64)
+    out = np.zeros(n, np.float64)
+    todo = np.arange(n)
+    for attempt in range(ATTEMPTS):
+        counter = index[todo] * np.uint64(2 * ATTEMPTS) + np.uint64(2 * attempt)
+        v1 = _uniform(number, counter)
+        v2 = _uniform(number, counter + np.uint64(1))
+        s = v1 * v1 + v2 * v2
+        ok = (s > 0.0) & (s < 1.0)
+        sel = s[ok]
+        out[todo[ok]] = v1[ok] * np.sqrt((-2.0 * _log(sel)) / sel)
+        todo = todo[~ok]
+        if not todo.size:
+            break
+    return out
+
+
+def _c_double(value):
+    return repr(float(value))
+
+
+# The same, in CUDA C for the kernels (kv_normal(hi, lo, i): element i of stream (hi, lo)).
+C_SOURCE = r'''
+__device__ __forceinline__ unsigned long long kv_mix64(unsigned long long x) {
+    x += GOLDENull;
+    x = (x ^ (x >> 30)) * MIX1ull;
+    x = (x ^ (x >> 27)) * MIX2ull;
+    return x ^ (x >> 31);
+}
+__device__ __forceinline__ double kv_uniform(unsigned long long number, unsigned long long c) {
+    return (double)(kv_mix64(kv_mix64(c) ^ number) >> 11) * TWO_M52 - 1.0;
+}
+__device__ __forceinline__ double kv_log01(double s) {
+    int e;
+    double m = frexp(s, &e);
+    if (m < SQRT_HALF) { m = m * 2.0; e = e - 1; }
+    const double f = (m - 1.0) / (m + 1.0), f2 = f * f;
+    double series = LAST_TERM;
+SERIES    return (double)e * LN2 + (2.0 * f) * series;
+}
+__device__ double kv_normal(double hi, double lo, long long i) {
+    const unsigned long long number =
+        ((unsigned long long)hi << 32) | (unsigned long long)lo;
+    for (int attempt = 0; attempt < ATTEMPTS; ++attempt) {
+        const unsigned long long c =
+            (unsigned long long)i * (2ull * ATTEMPTS) + 2ull * (unsigned long long)attempt;
+        const double v1 = kv_uniform(number, c), v2 = kv_uniform(number, c + 1ull);
+        const double s = v1 * v1 + v2 * v2;
+        if (s > 0.0 && s < 1.0) return v1 * sqrt((-2.0 * kv_log01(s)) / s);
+    }
+    return 0.0;
+}
+'''
+for _name, _value in (('GOLDEN', hex(_GOLDEN)), ('MIX1', hex(_MIX1)), ('MIX2', hex(_MIX2)),
+                      ('TWO_M52', _c_double(2.0 ** -52)), ('SQRT_HALF', _c_double(_SQRT_HALF)),
+                      ('LAST_TERM', _c_double(_LOG_TERMS[-1])), ('LN2', _c_double(_LN2)),
+                      ('ATTEMPTS', str(ATTEMPTS)),
+                      ('SERIES', ''.join(f'    series = series * f2 + {_c_double(t)};\n'
+                                         for t in reversed(_LOG_TERMS[:-1])))):
+    C_SOURCE = C_SOURCE.replace(_name, _value)
