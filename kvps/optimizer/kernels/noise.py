@@ -19,7 +19,6 @@ import math
 import numpy as np
 
 ATTEMPTS = 64   # polar draws per element before giving up (then 0): (1 - pi/4)**64 < 1e-42
-_MASK = (1 << 64) - 1
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 # log(m) = 2 atanh(f), f = (m - 1) / (m + 1), for m in [sqrt(1/2), sqrt(2)): |f| < 0.172, so
 # 12 terms of 2 f (1 + f^2/3 + f^4/5 + ...) leave under 1e-20 of it
@@ -27,24 +26,14 @@ _LOG_TERMS = [1.0 / (2 * k + 1) for k in range(12)]
 _LN2, _SQRT_HALF = math.log(2.0), math.sqrt(0.5)
 
 
-def _mix(x):
-    """splitmix64's finalizer on Python ints (the host side of ``stream``)."""
-    x = (x + _GOLDEN) & _MASK
-    x = ((x ^ (x >> 30)) * _MIX1) & _MASK
-    x = ((x ^ (x >> 27)) * _MIX2) & _MASK
-    return x ^ (x >> 31)
-
-
 def stream(seed, key, count):
     """The stream number of ``key``'s ``count``-th update under ``seed``, as two 32-bit
-    halves (each exact in a double: they travel as kernel scalars). Keys are int or str;
-    a str key hashes its UTF-8 bytes, so every process finds the same number."""
-    if isinstance(key, str):
-        digest = hashlib.blake2b(key.encode(), digest_size=8, person=b'kvps.sgld').digest()
-        ident = int.from_bytes(digest, 'little')
-    else:
-        ident = _mix(int(key) & _MASK)
-    number = _mix(_mix(_mix(int(seed) & _MASK) ^ ident) ^ (int(count) & _MASK))
+    halves (each exact in a double: they travel as kernel scalars). Keys are int or str,
+    hashed with their type, so every process finds the same number."""
+    kind, name = (b's', key.encode()) if isinstance(key, str) else (b'i', b'%d' % int(key))
+    digest = hashlib.blake2b(b'%d|%d|%s|%s' % (int(seed), int(count), kind, name),
+                             digest_size=8, person=b'kvps.sgld').digest()
+    number = int.from_bytes(digest, 'little')
     return number >> 32, number & 0xFFFFFFFF
 
 
