@@ -6,7 +6,8 @@ stream number (made from the optimizer's ``seed``, the key and the count, see ``
 depend on the order of keys, on threads or on launch sizes, and a restarted job (its counts
 restored) draws what the uninterrupted one would have.
 
-Each draw is Marsaglia's polar method on uniforms from a splitmix64 hash of (stream, i,
+Each pair of elements (2j, 2j + 1) takes the two normals of one draw of Marsaglia's polar
+method, on uniforms from splitmix64 seeded with the stream number at counters made of (j,
 attempt), in double precision with only IEEE-exact operations (+ - * / sqrt and exact bit
 manipulation): the logarithm is a fixed series rather than the platform's ``log``, whose last
 bits differ between glibc and CUDA. numpy and the C below do the same operations in the same
@@ -37,8 +38,11 @@ def stream(seed, key, count):
     return number >> 32, number & 0xFFFFFFFF
 
 
-def _mix_array(x):
-    """splitmix64's finalizer on uint64 arrays (wrapping arithmetic)."""
+CHUNK = 1 << 14   # elements drawn at once: the temporaries stay in cache
+
+
+def _mix(x):
+    """splitmix64's step and finalizer on uint64 arrays (wrapping arithmetic)."""
     x = x + np.uint64(_GOLDEN)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(_MIX1)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(_MIX2)
@@ -46,8 +50,8 @@ def _mix_array(x):
 
 
 def _uniform(number, counter):
-    """A double in [-1, 1) from the stream number and a counter (uint64 arrays)."""
-    bits = _mix_array(_mix_array(counter) ^ number)
+    """A double in [-1, 1): output ``counter`` of splitmix64 seeded with the stream number."""
+    bits = _mix(counter * np.uint64(_GOLDEN) + number)
     return (bits >> np.uint64(11)).astype(np.float64) * (2.0 ** -52) - 1.0
 
 
@@ -65,31 +69,42 @@ def _log(s):
     return e * _LN2 + (2.0 * f) * series
 
 
+def _polar(number, counter):
+    """One polar draw per counter: (accepted, its two normals where accepted)."""
+    v1 = _uniform(number, counter)
+    v2 = _uniform(number, counter + np.uint64(1))
+    s = v1 * v1 + v2 * v2
+    ok = (s > 0.0) & (s < 1.0)
+    with np.errstate(all='ignore'):   # the rejected draws' values are thrown away
+        scale = np.sqrt((-2.0 * _log(s)) / s)
+    return ok, v1 * scale, v2 * scale
+
+
 def gaussian(hi, lo, start, n):
-    """Standard normal doubles for elements ``start``..``start + n`` of the stream (hi, lo)."""
+    """Standard normal doubles for elements ``start``..``start + n`` of the stream (hi, lo).
+    Elements 2j and 2j + 1 take the two normals of one polar draw (counters from j)."""
     number = np.uint64((int(hi) << 32) | int(lo))
-    index = np.arange(start, start + n, dtype=np.uint64)
-    out = np.zeros(n, np.float64)
-    todo = np.arange(n)
-    for attempt in range(ATTEMPTS):
-        counter = index[todo] * np.uint64(2 * ATTEMPTS) + np.uint64(2 * attempt)
-        v1 = _uniform(number, counter)
-        v2 = _uniform(number, counter + np.uint64(1))
-        s = v1 * v1 + v2 * v2
-        ok = (s > 0.0) & (s < 1.0)
-        sel = s[ok]
-        out[todo[ok]] = v1[ok] * np.sqrt((-2.0 * _log(sel)) / sel)
-        todo = todo[~ok]
-        if not todo.size:
-            break
-    return out
+    first, end = start // 2, (start + n + 1) // 2   # the pairs that hold the elements
+    out = np.zeros(2 * (end - first), np.float64)
+    for at in range(first, end, CHUNK):
+        base = np.arange(at, min(at + CHUNK, end), dtype=np.uint64) * np.uint64(2 * ATTEMPTS)
+        pairs = out[2 * (at - first):2 * (at - first + base.size)].reshape(-1, 2)
+        todo = np.arange(base.size)
+        for attempt in range(ATTEMPTS):   # about one pair in five draws again, further on
+            ok, z1, z2 = _polar(number, base[todo] + np.uint64(2 * attempt))
+            pairs[todo[ok], 0], pairs[todo[ok], 1] = z1[ok], z2[ok]
+            todo = todo[~ok]
+            if not todo.size:
+                break
+    return out[start - 2 * first:start - 2 * first + n]
 
 
 def _c_double(value):
     return repr(float(value))
 
 
-# The same, in CUDA C for the kernels (kv_normal(hi, lo, i): element i of stream (hi, lo)).
+# The same, in CUDA C for the kernels (kv_normal(hi, lo, i): element i of stream (hi, lo);
+# each thread draws its element's pair and keeps its half).
 C_SOURCE = r'''
 __device__ __forceinline__ unsigned long long kv_mix64(unsigned long long x) {
     x += GOLDENull;
@@ -98,7 +113,7 @@ __device__ __forceinline__ unsigned long long kv_mix64(unsigned long long x) {
     return x ^ (x >> 31);
 }
 __device__ __forceinline__ double kv_uniform(unsigned long long number, unsigned long long c) {
-    return (double)(kv_mix64(kv_mix64(c) ^ number) >> 11) * TWO_M52 - 1.0;
+    return (double)(kv_mix64(c * GOLDENull + number) >> 11) * TWO_M52 - 1.0;
 }
 __device__ __forceinline__ double kv_log01(double s) {
     int e;
@@ -112,11 +127,14 @@ __device__ double kv_normal(double hi, double lo, long long i) {
     const unsigned long long number =
         ((unsigned long long)hi << 32) | (unsigned long long)lo;
     for (int attempt = 0; attempt < ATTEMPTS; ++attempt) {
-        const unsigned long long c =
-            (unsigned long long)i * (2ull * ATTEMPTS) + 2ull * (unsigned long long)attempt;
+        const unsigned long long c = (unsigned long long)(i >> 1) * (2ull * ATTEMPTS)
+                                     + 2ull * (unsigned long long)attempt;
         const double v1 = kv_uniform(number, c), v2 = kv_uniform(number, c + 1ull);
         const double s = v1 * v1 + v2 * v2;
-        if (s > 0.0 && s < 1.0) return v1 * sqrt((-2.0 * kv_log01(s)) / s);
+        if (s > 0.0 && s < 1.0) {
+            const double scale = sqrt((-2.0 * kv_log01(s)) / s);
+            return (i & 1) ? v2 * scale : v1 * scale;
+        }
     }
     return 0.0;
 }
