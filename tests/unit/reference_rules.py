@@ -9,7 +9,9 @@ returns the new weight and states (test_kernels' convention); ``clip`` None is o
 import math
 
 import numpy as np
+from optimizer_configs import BY_ID
 
+from kvps.optimizer import FactorScheduler, create
 from kvps.optimizer.kernels import noise
 
 
@@ -256,6 +258,14 @@ class Reference:
             mult = 1.0 + (scale - 1) * frac
         return dict(momentum=p.get('momentum', 0.0), batch_scale=scale,
                     apply=nup % scale == 0, lars=strategy == 'lars', lr_scale=mult)
+
+
+def make(config_id, **more):
+    """kvps's optimizer of an optimizer_configs run."""
+    _, name, params, sched, _ = BY_ID[config_id]
+    if sched:
+        more['lr_scheduler'] = FactorScheduler(step=sched[0], factor=sched[1])
+    return create(name, **params, **more)
 
 
 def reference_run(name, params, w0, grads, lr_at, key=0):

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import reference_rules as R
 from optimizer_configs import BY_ID, CONFIGS, NOT_IN_MXNET_19, STEPS, draws, problem
+from reference_rules import make
 
-from kvps.optimizer import FactorScheduler, create
+from kvps.optimizer import create
 from kvps.optimizer.kernels import noise
 from kvps.optimizer.updater import Updater
 
@@ -99,13 +100,6 @@ MXNET = {
 # others differ in the order of a few operations, or take norms in another order)
 EXACT = {'adadelta', 'adadelta-rho', 'adamax', 'adamax-betas', 'nadam', 'nadam-decay',
          'lars-bias', 'lbsgd-sqrt', 'lbsgd-power2', 'sgld', 'dcasgd'}
-
-
-def make(config_id, **more):
-    _, name, params, sched, _ = BY_ID[config_id]
-    if sched:
-        more['lr_scheduler'] = FactorScheduler(step=sched[0], factor=sched[1])
-    return create(name, **params, **more)
 
 
 def train(config_id, n, dtype=np.float32, **more):

@@ -6,7 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 from optimizer_configs import BY_ID, problem
-from test_more_optimizers import make
+from reference_rules import make
 
 import kvps
 from kvps.errors import ConfigError
