@@ -19,10 +19,12 @@ class Updater:
     """Runs one optimizer over many keys on a server shard (or in the local store).
 
     State per (key, part) is created on the first update, on the weight's device: the
-    optimizer's state arrays, plus 'weight32', the fp32 master copy, for float16/bfloat16
+    optimizer's state arrays (zeros, or a copy of the weight for those it names in
+    ``state_from_weight``), plus 'weight32', the fp32 master copy, for float16/bfloat16
     weights under multi_precision. Without multi_precision low-precision states keep the
     weight's dtype (arithmetic still runs in fp32 and rounds once per step, as on a GPU),
-    except for optimizers with fp32_states (LAMB, as in MXNet).
+    except for optimizers with fp32_states (LAMB, as in MXNet). An optimizer with a
+    ``key_args(key, count)`` method adds what it returns to each key's kernel call.
     Update counts are kept per (key, part) and drive the lr scheduler as in MXNet: a key's
     count is incremented before its lr is computed, and num_update = the max over keys
     (in sync rounds at least the workers' push ``step``: the keys of other servers count).

@@ -41,6 +41,7 @@ def sgd_step(momentum, lr='s_lr'):
         return f' mom = s_momentum * mom - {lr} * g; w = w + mom;'
     return f' w = w - {lr} * g;'
 
+
 # Storage dtype (numpy name) -> C type. Half types are 16-bit structs converted by hand (PTX
 # cvt for float16, bit arithmetic for bfloat16), so no CUDA header is needed to compile.
 CTYPES = {'float32': 'float', 'float64': 'double', 'float16': 'kv_f16', 'uint16': 'kv_bf16'}
@@ -236,12 +237,12 @@ def definition(plan, multi=False, index=0):
         '    }', *([tail] if tail else []), '}', ''])
 
 
-def _multi_head(plan, used, text, two_passes):
+def _multi_head(plan, used, text, several):
     """Parameters and prologue of a multi-layout kernel: find the block's key, then its
     element count, pointers and scalars in the table (see table_words)."""
     width, count = 1 + len(plan.arrays), len(plan.scalars)
     params = ['const long long* __restrict__ tab', 'const int nkeys']
-    if two_passes:
+    if several:
         params += ['double* __restrict__ partial', 'unsigned int* __restrict__ count',
                    'double* __restrict__ ratio']
     prologue = ['const int k = kv_key_of(tab, nkeys);',
@@ -260,7 +261,7 @@ def _multi_head(plan, used, text, two_passes):
     for slot, name, wide in read:
         ctype = 'double' if wide else 'KC'
         prologue.append(f'const {ctype} s_{name} = ({ctype})sc[{slot}];')
-    for slot in range(KV_SLOTS if two_passes else 0):   # kept by the finishes before
+    for slot in range(KV_SLOTS if several else 0):   # kept by the finishes before
         if uses(text, f'kv_r{slot}'):
             prologue.append(f'const double kv_r{slot} = ratio[{KV_SLOTS} * (long long)k'
                             f' + {slot}];')
