@@ -35,6 +35,16 @@ CONFIGS = {
     'ftrl': ('ftrl_update', 2, {}),
     'signum': ('signum_update', 1, {}),
     'test': ('test_update', 0, {}),
+    'adadelta': ('adadelta_update', 2, {}),
+    'adamax': ('adamax_update', 2, dict(t=3)),
+    'nadam': ('nadam_update', 2, dict(t=3)),
+    'ftml': ('ftml_update', 3, dict(t=3)),
+    'lars': ('lars_update', 1, dict(momentum=0.9)),           # norms, then the step
+    'lbsgd': ('lbsgd_update', 2, dict(momentum=0.9, batch_scale=2)),   # an update that applies
+    'sgld': ('sgld_update', 0, dict(noise_hi=1, noise_lo=2)),  # the noise drawn in the kernel
+    'dcasgd': ('dcasgd_update', 2, dict(momentum=0.9)),
+    'adabelief': ('adabelief_update', 2, dict(t=3)),
+    'lans': ('lans_update', 2, dict(t=3)),                    # three passes
 }
 BASE = dict(lr=0.01, wd=1e-4, rescale_grad=1.0, clip_gradient=None)
 

@@ -19,10 +19,12 @@ class Updater:
     """Runs one optimizer over many keys on a server shard (or in the local store).
 
     State per (key, part) is created on the first update, on the weight's device: the
-    optimizer's state arrays, plus 'weight32', the fp32 master copy, for float16/bfloat16
+    optimizer's state arrays (zeros, or a copy of the weight for those it names in
+    ``state_from_weight``), plus 'weight32', the fp32 master copy, for float16/bfloat16
     weights under multi_precision. Without multi_precision low-precision states keep the
     weight's dtype (arithmetic still runs in fp32 and rounds once per step, as on a GPU),
-    except for optimizers with fp32_states (LAMB, as in MXNet).
+    except for optimizers with fp32_states (LAMB, as in MXNet). An optimizer with a
+    ``key_args(key, count)`` method adds what it returns to each key's kernel call.
     Update counts are kept per (key, part) and drive the lr scheduler as in MXNet: a key's
     count is incremented before its lr is computed, and num_update = the max over keys
     (in sync rounds at least the workers' push ``step``: the keys of other servers count).
@@ -203,8 +205,11 @@ class Updater:
             state.update(arrays)
             self._layouts[key, part] = id(state), layout
             return state
+        from_weight = getattr(self._opt, 'state_from_weight', ())   # DCASGD's previous weight
+        dtype = state_dtype(self._opt, weight)
         for name in self._opt.state_names():
-            state[name] = kernels.zeros_like(weight, state_dtype(self._opt, weight))
+            state[name] = kernels.zeros_like(weight, dtype) if name not in from_weight else \
+                _copy(state.get('weight32', weight), dtype, kernels)
         return self._in_slabs(state)
 
     def _work(self, key, part, weight, state, kernels):
@@ -232,6 +237,7 @@ class Updater:
         (multi_update packs calls whose scalars are equal)."""
         opt, calls = self._opt, []
         lr_of, wd_of, alike = self._lr_wd_of(opt)
+        key_args = getattr(opt, 'key_args', None)   # per key (SGLD's noise, LARS's names)
         kernel, names, rescale, clip = (opt.kernel, opt.kernel_states, opt.rescale_grad,
                                         opt.clip_gradient)
         by_count = {}   # count -> the kernel's hyper-parameters: most keys share a count
@@ -249,8 +255,9 @@ class Updater:
                     more = by_count[count] = opt.kernel_args(count)
                 kwargs = shared[same] = dict(lr=lr, wd=wd, rescale_grad=rescale,
                                              clip_gradient=clip, weight32=None, **more)
-            if weight32 is not None:
-                kwargs = dict(kwargs, weight32=weight32)
+            if weight32 is not None or key_args is not None:
+                kwargs = dict(kwargs, weight32=weight32,
+                              **(key_args(key, count) if key_args is not None else {}))
             calls.append((kernel, (weight, grad, *map(state.get, names)), kwargs))
         return calls
 
@@ -345,10 +352,9 @@ def _flat(key, part):
     return None
 
 
-
-
-
-
+def _copy(array, dtype, kernels):
+    """A copy of ``array`` in ``dtype``: its own, or float32 from a low-precision one."""
+    return array.copy() if array.dtype == dtype else kernels.widen(array)
 
 
 def _plain_host_update(weight, grad):

@@ -124,7 +124,8 @@ class Layout:
         next_key = max(p.key for p in params) + 1
         for (_, _, lr_mult, wd_mult), members in groups:
             if len(members) > 1:       # one parameter alone keeps its own key
-                # (an update that reads weights whole, LAMB's or one in Python, runs per member)
+                # an update that reads each weight whole (LAMB's norms, SGLD's noise by
+                # element, one in Python) runs per member, not over the packed members as one
                 plain = whole_updates and lr_mult == wd_mult == 1.0 and \
                     not optimizer.whole_tensor
                 self._add(FusedKey(next_key, members, plain))

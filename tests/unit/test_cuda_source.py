@@ -34,8 +34,32 @@ CASES = [
     ('signum', ['mom'], dict(momentum=0.9, wd_lh=0.01), True),
     ('signum', ['mom'], dict(momentum=0.0, wd_lh=0.02), False),
     ('test', [], {}, False),
+    ('adadelta', ['acc_g', 'acc_delta'], dict(rho=0.9, epsilon=1e-5), True),
+    ('adamax', ['mean', 'u'], dict(beta1=0.9, beta2=0.99), True),
+    ('nadam', ['mean', 'var'], dict(beta1=0.9, beta2=0.99, epsilon=1e-8, schedule_decay=0.004),
+     True),
+    ('ftml', ['d', 'v', 'z'], dict(beta1=0.6, beta2=0.999, epsilon=1e-8), True),
+    ('lars', ['mom'], dict(momentum=0.9, eta=0.01, eps=1e-6), True),
+    ('lars', ['mom'], dict(momentum=0.0, lars=False), False),
+    ('lbsgd', ['mom', 'cum'], dict(momentum=0.9, batch_scale=2, apply=False), True),
+    ('lbsgd', ['mom', 'cum'], dict(momentum=0.9, batch_scale=2, lr_scale=1.5), True),
+    ('lbsgd', ['mom', 'cum'], dict(lars=True), False),
+    ('sgld', [], dict(noise_hi=12345, noise_lo=678), False),
+    ('dcasgd', ['mom', 'prev'], dict(momentum=0.9, lamda=0.04), True),
+    ('dcasgd', ['mom', 'prev'], dict(lamda=0.1), False),
+    ('adabelief', ['mean', 'var'], dict(beta1=0.9, beta2=0.99, epsilon=1e-6), True),
+    ('lans', ['mean', 'var'], dict(beta1=0.9, beta2=0.999, epsilon=1e-6), True),
+    ('lans', ['mean', 'var'], dict(lower_bound=0.5, upper_bound=3.0), True),
 ]
-NEEDS_T = {'adam', 'adamw', 'lamb'}
+NEEDS_T = {'adam', 'adamw', 'lamb', 'adamax', 'nadam', 'ftml', 'adabelief', 'lans'}
+FP32_STATES = {'lamb', 'lans', 'adadelta'}   # float32 states for low-precision weights
+
+
+def reduces(name, hyper):
+    """Whether the rule takes norms (a reduction in another order on a GPU: equal to
+    rounding, not to the bit)."""
+    return name in ('lamb', 'lans') or (name == 'lars' and hyper.get('lars', True)) or \
+        (name == 'lbsgd' and hyper.get('lars', False) and hyper.get('apply', True))
 # (weight storage, grad storage, fp32 master): 'bfloat16' is uint16 storage
 DTYPES = [('float32', 'float32', False), ('float64', 'float64', False),
           ('float64', 'float32', False), ('float16', 'float16', False),
@@ -45,12 +69,14 @@ DTYPES = [('float32', 'float32', False), ('float64', 'float64', False),
 
 def live_states(name, states, hyper):
     """The state names an update really gets (None for the rest)."""
-    live = states if hyper.get('momentum', 1.0) != 0.0 or name not in ('sgd', 'signum') else []
-    return ['var'] if name == 'rmsprop' and not hyper.get('centered') else live
+    if name == 'rmsprop' and not hyper.get('centered'):
+        return ['var']
+    live = [s for s in states if s != 'mom' or hyper.get('momentum', 1.0) != 0.0]
+    return [s for s in live if s != 'cum' or hyper.get('batch_scale', 1) > 1]
 
 
 def state_dtype(name, wdt, mp):
-    return 'float32' if mp or (name == 'lamb' and wdt in ('float16', 'bfloat16')) else wdt
+    return 'float32' if mp or (name in FP32_STATES and wdt in ('float16', 'bfloat16')) else wdt
 
 
 def storage(dtype):

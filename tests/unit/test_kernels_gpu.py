@@ -18,7 +18,8 @@ from kvps.optimizer import create  # noqa: E402
 from kvps.optimizer.kernels import (cuda_kernels as C, kernels_for, multi_apply,  # noqa: E402
                                     numpy_kernels as K)
 from kvps.optimizer.updater import Updater  # noqa: E402
-from test_cuda_source import BASE, CASES, DTYPES, NEEDS_T, live_states, state_dtype  # noqa: E402
+from test_cuda_source import (BASE, CASES, DTYPES, NEEDS_T, live_states, reduces,  # noqa: E402
+                              state_dtype)
 
 
 def _store(x, dtype):
@@ -58,7 +59,7 @@ def test_cuda_kernel_matches_numpy(name, states, hyper, _, wdt, gdt, mp):
     for a, b in zip([got[0], *got[1].values(), got[2]], [want[0], *want[1].values(), want[2]]):
         if a is None:
             continue
-        if name == 'lamb':  # norms are reductions in another order: 1e-6, or an ulp of storage
+        if reduces(name, hyper):  # norms: reductions in another order, 1e-6 or an ulp
             tol = {'uint16': 8e-3, 'float16': 1e-3}.get(str(a.dtype), 1e-6)
             a = K.bf16_to_f32(a) if a.dtype == np.uint16 else a
             b = K.bf16_to_f32(b) if b.dtype == np.uint16 else b
@@ -207,3 +208,28 @@ def test_updater_on_device_with_checkpoint_round_trip():
     u.update('k', w, g.copy())
     v.update('k', w2, g.copy())
     np.testing.assert_array_equal(cp.asnumpy(w), cp.asnumpy(w2))
+
+
+@pytest.mark.parametrize('name,params', [
+    ('dcasgd', dict(momentum=0.9)), ('sgld', dict(seed=3)), ('lars', dict(momentum=0.9)),
+    ('lbsgd', dict(batch_scale=2, momentum=0.9, warmup_strategy='lars')), ('nadam', {}),
+    ('adadelta', {}), ('lans', dict(wd=0.01))])
+def test_new_optimizers_on_device_update_as_on_the_host(name, params):
+    """Through the Updater: DCASGD's previous weight made on the device from the weight,
+    SGLD's noise by key and count, LARS's names, LBSGD's sums; norms to 1e-6."""
+    rng = np.random.default_rng(4)
+    for mp, dtype in ((False, np.float32), (True, np.float16)):
+        device = Updater(create(name, multi_precision=mp, learning_rate=0.05, **params))
+        host = Updater(create(name, multi_precision=mp, learning_rate=0.05, **params))
+        w = rng.standard_normal(70001).astype(dtype)
+        on_device = cp.asarray(w)
+        for _ in range(4):
+            g = rng.standard_normal(70001).astype(dtype)
+            device.update('fc_weight', on_device, cp.asarray(g))
+            host.update('fc_weight', w, g.copy())
+        got = cp.asnumpy(on_device)
+        if name in ('lars', 'lbsgd', 'lans'):
+            np.testing.assert_allclose(got.astype(np.float32), w.astype(np.float32),
+                                       rtol=1e-3 if mp else 1e-6, atol=1e-3 if mp else 1e-6)
+        else:
+            np.testing.assert_array_equal(got, w)

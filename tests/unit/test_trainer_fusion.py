@@ -105,6 +105,16 @@ def test_whole_tensor_optimizers_are_not_fused_on_the_servers_only():
     assert len(t._layout.fused) == 1     # the servers only sum: LAMB runs per parameter
 
 
+@pytest.mark.parametrize('name', ['lamb', 'lars', 'lans', 'sgld'])
+def test_workers_update_a_fused_key_member_by_member_for_whole_tensor_optimizers(name):
+    # LAMB's norms (LARS's, LANS's) and SGLD's noise by element would read the packed
+    # members as one weight: their gradients still go fused, their updates per member.
+    (fused, t), (alone, _) = fused_and_alone(name, {'learning_rate': 0.01}, uok=False)
+    assert [f.updated_whole for f in t._layout.fused] == [False, False, False]
+    for a, b in zip(fused, alone):
+        assert torch.equal(a, b)
+
+
 def fused_and_alone(name, kwargs, uok, freeze=None):
     """The same training with fused keys and without: ((params, trainer), (params, trainer)).
     With ``freeze``: two steps of every parameter, then five under ``freeze``."""

@@ -1,6 +1,8 @@
 """Host-side pieces shared by the numpy and CUDA kernels: argument checks and scalar constants."""
 
+import functools
 import math
+import threading
 
 import numpy as np
 
@@ -102,6 +104,17 @@ def off_if_not_positive(value):
     return float(value) if value is not None and value > 0 else -1.0
 
 
+def kernel_scalars(lr, wd, rescale_grad, clip_gradient, **more):
+    """The scalars of an update under the names its rule reads (numpy and CUDA alike)."""
+    return dict(lr=lr, wd=wd, rescale=rescale_grad, clip=off_if_not_positive(clip_gradient),
+                **more)
+
+
+def moment_scalars(beta1, beta2, epsilon):
+    """The decay rates of Adam-like moments, each with its complement, and epsilon."""
+    return dict(beta1=beta1, beta2=beta2, omb1=1 - beta1, omb2=1 - beta2, epsilon=epsilon)
+
+
 def adam_lr(lr, beta1, beta2, t):
     """MXNet Adam folds both bias corrections into the step size."""
     coef1 = 1.0 - beta1 ** t
@@ -137,3 +150,46 @@ def lamb_ratio(sumsq_w, sumsq_d, lower_bound, upper_bound):
 def signum_decay(lr, wd, wd_lh, momentum):
     """Signum decays decoupled by wd_lh (wd goes into the gradient); signSGD by wd + wd_lh."""
     return 1.0 - lr * wd_lh if momentum != 0.0 else 1.0 - lr * (wd + wd_lh)
+
+
+def lars_factor(sumsq_w, sumsq_g, eta, eps, wd, rescale):
+    """MXNet's LARS scale of a key's learning rate: eta ||w|| / (||g|| rescale + wd ||w|| +
+    eps), 1 when either norm is 0 (MXNet's multi_lars; the CUDA kernel mirrors it)."""
+    wn = math.sqrt(sumsq_w)
+    if wn > 0 and sumsq_g > 0:
+        return eta * wn / (math.sqrt(sumsq_g) * rescale + wd * wn + eps)
+    return 1.0
+
+
+def lbsgd_lars(sumsq_w, sumsq_g, wd):
+    """LBSGD's 'lars' warm-up multiplier, sqrt(|w|^2 / (|g|^2 + wd |w|^2)) bounded to
+    [0.01, 100] (NaN stays NaN, as in MXNet; the CUDA kernel mirrors it)."""
+    ratio = math.sqrt(sumsq_w / (sumsq_g + wd * sumsq_w + 1e-18))
+    if ratio < 0.01:
+        return 0.01
+    if ratio > 100.0:
+        return 100.0
+    return ratio
+
+
+@functools.lru_cache(maxsize=64)
+def _momentum_schedule(beta1, schedule_decay):
+    return [1.0]   # products of Nadam's momenta, grown on demand (see nadam_coeffs)
+
+
+_GROWING = threading.Lock()   # kernels run from several threads (a store shared by threads)
+
+
+def nadam_coeffs(beta1, beta2, schedule_decay, t):
+    """Nadam's scalars at a key's ``t``-th update, as MXNet computes them in Python:
+    (1 - mu_t, mu_{t+1}, 1 - prod mu_1..t, 1 - prod mu_1..t+1, 1 - beta2^t). MXNet keeps one
+    product for all keys; kvps keeps it per key (see more_optimizers.Nadam)."""
+    def mu(i):
+        return beta1 * (1. - 0.5 * (pow(0.96, i * schedule_decay)))
+    products = _momentum_schedule(beta1, schedule_decay)
+    if len(products) <= t:
+        with _GROWING:
+            while len(products) <= t:   # the same multiplications, in order, as MXNet's
+                products.append(products[-1] * mu(len(products)))
+    mu_t, mu_next = mu(t), mu(t + 1)
+    return 1. - mu_t, mu_next, 1. - products[t], 1. - products[t] * mu_next, 1. - beta2 ** t

@@ -12,35 +12,29 @@ rule and dtypes. cupy is imported lazily: importing kvps never needs it.
 
 import numpy as np
 
-from . import common, cuda_launch as launch
-
-PREP = 'g = kv_clip<KC>(g * s_rescale, s_clip);'
-PREP_WD = PREP + ' g = g + s_wd * w;'
-MOMENTS = 'mean = s_beta1 * mean + s_omb1 * g; var = s_beta2 * var + s_omb2 * (g * g);'
+from . import common, cuda_launch as launch, cuda_more
+from .common import kernel_scalars as _base, moment_scalars as _moment_scalars
+from .cuda_source import MOMENTS, PREP, PREP_WD, sgd_step
 
 
 def _launch(tag, core, weight, grad, states, weight32, scalars, then=None, wide=()):
     """One update: ``core`` (C) between the loads of the master weight (or weight), grad and
-    live ``states`` [(local name, array or None)] and their stores; ``then``, a second pass
-    (see cuda_source); ``scalars`` as ``s_<name>``, double for the names in ``wide``."""
+    live ``states`` [(local name, array or None)] and their stores; ``then``, later passes
+    as (finish, body) pairs (see cuda_source); ``scalars`` as ``s_<name>``, double for the
+    names in ``wide``."""
     launch.request(tag, core, then, weight, grad, states, weight32, scalars, wide)
-
-
-def _base(lr, wd, rescale_grad, clip_gradient, **more):
-    return dict(lr=lr, wd=wd, rescale=rescale_grad,
-                clip=common.off_if_not_positive(clip_gradient), **more)
 
 
 def sgd_update(weight, grad, mom, lr, wd, rescale_grad, clip_gradient, momentum=0.0,
                nesterov=False, weight32=None):
     """MXNet SGD (mom is None when momentum is 0); nesterov=True is NAG."""
     if mom is None:
-        core, tag = PREP_WD + ' w = w - s_lr * g;', 'sgd'
+        core, tag = PREP_WD + sgd_step(False), 'sgd'
     elif nesterov:
         core, tag = PREP_WD + (' mom = s_momentum * mom + g;'
                                ' w = w - s_lr * (g + s_momentum * mom);'), 'nag_mom'
     else:
-        core, tag = PREP_WD + ' mom = s_momentum * mom - s_lr * g; w = w + mom;', 'sgd_mom'
+        core, tag = PREP_WD + sgd_step(True), 'sgd_mom'
     _launch(tag, core, weight, grad, [('mom', mom)], weight32,
             _base(lr, wd, rescale_grad, clip_gradient, momentum=momentum))
 
@@ -49,10 +43,6 @@ def nag_update(weight, grad, mom, lr, wd, rescale_grad, clip_gradient, momentum=
                weight32=None):
     """MXNet NAG: mom = m*mom + g; w -= lr*(g + m*mom)."""
     sgd_update(weight, grad, mom, lr, wd, rescale_grad, clip_gradient, momentum, True, weight32)
-
-
-def _moment_scalars(beta1, beta2, epsilon):
-    return dict(beta1=beta1, beta2=beta2, omb1=1 - beta1, omb2=1 - beta2, epsilon=epsilon)
 
 
 def adam_update(weight, grad, mean, var, lr, wd, rescale_grad, clip_gradient, beta1=0.9,
@@ -107,6 +97,7 @@ def rmsprop_update(weight, grad, var, mean, mom, lr, wd, rescale_grad, clip_grad
 
 _LAMB_D = 'KC d = (mean / s_c1) / (sqrt(var / s_c2) + s_epsilon) + s_wd * w;'
 _LAMB_NORMS = ' kv_norm[0] += (double)w * w; kv_norm[1] += (double)d * d;'
+_LAMB_RATIO = 'kv_keep[0] = kv_trust_ratio(kv_s0, kv_s1, s_lower, s_upper);'
 
 
 def lamb_update(weight, grad, mean, var, lr, wd, rescale_grad, clip_gradient, beta1=0.9,
@@ -118,13 +109,13 @@ def lamb_update(weight, grad, mean, var, lr, wd, rescale_grad, clip_gradient, be
     does, and applies w -= lr*ratio*d. Keep mean and var float32 (see numpy_kernels)."""
     c1, c2 = common.lamb_coeffs(beta1, beta2, t, bias_correction)
     norms = f'{PREP} {MOMENTS} {_LAMB_D}{_LAMB_NORMS}'
-    step = _LAMB_D + ' w = w - (KC)(s_lr * kv_ratio) * d;'
+    step = _LAMB_D + ' w = w - (KC)(s_lr * kv_r0) * d;'
     sc = _base(lr, wd, rescale_grad, clip_gradient, c1=c1, c2=c2,
                lower=common.off_if_not_positive(lower_bound),
                upper=common.off_if_not_positive(upper_bound),
                **_moment_scalars(beta1, beta2, epsilon))
     _launch('lamb', norms, weight, grad, [('mean', mean), ('var', var)], weight32, sc,
-            then=step, wide=('lr', 'lower', 'upper'))
+            then=((_LAMB_RATIO, step),), wide=('lr', 'lower', 'upper'))
 
 
 def ftrl_update(weight, grad, z, n, lr, wd, rescale_grad, clip_gradient, lamda1=0.01, beta=1.0,
@@ -203,6 +194,10 @@ def from_host(array, like):
     cp = launch.cupy()
     with like.device:
         return cp.asarray(array)
+
+
+# cuda_more's rules join this module's rule table (multi_update looks them up here)
+globals().update({name: getattr(cuda_more, name) for name in cuda_more.__all__})
 
 
 def multi_update(calls, launches=None):

@@ -16,6 +16,7 @@ again only when one of them changed.
 
 import functools
 import operator
+import re
 import threading
 from typing import NamedTuple
 
@@ -28,7 +29,8 @@ OPTIONS = ('--fmad=false',)
 ROUNDS_KEPT = 64    # call lists a caller's cache remembers (a shard sees one per message kind)
 # Keyword arguments that carry arrays of the update: a call that passes one by keyword is
 # planned every time (a Round checks the arrays it is given positionally).
-_ARRAY_KEYWORDS = frozenset({'weight', 'grad', 'mom', 'mean', 'var', 'history', 'z', 'n'})
+_ARRAY_KEYWORDS = frozenset({'weight', 'grad', 'mom', 'mean', 'var', 'history', 'z', 'n',
+                             'acc_g', 'acc_delta', 'u', 'd', 'v', 'cum', 'prev'})
 _collecting = threading.local()   # .requests: a list while a call list is described
 
 
@@ -57,7 +59,9 @@ def kernel(plan, multi=False, index=0):
 
 class Request(NamedTuple):
     """An update as its rule asks for it, arrays not yet looked at: ``core`` is the rule's C
-    between the loads and the stores; ``then``, a second pass after the key's norms (LAMB)."""
+    between the loads and the stores; ``then``, the passes after it, as (finish, body) pairs:
+    ``finish`` runs once per key on the sums of the pass before, then ``body`` (LAMB, LARS,
+    LANS: see cuda_source)."""
     tag: str
     core: str
     then: object
@@ -112,8 +116,8 @@ def _contiguous(array, written):
 
 def plan_of(req):
     """The Plan of a Request: the master weight (``p_w``), the low-precision weight it rounds
-    into, the grad and the live states, checked; one pass, or two when ``req.then`` is set
-    (the first updates the states, the second the weight)."""
+    into, the grad and the live states, checked; one pass, or more when ``req.then`` is set
+    (the last updates the weight)."""
     common.check_arrays(req.weight, req.grad, req.states, req.weight32)
     mp = req.weight32 is not None
     arrays = [('w', req.weight32 if mp else req.weight)] + ([('weight', req.weight)] if mp else [])
@@ -130,21 +134,31 @@ def plan_of(req):
 
 @functools.lru_cache(maxsize=256)
 def _passes(core, then, mp, states):
-    """The passes of a rule's C (cached: few rules, many keys): the loads of the master weight,
-    grad and ``states``, the rule, and the stores of the weights (and the low-precision weight
-    when ``mp``) and the states; with ``then``, the states are stored by the first pass and
-    the weights by the second."""
+    """The passes of a rule's C (cached: few rules, many keys): ``core`` and the bodies of
+    ``then``, each between the loads of what it reads (the master weight ``w``, the grad
+    ``g``, ``states``) and the stores of the states it assigns; the last pass also stores the
+    weights (and the low-precision weight when ``mp``)."""
+    bodies = [core, *(body for _, body in then or ())]
+    finishes = [*(finish for finish, _ in then or ()), '']
     weights = [('w', 'w')] + ([('weight', 'w')] if mp else [])
-    stored = [(name, name) for name in states]
-    if then is None:
-        return (_pass(['w', 'g', *states], core, weights + stored),)
-    return (_pass(['w', 'g', *states], core, stored), _pass(['w', *states], then, weights))
+    passes = []
+    for index, (body, finish) in enumerate(zip(bodies, finishes)):
+        last = index == len(bodies) - 1
+        loads = [name for name in ('w', 'g', *states)
+                 if (last and name == 'w') or src.uses(body, name)]
+        stored = [(name, name) for name in states if _assigns(body, name)]
+        passes.append(_pass(loads, body, (weights if last else []) + stored, finish))
+    return tuple(passes)
 
 
-def _pass(loads, core, stores):
+def _assigns(body, name):
+    return re.search(rf'\b{name}\s*=(?!=)', body) is not None
+
+
+def _pass(loads, core, stores, finish=''):
     lines = [f'KC {name} = kv_ld<KC>(p_{name});' for name in loads]
     lines += [core] + [f'kv_st(p_{name}, {value});' for name, value in stores]
-    return src.Pass('\n'.join(lines), frozenset(name for name, _ in stores))
+    return src.Pass('\n'.join(lines), frozenset(name for name, _ in stores), finish)
 
 
 def plan_row(plan):
@@ -195,11 +209,12 @@ class Launch:
         self._scalars = host[scalars_at:].view(np.float64).reshape(nkeys, count)
         self.blocks, self._nkeys = int(starts[-1]), np.int32(nkeys)
         self._scratch = ()
-        if len(first.passes) > 1:   # per-block partial norms, per-key counts and ratios
+        if len(first.passes) > 1:   # per-block partial norms, per-key counts and kept values
             cp = cupy()
             with self.device:
                 self._scratch = (cp.empty(2 * self.blocks, cp.float64),
-                                 cp.zeros(nkeys, cp.uint32), cp.empty(nkeys, cp.float64))
+                                 cp.zeros(nkeys, cp.uint32),
+                                 cp.empty(nkeys * src.KV_SLOTS, cp.float64))
 
     def pointers(self, grads):
         """The gradients' device pointers; None if one does not fit the kernel as built

@@ -1,7 +1,7 @@
 """CUDA C source of the fused update kernels, generated from dtype names alone (no cupy needed).
 
 cuda_kernels describes each update as a Plan (its arrays, scalars and the rule's C body in one
-or two passes) and cuda_launch runs the source made here through cupy.RawKernel. Keeping
+or more passes) and cuda_launch runs the source made here through cupy.RawKernel. Keeping
 generation free of cupy lets the tests compile every variant with NVRTC on a machine without a
 GPU. Two layouts share one body:
 - `single`: one key, its arrays and scalars by value (one-pass rules only);
@@ -9,19 +9,38 @@ GPU. Two layouts share one body:
   multi-sgd do: key k runs on its own run of blocks (found from a prefix of the keys' block
   counts) in a grid-stride loop over its elements; a table on the device gives each key's
   element count, pointers and scalars (`table_words` says where each lies).
-A rule of two passes (LAMB) sums, in its first, ``kv_norm[0]`` and ``kv_norm[1]`` over each
-key (its body adds to them); per-block partial sums are added up by the key's last block to
-finish, in a fixed order, into the key's trust ratio, which the second pass reads as
-``kv_ratio``. The weight is read twice and written once; nothing else is kept between passes.
+A rule of several passes (LAMB, LARS, LANS) sums, in each pass but the last, ``kv_norm[0]``
+and ``kv_norm[1]`` over each key (its body adds to them); per-block partial sums are added up
+by the key's last block to finish, in a fixed order, into the key's sums ``kv_s0`` and
+``kv_s1``, from which the pass's ``finish`` (C, once per key) keeps what later passes need in
+``kv_keep[0..KV_SLOTS)``, read there as ``kv_r0``, ``kv_r1``... (LAMB: its trust ratio). The
+weights are written by the last pass only; nothing else is kept between passes.
 """
 
 import dataclasses
 import re
 
+from . import noise
 from .common import storage_name
 
 THREADS = 256           # threads per block, every kernel here
 MAX_BLOCKS = 8192       # grid-stride loops cover the rest
+KV_SLOTS = 4            # doubles per key that a pass's finish keeps for the passes after it
+
+# C the rules share: MXNet's gradient preprocessing (clip(rescale * g), + wd * w for the rules
+# that decay through the gradient) and Adam's moments.
+PREP = 'g = kv_clip<KC>(g * s_rescale, s_clip);'
+PREP_WD = PREP + ' g = g + s_wd * w;'
+MOMENTS = 'mean = s_beta1 * mean + s_omb1 * g; var = s_beta2 * var + s_omb2 * (g * g);'
+
+
+def sgd_step(momentum, lr='s_lr'):
+    """C of SGD's step on a preprocessed ``g``, with heavy-ball momentum or without; ``lr``:
+    the C of its learning rate (LARS and LBSGD scale it)."""
+    if momentum:
+        return f' mom = s_momentum * mom - {lr} * g; w = w + mom;'
+    return f' w = w - {lr} * g;'
+
 
 # Storage dtype (numpy name) -> C type. Half types are 16-bit structs converted by hand (PTX
 # cvt for float16, bit arithmetic for bfloat16), so no CUDA header is needed to compile.
@@ -105,22 +124,39 @@ __device__ __forceinline__ double kv_trust_ratio(double sw, double sd, double lo
     if (upper > 0) r1 = upper < r1 ? upper : r1;
     return (r1 > 0 && r2 > 0 && isfinite(r1 / r2)) ? r1 / r2 : 1.0;
 }
-'''
+/* common.lars_factor: MXNet's multi_lars, eta ||w|| / (||g|| rescale + wd ||w|| + eps) */
+__device__ __forceinline__ double kv_lars_factor(double sw, double sg, double eta, double eps,
+                                                 double wd, double rescale) {
+    const double wn = sqrt(sw);
+    return (wn > 0 && sg > 0) ? eta * wn / (sqrt(sg) * rescale + wd * wn + eps) : 1.0;
+}
+/* common.lbsgd_lars: LBSGD's 'lars' warm-up, sqrt(|w|^2 / (|g|^2 + wd |w|^2)) in [0.01, 100] */
+__device__ __forceinline__ double kv_lbsgd_lars(double sw, double sg, double wd) {
+    const double r = sqrt(sw / (sg + wd * sw + 1e-18));
+    return r < 0.01 ? 0.01 : (r > 100.0 ? 100.0 : r);
+}
+/* np.maximum: NaN if either is */
+template <typename C> __device__ __forceinline__ C kv_max(C a, C b) {
+    return (a > b || a != a) ? a : b;
+}
+''' + noise.C_SOURCE
 
 
 @dataclasses.dataclass(frozen=True)
 class Pass:
     """One sweep over a key: ``body`` is C (the loads, the rule, the stores) run per element
     with ``p_<name>`` a reference to the element of array ``name``; ``written``: the arrays
-    it stores."""
+    it stores; ``finish``: in a pass before the last, C run once per key on its sums (see the
+    module docstring)."""
     body: str
     written: frozenset
+    finish: str = ''
 
 
 @dataclasses.dataclass
 class Plan:
     """One update on one key, ready to launch: ``arrays`` are (local name, array) in table
-    order; ``passes`` run one after the other (two for LAMB: see the module docstring);
+    order; ``passes`` run one after the other (several for LAMB: see the module docstring);
     ``scalars`` are (name, value, wide) read as ``s_<name>`` in the compute type (double when
     wide); ``variant`` is what the rule asked for before any array was looked at."""
     tag: str
@@ -159,7 +195,8 @@ def source(plan, multi=False, index=0):
     return PREAMBLE + definition(plan, multi, index)
 
 
-def _uses(text, name):
+def uses(text, name):
+    """Whether C ``text`` names ``name``."""
     return re.search(rf'\b{name}\b', text) is not None
 
 
@@ -171,16 +208,16 @@ def definition(plan, multi=False, index=0):
     """The kernel alone: its compute type and its function, after PREAMBLE."""
     step = plan.passes[index]
     used = [(name, arr, name in step.written) for name, arr in plan.arrays
-            if _uses(step.body, f'p_{name}')]
+            if uses(step.body, f'p_{name}')]
     loop = [*(f'{_pointer_type(a, w)[:-1]}& p_{n} = p_{n}_[i];' for n, a, w in used),
             *step.body.split('\n')]
-    norms = multi and len(plan.passes) > 1 and index == 0
-    tail = _FINISH_NORMS if norms else ''
+    norms = multi and index < len(plan.passes) - 1
+    tail = _finish_norms(step.finish) if norms else ''
     if multi:
         params, prologue = _multi_head(plan, used, step.body + tail, len(plan.passes) > 1)
         first, stride = '(blockIdx.x - first) * blockDim.x', 'blocks * blockDim.x'
     else:
-        assert len(plan.passes) == 1, 'a rule of two passes runs in the multi layout only'
+        assert len(plan.passes) == 1, 'a rule of several passes runs in the multi layout only'
         params = ['const long long n']
         params += [f'{_pointer_type(a, n in step.written)} __restrict__ p_{n}_'
                    for n, a in plan.arrays]
@@ -200,12 +237,12 @@ def definition(plan, multi=False, index=0):
         '    }', *([tail] if tail else []), '}', ''])
 
 
-def _multi_head(plan, used, text, two_passes):
+def _multi_head(plan, used, text, several):
     """Parameters and prologue of a multi-layout kernel: find the block's key, then its
     element count, pointers and scalars in the table (see table_words)."""
     width, count = 1 + len(plan.arrays), len(plan.scalars)
     params = ['const long long* __restrict__ tab', 'const int nkeys']
-    if two_passes:
+    if several:
         params += ['double* __restrict__ partial', 'unsigned int* __restrict__ count',
                    'double* __restrict__ ratio']
     prologue = ['const int k = kv_key_of(tab, nkeys);',
@@ -216,20 +253,32 @@ def _multi_head(plan, used, text, two_passes):
     for name, arr, written in used:
         ptype = _pointer_type(arr, written)
         prologue.append(f'{ptype} __restrict__ p_{name}_ = ({ptype})row[{slots[name]}];')
-    prologue.append(f'const double* sc = (const double*)(tab + (nkeys + 1) + (long long)nkeys'
-                    f' * {width}) + (long long)k * {count};')
-    for slot, (name, _, wide) in enumerate(plan.scalars):
-        if _uses(text, f's_{name}'):   # (unread ones would warn)
-            ctype = 'double' if wide else 'KC'
-            prologue.append(f'const {ctype} s_{name} = ({ctype})sc[{slot}];')
-    if two_passes and _uses(text, 'kv_ratio'):
-        prologue.append('const double kv_ratio = ratio[k];')
+    read = [(slot, name, wide) for slot, (name, _, wide) in enumerate(plan.scalars)
+            if uses(text, f's_{name}')]   # (unread ones would warn)
+    if read:
+        prologue.append(f'const double* sc = (const double*)(tab + (nkeys + 1) + (long long)'
+                        f'nkeys * {width}) + (long long)k * {count};')
+    for slot, name, wide in read:
+        ctype = 'double' if wide else 'KC'
+        prologue.append(f'const {ctype} s_{name} = ({ctype})sc[{slot}];')
+    for slot in range(KV_SLOTS if several else 0):   # kept by the finishes before
+        if uses(text, f'kv_r{slot}'):
+            prologue.append(f'const double kv_r{slot} = ratio[{KV_SLOTS} * (long long)k'
+                            f' + {slot}];')
     return params, prologue
 
 
-# After the first pass of a two-pass rule: the block's sums of kv_norm become two partials;
-# the key's last block to finish (counted atomically) adds the key's partials in block order,
-# so the sums do not depend on which block finished last, and leaves the trust ratio.
+def _finish_norms(finish):
+    """The end of a pass before the last: the key's sums, then ``finish`` on them."""
+    sums = [f'const double kv_s{i} = kv_acc[{i}][0];' for i in (0, 1)
+            if uses(finish, f'kv_s{i}')]
+    keep = f'double* kv_keep = ratio + {KV_SLOTS} * (long long)k;'
+    return _FINISH_NORMS.replace('KV_FINISH;', ' '.join([*sums, keep, finish]))
+
+
+# After a pass that sums: the block's sums of kv_norm become two partials; the key's last
+# block to finish (counted atomically) adds the key's partials in block order, so the sums do
+# not depend on which block finished last, and runs the pass's finish on them.
 _FINISH_NORMS = r'''    __shared__ double kv_acc[2][KV_THREADS];
     __shared__ bool kv_last;
     kv_block_sum2(kv_norm, kv_acc);
@@ -249,7 +298,7 @@ _FINISH_NORMS = r'''    __shared__ double kv_acc[2][KV_THREADS];
     }
     kv_block_sum2(kv_norm, kv_acc);
     if (threadIdx.x == 0) {
-        ratio[k] = kv_trust_ratio(kv_acc[0][0], kv_acc[1][0], s_lower, s_upper);
+        KV_FINISH;
         count[k] = 0;   /* zero again for the next launch */
     }'''
 

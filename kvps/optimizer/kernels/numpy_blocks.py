@@ -1,5 +1,6 @@
 """The numpy kernels' passes: an update body run block by block in cache, low-precision arrays
-widened and rounded back per block, and a big key's blocks split over threads.
+widened and rounded back per block, and a big key's blocks split over threads; the bodies
+several rules share (MXNet's gradient preprocessing, SGD's and Adam's steps).
 
 The work goes in blocks of BLOCK elements: every array is read and written once from main
 memory while the handful of ufunc passes per block stay in cache. A key of at least
@@ -48,6 +49,54 @@ def _executor():
             _pool.threads - 1, thread_name_prefix='kvps-update')
         _pool.made_for = wanted
     return _pool.executor
+
+
+def prep(g, w, tmp, sc, wd=True):
+    """g = clip(rescale * g) (+ wd * w): MXNet's gradient preprocessing, in place in a block
+    (``tmp``: a block of scratch)."""
+    if sc.rescale != 1:
+        g *= sc.rescale
+    if sc.clip >= 0:
+        np.clip(g, -sc.clip, sc.clip, out=g)
+    if wd and sc.wd != 0:
+        np.multiply(w, sc.wd, out=tmp)
+        g += tmp
+
+
+def sgd_body(w, g, mom, tmp, sc):
+    """MXNet's SGD on a block (LARS and LBSGD run it with their own learning rate)."""
+    prep(g, w, tmp[0], sc)
+    if mom is None:
+        g *= sc.lr
+        w -= g
+    elif sc.nesterov:  # mom = m*mom + g; w -= lr*(g + m*mom)
+        mom *= sc.momentum
+        mom += g
+        np.multiply(mom, sc.momentum, out=tmp[0])
+        g += tmp[0]
+        g *= sc.lr
+        w -= g
+    else:  # mom = m*mom - lr*g; w += mom
+        mom *= sc.momentum
+        g *= sc.lr
+        mom -= g
+        w += mom
+
+
+def first_moment(mean, g, tmp, sc):
+    """mean = beta1 * mean + (1 - beta1) * g, in a block."""
+    mean *= sc.beta1
+    np.multiply(g, sc.omb1, out=tmp)
+    mean += tmp
+
+
+def adam_step(w, mean, var, tmp, sc, step):
+    """w -= step * (mean / (sqrt(var) + epsilon)): Adam's step (and AdaBelief's)."""
+    np.sqrt(var, out=tmp)
+    tmp += sc.epsilon
+    np.divide(mean, tmp, out=tmp)
+    tmp *= step
+    w -= tmp
 
 
 def load(src, dst):

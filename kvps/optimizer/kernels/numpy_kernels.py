@@ -19,56 +19,22 @@ small keys at once run as packed passes of numpy_packing (multi_update).
 
 import numpy as np
 
-from . import common, numpy_packing
-from .common import bf16_to_f32, f32_to_bf16
-from .numpy_blocks import BLOCK, run, set_threads, store
+from . import common, numpy_more, numpy_packing
+from .common import bf16_to_f32, f32_to_bf16, kernel_scalars as _base, moment_scalars
+from .numpy_blocks import (BLOCK, adam_step, first_moment, prep as _prep, run, set_threads,
+                           sgd_body, store)
 
 __all__ = ['sgd_update', 'nag_update', 'adam_update', 'adamw_update', 'adagrad_update',
            'rmsprop_update', 'lamb_update', 'ftrl_update', 'signum_update', 'test_update',
-           'zeros_like', 'widen', 'add_widened', 'narrow', 'to_host', 'from_host',
-           'multi_update', 'set_threads', 'bf16_to_f32', 'f32_to_bf16', 'BLOCK']
-
-
-def _base(lr, wd, rescale_grad, clip_gradient, **more):
-    return dict(lr=lr, wd=wd, rescale=rescale_grad,
-                clip=common.off_if_not_positive(clip_gradient), **more)
-
-
-def _prep(g, w, tmp, sc, wd=True):
-    """g = clip(rescale * g) (+ wd * w): MXNet's gradient preprocessing, in place."""
-    if sc.rescale != 1:
-        g *= sc.rescale
-    if sc.clip >= 0:
-        np.clip(g, -sc.clip, sc.clip, out=g)
-    if wd and sc.wd != 0:
-        np.multiply(w, sc.wd, out=tmp)
-        g += tmp
-
-
-def _sgd(w, g, mom, tmp, sc):
-    _prep(g, w, tmp[0], sc)
-    if mom is None:
-        g *= sc.lr
-        w -= g
-    elif sc.nesterov:  # mom = m*mom + g; w -= lr*(g + m*mom)
-        mom *= sc.momentum
-        mom += g
-        np.multiply(mom, sc.momentum, out=tmp[0])
-        g += tmp[0]
-        g *= sc.lr
-        w -= g
-    else:  # mom = m*mom - lr*g; w += mom
-        mom *= sc.momentum
-        g *= sc.lr
-        mom -= g
-        w += mom
+           *numpy_more.__all__, 'zeros_like', 'widen', 'add_widened', 'narrow', 'to_host',
+           'from_host', 'multi_update', 'set_threads', 'bf16_to_f32', 'f32_to_bf16', 'BLOCK']
 
 
 def sgd_update(weight, grad, mom, lr, wd, rescale_grad, clip_gradient, momentum=0.0,
                nesterov=False, weight32=None):
     """MXNet SGD (mom is None when momentum is 0); nesterov=True is NAG."""
     sc = _base(lr, wd, rescale_grad, clip_gradient, momentum=momentum, nesterov=bool(nesterov))
-    run(_sgd, weight, grad, (mom,), weight32, sc)
+    run(sgd_body, weight, grad, (mom,), weight32, sc)
 
 
 def nag_update(weight, grad, mom, lr, wd, rescale_grad, clip_gradient, momentum=0.0,
@@ -79,9 +45,7 @@ def nag_update(weight, grad, mom, lr, wd, rescale_grad, clip_gradient, momentum=
 
 def _moments(g, mean, var, tmp, sc):
     """mean = b1*mean + (1-b1)*g; var = b2*var + (1-b2)*g*g (clobbers g)."""
-    mean *= sc.beta1
-    np.multiply(g, sc.omb1, out=tmp)
-    mean += tmp
+    first_moment(mean, g, tmp, sc)
     np.multiply(g, g, out=g)
     g *= sc.omb2
     var *= sc.beta2
@@ -91,18 +55,14 @@ def _moments(g, mean, var, tmp, sc):
 def _adam(w, g, mean, var, tmp, sc):
     _prep(g, w, tmp[0], sc)
     _moments(g, mean, var, tmp[0], sc)
-    np.sqrt(var, out=tmp[0])
-    tmp[0] += sc.epsilon
-    np.divide(mean, tmp[0], out=tmp[0])
-    tmp[0] *= sc.step
-    w -= tmp[0]
+    adam_step(w, mean, var, tmp[0], sc, sc.step)
 
 
 def adam_update(weight, grad, mean, var, lr, wd, rescale_grad, clip_gradient, beta1=0.9,
                 beta2=0.999, epsilon=1e-8, t=1, weight32=None):
     """MXNet Adam: w -= lr*sqrt(1-b2^t)/(1-b1^t) * mean/(sqrt(var)+eps)."""
-    sc = _base(lr, wd, rescale_grad, clip_gradient, beta1=beta1, beta2=beta2, omb1=1 - beta1,
-               omb2=1 - beta2, epsilon=epsilon, step=common.adam_lr(lr, beta1, beta2, t))
+    sc = _base(lr, wd, rescale_grad, clip_gradient, step=common.adam_lr(lr, beta1, beta2, t),
+               **moment_scalars(beta1, beta2, epsilon))
     run(_adam, weight, grad, (mean, var), weight32, sc)
 
 
@@ -123,8 +83,8 @@ def adamw_update(weight, grad, mean, var, lr, wd, rescale_grad, clip_gradient, b
                  beta2=0.999, epsilon=1e-8, t=1, weight32=None):
     """torch AdamW: w = w*(1-lr*wd) - lr/(1-b1^t) * mean/(sqrt(var)/sqrt(1-b2^t) + eps)."""
     decay, step, bc2sqrt = common.adamw_coeffs(lr, wd, beta1, beta2, t)
-    sc = _base(lr, wd, rescale_grad, clip_gradient, beta1=beta1, beta2=beta2, omb1=1 - beta1,
-               omb2=1 - beta2, epsilon=epsilon, decay=decay, step=step, bc2sqrt=bc2sqrt)
+    sc = _base(lr, wd, rescale_grad, clip_gradient, decay=decay, step=step, bc2sqrt=bc2sqrt,
+               **moment_scalars(beta1, beta2, epsilon))
     run(_adamw, weight, grad, (mean, var), weight32, sc)
 
 
@@ -224,8 +184,8 @@ def lamb_update(weight, grad, mean, var, lr, wd, rescale_grad, clip_gradient, be
     var in float32 or float64 (the updater does): from rounded float16 states the recomputed
     d would differ from the one whose norm was taken, and from the CUDA kernel's."""
     c1, c2 = common.lamb_coeffs(beta1, beta2, t, bias_correction)
-    sc = _base(lr, wd, rescale_grad, clip_gradient, beta1=beta1, beta2=beta2, omb1=1 - beta1,
-               omb2=1 - beta2, epsilon=epsilon, c1=c1, c2=c2)
+    sc = _base(lr, wd, rescale_grad, clip_gradient, c1=c1, c2=c2,
+               **moment_scalars(beta1, beta2, epsilon))
     sums = run(_lamb_moments, weight, grad, (mean, var), weight32, sc, write_weight=False,
                 reduces=True)
     ratio = common.lamb_ratio(sum(s[0] for s in sums), sum(s[1] for s in sums),
@@ -345,6 +305,10 @@ def to_host(array):
 
 def from_host(array, like):
     return np.ascontiguousarray(array)
+
+
+# numpy_more's rules join this module's rule table (multi_update looks them up here)
+globals().update({name: getattr(numpy_more, name) for name in numpy_more.__all__})
 
 
 def multi_update(calls, launches=None):

@@ -14,10 +14,12 @@ from . import common
 PACK_UP_TO = 4096
 PACK_ELEMENTS = 1 << 19   # per pass: bounds the scratch memory packing keeps (per thread)
 # Rules whose every output element depends on the same element of the inputs only: packing
-# keys side by side changes no bit of their results. (LAMB reads each weight's norms.)
+# keys side by side changes no bit of their results. (LAMB, LARS, LANS and LBSGD read
+# each weight's norms; SGLD's noise is drawn by element index.)
 ELEMENTWISE = frozenset({'sgd_update', 'nag_update', 'adam_update', 'adamw_update',
                          'adagrad_update', 'rmsprop_update', 'ftrl_update', 'signum_update',
-                         'test_update'})
+                         'test_update', 'adadelta_update', 'adamax_update', 'nadam_update',
+                         'ftml_update', 'dcasgd_update', 'adabelief_update'})
 LAYOUTS_KEPT = 256        # column layouts remembered per thread (see _runs)
 MIN_KEYS_PER_RUN = 8      # a column in more pieces than this allows is copied (see _runs)
 _local = threading.local()   # .buffers: {(slot, dtype): scratch}, .runs: (see _runs)
