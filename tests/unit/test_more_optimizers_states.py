@@ -12,7 +12,7 @@ import kvps
 from kvps.errors import ConfigError
 from kvps.optimizer import create
 from kvps.optimizer.kernels import numpy_kernels as K
-from kvps.optimizer.optimizers import needs_whole_tensors
+from kvps.optimizer.optimizers import registered_class
 from kvps.optimizer.updater import Updater
 
 # one run of each optimizer, with every state it can keep
@@ -132,7 +132,7 @@ def test_norms_and_noise_keep_keys_whole_and_pushed_rows_apply_densely():
     whole = {'lars', 'lbsgd', 'sgld', 'lans'}
     for name in NEW:
         opt = create(name)
-        assert needs_whole_tensors(opt.to_spec()) is (name in whole), name
+        assert registered_class(opt.to_spec()).whole_tensor is (name in whole), name
         assert not Updater(opt).updates_rows or name == 'ccsgd', name   # (SGD's lazy_update)
     assert not Updater(create('lars', lazy_update=True)).updates_rows
 
