@@ -21,3 +21,14 @@ class RecordingBackend(LocalBackend):
 @pytest.fixture
 def recording_backend():
     return RecordingBackend()
+
+
+@pytest.fixture
+def locker(monkeypatch):
+    """A fresh kvps.pinning registry for this test, locking with a HostLocker (returned)."""
+    from page_locking import HostLocker
+
+    from kvps import pinning
+    standin = HostLocker()
+    monkeypatch.setattr(pinning, 'REGISTRY', pinning.Registry(standin))
+    return standin
