@@ -12,6 +12,7 @@ is copied from the GPU straight into blocks of it and a pull straight out of it 
 lands in one (a copy more each way, the host's).
 """
 
+import contextlib
 import ctypes
 import logging
 
@@ -203,15 +204,14 @@ def land(host, targets):
 class Landing:
     """A pull of one key into GPU targets (all of them on GPUs), written straight from host
     memory as the answers come: a backend's copier sets ``landing[start:stop] = host array``
-    (the key's dtype: bytes of its page-locked segment, of a server's arena, or a frame) and
-    then calls ``settle()`` before it lets go of those bytes. The writes go into the first
-    target of the key's dtype that is contiguous (else a buffer on the first's device) on a
-    stream of their own, behind what the caller's stream had queued when the pull was made
-    (the targets may still be in use); the pull's wait then ``finish``es it: the other targets
-    copied from the first, on their devices. Page-locked bytes take one DMA; others the
-    driver's staging."""
+    (the key's dtype: bytes of its page-locked segment, of a server's arena, or a frame)
+    inside ``with landing.writing():``, which waits for the writes as it ends, before the
+    copier lets go of those bytes. They go into the first target of the key's dtype that is
+    contiguous (else a buffer on the first's device); the pull's wait then ``finish``es it:
+    the other targets copied from the first, on their devices. Page-locked bytes take one
+    DMA; others the driver's staging. ``group``: the Landings of the pull call."""
 
-    def __init__(self, targets, dtype):
+    def __init__(self, targets, dtype, group):
         torch = _torch()
         views = [as_torch(t) for t in targets]
         wire = getattr(torch, dtype)
@@ -222,27 +222,17 @@ class Landing:
         self._rest = [v for v in views if v is not first]
         self.dtype = np.dtype(DTYPES[dtype])
         self.itemsize, self.size = self.dtype.itemsize, self._flat.numel()
-        self._ready = _event_now(self._flat.device)   # what the caller queued so far
-        self._stream = None
+        self.group = group
+        group.lands_on(self._flat.device)
 
     def __setitem__(self, where, source):
         dst = self._flat[where]
         spans = pinning.REGISTRY.spans(source.ctypes.data, source.nbytes)
-        src = _host_tensor(source, dst.dtype)
-        if not dst.is_cuda:
-            dst.copy_(src)
-            return
-        torch = _torch()
-        if self._stream is None:
-            self._stream = _landing_stream(dst.device)
-            self._stream.wait_event(self._ready)
-        with torch.cuda.stream(self._stream):
-            _copy_spans(dst, src, spans or [(0, source.nbytes)])
+        _copy_spans(dst, _host_tensor(source, dst.dtype), spans or [(0, source.nbytes)])
 
-    def settle(self):
-        """Wait for the writes so far (the host bytes they read may go now)."""
-        if self._stream is not None:
-            self._stream.synchronize()
+    def writing(self):
+        """The context the writes of one answer are made in (its pull call's)."""
+        return self.group.writing()
 
     def finish(self):
         """The pull is answered: copy into the other targets (cast where their dtype differs)
@@ -252,23 +242,41 @@ class Landing:
         _synchronize([view.device for view in self._rest])
 
 
-def _event_now(device):
-    """A CUDA event recorded on ``device``'s current stream (None off a GPU)."""
-    if device.type != 'cuda':
-        return None
-    event = _torch().cuda.Event()
-    event.record(_torch().cuda.current_stream(device))
-    return event
+class Landings:
+    """The Landings of one pull call: the GPUs they land on, and for each what the caller's
+    stream had queued when the pull was made (an event: the targets may still be in use)."""
+
+    def __init__(self):
+        self._events = {}   # device -> event on the caller's stream
+
+    def lands_on(self, device):
+        if device.type == 'cuda' and device not in self._events:
+            torch = _torch()
+            self._events[device] = torch.cuda.Event()
+            self._events[device].record(torch.cuda.current_stream(device))
+
+    @contextlib.contextmanager
+    def writing(self):
+        """Writes made in it run on the writing thread's own stream of each device, behind
+        the events; they are waited for as it ends."""
+        torch, entered = _torch(), []
+        try:
+            for device, event in self._events.items():
+                stream = _LANDING_STREAMS.get(device.index)
+                if stream is None:
+                    stream = _LANDING_STREAMS[device.index] = torch.cuda.Stream(device)
+                stream.wait_event(event)
+                context = torch.cuda.stream(stream)
+                context.__enter__()
+                entered.append((context, stream))
+            yield
+        finally:
+            for context, stream in reversed(entered):
+                stream.synchronize()
+                context.__exit__(None, None, None)
 
 
-_LANDING_STREAMS = {}   # device index -> the stream pulls land on (the I/O thread's)
-
-
-def _landing_stream(device):
-    stream = _LANDING_STREAMS.get(device.index)
-    if stream is None:
-        stream = _LANDING_STREAMS[device.index] = _torch().cuda.Stream(device)
-    return stream
+_LANDING_STREAMS = {}   # device index -> the stream pulls land on there
 
 
 def _host_tensor(source, dtype):
@@ -349,36 +357,25 @@ class TorchLocker:
     def lock(self, address, nbytes, writable):
         cudart = _torch().cuda.cudart()
         flags = pinning.PORTABLE if writable else pinning.PORTABLE | pinning.READ_ONLY
-        error = cudart.cudaHostRegister(address, nbytes, flags)
-        if int(error) != 0:
-            _clear_cuda_error()
-            raise pinning.LockFailed(f'cudaHostRegister of {nbytes} bytes: '
-                                     f'{_error_text(cudart, error)}')
+        _checked(cudart.cudaHostRegister(address, nbytes, flags), 'cudaHostRegister')
 
     def unlock(self, address):
-        cudart = _torch().cuda.cudart()
-        error = cudart.cudaHostUnregister(address)
-        if int(error) != 0:
-            _clear_cuda_error()
-            raise pinning.LockFailed(f'cudaHostUnregister: {_error_text(cudart, error)}')
+        _checked(_torch().cuda.cudart().cudaHostUnregister(address), 'cudaHostUnregister')
 
 
-def _error_text(cudart, error):
-    try:
-        return cudart.cudaGetErrorString(error)
-    except Exception:  # (the binding's enum may differ between torch versions)
-        return f'CUDA error {int(error)}'
-
-
-def _clear_cuda_error():
-    """A failed runtime call leaves its error for the next kernel launch's check (torch's
-    cudaGetLastError) to raise in unrelated code: launch one and drop it here."""
+def _checked(error, call):
+    """Raise LockFailed for a CUDA runtime error. The error would also wait for the next
+    kernel launch's check (torch's cudaGetLastError) and fail unrelated code: one is
+    launched here to take it."""
+    if int(error) == 0:
+        return
     torch = _torch()
     try:
         torch.ones(1, device='cuda').add_(1)
         torch.cuda.synchronize()
     except RuntimeError:
         pass
+    raise pinning.LockFailed(f'{call}: CUDA error {int(error)} ({error})')
 
 
 def _use_torch_locker():

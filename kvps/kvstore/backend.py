@@ -44,9 +44,9 @@ class Backend(Protocol):
         """``(direct, how)``: ``direct`` when GPU values may go straight between a GPU and
         page-locked shared memory (kvps.pinning): a push's GPU copies into blocks from
         ``stage``, and a pull's ``out`` may be a kvps.devices.Landing (written with
-        ``out[start:stop] = host array``, then ``out.settle()`` before those host bytes are
-        let go). ``how``: the route GPU values take, in words (logged). Cheap: asked at
-        every push and pull of GPU values."""
+        ``out[start:stop] = host array`` inside ``with out.writing():``, whose end waits for
+        the writes, before those host bytes are let go). ``how``: the route GPU values take,
+        in words (logged). Cheap: asked at every push and pull of GPU values."""
 
     def push(self, items, priority=0):
         """Send ``items`` ([(key, flat copy | [copy per part], dtype name | codec name |

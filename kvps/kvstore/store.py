@@ -174,7 +174,7 @@ class KVStore:
         dtype (a scratch array if none is), which feeds the rest, cast where their dtype
         differs: landing ``(None, [(numpy view, its dtype)], that first view, the key's
         dtype)``."""
-        landings, items, straight = [], [], None
+        landings, items, straight, group = [], [], None, None
         for k, targets in self._keys.pairs(key, out):
             shape, dtype = self._keys.known(k)
             names = []
@@ -190,7 +190,8 @@ class KVStore:
                 if on_gpus and straight is None:
                     straight = devices.direct(self._backend)
                 if on_gpus and straight:
-                    landing = devices.Landing(targets, dtype)
+                    group = group or devices.Landings()
+                    landing = devices.Landing(targets, dtype, group)
                     items.append((k, landing, dtype))
                 else:
                     landing = devices.pull_buffer(targets, dtype)

@@ -20,6 +20,11 @@ from ..errors import ConfigError
 from ..wire.protocol import as_array
 from .host_arrays import HostArrays
 
+# Bytes of socket payloads staged in pinned buffers before their copies are waited for (as a
+# burst of requests usually is, at its end): an init of a whole model, or a restore, would
+# otherwise hold pinned memory of its size, which cupy's pinned pool then keeps for good.
+STAGING_BYTES = 64 << 20
+
 
 class DeviceArrays(HostArrays):
     """Arrays of ``xp`` (a device's array module) updated by ``kernels``; every byte in or out
@@ -37,6 +42,7 @@ class DeviceArrays(HostArrays):
     def __init__(self, xp, kernels, transfers):
         super().__init__()
         self.xp, self._kernels, self.transfers = xp, kernels, transfers
+        self._staged = 0   # bytes in pinned staging buffers not yet waited for
 
     @property
     def kernels(self):
@@ -57,8 +63,11 @@ class DeviceArrays(HostArrays):
             staging = self.transfers.pinned(host.nbytes)
             staging[...] = host.view(np.uint8)
             host, spans = staging.view(host.dtype), [(0, host.nbytes)]
+            self._staged += host.nbytes
         out = self.transfers.empty(host.shape, host.dtype)
         self.transfers.upload(out, host, spans)
+        if self._staged > STAGING_BYTES:
+            self.settle()
         return out
 
     owned = received      # the copy to the device is already a copy
@@ -76,6 +85,7 @@ class DeviceArrays(HostArrays):
         return host
 
     def settle(self):
+        self._staged = 0
         self.transfers.settle()
 
     def to_host(self, array):

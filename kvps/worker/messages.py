@@ -89,16 +89,14 @@ def copier(batch, blocks, staging, node, counts, trace=None, landings=()):
     server's arena where it lent it (remembered: that key part then asks for no block).
     ``counts``: the worker's WorkerCounts (bytes by route); ``trace``: the I/O thread's
     MessageTrace while the timeline records. Targets may be a GPU pull's ``landings``
-    (kvps.devices.Landing): their writes are waited for before the handler returns, for the
-    blocks and the arena's bytes they read are let go after it."""
+    (kvps.devices.Landing): their writes are made in their ``writing()``, which waits for
+    them before the handler returns (the blocks and the arena's bytes they read are let go
+    after it)."""
     def on_data(header, buffers):
         if not landings:
             return write_all(header, buffers)
-        try:
+        with landings[0].writing():
             write_all(header, buffers)
-        finally:
-            for landing in landings:
-                landing.settle()
 
     def write_all(header, buffers):
         start = recording.now() if trace is not None else 0

@@ -73,12 +73,13 @@ class Server1:
     (both in this process, as on one host); ``log``: the transfers' and the locker's events,
     in order."""
 
-    def __init__(self, tmp_path, monkeypatch, segment=None):
+    def __init__(self, tmp_path, monkeypatch, segment=None, gpu=None):
+        """``gpu``: makes the device's arrays (a real GPU's), instead of the stand-ins."""
         self.log = []
         self.locker = HostLocker(self.log)
-        monkeypatch.setattr(pinning, 'REGISTRY', pinning.Registry(self.locker))
+        monkeypatch.setattr(pinning, 'REGISTRY', pinning.Registry(None if gpu else self.locker))
         self.segment = segment or Segment.create(1 << 22, directory=tmp_path, grows=True)
-        self.gpu = device_arrays(self.log)
+        self.gpu = gpu() if gpu else device_arrays(self.log)
         self.storage = Storage(HostArrays(), self.gpu)
         self.lending = Lending(Regions(directory=tmp_path, arena_bytes=1 << 22), self.storage)
         self.shard = Shard(1, storage=self.storage)
@@ -135,6 +136,19 @@ def test_a_socket_payload_is_received_into_a_pinned_buffer(tmp_path, monkeypatch
     (pinned, nbytes), (upload, _, locked) = server.log
     assert (pinned, nbytes, upload, locked) == ('pinned', N * 4, 'upload', True)
     assert server.shard.entries[('k', 0)].weight.tolist() == [3.0] * N
+
+
+def test_socket_payloads_hold_a_bounded_amount_of_pinned_memory(tmp_path, monkeypatch):
+    from kvps.server import device_arrays
+    monkeypatch.setattr(device_arrays, 'STAGING_BYTES', 3 * N * 4)
+    server = Server1(tmp_path, monkeypatch)
+    server.init('k', np.zeros(N, np.float32))
+    server.storage.settle()
+    server.log.clear()
+    for _ in range(8):
+        server.push('k', np.ones(N, np.float32), in_segment=False)
+    kinds = ''.join({'pinned': 'p', 'upload': 'u', 'settle': 's'}[e[0]] for e in server.log)
+    assert kinds == 'pu' * 4 + 's' + 'pu' * 4 + 's'   # waited for past 3 payloads' bytes
 
 
 def test_a_pull_is_copied_from_the_device_into_the_worker_s_segment_and_waited_for(

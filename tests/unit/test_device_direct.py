@@ -5,6 +5,7 @@ with no pinned buffer between; a pull is written onto its targets from the segme
 server's arena or a frame by the worker's copier; where locking fails, both take the pinned
 buffers they took before, said once in the log."""
 
+import contextlib
 import logging
 
 import numpy as np
@@ -209,18 +210,25 @@ def test_a_key_with_host_and_gpu_targets_lands_through_a_pinned_buffer(tmp_path,
     assert on_gpu == [N] and backend.messages == 0
 
 
-def test_a_landing_waits_for_its_writes_before_the_copier_lets_their_bytes_go(tmp_path,
-                                                                             locker, on_gpu):
+def test_a_landing_s_writes_are_made_and_waited_for_within_each_answer(tmp_path, locker,
+                                                                         on_gpu, monkeypatch):
     backend = ShmBackend(tmp_path)
     kv = KVStore('dist_sync_device', backend)
     kv.init(['a', 'b'], [torch.ones(N), torch.ones(N)])
-    settled, settle = [], devices.Landing.settle
-    devices.Landing.settle = lambda self: settled.append(self) or settle(self)
-    try:
-        kv.pull(['a', 'b'], out=[torch.zeros(N), torch.zeros(N)])
-    finally:
-        devices.Landing.settle = settle
-    assert len(settled) == 4   # each message (one a key here) settles the pull's landings
+    events, writing = [], devices.Landings.writing
+
+    def watched(self):
+        events.append('enter')
+        with writing(self):
+            yield
+        events.append('waited')
+    monkeypatch.setattr(devices.Landings, 'writing', contextlib.contextmanager(watched))
+    setitem = devices.Landing.__setitem__
+    monkeypatch.setattr(devices.Landing, '__setitem__',
+                        lambda self, where, source: events.append('write') or
+                        setitem(self, where, source))
+    kv.pull(['a', 'b'], out=[torch.zeros(N), torch.zeros(N)])
+    assert events == ['enter', 'write', 'waited'] * 2    # a message a key here
 
 
 def test_the_trainer_through_page_locked_memory_matches_the_host_path(tmp_path, locker,
