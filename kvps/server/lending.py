@@ -76,8 +76,9 @@ class Lending:
         is done with each. A device's weights are copied out (into the segment, or a pinned
         frame) and waited for here: their leases end now."""
         items, frames, framed, lent, copied = [], [], [], [], []
+        device = self._storage.on_device   # (asked per key only where some keys are)
         for pulled, place in zip(answer.pulled, answer.places):
-            if pulled.entry.arrays.on_device:
+            if device and pulled.entry.arrays.on_device:
                 copied.append(pulled)
                 items.append(_copy_out(pulled, place, frames))
                 continue

@@ -49,6 +49,11 @@ class Storage:
             log.info('device values: %s', self._device.route)
         return self._device
 
+    @property
+    def on_device(self):
+        """Whether some keys may live on a device (their pulls are copied out of it)."""
+        return self._device is not None and self._device.on_device
+
     def settle(self):
         """Wait for the copies the arrays have made (a device's): before the answers that
         free the workers' blocks or carry values, and before a worker's segment is
