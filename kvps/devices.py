@@ -202,14 +202,12 @@ def land(host, targets):
 
 
 class Landing:
-    """A pull of one key into GPU targets (all of them on GPUs), written straight from host
-    memory as the answers come: a backend's copier sets ``landing[start:stop] = host array``
-    (the key's dtype: bytes of its page-locked segment, of a server's arena, or a frame)
-    inside ``with landing.writing():``, which waits for the writes as it ends, before the
-    copier lets go of those bytes. They go into the first target of the key's dtype that is
-    contiguous (else a buffer on the first's device); the pull's wait then ``finish``es it:
-    the other targets copied from the first, on their devices. Page-locked bytes take one
-    DMA; others the driver's staging. ``group``: the Landings of the pull call."""
+    """A pull of one key into targets all on GPUs, written straight from host memory as the
+    answers come: a backend's copier sets ``landing[start:stop] = host array`` (the key's
+    dtype: its page-locked segment, a server's arena, a frame) inside ``with
+    landing.writing():``, which waits for the writes as it ends. They go into the first target
+    of the key's dtype that is contiguous (else a buffer on its device); ``finish`` copies it
+    into the others. ``group``: the Landings of the pull call."""
 
     def __init__(self, targets, dtype, group):
         torch = _torch()
@@ -280,9 +278,8 @@ _LANDING_STREAMS = {}   # device index -> the stream pulls land on there
 
 
 def _host_tensor(source, dtype):
-    """A CPU tensor of ``dtype`` over host array ``source``'s bytes, without a copy. A
-    read-only source (an arena, a frame) is reached through its address: torch has no
-    read-only tensors (it warns), and this one is only ever read, while ``source`` lives."""
+    """A CPU tensor of ``dtype`` over host array ``source``'s bytes. A read-only one (an arena,
+    a frame) is reached by address (torch warns of read-only arrays): it is only read."""
     if not source.flags.writeable:
         source = np.frombuffer((ctypes.c_char * source.nbytes).from_address(source.ctypes.data),
                                np.uint8)

@@ -1,8 +1,8 @@
 """Real jobs with CUDA tensors (python -m kvps.launch, several workers, keys split over two
 servers): GPU values through page-locked shared memory give exactly what host values give on
 the same GPU shards, in dist_sync_device and dist_async_device (bit for bit with SGD, within
-1e-6 with Adam); GPU memory and page-locked memory are all given back; a worker killed mid-round is a
-PeerLostError on the others. Skipped without a CUDA device."""
+1e-6 with Adam); GPU memory and page-locked memory are all given back; a worker killed
+mid-round is a PeerLostError on the others. Skipped without a CUDA device."""
 
 import json
 import signal

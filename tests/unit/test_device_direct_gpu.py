@@ -76,7 +76,8 @@ def test_cuda_values_go_straight_between_the_gpu_and_the_segment(tmp_path, regis
     kv.push(['a', 'split'], grads)
     a, parts = backend.held[-2:]
     assert staged == [] and in_segment(backend, a) and all(in_segment(backend, p) for p in parts)
-    out = [torch.zeros(N, dtype=dtype, device=GPU), torch.zeros(N, 2, device=GPU).t()]
+    out = [torch.zeros(N, dtype=dtype, device=GPU),
+           torch.zeros(2 * N, 2, device=GPU)[:, 0]]   # strided, float32: from a buffer
     kv.pull(['a', 'split'], out=out)
     assert staged == [] and backend.messages == 2
     assert (out[0] == 3.0).all() and torch.equal(out[1].reshape(-1), grads[1].float())
