@@ -4,6 +4,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..compression.half import ROUNDED, pulled_dtype, round_pulled
 from ..errors import ProtocolError
 from ..wire import protocol as P
 from ..wire.items import DataItem, new
@@ -53,16 +54,19 @@ class Lending:
         the worker's Reader then (the answer may lend values there), else None."""
         return self.regions.saw(identity, header)
 
-    def place(self, worker, at, entry):
-        """``(at, view)``: where in ``worker``'s segment a pulled ``entry`` is asked for
-        (ProtocolError if that range is not the worker's)."""
-        return at, self.regions.view(worker, at, entry.weight.nbytes)
+    def place(self, worker, at, entry, codec=None):
+        """``(at, view)``: where in ``worker``'s segment a pulled ``entry`` is asked for, in
+        the dtype a pull with ``codec`` carries it (ProtocolError if that range is not the
+        worker's)."""
+        size = entry.weight.nbytes if codec is None else \
+            P.nbytes(pulled_dtype(codec, entry.dtype), entry.n)
+        return at, self.regions.view(worker, at, size)
 
-    def places(self, worker, items, entries):
+    def places(self, worker, items, entries, codec=None):
         """``place`` of each pulled key (None: in a frame or lent); None if some offset is
         bad (that key then gets its error alone)."""
         try:
-            return [None if item.at is None else self.place(worker, item.at, entry)
+            return [None if item.at is None else self.place(worker, item.at, entry, codec)
                     for item, entry in zip(items, entries)]
         except ProtocolError:
             return None
@@ -73,18 +77,29 @@ class Lending:
         frames; the leases tell the shard when the worker (arena) or the transport (frames)
         is done with each."""
         items, frames, framed, lent = [], [], [], []
+        codec = answer.codec
         for pulled, place in zip(answer.pulled, answer.places):
-            offset = None if answer.reader is None else self.regions.lendable(pulled.array)
+            # a compressed pull rounds a copy of the weight: nothing to lend or lease
+            rounded = codec is not None and pulled.entry.dtype in ROUNDED
+            offset = None if answer.reader is None or rounded else \
+                self.regions.lendable(pulled.array)
             if offset is not None:
                 lent.append(pulled)
                 items.append(new(DataItem, (None, offset)))
             elif place is None:
-                frames.append(pulled.array)
-                framed.append(pulled.lease)
+                if rounded:
+                    frames.append(round_pulled(pulled.array, codec))
+                    pulled.lease.released = True
+                else:
+                    frames.append(pulled.array)
+                    framed.append(pulled.lease)
                 items.append(IN_FRAME)
             else:
                 at, view = place
-                np.frombuffer(view, pulled.array.dtype)[...] = pulled.array   # (np.copyto: 4x)
+                if rounded:
+                    round_pulled(pulled.array, codec, view)
+                else:
+                    np.frombuffer(view, pulled.array.dtype)[...] = pulled.array   # (copyto: 4x)
                 pulled.lease.released = True
                 items.append(new(DataItem, (at, None)))
         number = None
