@@ -70,9 +70,10 @@ def round_pulled(weight, codec, out=None):
     """A float32 or float64 ``weight`` as a pull with ``codec`` carries it (float16, or
     bfloat16 bits), into ``out`` (a uint8 buffer of 2 bytes an element) when given."""
     if codec == FP16:
-        if out is None:
-            return weight.astype(np.float16)
-        np.copyto(np.frombuffer(out, np.float16), weight, casting='unsafe')
+        with np.errstate(over='ignore'):   # beyond 65504: inf, as documented
+            if out is None:
+                return weight.astype(np.float16)
+            np.copyto(np.frombuffer(out, np.float16), weight, casting='unsafe')
         return out
     bits = None if out is None else np.frombuffer(out, np.uint16)
     return f32_to_bf16(weight, bits)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvps import compression
-from kvps.compression.topk import largest
+from kvps.compression.topk import _exact, largest
 from kvps.errors import ProtocolError
 from kvps.optimizer.kernels.common import bf16_to_f32, f32_to_bf16
 from kvps.wire import protocol as P
@@ -195,6 +195,23 @@ def test_topk_takes_nans_first_then_magnitudes_then_the_lower_index():
     assert largest(residual, 4).tolist() == [1, 2, 3, 4]
     assert largest(residual, 6).tolist() == list(range(6))
 
+
+
+@pytest.mark.parametrize('shape', ['normal', 'ties', 'nan', 'sparse'])
+def test_topk_of_a_big_part_finds_from_a_sample_what_a_full_partition_finds(shape):
+    """From 2**16 elements candidates come from a sample's threshold; the choice must be
+    the same, ties and NaNs included."""
+    rng = np.random.default_rng(len(shape))
+    x = rng.standard_normal(1 << 17).astype(np.float32)
+    if shape == 'ties':
+        x = np.round(x * 4) / 4
+    elif shape == 'nan':
+        x[rng.integers(0, x.size, 5)] = np.nan
+    elif shape == 'sparse':
+        x[:] = 0
+        x[rng.integers(0, x.size, 300)] = 1.0
+    for k in (1, 500, 2047):
+        assert largest(x, k).tolist() == _exact(np.abs(x), k).tolist()
 
 def test_the_wire_takes_every_kind_as_a_push_dtype_only():
     for kind, n, size in [('fp16', 5, 10), ('bf16', 5, 10), ('1bit', 9, 6), ('topk', 20, 20)]:
