@@ -56,6 +56,12 @@ class ErrorFeedback:
     def _quantize(self, residual, kind, out):
         raise NotImplementedError
 
+    def _take_off_sent(self, residual, out, kind):
+        """Take what the server decodes from payload ``out`` off ``residual``: exactly what
+        it adds, whatever rounding its decoding into the key's dtype makes."""
+        sent = self.decode(out, residual.size, kind)
+        np.subtract(residual, bf16_to_f32(sent) if kind == 'bfloat16' else sent, out=residual)
+
     @staticmethod
     def decode(payload, n, dtype):
         raise NotImplementedError

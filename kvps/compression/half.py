@@ -38,8 +38,7 @@ class Half(ErrorFeedback):
             np.copyto(out.view('<f2'), clipped, casting='unsafe')
         else:
             f32_to_bf16(residual, out.view('<u2'))
-        sent = self.decode(out, residual.size, kind)
-        np.subtract(residual, bf16_to_f32(sent) if kind == 'bfloat16' else sent, out=residual)
+        self._take_off_sent(residual, out, kind)
 
     @classmethod
     def decode(cls, payload, n, dtype):

@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional
 
 from ..wire.codecs import BF16, FP16, ONE_BIT, PULL_CODECS, TOP_K, TWO_BIT
 from .half import BFloat16, Float16
-from .onebit import OneBit
+from .onebit import OneBit, checked_chunk
 from .topk import TopK
 from .twobit import TwoBit
 
@@ -16,12 +16,12 @@ TYPES = {
     TWO_BIT: (('threshold',), lambda p, r: TwoBit(_threshold(p.get('threshold', 0.5)), r)),
     FP16: ((), lambda p, r: Float16(r)),
     BF16: ((), lambda p, r: BFloat16(r)),
-    ONE_BIT: ((), lambda p, r: OneBit(r)),
+    ONE_BIT: (('chunk',), lambda p, r: OneBit(checked_chunk(p.get('chunk', 64)), r)),
     TOP_K: (('ratio',), lambda p, r: TopK(_ratio(p.get('ratio', 0.01)), r)),
 }
 _WHY_NOT = {   # a parameter an MXNet or BytePS user may bring to a type that has none
-    (ONE_BIT, 'threshold'): "kvps's 1bit is BytePS's scaled onebit (each element travels as "
-                            "+-the part's mean |x|), which has no threshold",
+    (ONE_BIT, 'threshold'): "kvps's 1bit sends each element as its chunk's mean of the "
+                            'elements of its sign (docs/api.md): it has no threshold',
 }
 
 

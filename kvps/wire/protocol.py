@@ -11,7 +11,7 @@ import msgpack
 import numpy as np
 
 from ..errors import ProtocolError
-from .codecs import GRADIENT_CODECS, PULL_CODECS, TOP_K, coded_nbytes
+from .codecs import GRADIENT_CODECS, ONE_BIT, PULL_CODECS, TOP_K, coded_nbytes
 from .items import CheckItem, DataItem, InitItem, Layout, PullItem, PushItem, ResumeItem
 
 # Node <-> scheduler.
@@ -137,7 +137,7 @@ ITEMSIZE = {name: t.itemsize for name, t in DTYPES.items()}
 # dtypes only; a 'rows' item's `n` counts bytes.
 ROW_SPARSE = 'rows'
 PUSH_CODECS = GRADIENT_CODECS + (ROW_SPARSE,)
-SIZED_IN_BYTES = (TOP_K, ROW_SPARSE)   # push kinds whose `n` counts bytes, not elements
+SIZED_IN_BYTES = (ONE_BIT, TOP_K, ROW_SPARSE)   # push kinds whose `n` counts bytes
 MAX_HEADER_BYTES = 1 << 20   # headers are small maps; a bigger one is hostile or broken
 # The items of one multi-key message pack to at most this many bytes (its sender cuts a longer
 # list of keys into several messages): the header, and a DATA answer to a PULL, stay far

@@ -106,7 +106,11 @@ def test_the_payload_is_a_float32_threshold_then_four_codes_a_byte():
     ({'type': 'topk', 'k': 10}, "unknown parameter.*'k' for topk.*takes type, ratio, pull"),
     ({'type': 'fp16', 'threshold': 0.5}, "unknown parameter.*'threshold' for fp16.*takes type, "
                                          'pull'),
-    ({'type': '1bit', 'threshold': 0}, "'threshold' for 1bit.*BytePS's scaled onebit"),
+    ({'type': '1bit', 'threshold': 0}, "'threshold' for 1bit.*it has no threshold"),
+    ({'type': '1bit', 'chunk': 0}, r'chunk .*an int from 1 to 4294967295, got 0'),
+    ({'type': '1bit', 'chunk': 2.5}, r'chunk .*an int from 1 to 4294967295, got 2.5'),
+    ({'type': '1bit', 'chunk': True}, r'chunk .*an int from 1 to 4294967295, got True'),
+    ({'type': '1bit', 'chunk': 2 ** 32}, r'chunk .*got 4294967296'),
     ({'type': 'bf16', 1: 2}, "unknown parameter.*1 for bf16"),
     ({'type': 'fp16', 'pull': 'int8'}, "pull compression 'int8' is not supported; pulls may "
                                        "travel as 'fp16' or 'bf16'"),

@@ -44,7 +44,7 @@ def sent(codec, grad, key='k', part=0):
 @pytest.mark.parametrize('kind, values', [
     ('fp16', [0.0, 1.0, -2.5, 65504.0, -65504.0, 2.0 ** -24, 1000.5, 3.0 / 1024]),
     ('bf16', [0.0, 1.0, -2.5, 2.0 ** 100, -(2.0 ** -100), 3.0, 1.0 + 2 ** -7]),
-    ('1bit', [0.75, -0.75, -0.75, 0.75, 0.75, 0.75, -0.75, 0.75, -0.75]),
+    ('1bit', [0.75, -0.25, -0.25, 0.75, 0.75, 0.75, -0.25, 0.75, -0.25]),
     ('topk', [0.0] * 30 + [5.0, 0.0, -2.0] + [0.0] * 7),   # 3 of 40 are non-zero, k = 4
 ])
 @pytest.mark.parametrize('dtype', ['float32', 'float64'])
@@ -88,11 +88,12 @@ def dyadic(rng, n, step):
 
 
 @pytest.mark.parametrize('kind, step', [('fp16', 2.0 ** -20), ('bf16', 2.0 ** -20),
-                                        ('topk', 2.0 ** -16)])
+                                        ('1bit', 2.0 ** -12), ('topk', 2.0 ** -16)])
 @pytest.mark.parametrize('dtype', ['float32', 'float64'])
 def test_error_feedback_loses_nothing_over_many_pushes_exactly(kind, step, dtype):
     """What was sent plus what is held equals what was pushed, to the last bit: on this grid
-    every sum the codec and the server make is exact."""
+    every sum the codec and the server make is exact (1bit's scales, means, travel rounded to
+    bfloat16, and the residual takes off exactly those)."""
     rng = np.random.default_rng(7)
     codec = codec_of(kind)
     grads = [dyadic(rng, 500, step).astype(dtype) for _ in range(60)]
@@ -156,16 +157,27 @@ def test_the_bf16_payload_is_the_upper_half_of_each_float32():
     assert payload.tobytes() == bytes.fromhex('803f20c08071')
 
 
-def test_the_1bit_payload_is_a_float32_scale_then_a_sign_bit_per_element():
-    """The scale is the mean |x| (18 / 9); bit i % 8 of byte i // 8 is set for -scale, the
-    bits after the last element are 0."""
-    codec = codec_of('1bit')
+def test_the_1bit_payload_is_the_chunk_then_two_scales_a_chunk_then_a_sign_bit_each():
+    """Chunks of 4: [1, -3, 2, -2] travel as 1.5 (the mean of 1 and 2) and -2.5, [0, -1, 3,
+    -1] as 1.5 and -1, [5] as 5 (no negative: q = 0); bit i % 8 of byte i // 8 is set for -q,
+    the bits after the last element are 0."""
+    codec = codec_of('1bit', chunk=4)
     grad = np.array([1, -3, 2, -2, 0, -1, 3, -1, 5], np.float32)
     payload, got = sent(codec, grad)
-    assert compression.nbytes('1bit', 9) == 4 + 2
-    assert payload.tobytes() == np.array(2.0, '<f4').tobytes() + bytes([0b10101010, 0])
-    assert got.tolist() == [2, -2, 2, -2, 2, -2, 2, -2, 2]
-    assert codec._residuals[('k', 0)].tolist() == [-1, -1, 0, 0, -2, 1, 1, 1, 3]
+    assert codec.nbytes(9, 'float32') == 4 + 3 * 4 + 2
+    scales = np.array([1.5, 2.5, 1.5, 1, 5, 0], '<f4').view('<u4') >> 16
+    assert payload.tobytes() == (np.array(4, '<u4').tobytes() + scales.astype('<u2').tobytes()
+                                 + bytes([0b10101010, 0]))
+    assert got.tolist() == [1.5, -2.5, 1.5, -2.5, 1.5, -1, 1.5, -1, 5]
+    assert codec._residuals[('k', 0)].tolist() == [-0.5, -0.5, 0.5, 0.5, -1.5, 0, 1.5, 0, 0]
+
+
+def test_1bit_scales_are_rounded_to_bfloat16_and_a_zero_chunk_sends_zeros():
+    codec = codec_of('1bit', chunk=3)
+    _, got = sent(codec, np.array([1.0, 0.0, 0.0, 0.0, 0.0, 0.0], np.float32))
+    third = bf16_to_f32(f32_to_bf16(np.array([1 / 3], np.float32)))[0]   # the mean of 1, 0, 0
+    assert got.tolist() == [third] * 3 + [0.0] * 3
+    assert codec._residuals[('k', 0)].tolist() == [1 - third, -third, -third, 0, 0, 0]
 
 
 @pytest.mark.parametrize('dtype, width', [('float32', '<f4'), ('float64', '<f8'),
@@ -214,7 +226,7 @@ def test_topk_of_a_big_part_finds_from_a_sample_what_a_full_partition_finds(shap
         assert largest(x, k).tolist() == _exact(np.abs(x), k).tolist()
 
 def test_the_wire_takes_every_kind_as_a_push_dtype_only():
-    for kind, n, size in [('fp16', 5, 10), ('bf16', 5, 10), ('1bit', 9, 6), ('topk', 20, 20)]:
+    for kind, n, size in [('fp16', 5, 10), ('bf16', 5, 10), ('1bit', 18, 18), ('topk', 20, 20)]:
         push = {'op': P.PUSH, 'id': 1, 'sync': True, 'keys': [[0, 0, kind, n, None, 0]]}
         P.decode(P.encode(push, [bytes(size)]))
         with pytest.raises(ProtocolError, match=f'need {size}'):
@@ -236,16 +248,22 @@ def test_a_pull_may_ask_for_a_16_bit_answer_only(codec, ok):
 
 
 # -- malformed payloads ---------------------------------------------------------------------------
-def f32(value):
-    return np.array(value, '<f4').tobytes()
+def u32(value):
+    return np.array(value, '<u4').tobytes()
+
+
+def bf16(*values):
+    return f32_to_bf16(np.array(values, np.float32)).astype('<u2').tobytes()
 
 
 @pytest.mark.parametrize('kind, payload, n, message', [
     ('fp16', bytes(9), 5, 'fp16 payload of 9 bytes for 5 elements; expected 10'),
     ('bf16', bytes(12), 5, 'bf16 payload of 12 bytes for 5 elements; expected 10'),
-    ('1bit', f32(1.0) + bytes(1), 9, '1bit payload of 5 bytes for 9 elements; expected 6'),
-    ('1bit', f32(-1.0) + bytes(2), 9, r'scale -1.0; it must be >= 0'),
-    ('1bit', f32(-np.inf) + bytes(2), 9, r'scale -inf; it must be >= 0'),
+    ('1bit', b'\x01', 9, r'1bit payload of 1 bytes for 9 elements.*\(chunk = 0\)'),
+    ('1bit', u32(0) + bytes(6), 9, r'with a chunk >= 1 \(chunk = 0\)'),
+    ('1bit', u32(8) + bytes(9), 9, r'of 13 bytes for 9 elements: it must be 4 \+ 4 \* ceil'),
+    ('1bit', u32(16) + bf16(1.0, -1.0) + bytes(2), 9, 'a scale below 0'),
+    ('1bit', u32(16) + bf16(-np.inf, 1.0) + bytes(2), 9, 'a scale below 0'),
     ('topk', b'', 5, 'topk payload of 0 bytes'),
     ('topk', b'\x01\x00', 5, 'topk payload of 2 bytes'),
     ('topk', np.array([1, 0], '<u4').tobytes(), 5, r'4 \+ k \* 8 bytes with k <= 5 \(k = 1\)'),
@@ -260,6 +278,7 @@ def test_the_server_refuses_malformed_payloads(kind, payload, n, message):
 
 
 def test_a_1bit_scale_may_carry_a_gradients_nan_or_inf():
-    assert np.isnan(compression.decode('1bit', f32(np.nan) + b'\x01', 2, 'float32')).all()
-    assert compression.decode('1bit', f32(np.inf) + b'\x01', 2, 'float32').tolist() == \
-        [-np.inf, np.inf]
+    nan = compression.decode('1bit', u32(2) + bf16(np.nan, np.nan) + b'\x01', 2, 'float32')
+    assert np.isnan(nan).all()
+    assert compression.decode('1bit', u32(2) + bf16(np.inf, np.inf) + b'\x01', 2,
+                              'float32').tolist() == [-np.inf, np.inf]

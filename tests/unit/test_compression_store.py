@@ -139,8 +139,9 @@ def test_compression_params_reach_the_store_of_a_trainer(params):
         want = -g.astype(np.float16).astype(np.float32)
     elif kind == 'bf16':
         want = -bf16_to_f32(f32_to_bf16(g))
-    elif kind == '1bit':                       # every element +- the mean |g|
-        want = -np.copysign(np.float32(np.abs(g).sum() / 4), g)
+    elif kind == '1bit':                       # the mean of 1/3 and 2, the mean of -3 and -2
+        p, q = bf16_to_f32(f32_to_bf16(np.float32([(1 / 3 + 2) / 2, 2.5])))
+        want = -np.float32([p, -q, p, -q])
     else:                                      # 2 of 4: -3, then 2 (ties -2: lower index)
         want = -np.float32([0.0, -3.0, 2.0, 0.0])
     if pull:
