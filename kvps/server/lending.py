@@ -88,7 +88,7 @@ class Lending:
                 items.append(new(DataItem, (None, offset)))
             elif place is None:
                 if rounded:
-                    frames.append(round_pulled(pulled.array, codec))
+                    frames.append(_rounded(pulled, codec))
                     pulled.lease.released = True
                 else:
                     frames.append(pulled.array)
@@ -97,7 +97,7 @@ class Lending:
             else:
                 at, view = place
                 if rounded:
-                    round_pulled(pulled.array, codec, view)
+                    np.frombuffer(view, np.uint16)[...] = _rounded(pulled, codec).view(np.uint16)
                 else:
                     np.frombuffer(view, pulled.array.dtype)[...] = pulled.array   # (copyto: 4x)
                 pulled.lease.released = True
@@ -118,3 +118,16 @@ class Lending:
 
     def close(self):
         self.regions.close()
+
+
+def _rounded(pulled, codec):
+    """The pulled weight rounded to ``codec`` (kvps.compression.half), made once per version
+    of the weight: in sync every worker pulls the same round's value."""
+    entry = pulled.entry
+    cached = entry.rounded
+    if cached is None or cached[0] != entry.version or cached[1] is not entry.weight or \
+            cached[2] != codec:
+        cached = entry.rounded = (entry.version, entry.weight, codec,
+                                  round_pulled(pulled.array, codec))
+    return cached[3]
+
