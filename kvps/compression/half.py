@@ -24,21 +24,26 @@ from ..wire.codecs import BF16, FP16, PULL_DTYPES
 from .common import FP16_MAX, ErrorFeedback, in_key_dtype, payload_bytes
 
 ROUNDED = ('float32', 'float64')   # the key dtypes a compressed pull rounds
+BLOCK = 1 << 17                    # elements encoded at a time
 
 
 class Half(ErrorFeedback):
     """One store's fp16 or bf16 codec (a subclass per type): the residuals only."""
 
     def _quantize(self, residual, kind, out):
-        if self.name == FP16:
-            lo, hi = residual.min(initial=0), residual.max(initial=0)
-            # (NaN compares false: it travels as NaN)
-            clipped = residual if -FP16_MAX <= lo and hi <= FP16_MAX else \
-                np.clip(residual, -FP16_MAX, FP16_MAX)
-            np.copyto(out.view('<f2'), clipped, casting='unsafe')
-        else:
-            f32_to_bf16(residual, out.view('<u2'))
-        self._take_off_sent(residual, out, kind)
+        # block by block: the temporaries stay small and warm (whole-part ones would cost a
+        # page fault every 4 KiB)
+        for start in range(0, residual.size, BLOCK):
+            block, payload = residual[start:start + BLOCK], out[2 * start:2 * (start + BLOCK)]
+            if self.name == FP16:
+                lo, hi = block.min(), block.max()
+                # (NaN compares false: it travels as NaN)
+                clipped = block if -FP16_MAX <= lo and hi <= FP16_MAX else \
+                    np.clip(block, -FP16_MAX, FP16_MAX)
+                np.copyto(payload.view('<f2'), clipped, casting='unsafe')
+            else:
+                f32_to_bf16(block, payload.view('<u2'))
+            self._take_off_sent(block, payload, kind)
 
     @classmethod
     def decode(cls, payload, n, dtype):

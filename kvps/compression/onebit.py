@@ -8,12 +8,13 @@ values 1-bit SGD (Seide et al., CNTK) sends per column. Error feedback keeps the
 as BytePS's error-feedback wrapper does.
 
 BytePS's onebit sends one scale, the mean |x| over the whole part, and MXNet master's '1bit'
-sends +-1 against a threshold. Measured on examples/train_digits.py (4 workers, server SGD
-with momentum, test accuracy over 5 seeds, 96.8 % uncompressed), one scale per part trains
-to about 50 %, one per 64 elements to 95.3 %, and two per 64 elements to 97.0 %: a chunk
-whose gradients are all zero (a unit that did not fire) then sends zeros, and the others
-lose little. With bfloat16 scales that is 1.5 bits an element (21x fewer bytes than float32);
-a bigger chunk sends fewer scales.
+sends +-1 against a threshold. On examples/train_digits.py's task (benchmarks/
+bench_codec_training.py: 4 workers, server SGD with momentum, mean test accuracy over 5 seeds,
+96.7 % uncompressed) one scale per part trains to 59-70 % (runs differ widely), one per 64
+elements to 96.1 %, two per 64 elements to 96.5 %: a chunk whose gradients are all zero (a
+unit that did not fire) then sends zeros, and the others lose little. With bfloat16 scales
+that is 1.5 bits an element (21x fewer bytes than float32); a bigger chunk sends fewer scales
+(4096: 65 %).
 
 Payload of one part of n elements (wire kind '1bit'; the push item's ``n`` counts its bytes,
 4 + 4 * ceil(n / c) + ceil(n / 8)): c as a little-endian uint32; then per chunk p and q as
@@ -33,6 +34,7 @@ from .common import ErrorFeedback, in_key_dtype
 
 FP16_SCALE_MAX = np.float32(65280.0)   # the largest bfloat16 that float16 holds
 MAX_CHUNK = 2 ** 32 - 1                # chunk travels as a uint32
+BLOCK = 1 << 17                        # about how many elements are encoded at a time
 
 
 class OneBit(ErrorFeedback):
@@ -49,24 +51,22 @@ class OneBit(ErrorFeedback):
 
     def _quantize(self, residual, kind, out):
         n, chunk = residual.size, self.chunk
-        starts = np.arange(0, n, chunk)
-        negative = np.signbit(residual)
-        count = np.add.reduceat(negative.view(np.uint8), starts, dtype=np.int64) \
-            if n else np.zeros(0, np.int64)
-        sizes = np.minimum(starts + chunk, n) - starts
-        scales = np.empty((starts.size, 2), np.float32)
-        if n:   # (abs: no -0.0 scale, whatever the sums of zeros)
-            scales[:, 0] = np.abs(np.add.reduceat(np.maximum(residual, 0), starts)) / \
-                np.maximum(sizes - count, 1)
-            scales[:, 1] = np.abs(np.add.reduceat(np.minimum(residual, 0), starts)) / \
-                np.maximum(count, 1)
-        if kind == 'float16':
-            np.minimum(scales, FP16_SCALE_MAX, out=scales)
-        m = starts.size
+        m = -(-n // chunk)
         out[:4] = np.frombuffer(np.array(chunk, '<u4').tobytes(), np.uint8)
-        out[4:4 + 4 * m] = f32_to_bf16(scales).reshape(-1).view(np.uint8)
-        out[4 + 4 * m:] = np.packbits(negative, bitorder='little')
-        self._take_off_sent(residual, out, kind)
+        scales, bits = out[4:4 + 4 * m].view('<u2').reshape(m, 2), out[4 + 4 * m:]
+        # block by block (whole chunks, a multiple of 8 elements): the temporaries stay small
+        # and warm, where whole-part ones would cost a page fault every 4 KiB
+        step = chunk * max(8, BLOCK // chunk // 8 * 8)
+        for start in range(0, n, step):
+            block = residual[start:start + step]
+            negative = np.signbit(block)
+            packed = np.packbits(negative, bitorder='little')
+            bits[start // 8:start // 8 + packed.size] = packed
+            held = scales[start // chunk:start // chunk + -(-block.size // chunk)]
+            held[...] = f32_to_bf16(_scales(block, negative, packed, chunk, kind))
+            # what the server decodes is taken off: exactly, whatever the roundings
+            sent = _spread(negative, bf16_to_f32(held), chunk)
+            np.subtract(block, in_key_dtype(sent, kind) if kind == 'float16' else sent, out=block)
 
     @staticmethod
     def decode(payload, n, dtype):
@@ -83,15 +83,55 @@ class OneBit(ErrorFeedback):
         if (scales < 0).any():
             raise ProtocolError('1bit payload with a scale below 0; they must be >= 0 (or a '
                                 "gradient's NaN)")
-        bits = np.unpackbits(raw[4 + 4 * m:], count=n, bitorder='little').view(bool)
-        values = np.empty(n, np.float32)
-        whole = n // chunk * chunk
-        np.copyto(values[:whole].reshape(-1, chunk), scales[:whole // chunk, :1])
-        np.copyto(values[:whole].reshape(-1, chunk), -scales[:whole // chunk, 1:],
-                  where=bits[:whole].reshape(-1, chunk))
-        if whole < n:
-            values[whole:] = np.where(bits[whole:], -scales[-1, 1], scales[-1, 0])
-        return in_key_dtype(values, dtype)
+        negative = np.unpackbits(raw[4 + 4 * m:], count=n, bitorder='little').view(bool)
+        return in_key_dtype(_spread(negative, scales, chunk), dtype)
+
+
+def _scales(block, negative, packed, chunk, kind):
+    """(p, q) of each chunk of ``block``, float32 (float16 keys: at most FP16_SCALE_MAX)."""
+    count = _negatives(negative, packed, chunk)
+    sizes = np.full(count.size, chunk)
+    sizes[-1] = block.size - (count.size - 1) * chunk
+    scales = np.empty((count.size, 2), np.float32)
+    # (abs: no -0.0 scale, whatever the sums of zeros)
+    scales[:, 0] = np.abs(_sums(np.maximum(block, 0), chunk)) / np.maximum(sizes - count, 1)
+    scales[:, 1] = np.abs(_sums(np.minimum(block, 0), chunk)) / np.maximum(count, 1)
+    if kind == 'float16':
+        np.minimum(scales, FP16_SCALE_MAX, out=scales)
+    return scales
+
+
+def _sums(values, chunk):
+    """The sum of each chunk of ``values`` (the last one may be shorter)."""
+    whole = values.size // chunk * chunk
+    sums = np.einsum('ij->i', values[:whole].reshape(-1, chunk))   # (4-6x .sum(axis=1))
+    return sums if whole == values.size else np.append(sums, values[whole:].sum())
+
+
+def _negatives(negative, packed, chunk):
+    """How many elements of each chunk have their sign bit set (``packed``: the bits)."""
+    if chunk % 8:
+        return np.add.reduceat(negative.view(np.uint8), np.arange(0, negative.size, chunk),
+                               dtype=np.int64)
+    per_byte = np.bitwise_count(packed)
+    return np.add.reduceat(per_byte, np.arange(0, per_byte.size, chunk // 8), dtype=np.int64)
+
+
+def _spread(negative, scales, chunk):
+    """Each element's value, float32: its chunk's p, or -q where its sign bit is set. Chosen
+    bit by bit (p's bits, flipped to -q's where the sign is set), so that inf and NaN scales
+    stay what they are."""
+    n = negative.size
+    p = np.ascontiguousarray(scales[:, 0]).view(np.uint32)
+    flip = p ^ np.ascontiguousarray(-scales[:, 1]).view(np.uint32)
+    values = np.empty(n, np.uint32)
+    full = n // chunk
+    spread = values[:full * chunk].reshape(full, chunk)
+    np.multiply(negative[:full * chunk].reshape(full, chunk), flip[:full, None], out=spread)
+    np.bitwise_xor(spread, p[:full, None], out=spread)
+    if full * chunk < n:
+        values[full * chunk:] = np.where(negative[full * chunk:], flip[-1] ^ p[-1], p[-1])
+    return values.view(np.float32)
 
 
 def payload_nbytes(n, chunk):

@@ -158,6 +158,12 @@ PUBLIC = {
     'kvps.trainer': {'Trainer'},
     'kvps.launch': {'main'},
     'kvps.timeline': {'phase', 'enabled'},
+    # the codecs' package: set_gradient_compression's parameters, the codecs, the servers'
+    # decoding and the 16-bit pulls
+    'kvps.compression': {'parse', 'Settings', 'OFF', 'TYPES', 'CODECS', 'decode', 'nbytes',
+                         'check_compressible', 'DECODABLE', 'ErrorFeedback', 'TwoBit',
+                         'Float16', 'BFloat16', 'OneBit', 'TopK', 'sent_threshold',
+                         'pulled_dtype', 'round_pulled', 'land_pulled'},
 }
 
 
