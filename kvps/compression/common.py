@@ -6,6 +6,7 @@ import numpy as np
 from ..errors import DTypeError, ProtocolError
 from ..optimizer.kernels.common import bf16_to_f32, dtype_name, f32_to_bf16
 from ..wire.protocol import nbytes
+from . import f16
 
 DECODABLE = ('float16', 'bfloat16', 'float32', 'float64')
 FP16_MAX = np.float32(65504.0)   # the largest finite float16
@@ -106,7 +107,7 @@ def header_scalar(kind, raw, what, valid, rule):
 
 def in_key_dtype(values, dtype):
     """float32 (or float64) ``values`` in the storage of a ``dtype`` key (bfloat16 as bits)."""
-    return f32_to_bf16(values) if dtype == 'bfloat16' else values.astype(dtype, copy=False)
+    return f32_to_bf16(values) if dtype == 'bfloat16' else f16.astype(values, np.dtype(dtype))
 
 
 def table_decode(table, codes, n, dtype):

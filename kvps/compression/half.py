@@ -21,6 +21,7 @@ import numpy as np
 
 from ..optimizer.kernels.common import bf16_to_f32, f32_to_bf16
 from ..wire.codecs import BF16, FP16, PULL_DTYPES
+from . import f16
 from .common import FP16_MAX, ErrorFeedback, in_key_dtype, payload_bytes
 
 ROUNDED = ('float32', 'float64')   # the key dtypes a compressed pull rounds
@@ -40,7 +41,7 @@ class Half(ErrorFeedback):
                 # (NaN compares false: it travels as NaN)
                 clipped = block if -FP16_MAX <= lo and hi <= FP16_MAX else \
                     np.clip(block, -FP16_MAX, FP16_MAX)
-                np.copyto(payload.view('<f2'), clipped, casting='unsafe')
+                f16.cast_into(payload.view('<f2'), clipped)
             else:
                 f32_to_bf16(block, payload.view('<u2'))
             self._take_off_sent(block, payload, kind)
@@ -74,10 +75,10 @@ def round_pulled(weight, codec, out=None):
     """A float32 or float64 ``weight`` as a pull with ``codec`` carries it (float16, or
     bfloat16 bits), into ``out`` (a uint8 buffer of 2 bytes an element) when given."""
     if codec == FP16:
-        with np.errstate(over='ignore'):   # beyond 65504: inf, as documented
-            if out is None:
-                return weight.astype(np.float16)
-            np.copyto(np.frombuffer(out, np.float16), weight, casting='unsafe')
+        # (beyond 65504: inf, as documented)
+        if out is None:
+            return f16.astype(weight, np.float16)
+        f16.cast_into(np.frombuffer(out, np.float16), weight)
         return out
     bits = None if out is None else np.frombuffer(out, np.uint16)
     return f32_to_bf16(weight, bits)
@@ -88,4 +89,7 @@ def land_pulled(target, values):
     key's dtype, widening a compressed pull's float16 or bfloat16 (uint16 bits) exactly."""
     if values.dtype == np.uint16 and target.dtype != np.uint16:
         values = bf16_to_f32(values)
-    target[...] = values
+    if values.dtype == np.float16 and target.dtype != np.float16:
+        f16.cast_into(target, values.reshape(target.shape))
+    else:
+        target[...] = values

@@ -10,11 +10,11 @@ as BytePS's error-feedback wrapper does.
 BytePS's onebit sends one scale, the mean |x| over the whole part, and MXNet master's '1bit'
 sends +-1 against a threshold. On examples/train_digits.py's task (benchmarks/
 bench_codec_training.py: 4 workers, server SGD with momentum, mean test accuracy over 5 seeds,
-96.7 % uncompressed) one scale per part trains to 59-70 % (runs differ widely), one per 64
+96.7 % uncompressed) one scale per part trains to about 70 % (runs differ widely), one per 64
 elements to 96.1 %, two per 64 elements to 96.5 %: a chunk whose gradients are all zero (a
 unit that did not fire) then sends zeros, and the others lose little. With bfloat16 scales
 that is 1.5 bits an element (21x fewer bytes than float32); a bigger chunk sends fewer scales
-(4096: 65 %).
+(4096: 62 %).
 
 Payload of one part of n elements (wire kind '1bit'; the push item's ``n`` counts its bytes,
 4 + 4 * ceil(n / c) + ceil(n / 8)): c as a little-endian uint32; then per chunk p and q as
