@@ -303,3 +303,16 @@ def test_device_and_dist_types_compress_pushes_by_the_2bit_rule(name):
                     [0.0, 0.0, -0.5, 0.5],     # -0.6: -0.5 sent, -0.1 held; 0.5 held
                     [0.0, 0.0, 0.0, 0.5],      # the last of the 2.0, four pushes late
                     [0.0, 0.0, 0.0, 0.0]]      # nothing is left to send
+
+
+def test_several_values_of_one_push_are_summed_then_quantized_as_mxnets_dist_stores_do():
+    """Two values of 0.3 (one per GPU) sum to 0.6, which sends one threshold (0.5); each value
+    quantized alone, as MXNet's single-machine device store does, would send nothing."""
+    kv = kvps.create('device')
+    kv.init(0, np.zeros(3, np.float32))
+    kv.set_optimizer(kvps.optimizer.create('test', rescale_grad=1.0))   # w += g
+    kv.set_gradient_compression({'type': '2bit', 'threshold': 0.5})
+    kv.push(0, [np.full(3, 0.3, np.float32), np.full(3, 0.3, np.float32)])
+    out = np.zeros(3, np.float32)
+    kv.pull(0, out=out)
+    assert out.tolist() == [0.5] * 3
