@@ -10,5 +10,5 @@ from .optimizers import (LAMB, NAG, SGD, AdaGrad, Adam, AdamW, Ftrl, Optimizer, 
 __all__ = ['Optimizer', 'SGD', 'NAG', 'Adam', 'AdamW', 'AdaGrad', 'RMSProp', 'LAMB', 'Ftrl',
            'Signum', 'Test', 'AdaDelta', 'Adamax', 'Nadam', 'FTML', 'LARS', 'LBSGD', 'SGLD',
            'DCASGD', 'ccSGD', 'GroupAdaGrad', 'AdaBelief', 'LANS', 'create', 'register',
-           'registered', 'LRScheduler', 'FactorScheduler', 'MultiFactorScheduler', 'CosineScheduler',
-           'PolyScheduler', 'create_scheduler']
+           'registered', 'LRScheduler', 'FactorScheduler', 'MultiFactorScheduler',
+           'CosineScheduler', 'PolyScheduler', 'create_scheduler']

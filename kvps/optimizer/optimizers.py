@@ -83,8 +83,8 @@ class Optimizer:
     and `whole_tensor` (the update reads the whole weight, as LAMB's norms do: servers must
     not split it), `row_states` (states of one element per row of a 2-D key, not one per
     element: GroupAdaGrad's history). An optimizer of one's own may instead override MXNet's
-    `create_state` and `update` (Python on numpy or cupy arrays, key by key; whole tensors unless it sets
-    `whole_tensor = False`): see kvps.optimizer.python_rules and docs/plugins.md.
+    `create_state` and `update` (Python on numpy or cupy arrays, key by key; whole tensors
+    unless it sets `whole_tensor = False`): see kvps.optimizer.python_rules and docs/plugins.md.
     """
     name = None
     default_lr = 0.01
