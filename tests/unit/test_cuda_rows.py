@@ -8,15 +8,17 @@ import subprocess
 
 import numpy as np
 import pytest
-from test_cuda_emulated import HALF_ON_CPU, HOST_CUPY, SHIM, Emulated, _gxx_has_float16, on_host
+import test_cuda_emulated as E
+from test_cuda_emulated import HALF_ON_CPU, SHIM, _gxx_has_float16, on_host
 from test_cuda_source import compile_errors, needs_nvrtc
 
 from kvps.optimizer import create
-from kvps.optimizer.kernels import (cuda_kernels as C, cuda_launch as L, cuda_rows as CR,
-                                    cuda_source as src, numpy_kernels as K)
+from kvps.optimizer.kernels import (cuda_kernels as C, cuda_rows as CR, cuda_source as src,
+                                    numpy_kernels as K)
 from kvps.optimizer.updater import Updater
 
 # (compute, master weight, grad, history, low-precision weight under a master) storage names
+emulated = E.emulated   # (the fixture, run on this module's library)
 VARIANTS = [('float32', 'float32', 'float32', 'float32', None),
             ('float64', 'float64', 'float64', 'float64', None),
             ('float32', 'float16', 'float16', 'float32', None),
@@ -46,16 +48,7 @@ def library(tmp_path_factory):
     subprocess.run(['g++', '-std=c++17', '-O1', '-ffp-contract=off', '-fno-fast-math',
                     '-shared', '-fPIC', '-o', str(where / 'rows.so'), str(where / 'rows.cpp')],
                    check=True, capture_output=True, timeout=300)
-    return ctypes.CDLL(str(where / 'rows.so'))
-
-
-@pytest.fixture
-def emulated(library, monkeypatch):
-    log = []
-    monkeypatch.setattr(L, 'cupy', lambda: HOST_CUPY)
-    monkeypatch.setattr(L, 'compiled', lambda code, name: Emulated(library, name, log))
-    monkeypatch.setattr(CR, '_KERNELS', {})
-    return log
+    return ctypes.CDLL(str(where / 'rows.so'))   # (test_cuda_emulated's emulated runs it)
 
 
 def _arrays(variant, rng):
