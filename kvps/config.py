@@ -55,32 +55,27 @@ def _flag(text):
     raise ValueError('expected 0/1/true/false')
 
 
-def _role(text):
-    low = text.strip().lower()
-    if low not in ROLES:
-        raise ValueError(f'expected one of {", ".join(ROLES)}')
-    return low
+def _one_of(*choices):
+    def parse(text):
+        low = text.strip().lower()
+        if low not in choices:
+            raise ValueError(f'expected one of {", ".join(choices)}')
+        return low
+    return parse
 
 
-def _device(text):
-    low = text.strip().lower()
-    if low not in ('auto', 'cpu', 'cuda'):
-        raise ValueError('expected auto, cpu or cuda')
-    return low
+_role, _device = _one_of(*ROLES), _one_of('auto', 'cpu', 'cuda')
 
 
-def _count_or_auto(text):
-    low = text.strip().lower()
-    return 'auto' if low == 'auto' else _positive_int(low)
+def _or_word(word, number):
+    def parse(text):
+        low = text.strip().lower()
+        return word if low == word else number(low)
+    return parse
 
 
-def _count_or_all(text):
-    low = text.strip().lower()
-    return 'all' if low == 'all' else _nonneg_int(low)
-
-
-def _text(text):
-    return text.strip()
+_count_or_auto, _count_or_all = _or_word('auto', _positive_int), _or_word('all', _nonneg_int)
+_text = str.strip
 
 
 _MODULE = re.compile(r'[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*')
@@ -180,6 +175,10 @@ VARS = (
     Var('recovery_timeout', ('KVPS_RECOVERY_TIMEOUT',), _nonneg_float, 0.0,
         'Seconds the job waits for a lost server to rejoin with its rank (0: a lost server '
         'ends the job). Servers then need KVPS_CHECKPOINT_DIR.'),
+    Var('min_workers', ('KVPS_MIN_WORKERS',), _positive_int, None, 'Makes the job elastic: '
+        'it goes on while at least this many workers are members ([elastic.md](elastic.md)).'),
+    Var('max_workers', ('KVPS_MAX_WORKERS',), _positive_int, None,
+        'Elastic jobs: at most this many member workers at once (default: `DMLC_NUM_WORKER`).'),
     Var('secret', ('KVPS_SECRET',), _text, None,
         'Job secret: every message is authenticated with it (the launcher makes one).'),
     Var('secret_file', ('KVPS_SECRET_FILE',), _text, None,
@@ -249,6 +248,8 @@ class Config:
     checkpoint_every: int = 0
     checkpoint_seconds: float = 0.0
     recovery_timeout: float = 0.0
+    min_workers: int = None
+    max_workers: int = None
     secret: str = None
     secret_file: str = None
     auth_payload: bool = False

@@ -263,6 +263,14 @@ class KVStore(KVStoreBase):
         self.init(key, value)
         self.pull(key, out, priority)
 
+    def on_membership_change(self, callback):
+        """Call ``callback(num_workers, ranks)`` on this worker at its first store call after
+        each change of an elastic job's workers (docs/elastic.md); None: no more calls."""
+        if callback is not None and not callable(callback):
+            raise TypeError(f'on_membership_change takes a callable or None, got '
+                            f'{type(callback).__name__}')
+        self._backend.on_membership_change(callback)
+
     @traced('barrier', 'barrier')
     def barrier(self):
         """Wait until every worker arrives and all of this worker's pushes are applied."""

@@ -99,7 +99,8 @@ class Requests:
 
     def _check(self, token, h, buffers):
         def check_one(item_token, item, _):
-            return self.shard.check(item_token, item.key, item.part, item.dtype, item.shape)
+            return self.shard.check(item_token, item.key, item.part, item.dtype, item.shape,
+                                    token[0])
         return self._each_key(token, P.CHECK, h['keys'], [None] * len(h['keys']), check_one)
 
     def _push(self, token, h, buffers):

@@ -14,7 +14,7 @@ from ..errors import ProtocolError
 from .items import CheckItem, DataItem, InitItem, Layout, PullItem, PushItem, ResumeItem
 
 # Node <-> scheduler.
-VERSION = 11                 # bumped on any change of the wire format; checked at REGISTER
+VERSION = 12                 # bumped on any change of the wire format; checked at REGISTER
 REGISTER = 'register'        # node -> scheduler: {role, host, port, rank, pid, version}
 # scheduler -> node: {rank, num_workers, num_servers, servers, nodes, recovery_timeout, job (a
 # token naming this run, kept in server checkpoints), clock (the scheduler's monotonic ns: a
@@ -34,6 +34,9 @@ SHUTDOWN = 'shutdown'        # scheduler -> node: exit now ({reason})
 PEER_LOST = 'peer_lost'      # scheduler -> node: {role, rank, host, reason}
 SERVER_LOST = 'server_lost'  # scheduler -> worker: {rank, reason}; the job waits for its return
 SERVER_BACK = 'server_back'  # scheduler -> worker: {rank, host, port} of the replacement
+# scheduler -> server, worker (elastic jobs): {epoch (= id), workers, gone, joined: lists of
+# [rank, incarnation]}; a server answers ACK {id: epoch} (docs/elastic.md)
+MEMBERS = 'members'
 
 # Worker <-> server. A multi-key op lists one item per key part under `keys`, each of the
 # NamedTuple that ITEMS names (kvps.wire.items declares every field). PUSH, PULL and PULL_ROWS
@@ -116,12 +119,13 @@ _FIELDS = {
     PEER_LOST: {'role': str, 'reason': str},
     SERVER_LOST: {'rank': int, 'reason': str},
     SERVER_BACK: {'rank': int, 'host': str, 'port': int},
+    MEMBERS: {'epoch': int, 'workers': list, 'gone': list, 'joined': list},
     PULL_ROWS: {'key': (int, str), 'part': int},
     ROWS: {'epoch': int, 'count': int},
     ATTACH: {'name': str, 'nonce': bytes, 'size': int},
 }
 OPS = frozenset([REGISTER, WELCOME, HEARTBEAT, HEARTBEAT_ACK, BARRIER, BARRIER_DONE, FINISH, ABORT,
-                 SHUTDOWN, PEER_LOST, SERVER_LOST, SERVER_BACK, INIT, CHECK, PUSH, PULL,
+                 SHUTDOWN, PEER_LOST, SERVER_LOST, SERVER_BACK, MEMBERS, INIT, CHECK, PUSH, PULL,
                  SET_OPTIMIZER, GET_STATES, SET_STATES, COMMIT_STATES, RESUME, ATTACH, ACK,
                  DATA, ERROR, STATES, PULL_ROWS, ROWS])
 
@@ -400,9 +404,15 @@ def members_on(welcome, host, role):
     return sum(1 for n in welcome.get('nodes', ()) if n['role'] == role and n['host'] == host)
 
 
-def worker_identity(rank):
-    """The socket identity a worker uses towards every server (servers count rounds by it)."""
-    return f'worker-{rank}'.encode()
+def worker_identity(rank, incarnation=0):
+    """The socket identity a worker uses towards every server (servers count rounds by it);
+    an elastic job's joiner adds its ``incarnation`` (the epoch it joined at)."""
+    return (f'worker-{rank}' if not incarnation else f'worker-{rank}.{incarnation}').encode()
+
+
+def worker_rank(identity):
+    """The rank in a worker's socket identity (worker_identity's inverse, less incarnation)."""
+    return int(identity[7:].split(b'.')[0])
 
 
 def identity_label(identity):

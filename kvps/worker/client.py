@@ -20,6 +20,7 @@ from ..timeline.counters import WorkerCounts
 from ..wire import protocol as P
 from ..wire.items import PullItem, PushItem, new
 from .collectives import Collectives
+from .joining import Members
 from .loop import SCHEDULER, WorkerIO
 from .messages import (copier, describe, fuse, live_collector, part_nbytes, payload, row_writer,
                        server_name, waves)
@@ -50,20 +51,32 @@ class DistClient:
         self.rank = welcome['rank']
         if recording.RECORDER is not None:
             recording.RECORDER.name_node(self.rank, f'worker {self.rank}')
-        self.num_workers = welcome['num_workers']
         self.num_servers = welcome['num_servers']
         self.sharding = Sharding(self.num_servers, config.bigarray_bound,
                                    config.partition_bytes)
+        # An elastic job: keys of sync stores stay whole, so that one server decides each
+        # round (docs/elastic.md)
+        self.sharding.keep_whole = welcome.get('elastic', False) and sync
         self._window = PushWindow(config.max_inflight_bytes, self.counts)
         self._errors = collections.deque()     # errors of pushes, raised at the next wait
         self._lock = threading.Lock()   # push counts, barrier numbers, closing
-        self._barrier_seq = 0
+        self._barrier_seq = welcome.get('barriers', 0)   # (a joiner's: the job's so far)
         self._pushes = {}         # key -> pushes made of it (sync: the lr scheduler's step)
         self._step = 0            # the most of any key
         self.keys = {}            # key -> (shape, dtype name), for every store of this process
         self.closed = False
         self._collectives = Collectives(self.config, sync, self.rank, self.sharding,
                                         self._request, self.barrier, self.wait_pushes)
+        self.members = Members(self.io, sync, self._pushes)
+        self._collectives.joining = self.members.joining
+
+    @property
+    def num_workers(self):
+        """The job's member workers now (an elastic job's change as workers leave and join)."""
+        return len(self.io.membership[1])
+
+    def on_membership_change(self, callback):
+        self.members.callback = callback
 
     @property
     def forked(self):
@@ -119,6 +132,7 @@ class DistClient:
         block from ``stage``) to the key's servers, small parts fused into one message per
         server, ahead of queued requests of a lower ``priority``; do not wait."""
         self._raise_pending_errors()
+        self.members.catching_up = False
         self.counts.push_calls += 1
         step = self._count_pushes(items)
         nbytes = sum(sum(p.nbytes for p in flat) if type(flat) is list else flat.nbytes
@@ -313,7 +327,11 @@ class DistClient:
 
     def barrier(self, digest=None):
         """Return when every worker is here and this worker's pushes are all applied: the
-        ranks whose ``digest`` (bytes) differs from rank 0's, [] when all agree."""
+        ranks whose ``digest`` (bytes) differs from rank 0's, [] when all agree. A joiner
+        of an elastic job does not meet the others before its first push: they are past the
+        setup its barriers belong to."""
+        if self.members.catching_up:
+            return []
         self.wait_pushes()
         with self._lock:   # one number per barrier, whichever threads call at once
             self._barrier_seq += 1
@@ -388,6 +406,8 @@ class DistClient:
                 'pushing it, or stalled?') if self.sync else ''
 
     def _raise_pending_errors(self):
+        if self.io.membership[0] != self.members.epoch:
+            self.members.moved()
         if self._errors:
             try:
                 exc = self._errors.popleft()
