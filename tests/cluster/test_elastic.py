@@ -2,6 +2,7 @@
 they close, a lost worker's partial round is discarded, joiners count from the next round, and
 falling below --min-workers ends the job naming the lost workers."""
 
+import json
 import textwrap
 
 # Every worker pushes rank + 1 to key 0 each round, with no optimizer: the value pulled after
@@ -50,6 +51,47 @@ def test_a_worker_killed_mid_round_is_discarded_and_the_survivors_go_on(job):
     want = {'deltas': [10.0] * 3 + [at_loss] + [6.0] * 4, 'workers': 3,
             'changes': [[3, [0, 1, 2]]]}
     assert result.results() == {0: want, 1: want, 2: want}, result.output
+
+
+def test_a_worker_that_joins_counts_in_the_next_rounds_and_only_in_them(job):
+    """Rank 0 starts a fifth worker by hand (the job's contract, no rank) at round 3; it gets
+    rank 4, pushes 5 for 5 rounds and leaves. Every round is 10 (the four) or 15 (with it),
+    its 5 rounds are the only 15s, and everyone agrees on every round."""
+    script = ROUNDS + textwrap.dedent('''
+    import subprocess
+    if os.environ.get('JOINER'):
+        deltas = [one_round(kv, kv.rank + 1) for _ in range(5)]
+        print('JOINED', json.dumps({'rank': kv.rank, 'deltas': deltas,
+                                    'workers': kv.num_workers}), flush=True)
+        kv.close()
+        sys.exit(0)
+    deltas, joiner = [], None
+    for step in range(3000):
+        if step == 3 and kv.rank == 0:
+            env = {k: v for k, v in os.environ.items() if k != 'KVPS_RANK'}
+            joiner = subprocess.Popen([sys.executable, sys.argv[0]], env={**env, 'JOINER': '1'})
+        deltas.append(one_round(kv, kv.rank + 1))
+        if deltas.count(15.0) == 5 and deltas[-1] == 10.0:
+            break
+        time.sleep(0.02)
+    if joiner is not None:
+        joiner.wait(60)
+    report(deltas=deltas, changes=changes)
+    ''')
+    result = job(script, workers=4, servers=1,
+                 launcher_args=['--min-workers', '2', '--max-workers', '5'],
+                 ends_when='the joiner has pushed 5 rounds and left')
+    assert result.returncode == 0, result.output
+    joined = json.loads(result.stdout.split('JOINED ', 1)[1].split('\n', 1)[0])
+    assert joined == {'rank': 4, 'deltas': [15.0] * 5, 'workers': 5}, result.output
+    results = result.results()
+    deltas = results[0]['deltas']
+    first = deltas.index(15.0)
+    assert deltas == [10.0] * first + [15.0] * 5 + [10.0], deltas
+    assert first >= 3
+    for rank in range(4):
+        assert results[rank] == {'deltas': deltas, 'changes': [[5, [0, 1, 2, 3, 4]],
+                                                               [4, [0, 1, 2, 3]]]}, result.output
 
 
 def test_falling_below_the_minimum_ends_the_job_naming_the_lost_workers(job):
