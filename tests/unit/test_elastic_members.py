@@ -172,3 +172,24 @@ def test_elastic_bounds_must_hold_the_jobs_size(env, match):
 def test_elastic_bounds():
     assert bounds(Config.from_env({'DMLC_NUM_WORKER': '4'})) is None
     assert bounds(Config.from_env({'DMLC_NUM_WORKER': '4', 'KVPS_MIN_WORKERS': '2'})) == (2, 4)
+
+
+def test_an_epoch_is_dealt_once_among_the_members_whatever_the_changes():
+    from kvps.elastic import epoch_order, shard
+    order = epoch_order(103, epoch=2, seed=7)
+    assert sorted(order.tolist()) == list(range(103))
+    assert order.tolist() == epoch_order(103, 2, 7).tolist() != epoch_order(103, 3, 7).tolist()
+    seen = []
+    start = 0
+    for ranks, steps in (([0, 1, 2, 3], 5), ([0, 2, 3], 4), ([0, 2, 3, 4], 100)):
+        shares = {r: shard(103, 2, ranks, r, start, seed=7) for r in ranks}
+        assert max(map(len, shares.values())) - min(map(len, shares.values())) <= 1
+        for step in range(steps):   # a batch of 2 per member per step
+            for r in ranks:
+                seen += shares[r][2 * step:2 * step + 2].tolist()
+        start = min(103, start + 2 * steps * len(ranks))
+    assert sorted(seen) == list(range(103))
+    with pytest.raises(ValueError, match='rank 1 is not one of the member ranks'):
+        shard(10, 0, [0, 2], 1)
+    with pytest.raises(ValueError, match='start 11 is outside'):
+        shard(10, 0, [0], 0, start=11)
