@@ -90,11 +90,7 @@ def _modules(text):
     return names
 
 
-def _port(text):
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise ValueError('must be a TCP port, 0 to 65535')
-    return value
+_port = _number(int, lambda v: 0 <= v <= 65535, 'must be a TCP port, 0 to 65535')
 
 
 _LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'WARN', 'ERROR', 'CRITICAL', 'FATAL', 'NOTSET')

@@ -14,12 +14,11 @@ import numpy as np
 
 from ..allocator import keep_freed_memory
 from ..arrays import flat_view
-from ..errors import ConfigError
 from ..timeline import recording
 from ..timeline.counters import WorkerCounts
 from ..wire import protocol as P
 from ..wire.items import PullItem, PushItem, new
-from .collectives import Collectives
+from .collectives import Collectives, refuse_updater
 from .joining import Members
 from .loop import SCHEDULER, WorkerIO
 from .messages import (copier, describe, fuse, live_collector, part_nbytes, payload, row_writer,
@@ -54,8 +53,7 @@ class DistClient:
         self.num_servers = welcome['num_servers']
         self.sharding = Sharding(self.num_servers, config.bigarray_bound,
                                    config.partition_bytes)
-        # An elastic job: keys of sync stores stay whole, so that one server decides each
-        # round (docs/elastic.md)
+        # elastic: keys stay whole, so that one server decides each round (docs/elastic.md)
         self.sharding.keep_whole = welcome.get('elastic', False) and sync
         self._window = PushWindow(config.max_inflight_bytes, self.counts)
         self._errors = collections.deque()     # errors of pushes, raised at the next wait
@@ -70,10 +68,8 @@ class DistClient:
         self.members = Members(self.io, sync, self._pushes)
         self._collectives.joining = self.members.joining
 
-    @property
-    def num_workers(self):
-        """The job's member workers now (an elastic job's change as workers leave and join)."""
-        return len(self.io.membership[1])
+    # The job's member workers now (an elastic job's change as workers leave and join)
+    num_workers = property(lambda self: len(self.io.membership[1]))
 
     def on_membership_change(self, callback):
         self.members.callback = callback
@@ -88,14 +84,7 @@ class DistClient:
         return [(p.server, p.part, p.start, p.stop) for p in self.sharding.parts(key)]
 
     def set_updater(self, fn):
-        """Refused: a Python updater would have to run on the servers, which run only
-        optimizers sent as plain data."""
-        raise ConfigError(
-            'a distributed store cannot take a Python updater: its servers run only '
-            'optimizers named as plain data (kvps never sends code). Use '
-            'kv.set_optimizer(kvps.optimizer.create(...)), write an Optimizer subclass and '
-            'install it on the servers (KVPS_SERVER_PLUGINS, docs/plugins.md), or update on '
-            'the workers (kvps.Trainer(..., update_on_kvstore=False))')
+        refuse_updater(fn)   # (no Python runs on servers)
 
     # -- setup: collective (Collectives) or this worker's ----------------------------------
     def init(self, items, device=False):
@@ -338,9 +327,8 @@ class DistClient:
 
     def barrier(self, digest=None):
         """Return when every worker is here and this worker's pushes are all applied: the
-        ranks whose ``digest`` (bytes) differs from rank 0's, [] when all agree. A joiner
-        of an elastic job does not meet the others before its first push: they are past the
-        setup its barriers belong to."""
+        ranks whose ``digest`` (bytes) differs from rank 0's, [] when all agree. An elastic
+        job's joiner meets no one before its first push (the job is past its setup)."""
         if self.members.catching_up:
             return []
         self.wait_pushes()

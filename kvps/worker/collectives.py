@@ -195,6 +195,17 @@ class Collectives:
             op.wait(self.config.timeout)
 
 
+def refuse_updater(fn):
+    """A distributed store's set_updater: a Python updater would have to run on the servers,
+    which run only optimizers sent as plain data."""
+    raise ConfigError(
+        'a distributed store cannot take a Python updater: its servers run only '
+        'optimizers named as plain data (kvps never sends code). Use '
+        'kv.set_optimizer(kvps.optimizer.create(...)), write an Optimizer subclass and '
+        'install it on the servers (KVPS_SERVER_PLUGINS, docs/plugins.md), or update on '
+        'the workers (kvps.Trainer(..., update_on_kvstore=False))')
+
+
 def _counter(counts, server, keys):
     """The on_data of a CHECK to ``server``: its ACK's push count of each of ``keys``."""
     def take(header, _):
