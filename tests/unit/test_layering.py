@@ -13,7 +13,7 @@ ROLES = {'scheduler', 'server', 'worker'}
 # store and the Trainer on top; the launcher beside the top, imported by nothing.
 RANKS = {
     'errors': 0, 'env_parsers': 0,
-    'config': 1, 'atomic': 1, 'allocator': 1, 'pinning': 1,
+    'config': 1, 'atomic': 1, 'allocator': 1, 'pinning': 1, 'elastic': 1,
     'timeline': 2, 'optimizer': 2,                   # recording spans; optimizers and kernels
     'wire': 3,                                       # the wire format, sockets, shared memory
     'arrays': 4,                                     # values, one on the other
