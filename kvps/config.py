@@ -102,6 +102,32 @@ def _port(text):
     return value
 
 
+@dataclasses.dataclass(frozen=True)
+class PortRange:
+    """The TCP ports LO..HI (both included) a node may bind (KVPS_PORT_RANGE)."""
+    lo: int
+    hi: int
+
+    def __str__(self):
+        return f'{self.lo}-{self.hi}'
+
+    def __len__(self):
+        return self.hi - self.lo + 1
+
+
+_PORT_RANGE = re.compile(r'\s*(\d{1,5})\s*-\s*(\d{1,5})\s*', re.ASCII)
+
+
+def _port_range(text):
+    match = _PORT_RANGE.fullmatch(text)
+    if not match:
+        raise ValueError('expected LO-HI, two port numbers (e.g. 20000-20100)')
+    value = PortRange(int(match[1]), int(match[2]))
+    if not 1 <= value.lo <= value.hi <= 65535:
+        raise ValueError('expected 1 <= LO <= HI <= 65535')
+    return value
+
+
 _LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'WARN', 'ERROR', 'CRITICAL', 'FATAL', 'NOTSET')
 
 
@@ -171,6 +197,11 @@ VARS = (
         'up in one line every 10 s, so strangers cannot flood its log. all: log every one.'),
     Var('port_file', ('KVPS_PORT_FILE',), _text, None,
         'Scheduler only: write the bound port to this file (the launcher uses it).'),
+    Var('port_range', ('KVPS_PORT_RANGE',), _port_range, None,
+        'Ports LO-HI (both included) the scheduler and servers bind when they may pick one '
+        '(for firewalls that open only these); a node finding every one taken fails at start '
+        'saying so. Unset: the OS picks any free port. A scheduler port given explicitly is '
+        'bound as given.'),
     Var('checkpoint_dir', ('KVPS_CHECKPOINT_DIR',), _text, None,
         'Servers checkpoint weights and optimizer state here and resume from it on start.'),
     Var('checkpoint_every', ('KVPS_CHECKPOINT_EVERY',), _nonneg_int, 0,
@@ -245,6 +276,7 @@ class Config:
     log_level: str = 'WARNING'
     log_refusals: object = 3
     port_file: str = None
+    port_range: PortRange = None
     checkpoint_dir: str = None
     checkpoint_every: int = 0
     checkpoint_seconds: float = 0.0

@@ -1,5 +1,7 @@
 """The environment contract: KVPS_* names, ps-lite's DMLC_* aliases, and clear errors."""
 
+import re
+
 import pytest
 
 from kvps.config import VARS, Config, markdown_table
@@ -127,3 +129,24 @@ def test_a_misspelled_setting_is_named_with_the_one_it_looks_like(caplog):
                         'mean KVPS_CHECKPOINT_EVERY?']
     Config.from_env(env)   # once per process
     assert len([r for r in caplog.records if r.name == 'kvps.config']) == 1
+
+
+@pytest.mark.parametrize('text, lo, hi', [
+    ('20000-20100', 20000, 20100), (' 9000 - 9000 ', 9000, 9000), ('1-65535', 1, 65535)])
+def test_a_port_range_reads_both_ends_included(text, lo, hi):
+    ports = Config.from_env({'KVPS_PORT_RANGE': text}).port_range
+    assert (ports.lo, ports.hi, len(ports), str(ports)) == (lo, hi, hi - lo + 1, f'{lo}-{hi}')
+    # and a child process is given the same range
+    assert Config.from_env(Config(port_range=ports).to_env()).port_range == ports
+
+
+@pytest.mark.parametrize('text, why', [
+    ('20000', 'expected LO-HI'), ('20000-', 'expected LO-HI'), ('a-b', 'expected LO-HI'),
+    ('20000:20100', 'expected LO-HI'), ('-5-10', 'expected LO-HI'),
+    ('\u0662\u0660-30', 'expected LO-HI'),     # Arabic-Indic digits are not port numbers
+    ('20100-20000', 'expected 1 <= LO <= HI <= 65535'),
+    ('0-10', 'expected 1 <= LO'), ('60000-70000', 'expected 1 <= LO <= HI <= 65535'),
+])
+def test_a_bad_port_range_is_a_config_error_naming_it(text, why):
+    with pytest.raises(ConfigError, match=re.escape(f"KVPS_PORT_RANGE={text!r}: {why}")):
+        Config.from_env({'KVPS_PORT_RANGE': text})
