@@ -8,9 +8,9 @@ import socket
 import numpy as np
 import pytest
 
-from kvps.wire import transport
-from kvps.config import Config
+from kvps.config import Config, PortRange
 from kvps.errors import ConfigError
+from kvps.wire import transport
 from kvps.wire.transport import (Dealer, Router, Socket, advertised_host, interface_address,
                                  new_context, resolve)
 
@@ -159,7 +159,6 @@ def _free_ports(count):
 
 
 def test_a_port_range_restricts_the_ports_bound_until_every_one_is_taken():
-    from kvps.config import PortRange
     first = _free_ports(3)
     ports = PortRange(first, first + 2)
     ctx = new_context()
