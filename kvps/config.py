@@ -4,9 +4,14 @@ import dataclasses
 import difflib
 import logging
 import os
-import re
 
 from .errors import ConfigError
+from .parsers import (count_or_all as _count_or_all, count_or_auto as _count_or_auto,
+                      flag as _flag, log_level as _log_level, modules as _modules,
+                      nonneg_float as _nonneg_float, nonneg_int as _nonneg_int, port as _port,
+                      port_range as _port_range, port_range_text,
+                      positive_float as _positive_float, positive_int as _positive_int,
+                      text as _text)
 
 ROLES = ('worker', 'server', 'scheduler')
 
@@ -21,40 +26,6 @@ class Var:
     doc: str
 
 
-def _number(cast, ok, message):
-    """A parser of numbers of type ``cast`` for which ``ok(value)`` holds (NaN never does)."""
-    def parse(text):
-        value = cast(text)
-        if not ok(value):
-            raise ValueError(message)
-        return value
-    return parse
-
-
-# Longest wait in seconds (about 31 years): Python's waits refuse more than
-# threading.TIMEOUT_MAX (about 9.2e9 s) with an OverflowError, and a worker's start waits
-# for the connect bound plus twice the heartbeat interval. 'inf' would also never end.
-MAX_SECONDS = 1e9
-# Largest count or size: every one travels in msgpack headers, which hold 64-bit ints.
-MAX_INT = 2 ** 63 - 1
-
-_positive_float = _number(float, lambda v: 0 < v <= MAX_SECONDS,
-                          f'must be > 0 and at most {MAX_SECONDS:g} (seconds)')
-_nonneg_float = _number(float, lambda v: 0 <= v <= MAX_SECONDS,
-                        f'must be >= 0 and at most {MAX_SECONDS:g} (seconds)')
-_nonneg_int = _number(int, lambda v: 0 <= v <= MAX_INT, 'must be >= 0 and below 2**63')
-_positive_int = _number(int, lambda v: 1 <= v <= MAX_INT, 'must be >= 1 and below 2**63')
-
-
-def _flag(text):
-    low = text.strip().lower()
-    if low in ('1', 'true', 'yes', 'on'):
-        return True
-    if low in ('0', 'false', 'no', 'off', ''):
-        return False
-    raise ValueError('expected 0/1/true/false')
-
-
 def _role(text):
     low = text.strip().lower()
     if low not in ROLES:
@@ -67,75 +38,6 @@ def _device(text):
     if low not in ('auto', 'cpu', 'cuda'):
         raise ValueError('expected auto, cpu or cuda')
     return low
-
-
-def _count_or_auto(text):
-    low = text.strip().lower()
-    return 'auto' if low == 'auto' else _positive_int(low)
-
-
-def _count_or_all(text):
-    low = text.strip().lower()
-    return 'all' if low == 'all' else _nonneg_int(low)
-
-
-def _text(text):
-    return text.strip()
-
-
-_MODULE = re.compile(r'[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*')
-
-
-def _modules(text):
-    names = tuple(n.strip() for n in text.split(',') if n.strip())
-    bad = [n for n in names if not _MODULE.fullmatch(n)]
-    if bad:
-        raise ValueError(f'{bad[0]!r} is not a Python module name; expected module names '
-                         'separated by commas (e.g. mypkg.optimizers,other)')
-    return names
-
-
-def _port(text):
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise ValueError('must be a TCP port, 0 to 65535')
-    return value
-
-
-@dataclasses.dataclass(frozen=True)
-class PortRange:
-    """The TCP ports LO..HI (both included) a node may bind (KVPS_PORT_RANGE)."""
-    lo: int
-    hi: int
-
-    def __str__(self):
-        return f'{self.lo}-{self.hi}'
-
-    def __len__(self):
-        return self.hi - self.lo + 1
-
-
-_PORT_RANGE = re.compile(r'\s*(\d{1,5})\s*-\s*(\d{1,5})\s*', re.ASCII)
-
-
-def _port_range(text):
-    match = _PORT_RANGE.fullmatch(text)
-    if not match:
-        raise ValueError('expected LO-HI, two port numbers (e.g. 20000-20100)')
-    value = PortRange(int(match[1]), int(match[2]))
-    if not 1 <= value.lo <= value.hi <= 65535:
-        raise ValueError('expected 1 <= LO <= HI <= 65535')
-    return value
-
-
-_LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'WARN', 'ERROR', 'CRITICAL', 'FATAL', 'NOTSET')
-
-
-def _log_level(text):
-    name = text.strip().upper()
-    if name not in _LOG_LEVELS:
-        raise ValueError(f'expected one of {", ".join(_LOG_LEVELS)}')
-    return name
 
 
 # How kvps's own log lines look, on nodes and in workers.
@@ -198,10 +100,8 @@ VARS = (
     Var('port_file', ('KVPS_PORT_FILE',), _text, None,
         'Scheduler only: write the bound port to this file (the launcher uses it).'),
     Var('port_range', ('KVPS_PORT_RANGE',), _port_range, None,
-        'Ports LO-HI (both included) the scheduler and servers bind when they may pick one '
-        '(for firewalls that open only these); a node finding every one taken fails at start '
-        'saying so. Unset: the OS picks any free port. A scheduler port given explicitly is '
-        'bound as given.'),
+        'Ports LO-HI (both included) the scheduler and servers bind when the port is theirs to '
+        'pick (firewalls); one finding all taken fails saying so. Unset: any the OS picks.'),
     Var('checkpoint_dir', ('KVPS_CHECKPOINT_DIR',), _text, None,
         'Servers checkpoint weights and optimizer state here and resume from it on start.'),
     Var('checkpoint_every', ('KVPS_CHECKPOINT_EVERY',), _nonneg_int, 0,
@@ -276,7 +176,7 @@ class Config:
     log_level: str = 'WARNING'
     log_refusals: object = 3
     port_file: str = None
-    port_range: PortRange = None
+    port_range: range = None
     checkpoint_dir: str = None
     checkpoint_every: int = 0
     checkpoint_seconds: float = 0.0
@@ -418,6 +318,7 @@ class Config:
             value = getattr(self, var.field)
             if value is not None and value != var.default:
                 env[var.names[0]] = (','.join(value) if isinstance(value, tuple) else
+                                     port_range_text(value) if isinstance(value, range) else
                                      str(int(value) if isinstance(value, bool) else value))
         return env
 

@@ -13,6 +13,7 @@ import zmq
 
 from ..config import variable
 from ..errors import AuthError, ConfigError, TransportError
+from ..parsers import port_range_text
 from .auth import TO_DEALER, TO_ROUTER, Guard
 from .refusals import REFUSALS
 
@@ -117,14 +118,14 @@ class Router(Socket):
     def _bind_in_range(self, host, ports):
         start = random.randrange(len(ports))
         for i in range(len(ports)):
-            port = ports.lo + (start + i) % len(ports)
+            port = ports[(start + i) % len(ports)]
             try:
                 self._sock.bind(f'tcp://{host}:{port}')
                 return port
             except zmq.ZMQError as exc:
                 if exc.errno != errno.EADDRINUSE:
                     raise
-        raise ConfigError(f'KVPS_PORT_RANGE={ports}: all {len(ports)} ports are in use on '
+        raise ConfigError(f'KVPS_PORT_RANGE={port_range_text(ports)}: all {len(ports)} ports are in use on '
                           f'{host}; widen the range (the scheduler and every server of a '
                           'host each need one)')
 

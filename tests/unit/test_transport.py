@@ -8,7 +8,7 @@ import socket
 import numpy as np
 import pytest
 
-from kvps.config import Config, PortRange
+from kvps.config import Config
 from kvps.errors import ConfigError
 from kvps.wire import transport
 from kvps.wire.transport import (Dealer, Router, Socket, advertised_host, interface_address,
@@ -160,7 +160,7 @@ def _free_ports(count):
 
 def test_a_port_range_restricts_the_ports_bound_until_every_one_is_taken():
     first = _free_ports(3)
-    ports = PortRange(first, first + 2)
+    ports = range(first, first + 3)
     ctx = new_context()
     routers = [Router(ctx) for _ in range(4)]
     try:
