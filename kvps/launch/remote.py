@@ -247,9 +247,11 @@ def read_spec(argv, stdin):
     return json.loads(stdin.readline())
 
 
-def _watch_stdin(stdin, stopping):
-    """Stop at EOF: the launcher closed the pipe, or ssh died and took the connection."""
-    while stdin.read(_CHUNK):
+def _watch_stdin(stopping):
+    """Stop at EOF: the launcher closed the pipe, or ssh died and took the connection. (On
+    the descriptor, not sys.stdin: a thread blocked in a buffered read holds its lock, and
+    the interpreter aborts when it finds it held at exit.)"""
+    while os.read(0, _CHUNK):
         pass
     stopping.set()
 
@@ -266,8 +268,7 @@ def main(argv=None):
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, lambda *_: runner.stopping.set())
     if spec.get('watch_stdin'):
-        threading.Thread(target=_watch_stdin, args=(sys.stdin.buffer, runner.stopping),
-                         daemon=True).start()
+        threading.Thread(target=_watch_stdin, args=(runner.stopping,), daemon=True).start()
     return runner.run(os.environ)
 
 

@@ -125,9 +125,9 @@ class Router(Socket):
             except zmq.ZMQError as exc:
                 if exc.errno != errno.EADDRINUSE:
                     raise
-        raise ConfigError(f'KVPS_PORT_RANGE={port_range_text(ports)}: all {len(ports)} ports are in use on '
-                          f'{host}; widen the range (the scheduler and every server of a '
-                          'host each need one)')
+        raise ConfigError(f'KVPS_PORT_RANGE={port_range_text(ports)}: every port of it is in '
+                          f'use on {host} ({len(ports)} tried); widen the range (the '
+                          'scheduler and every server of a host each need one)')
 
     def recv_from(self):
         """``(identity, frames)``; frames is None when authentication refused the message."""

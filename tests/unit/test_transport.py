@@ -166,8 +166,9 @@ def test_a_port_range_restricts_the_ports_bound_until_every_one_is_taken():
     try:
         bound = [r.bind('127.0.0.1', 0, ports) for r in routers[:3]]
         assert sorted(bound) == [first, first + 1, first + 2]
-        with pytest.raises(ConfigError, match=f'KVPS_PORT_RANGE={first}-{first + 2}: all 3 '
-                                              'ports are in use on 127.0.0.1; widen the range'):
+        with pytest.raises(ConfigError, match=rf'KVPS_PORT_RANGE={first}-{first + 2}: every '
+                                              r'port of it is in use on 127.0.0.1 \(3 tried\); '
+                                              'widen the range'):
             routers[3].bind('127.0.0.1', 0, ports)
         # an explicit port (a scheduler's fixed one) is bound as given, range or not
         with socket.socket() as probe:
