@@ -13,7 +13,6 @@ import time
 import uuid
 
 import pytest
-
 import standins
 from conftest import FAST, PRELUDE, Job, assert_no_leftovers
 
