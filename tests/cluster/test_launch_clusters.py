@@ -175,3 +175,12 @@ def test_mpirun_gives_each_rank_its_role(cluster):
     result = cluster.run(['--launcher', 'mpi', '-H', 'hosts'], servers=1)
     assert result.returncode == 0, result.output
     assert result.results() == _expected_results(2)
+
+
+def test_a_host_where_the_runner_cannot_start_is_named_before_anything_else_starts(cluster):
+    result = cluster.run(['--launcher', 'ssh', '-H', 'hosts', '--python', '/no/such/python'])
+    assert result.returncode == 127, result.output
+    assert _blames(result) == [] and 'kvps.launch: scheduler (pid ' in result.stderr
+    assert 'failed first: exit code 127' in result.stderr
+    assert '[scheduler] ' in result.stdout and '/no/such/python' in result.stdout
+    assert '[server 0]' not in result.output and '[worker 0]' not in result.output
