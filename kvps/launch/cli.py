@@ -56,8 +56,8 @@ def _resolves(host):
     try:
         socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
     except (OSError, UnicodeError) as exc:   # gaierror is an OSError; idna refuses some names
-        return (f'argument --host: {host!r}: cannot resolve it to an IPv4 address on this host, where '
-                f'the scheduler binds it ({exc})')
+        return (f'argument --host: {host!r}: cannot resolve it to an IPv4 address on this '
+                f'host, where the scheduler binds it ({exc})')
     return None
 
 

@@ -27,7 +27,9 @@ def run(opts, environ=None, node_argv=None, out=None, err=None):
     if opts.auth and not any(environ.get(n) for n in ('KVPS_SECRET', 'KVPS_SECRET_FILE')):
         environ['KVPS_SECRET'] = new_secret()   # one secret for the whole job
     node_argv = node_argv or kvps_node(None if opts.launcher == 'local' else opts.python)
-    say = lambda text: print(f'kvps.launch: {text}', file=err or sys.stderr, flush=True)  # noqa
+
+    def say(text):
+        print(f'kvps.launch: {text}', file=err or sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix='kvps-launch-') as tmp:
         port_file = os.path.join(tmp, 'scheduler.port')
         if opts.launcher in clusters.BATCH:   # on the directory every task shares

@@ -2,9 +2,11 @@
 ones would on a cluster, so the launcher's ssh, slurm and mpi paths run whole in a test.
 
 - ssh: logs its argv, runs the remote command with ``bash -c`` in a session of its own and a
-  login's environment (as sshd would), copies stdin, stdout and stderr through pipes; when it dies the remote side
-  sees its stdin close and its output pipes break, as over a dropped connection; the exit
-  code is the remote command's (255 when a signal killed it, as OpenSSH reports).
+  login's environment (as sshd would), copies stdin, stdout and stderr through pipes; when it
+  dies the remote side sees its stdin close and its output pipes break, as over a dropped
+  connection; the exit code is the remote command's (255 when a signal killed it, as OpenSSH
+  reports). The login environment keeps PYTHONPATH (kvps installed there) and the test's
+  KVPS_TEST_TAG (to find what a job leaves behind).
 - srun / mpirun: start N copies of their command with the rank variables of Slurm
   (SLURM_PROCID, SLURM_NTASKS, SLURM_NODELIST, ...), Open MPI (OMPI_COMM_WORLD_RANK/SIZE)
   or MPICH (PMI_RANK/PMI_SIZE); relay their output; forward SIGTERM and SIGINT; when one
