@@ -13,7 +13,7 @@ import zmq
 
 from ..config import variable
 from ..errors import AuthError, ConfigError, TransportError
-from ..parsers import port_range_text
+from ..env_parsers import port_range_text
 from .auth import TO_DEALER, TO_ROUTER, Guard
 from .refusals import REFUSALS
 
