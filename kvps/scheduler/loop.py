@@ -213,6 +213,9 @@ class Scheduler:
         self.lose(node, f'{node.describe()} failed: {header["reason"]}')
 
     def _on_ack(self, identity, header):
+        node = self.members.nodes.get(identity)
+        if node is None or node.role != 'server':   # (it would be ignored: say so, as for all)
+            raise KVPSError('only servers acknowledge membership changes')
         self.elastic.acked(identity, header.get('id'))
 
     _HANDLERS = {P.REGISTER: _on_register, P.HEARTBEAT: _on_heartbeat,

@@ -345,7 +345,7 @@ def classify(frames, target):
         return 'reply', None
     if op == P.HEARTBEAT:
         return 'ignore', None       # from an unregistered identity: not even an ack
-    if op in (P.REGISTER, P.BARRIER, P.FINISH):
+    if op in (P.REGISTER, P.BARRIER, P.FINISH, P.ACK):   # (ACK: servers' of memberships)
         return 'refuse', None
     return 'not-op', None
 
