@@ -4,11 +4,16 @@ import dataclasses
 import difflib
 import logging
 import os
-import re
 
+# The parsers of values, private to the table below (where they keep their names)
+from .env_values import (count_or_all as _count_or_all, count_or_auto as _count_or_auto,
+                         device as _device, flag as _flag, log_level as _log_level,
+                         modules as _modules, nonneg_float as _nonneg_float,
+                         nonneg_int as _nonneg_int, port as _port,
+                         positive_float as _positive_float, positive_int as _positive_int,
+                         role as _role, text as _text)
 from .errors import ConfigError
-
-ROLES = ('worker', 'server', 'scheduler')
+from .rank_sources import SOURCES as RANK_SOURCES, rank_hint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,97 +24,6 @@ class Var:
     parse: object
     default: object
     doc: str
-
-
-def _number(cast, ok, message):
-    """A parser of numbers of type ``cast`` for which ``ok(value)`` holds (NaN never does)."""
-    def parse(text):
-        value = cast(text)
-        if not ok(value):
-            raise ValueError(message)
-        return value
-    return parse
-
-
-# Longest wait in seconds (about 31 years): Python's waits refuse more than
-# threading.TIMEOUT_MAX (about 9.2e9 s) with an OverflowError, and a worker's start waits
-# for the connect bound plus twice the heartbeat interval. 'inf' would also never end.
-MAX_SECONDS = 1e9
-# Largest count or size: every one travels in msgpack headers, which hold 64-bit ints.
-MAX_INT = 2 ** 63 - 1
-
-_positive_float = _number(float, lambda v: 0 < v <= MAX_SECONDS,
-                          f'must be > 0 and at most {MAX_SECONDS:g} (seconds)')
-_nonneg_float = _number(float, lambda v: 0 <= v <= MAX_SECONDS,
-                        f'must be >= 0 and at most {MAX_SECONDS:g} (seconds)')
-_nonneg_int = _number(int, lambda v: 0 <= v <= MAX_INT, 'must be >= 0 and below 2**63')
-_positive_int = _number(int, lambda v: 1 <= v <= MAX_INT, 'must be >= 1 and below 2**63')
-
-
-def _flag(text):
-    low = text.strip().lower()
-    if low in ('1', 'true', 'yes', 'on'):
-        return True
-    if low in ('0', 'false', 'no', 'off', ''):
-        return False
-    raise ValueError('expected 0/1/true/false')
-
-
-def _role(text):
-    low = text.strip().lower()
-    if low not in ROLES:
-        raise ValueError(f'expected one of {", ".join(ROLES)}')
-    return low
-
-
-def _device(text):
-    low = text.strip().lower()
-    if low not in ('auto', 'cpu', 'cuda'):
-        raise ValueError('expected auto, cpu or cuda')
-    return low
-
-
-def _count_or_auto(text):
-    low = text.strip().lower()
-    return 'auto' if low == 'auto' else _positive_int(low)
-
-
-def _count_or_all(text):
-    low = text.strip().lower()
-    return 'all' if low == 'all' else _nonneg_int(low)
-
-
-def _text(text):
-    return text.strip()
-
-
-_MODULE = re.compile(r'[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*')
-
-
-def _modules(text):
-    names = tuple(n.strip() for n in text.split(',') if n.strip())
-    bad = [n for n in names if not _MODULE.fullmatch(n)]
-    if bad:
-        raise ValueError(f'{bad[0]!r} is not a Python module name; expected module names '
-                         'separated by commas (e.g. mypkg.optimizers,other)')
-    return names
-
-
-def _port(text):
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise ValueError('must be a TCP port, 0 to 65535')
-    return value
-
-
-_LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'WARN', 'ERROR', 'CRITICAL', 'FATAL', 'NOTSET')
-
-
-def _log_level(text):
-    name = text.strip().upper()
-    if name not in _LOG_LEVELS:
-        raise ValueError(f'expected one of {", ".join(_LOG_LEVELS)}')
-    return name
 
 
 # How kvps's own log lines look, on nodes and in workers.
@@ -134,8 +48,15 @@ VARS = (
         'Address this node advertises to peers (overrides the interface).'),
     Var('use_kubernetes', ('KVPS_USE_KUBERNETES', 'DMLC_USE_KUBERNETES'), _flag, False,
         'Scheduler and servers bind 0.0.0.0 (the advertised name is a Service, not a local IP).'),
-    Var('rank', ('KVPS_RANK',), _nonneg_int, None,
-        'Requested rank within the role (the launcher sets it); else ranks follow arrival order.'),
+    # Read by rank_sources.rank_hint, in this order of precedence (they must agree); the
+    # launcher removes every one of them from what its children inherit, as it gives ranks.
+    Var('rank', RANK_SOURCES, _nonneg_int, None,
+        'This process\'s rank within its role (the launcher sets `KVPS_RANK`); else ranks '
+        'follow the order of registration. The first set of these gives it and the others '
+        'must agree: the ps-lite/BytePS/dmlc-tracker ids (`DMLC_WORKER_ID` on workers, '
+        '`DMLC_SERVER_ID` on servers), Kubeflow\'s `MX_CONFIG` and TensorFlow\'s `TF_CONFIG` '
+        '(`task.index`), a Kubernetes Indexed Job\'s index, and the dmlc tracker\'s task '
+        'index, workers first ([launching.md](launching.md#ranks)).'),
     Var('bigarray_bound', ('KVPS_BIGARRAY_BOUND', 'MXNET_KVSTORE_BIGARRAY_BOUND'), _positive_int,
         1_000_000, 'Arrays with at least this many elements are split across all servers.'),
     Var('partition_bytes', ('KVPS_PARTITION_BYTES', 'BYTEPS_PARTITION_BYTES'), _positive_int,
@@ -233,6 +154,8 @@ class Config:
     node_host: str = None
     use_kubernetes: bool = False
     rank: int = None
+    # which setting gave the rank ('DMLC_WORKER_ID=3'), as messages name it; not a setting
+    rank_from: str = dataclasses.field(default=None, compare=False)
     bigarray_bound: int = 1_000_000
     partition_bytes: int = 16 << 20
     timeout: float = 600.0
@@ -285,9 +208,11 @@ class Config:
         """Read every variable in VARS (or those of ``fields``); the KVPS_ name wins over its
         aliases."""
         env = os.environ if environ is None else environ
+        if fields is not None and 'rank' in fields:   # a rank is one within a role
+            fields = {*fields, 'role', 'num_workers'}
         values = {}
         for var in VARS:
-            if fields is not None and var.field not in fields:
+            if (fields is not None and var.field not in fields) or var.field == 'rank':
                 continue
             for name in var.names:
                 raw = env.get(name)
@@ -297,6 +222,12 @@ class Config:
                     except ValueError as exc:
                         raise ConfigError(f'{name}={raw!r}: {exc}') from None
                     break
+        if fields is None or 'rank' in fields:
+            try:
+                values['rank'], values['rank_from'] = rank_hint(
+                    env, values.get('role'), values.get('num_workers'))
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if fields is None:
             _warn_misspelled(env)
         config = cls(**values)

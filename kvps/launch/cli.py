@@ -37,8 +37,10 @@ _PASSED_DOWN = ('timeout', 'connect_timeout', 'heartbeat_interval', 'heartbeat_t
 
 
 def _name(field):
-    """The name the launcher sets for a contract field: ps-lite's DMLC_* where there is one."""
-    return _BY_FIELD[field].names[-1]
+    """The name the launcher sets for a contract field: ps-lite's DMLC_* where there is one
+    (a rank's other names are cluster managers', each with a meaning of its own)."""
+    names = _BY_FIELD[field].names
+    return names[0] if field == 'rank' else names[-1]
 
 
 def _checked(field, convert=False):

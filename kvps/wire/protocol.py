@@ -14,8 +14,10 @@ from ..errors import ProtocolError
 from .items import CheckItem, DataItem, InitItem, Layout, PullItem, PushItem, ResumeItem
 
 # Node <-> scheduler.
-VERSION = 11                 # bumped on any change of the wire format; checked at REGISTER
-REGISTER = 'register'        # node -> scheduler: {role, host, port, rank, pid, version}
+VERSION = 12                 # bumped on any change of the wire format; checked at REGISTER
+# node -> scheduler: {role, host, port, rank, pid, version, shared, rank_from (the setting
+# that gave the rank, for messages: 'DMLC_WORKER_ID=3')}
+REGISTER = 'register'
 # scheduler -> node: {rank, num_workers, num_servers, servers, nodes, recovery_timeout, job (a
 # token naming this run, kept in server checkpoints), clock (the scheduler's monotonic ns: a
 # node's timeline aligns with it)}; to a server that replaces a lost one also
@@ -231,6 +233,9 @@ def validate_header(header):
     items = None if layout is None else _typed_items(op, layout, header['keys'])
     if 'shared' in header:   # REGISTER's only: no cost on the data path's messages
         _check_shared(op, header['shared'])
+    rank_from = header.get('rank_from')
+    if rank_from is not None and not (isinstance(rank_from, str) and len(rank_from) <= 200):
+        raise ProtocolError(f'{op}: rank_from must be a string of at most 200 characters')
     digest = header.get('digest')
     if digest is not None and not (isinstance(digest, bytes) and len(digest) <= MAX_DIGEST_BYTES):
         raise ProtocolError(f'{op}: digest must be at most {MAX_DIGEST_BYTES} bytes')

@@ -1,0 +1,97 @@
+"""Parsers of environment variables' text (numbers, flags, names, ports), for config.py: each
+returns the value or raises ValueError saying what it expected."""
+
+import re
+
+ROLES = ('worker', 'server', 'scheduler')
+
+
+def number(cast, ok, message):
+    """A parser of numbers of type ``cast`` for which ``ok(value)`` holds (NaN never does)."""
+    def parse(text):
+        value = cast(text)
+        if not ok(value):
+            raise ValueError(message)
+        return value
+    return parse
+
+
+# Longest wait in seconds (about 31 years): Python's waits refuse more than
+# threading.TIMEOUT_MAX (about 9.2e9 s) with an OverflowError, and a worker's start waits
+# for the connect bound plus twice the heartbeat interval. 'inf' would also never end.
+MAX_SECONDS = 1e9
+# Largest count or size: every one travels in msgpack headers, which hold 64-bit ints.
+MAX_INT = 2 ** 63 - 1
+
+positive_float = number(float, lambda v: 0 < v <= MAX_SECONDS,
+                        f'must be > 0 and at most {MAX_SECONDS:g} (seconds)')
+nonneg_float = number(float, lambda v: 0 <= v <= MAX_SECONDS,
+                      f'must be >= 0 and at most {MAX_SECONDS:g} (seconds)')
+nonneg_int = number(int, lambda v: 0 <= v <= MAX_INT, 'must be >= 0 and below 2**63')
+positive_int = number(int, lambda v: 1 <= v <= MAX_INT, 'must be >= 1 and below 2**63')
+
+
+def flag(text):
+    low = text.strip().lower()
+    if low in ('1', 'true', 'yes', 'on'):
+        return True
+    if low in ('0', 'false', 'no', 'off', ''):
+        return False
+    raise ValueError('expected 0/1/true/false')
+
+
+def role(text):
+    low = text.strip().lower()
+    if low not in ROLES:
+        raise ValueError(f'expected one of {", ".join(ROLES)}')
+    return low
+
+
+def device(text):
+    low = text.strip().lower()
+    if low not in ('auto', 'cpu', 'cuda'):
+        raise ValueError('expected auto, cpu or cuda')
+    return low
+
+
+def count_or_auto(text):
+    low = text.strip().lower()
+    return 'auto' if low == 'auto' else positive_int(low)
+
+
+def count_or_all(text):
+    low = text.strip().lower()
+    return 'all' if low == 'all' else nonneg_int(low)
+
+
+def text(value):
+    return value.strip()
+
+
+MODULE = re.compile(r'[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*')
+
+
+def modules(text):
+    names = tuple(n.strip() for n in text.split(',') if n.strip())
+    bad = [n for n in names if not MODULE.fullmatch(n)]
+    if bad:
+        raise ValueError(f'{bad[0]!r} is not a Python module name; expected module names '
+                         'separated by commas (e.g. mypkg.optimizers,other)')
+    return names
+
+
+def port(text):
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError('must be a TCP port, 0 to 65535')
+    return value
+
+
+LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'WARN', 'ERROR', 'CRITICAL', 'FATAL', 'NOTSET')
+
+
+def log_level(text):
+    name = text.strip().upper()
+    if name not in LOG_LEVELS:
+        raise ValueError(f'expected one of {", ".join(LOG_LEVELS)}')
+    return name
