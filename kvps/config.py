@@ -77,7 +77,9 @@ VARS = (
         '(`kvps.launch --server-plugin`; [plugins.md](plugins.md)).'),
     Var('server_device', ('KVPS_SERVER_DEVICE',), _device, 'auto',
         'Where servers keep shards: auto (keys of device-side stores on the GPU when the '
-        'server has one, others in host memory), cpu, or cuda (all on the GPU; needs cupy).'),
+        'server has one, others in host memory), cpu, or cuda (all on the GPU; needs cupy). '
+        'Every process logs at INFO, once, the route its GPU values take (`device values: '
+        '...`; docs/shared-memory.md).'),
     Var('update_threads', ('KVPS_UPDATE_THREADS',), _count_or_auto, 1,
         'Threads a server splits the host update of one key (or part) of 256 Ki elements or '
         'more over, bit for bit as one thread would (numpy releases the GIL). For hosts whose '

@@ -1,17 +1,29 @@
-"""GPU values in device stores: sums on the device, transfers through pinned host memory.
+"""GPU values in device stores: sums on the device, transfers to and from host memory.
 
 A GPU value is a torch CUDA tensor or a cupy array, recognised by its type's module (as
 ``arrays.is_torch`` does), so a CPU-only path imports neither library. torch does the device
 work: a cupy array is viewed as a torch tensor through DLPack (``torch.from_dlpack``, no copy),
 and summed, staged and written through that view. The optimizer kernels go the other way: a
 CUDA tensor is viewed as a cupy array (``cupy.from_dlpack``, no copy) for ``_kernels``.
+
+Where the backend's shared memory is page-locked (kvps.pinning; its ``device_route``), a push
+is copied from the GPU straight into blocks of it and a pull straight out of it onto the GPU
+(a Landing): one DMA each way. Elsewhere a push is staged in a fresh pinned buffer and a pull
+lands in one (a copy more each way, the host's).
 """
+
+import contextlib
+import ctypes
+import logging
 
 import numpy as np
 
-from . import arrays
+from . import arrays, pinning
 from .errors import DTypeError
 from .optimizer.kernels import is_cupy
+from .wire.protocol import DTYPES
+
+log = logging.getLogger('kvps')
 
 DEVICE_TYPES = ('device', 'dist_sync_device', 'dist_async_device')
 
@@ -53,6 +65,14 @@ def host_sum(values):
     peer; bfloat16 is summed in float32 and rounded once, as servers and host values sum it),
     then lands in a pinned host buffer, and the stream is synchronised before the buffer is
     handed to the backend. The caller's memory is only read."""
+    total = _device_sum(values)
+    host = _staged(total)
+    _synchronize([total.device])
+    return host
+
+
+def _device_sum(values):
+    """The flat sum of one key's GPU values, on the first one's device (maybe its memory)."""
     tensors = [as_torch(v).reshape(-1) for v in values]
     total = tensors[0]
     if len(tensors) > 1:
@@ -64,10 +84,78 @@ def host_sum(values):
             total.add_(other.to(total.device))
         if wide:
             total = total.to(torch.bfloat16)
-    host = _host_buffer(total.numel(), total.dtype, total.is_cuda)
-    host.copy_(total, non_blocking=True)
-    _synchronize([total.device])
+    return total
+
+
+def _staged(flat):
+    """A fresh pinned host copy of device tensor ``flat`` (not waited for), as numpy."""
+    host = _host_buffer(flat.numel(), flat.dtype, flat.is_cuda)
+    host.copy_(flat, non_blocking=True)
     return arrays.as_numpy(host)
+
+
+class PushCopies:
+    """The host copies of one push's GPU values, made straight into the blocks of page-locked
+    shared memory the backend gave (one DMA per block, on the caller's stream, behind the
+    kernels that made the values); ``wait`` before the push is handed to the backend."""
+
+    def __init__(self):
+        self._devices = set()
+
+    def copy(self, values, blocks, cuts=None):
+        """The flat sum of ``values`` in host memory (a list of one copy per part for a key in
+        parts, ``cuts``: their ``(start, stop)``), each in its block (a uint8 array of its
+        bytes) or, where it has none or the block cannot be page-locked, in a fresh pinned
+        buffer."""
+        total = _device_sum(values)
+        self._devices.add(total.device)
+        if cuts is None:
+            return _into_block(total, blocks[0])
+        return [_into_block(total[a:b], block) for (a, b), block in zip(cuts, blocks)]
+
+    def wait(self):
+        """Wait for every copy (their streams synchronised): the blocks hold the values."""
+        _synchronize(self._devices)
+
+
+def _into_block(flat, block):
+    """``flat`` copied into ``block`` when it is page-locked (as numpy of its dtype), else
+    into a fresh pinned buffer; not waited for."""
+    spans = None if block is None else pinning.REGISTRY.spans(block.ctypes.data, block.nbytes)
+    if spans is None:
+        return _staged(flat)
+    host = _torch().from_numpy(block).view(flat.dtype)
+    _copy_spans(host, flat, spans)
+    return arrays.as_numpy(host)
+
+
+def _copy_spans(dst, src, spans):
+    """``dst.copy_(src)`` (flat, of one dtype, asynchronous where the device allows), one copy
+    per span of kvps.pinning's (bytes of the host side), so that each lies in one page-locked
+    range."""
+    size = dst.element_size()
+    if len(spans) == 1 or any(at % size or n % size for at, n in spans):
+        dst.copy_(src, non_blocking=True)
+        return
+    for at, n in spans:
+        dst[at // size:(at + n) // size].copy_(src[at // size:(at + n) // size],
+                                               non_blocking=True)
+
+
+def direct(backend):
+    """Whether GPU values take ``backend``'s page-locked shared memory (its ``device_route``),
+    a DMA each way straight between it and the GPU; the route is logged at INFO the first
+    time a GPU value moves."""
+    _use_torch_locker()
+    ok, how = backend.device_route()
+    global _ROUTE_TOLD
+    if not _ROUTE_TOLD:
+        _ROUTE_TOLD = True
+        log.info('device values: GPU <-> %s', how)
+    return ok
+
+
+_ROUTE_TOLD = False
 
 
 def check_targets(targets, key):
@@ -98,7 +186,11 @@ def pull_buffer(targets, dtype):
 
 def land(host, targets):
     """Copy a pulled host buffer into every target (cupy arrays through their DLPack view),
-    then wait for those copies, so the caller sees the values whatever stream it uses next."""
+    then wait for those copies, so the caller sees the values whatever stream it uses next.
+    ``host`` may be the Landing that the backend wrote the targets through: it finishes."""
+    if isinstance(host, Landing):
+        host.finish()
+        return
     # One host-to-device copy per target rather than one copy fanned out peer to peer: each
     # device reads the pinned buffer over its own link, and there is nothing to order.
     written = []
@@ -107,6 +199,91 @@ def land(host, targets):
         view.copy_(host.view(view.shape), non_blocking=True)
         written.append(view.device)
     _synchronize(written)
+
+
+class Landing:
+    """A pull of one key into targets all on GPUs, written straight from host memory as the
+    answers come: a backend's copier sets ``landing[start:stop] = host array`` (the key's
+    dtype: its page-locked segment, a server's arena, a frame) inside ``with
+    landing.writing():``, which waits for the writes as it ends. They go into the first target
+    of the key's dtype that is contiguous (else a buffer on its device); ``finish`` copies it
+    into the others. ``group``: the Landings of the pull call."""
+
+    def __init__(self, targets, dtype, group):
+        torch = _torch()
+        views = [as_torch(t) for t in targets]
+        wire = getattr(torch, dtype)
+        first = next((v for v in views if v.dtype == wire and v.is_contiguous()), None)
+        if first is None:
+            first = torch.empty(views[0].shape, dtype=wire, device=views[0].device)
+        self._flat = first.view(-1)
+        self._rest = [v for v in views if v is not first]
+        self.dtype = np.dtype(DTYPES[dtype])
+        self.itemsize, self.size = self.dtype.itemsize, self._flat.numel()
+        self.group = group
+        group.lands_on(self._flat.device)
+
+    def __setitem__(self, where, source):
+        dst = self._flat[where]
+        spans = pinning.REGISTRY.spans(source.ctypes.data, source.nbytes)
+        _copy_spans(dst, _host_tensor(source, dst.dtype), spans or [(0, source.nbytes)])
+
+    def writing(self):
+        """The context the writes of one answer are made in (its pull call's)."""
+        return self.group.writing()
+
+    def finish(self):
+        """The pull is answered: copy into the other targets (cast where their dtype differs)
+        and wait, so the caller sees the values whatever stream it uses next."""
+        for view in self._rest:
+            view.copy_(self._flat.view(view.shape), non_blocking=True)
+        _synchronize([view.device for view in self._rest])
+
+
+class Landings:
+    """The Landings of one pull call: the GPUs they land on, and for each what the caller's
+    stream had queued when the pull was made (an event: the targets may still be in use)."""
+
+    def __init__(self):
+        self._events = {}   # device -> event on the caller's stream
+
+    def lands_on(self, device):
+        if device.type == 'cuda' and device not in self._events:
+            torch = _torch()
+            self._events[device] = torch.cuda.Event()
+            self._events[device].record(torch.cuda.current_stream(device))
+
+    @contextlib.contextmanager
+    def writing(self):
+        """Writes made in it run on the writing thread's own stream of each device, behind
+        the events; they are waited for as it ends."""
+        torch, entered = _torch(), []
+        try:
+            for device, event in self._events.items():
+                stream = _LANDING_STREAMS.get(device.index)
+                if stream is None:
+                    stream = _LANDING_STREAMS[device.index] = torch.cuda.Stream(device)
+                stream.wait_event(event)
+                context = torch.cuda.stream(stream)
+                context.__enter__()
+                entered.append((context, stream))
+            yield
+        finally:
+            for context, stream in reversed(entered):
+                stream.synchronize()
+                context.__exit__(None, None, None)
+
+
+_LANDING_STREAMS = {}   # device index -> the stream pulls land on there
+
+
+def _host_tensor(source, dtype):
+    """A CPU tensor of ``dtype`` over host array ``source``'s bytes. A read-only one (an arena,
+    a frame) is reached by address (torch warns of read-only arrays): it is only read."""
+    if not source.flags.writeable:
+        source = np.frombuffer((ctypes.c_char * source.nbytes).from_address(source.ctypes.data),
+                               np.uint8)
+    return _torch().from_numpy(source.view(np.uint8)).view(dtype)
 
 
 def put_rows(target, ids, values):
@@ -169,6 +346,40 @@ def kernel_view(tensor, read_only=False):
     if arrays.dtype_name(flat) == 'bfloat16':
         return cupy.from_dlpack(flat.view(_torch().int16)).view(cupy.uint16)
     return cupy.from_dlpack(flat)
+
+
+class TorchLocker:
+    """kvps.pinning's Locker on a worker: cudaHostRegister through torch's CUDA runtime."""
+
+    def lock(self, address, nbytes, writable):
+        cudart = _torch().cuda.cudart()
+        flags = pinning.PORTABLE if writable else pinning.PORTABLE | pinning.READ_ONLY
+        _checked(cudart.cudaHostRegister(address, nbytes, flags), 'cudaHostRegister')
+
+    def unlock(self, address):
+        _checked(_torch().cuda.cudart().cudaHostUnregister(address), 'cudaHostUnregister')
+
+
+def _checked(error, call):
+    """Raise LockFailed for a CUDA runtime error. The error would also wait for the next
+    kernel launch's check (torch's cudaGetLastError) and fail unrelated code: one is
+    launched here to take it."""
+    if int(error) == 0:
+        return
+    torch = _torch()
+    try:
+        torch.ones(1, device='cuda').add_(1)
+        torch.cuda.synchronize()
+    except RuntimeError:
+        pass
+    raise pinning.LockFailed(f'{call}: CUDA error {int(error)} ({error})')
+
+
+def _use_torch_locker():
+    """Page-lock with torch from now on (kvps.pinning), where there is a CUDA device."""
+    registry = pinning.REGISTRY
+    if registry.locker is None and _torch().cuda.is_available():
+        registry.use(TorchLocker())
 
 
 def require_cupy():

@@ -40,6 +40,14 @@ class Backend(Protocol):
         """Where a push's copies of ``sizes`` bytes should be made: per size a writable
         uint8 block the backend sends from (shared memory), or None (make it anywhere)."""
 
+    def device_route(self):
+        """``(direct, how)``: ``direct`` when GPU values may go straight between a GPU and
+        page-locked shared memory (kvps.pinning): a push's GPU copies into blocks from
+        ``stage``, and a pull's ``out`` may be a kvps.devices.Landing (written with
+        ``out[start:stop] = host array`` inside ``with out.writing():``, whose end waits for
+        the writes, before those host bytes are let go). ``how``: the route GPU values take,
+        in words (logged). Cheap: asked at every push and pull of GPU values."""
+
     def push(self, items, priority=0):
         """Send ``items`` ([(key, flat copy | [copy per part], dtype name | codec name |
         ROW_SPARSE)]) to be summed into the key's round; returns without waiting for the
@@ -51,8 +59,9 @@ class Backend(Protocol):
 
     def pull(self, items, priority=0):
         """Write each key's value into ``out`` of ``items`` ([(key, out, dtype name)]: out a
-        writable numpy array of the key's size) after this worker's earlier pushes of it are
-        applied. Blocks; raises any error pending from pushes."""
+        writable numpy array of the key's size, or a Landing where ``device_route`` allows)
+        after this worker's earlier pushes of it are applied. Blocks; raises any error
+        pending from pushes."""
 
     def pull_begin(self, items, priority=0):
         """``pull(items)``'s requests sent now; returns the wait, after which ``out`` holds

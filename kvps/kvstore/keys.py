@@ -105,23 +105,28 @@ class StoreKeys:
 
     def host_copies(self, pairs, stage=False):
         """What the backend is given for each ``(key, values)``: a kvps-owned flat host copy
-        of the values' sum (the caller's memory is never handed over). GPU values are summed
-        on their device and staged through pinned memory; host values are summed by numpy,
-        with ``stage`` straight into the memory the backend sends from (a worker's shared
+        of the values' sum (the caller's memory is never handed over). With ``stage`` the
+        copy is made straight into the memory the backend sends from (a worker's shared
         memory: the one copy a push makes), and for a key in several parts as a list of one
         copy per part, each in a block of its own: a value bigger than the free shared
-        memory then still sends most of its parts through it, not all over the socket."""
+        memory then still sends most of its parts through it, not all over the socket. Host
+        values are summed by numpy; GPU values on their device, and copied from there into
+        those blocks where the backend's shared memory is page-locked (kvps.devices.direct),
+        else staged through pinned memory."""
         gpu = [self.on_gpu(key, values) for key, values in pairs]
-        cuts = [self.cuts(key) if stage and not on_gpu else None
+        straight = stage and True in gpu and devices.direct(self._backend)
+        cuts = [self.cuts(key) if stage and (straight or not on_gpu) else None
                 for on_gpu, (key, _) in zip(gpu, pairs)]
-        sizes = [[0] if on_gpu else [values[0].nbytes] if cut is None else
+        sizes = [[0] if on_gpu and not straight else [values[0].nbytes] if cut is None else
                  [(b - a) * values[0].itemsize for a, b in cut]
                  for on_gpu, cut, (_, values) in zip(gpu, cuts, pairs)]
         blocks = iter(self._backend.stage([n for each in sizes for n in each]) if stage
                       else [None] * len(pairs))
-        copies = []
+        copies, from_gpu = [], devices.PushCopies() if straight else None
         for on_gpu, cut, (_, values) in zip(gpu, cuts, pairs):
-            if on_gpu:
+            if on_gpu and straight:
+                copies.append(from_gpu.copy(values, [next(blocks) for _ in cut or [0]], cut))
+            elif on_gpu:
                 next(blocks)
                 copies.append(devices.host_sum(values))
             elif cut is None:
@@ -129,6 +134,8 @@ class StoreKeys:
             else:
                 flats = [v.reshape(-1) for v in values]   # torch or numpy: dtypes kept
                 copies.append([_summed([f[a:b] for f in flats], next(blocks)) for a, b in cut])
+        if straight:
+            from_gpu.wait()   # before the backend sends headers that point at the blocks
         return copies
 
     def parts(self, key):

@@ -95,6 +95,9 @@ class LocalBackend:
         """Pushes are applied before push returns: a copy anywhere will do."""
         return [None] * len(sizes)
 
+    def device_route(self):
+        return False, 'pinned host buffers <-> this process\'s own store'
+
     @_serialized
     def push(self, items, priority=0):
         """Applied at once: ``priority`` orders nothing in one process (as in every pull)."""

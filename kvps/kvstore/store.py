@@ -167,12 +167,15 @@ class KVStore(KVStoreBase):
 
     def _pull_items(self, key, out):
         """``(landings, backend items)`` for a pull into ``out``, every target checked first
-        (a pull raises before it writes any of them). GPU targets are pulled into a pinned
-        host buffer of the key's dtype and copied (cast) onto each device from there: landing
-        ``(buffer, targets)``; host targets are pulled into the first of the key's dtype (a
-        scratch array if none is), which feeds the rest, cast where their dtype differs:
-        landing ``(None, [(numpy view, its dtype)], that first view, the key's dtype)``."""
-        landings, items = [], []
+        (a pull raises before it writes any of them). A key whose targets are all on GPUs is
+        written onto them straight from the backend's page-locked shared memory, where it has
+        some (a devices.Landing: landing ``(it, targets)``); other GPU targets are pulled into
+        a pinned host buffer of the key's dtype and copied (cast) onto each device from there:
+        landing ``(buffer, targets)``; host targets are pulled into the first of the key's
+        dtype (a scratch array if none is), which feeds the rest, cast where their dtype
+        differs: landing ``(None, [(numpy view, its dtype)], that first view, the key's
+        dtype)``."""
+        landings, items, straight, group = [], [], None, None
         for k, targets in self._keys.pairs(key, out):
             shape, dtype = self._keys.known(k)
             names = []
@@ -184,9 +187,17 @@ class KVStore(KVStoreBase):
             gpu = self._keys.on_gpu(k, targets)   # first: it names the device store types
             views = devices.check_targets(targets, k)
             if gpu:
-                host = devices.pull_buffer(targets, dtype)
-                landings.append((host, targets))
-                items.append((k, arrays.as_numpy(host), dtype))
+                on_gpus = all(view is None for view in views)
+                if on_gpus and straight is None:
+                    straight = devices.direct(self._backend)
+                if on_gpus and straight:
+                    group = group or devices.Landings()
+                    landing = devices.Landing(targets, dtype, group)
+                    items.append((k, landing, dtype))
+                else:
+                    landing = devices.pull_buffer(targets, dtype)
+                    items.append((k, arrays.as_numpy(landing), dtype))
+                landings.append((landing, targets))
                 continue
             first = next((v for v, name in zip(views, names) if name == dtype), None)
             if first is None:

@@ -39,7 +39,9 @@ class Lending:
         return cls(Regions(config.shm, arena_bytes=size, neighbours=workers), storage)
 
     def attach(self, identity, header, now):
-        """Map the segment an ATTACH names; returns the ACK's fields (the arena, if any)."""
+        """Map the segment an ATTACH names (releasing the one it replaces, once the copies
+        from it are done); returns the ACK's fields (the arena, if any)."""
+        self._storage.settle()
         arena = self.regions.attach(identity, header, now)
         self._storage.use_arena(self.regions.arena)
         return None if arena is None else {'arena': arena}
@@ -71,9 +73,15 @@ class Lending:
         """The Delivery of a PullAnswer: weights in the arena are lent to a worker that reads
         it, values are written into the worker's segment where it asked, and the rest go as
         frames; the leases tell the shard when the worker (arena) or the transport (frames)
-        is done with each."""
-        items, frames, framed, lent = [], [], [], []
+        is done with each. A device's weights are copied out (into the segment, or a pinned
+        frame) and waited for here: their leases end now."""
+        items, frames, framed, lent, copied = [], [], [], [], []
+        device = self._storage.on_device   # (asked per key only where some keys are)
         for pulled, place in zip(answer.pulled, answer.places):
+            if device and pulled.entry.arrays.on_device:
+                copied.append(pulled)
+                items.append(_copy_out(pulled, place, frames))
+                continue
             offset = None if answer.reader is None else self.regions.lendable(pulled.array)
             if offset is not None:
                 lent.append(pulled)
@@ -87,6 +95,10 @@ class Lending:
                 np.frombuffer(view, pulled.array.dtype)[...] = pulled.array   # (np.copyto: 4x)
                 pulled.lease.released = True
                 items.append(new(DataItem, (at, None)))
+        if copied:
+            self._storage.settle()
+            for pulled in copied:
+                pulled.lease.released = True
         number = None
         if lent:
             number = self.regions.lend(answer.reader, [pulled.array for pulled in lent])
@@ -95,11 +107,25 @@ class Lending:
         return Delivery(items, frames, framed, number)
 
     def forget(self, worker):
-        """The worker left: nothing it was lent needs keeping."""
+        """The worker left: nothing it was lent needs keeping; its segment is released once
+        the copies from it are done."""
+        self._storage.settle()
         self.regions.forget(worker)
 
     def tick(self, now):
         self.regions.tick(now)
 
     def close(self):
+        self._storage.settle()
         self.regions.close()
+
+
+def _copy_out(pulled, place, frames):
+    """Copy a device's pulled weight out (settle waits for it): into the worker's segment
+    where it asked (``place``), else into a pinned buffer appended to ``frames``; its item."""
+    arrays = pulled.entry.arrays
+    if place is None:
+        frames.append(arrays.framed(pulled.array))
+        return IN_FRAME
+    arrays.copy_out(pulled.array, place[1])
+    return new(DataItem, (place[0], None))

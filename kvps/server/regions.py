@@ -59,7 +59,7 @@ class Regions:
         """Map the segment of ATTACH ``header`` for ``identity`` (replacing an older one: views
         already taken from it keep it mapped until they are gone). Returns the arena's
         description for the answer, or None when there is none."""
-        self._by_worker.pop(identity, None)   # a failed attach leaves the socket only
+        self._drop_mapping(identity)   # a failed attach leaves the socket only
         if not self.enabled:
             raise ConfigError('shared memory is off on this server (KVPS_SHM=0)')
         self._by_worker[identity] = Mapping.open(
@@ -68,7 +68,7 @@ class Regions:
         if self.arena is None and self._unlink_at is None:
             self._unlink_at = now + ARENA_NAME_SECONDS   # one try: no room is logged once
             self.arena = self._new_arena()
-        self.forget(identity)
+        self._forget_reader(identity)
         self._readers[identity] = Reader()
         return None if self.arena is None or self.arena.name_gone else self.arena.describe()
 
@@ -88,8 +88,18 @@ class Regions:
             self.arena.unlink()
 
     def close(self):
+        """Release every worker's segment and close the arena (the server is ending)."""
+        for identity in list(self._by_worker):
+            self._drop_mapping(identity)
         if self.arena is not None:
             self.arena.close()
+
+    def _drop_mapping(self, identity):
+        """Release ``identity``'s segment (unlocked, if a GPU copy locked it) and drop it:
+        views still taken keep it mapped until they go."""
+        mapping = self._by_worker.pop(identity, None)
+        if mapping is not None:
+            mapping.release()
 
     def view(self, identity, at, nbytes):
         """``nbytes`` of ``identity``'s segment at ``at``; ProtocolError when that worker has
@@ -154,7 +164,12 @@ class Regions:
         return reader.lent
 
     def forget(self, identity):
-        """The worker left (or attached anew): nothing it was lent needs keeping."""
+        """The worker left: nothing it was lent needs keeping, and its segment is released."""
+        self._forget_reader(identity)
+        self._drop_mapping(identity)
+
+    def _forget_reader(self, identity):
+        """Nothing ``identity`` was lent needs keeping (it left, or attached anew)."""
         reader = self._readers.pop(identity, None)
         if reader is not None:
             reader.saw(math.inf)

@@ -1,142 +1,26 @@
 """Where a shard keeps each key's arrays: host memory (numpy) or a CUDA device (cupy).
 
 The Shard never calls numpy or cupy directly for its weights, merge buffers and received
-gradients; it asks the key's arrays (Storage.for_key). Host arrays read wire buffers in place
-and lend the weight itself to a pull reply (copy-on-write leases); big ones live in the
-server's shared-memory arena once it has one, where workers on this host copy pulls straight
-out of them. Device arrays copy a received buffer to the device once and copy the weight back
-to a fresh host array for each pull.
+gradients; it asks the key's arrays (Storage.for_key). Host arrays (host_arrays.py) read wire
+buffers in place and lend the weight itself to a pull reply (copy-on-write leases); big ones
+live in the server's shared-memory arena once it has one, where workers on this host copy
+pulls straight out of them. Device arrays (device_arrays.py) copy a received buffer to the
+device once and copy the weight out once for each pull, straight between the device and the
+workers' page-locked shared memory where they are on this host.
 """
 
 import logging
 import os
 
-import numpy as np
-
 from ..errors import ConfigError
 from ..optimizer.kernels import numpy_kernels
-from ..optimizer.kernels.numpy_packing import PACK_UP_TO
-from ..wire.protocol import as_array
-from ..wire.shm import MIN_BYTES
+from .device_arrays import CudaArrays
+from .host_arrays import HostArrays
+
+__all__ = ['CudaArrays', 'HostArrays', 'Storage', 'for_device', 'gpu_if_present',
+           'use_update_threads']
 
 log = logging.getLogger('kvps.server')
-SMALL_CHUNK_BYTES = 1 << 20   # small keys' weights are cut end to end from chunks of this
-
-
-class HostArrays:
-    """numpy arrays in this process's memory; from ``arena`` (a kvps.wire.shm.Segment, set when
-    a worker on this host attaches) for arrays of MIN_BYTES and more, while it has room."""
-
-    name = 'cpu'
-    lends = True        # a pull reply may send the stored weight itself, without a copy
-    # An update may take a sync round's last pushes unsummed (the numpy kernels add them in
-    # the pass of the update): float32/float64 only, whose sum is the same there as in a merge.
-    sums_in_update = ('float32', 'float64')
-    xp = np
-
-    def __init__(self):
-        self.arena = None
-        self._small_chunk, self._small_used = None, 0
-
-    def received(self, data, dtype):
-        """A read-only array over a received buffer (no copy)."""
-        return as_array(data, dtype)
-
-    def owned(self, data, dtype):
-        """A new array holding a copy of a received buffer (a key's weight)."""
-        source = as_array(data, dtype)
-        if not 0 < source.size <= PACK_UP_TO:
-            return self.copy(source)
-        out = self._small(source.nbytes, source.itemsize).view(source.dtype)
-        np.copyto(out, source)
-        return out
-
-    def _small(self, nbytes, itemsize):
-        """``nbytes`` right after the last ones cut (a small key's weight): weights made one
-        after another lie end to end, as the updater's states of small keys do, and a packed
-        optimizer pass updates them in place instead of copying them in and out."""
-        at = -(-self._small_used // itemsize) * itemsize
-        if self._small_chunk is None or at + nbytes > self._small_chunk.size:
-            self._small_chunk, at = self._empty((SMALL_CHUNK_BYTES,), np.uint8), 0
-        self._small_used = at + nbytes
-        return self._small_chunk[at:at + nbytes]
-
-    @property
-    def kernels(self):
-        return numpy_kernels
-
-    def empty_like(self, array, dtype=None):
-        return self._empty(array.shape, array.dtype if dtype is None else dtype)
-
-    def _empty(self, shape, dtype):
-        dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if self.arena is not None and nbytes >= MIN_BYTES:
-            taken = self.arena.take(nbytes)
-            if taken is not None:
-                return taken[1].view(dtype).reshape(shape)
-        return np.empty(shape, dtype)
-
-    def add(self, a, b, out):
-        """out = a + b. bfloat16 keys (uint16 bits) sum into a float32 ``out``: numpy and
-        cupy have no bfloat16 and would add the bit patterns as integers."""
-        if a.dtype == b.dtype == out.dtype:
-            return self.xp.add(a, b, out=out)
-        return self.kernels.add_widened(a, b, out)
-
-    def assign(self, dst, src):
-        """dst = src; a float32 sum of a bfloat16 key is rounded to nearest even."""
-        if dst.dtype == src.dtype:
-            self.xp.copyto(dst, src)
-        else:
-            self.kernels.narrow(src, dst)
-
-    def copy(self, array):
-        out = self.empty_like(array)
-        np.copyto(out, array)
-        return out
-
-    def to_host(self, array):
-        return array
-
-
-class CudaArrays(HostArrays):
-    """cupy arrays on the current CUDA device; the optimizer kernels follow them there."""
-
-    name = 'cuda'
-    lends = False       # a pull reply needs the weight in host memory: a fresh copy each time
-    sums_in_update = ()
-
-    def __init__(self):
-        super().__init__()
-        try:
-            import cupy
-            count = cupy.cuda.runtime.getDeviceCount()
-        except Exception as exc:  # ImportError, or CUDA's own errors without a driver
-            raise ConfigError(f'needs cupy and a CUDA GPU on this server '
-                              f'(pip install "kvps[cuda]"): {exc!r}') from None
-        if count < 1:
-            raise ConfigError('this server sees no CUDA GPU')
-        self.xp = cupy
-
-    def received(self, data, dtype):
-        return self.xp.asarray(super().received(data, dtype))
-
-    owned = received      # the copy to the device is already a copy
-
-    def to_host(self, array):
-        return self.xp.asnumpy(array)
-
-    @property
-    def kernels(self):
-        from ..optimizer.kernels import cuda_kernels  # imports cupy only when it runs
-        return cuda_kernels
-
-    def empty_like(self, array, dtype=None):
-        return self.xp.empty_like(array, dtype=dtype)
-
-    def copy(self, array):
-        return array.copy()
 
 
 class Storage:
@@ -147,6 +31,7 @@ class Storage:
     def __init__(self, default, device=None, probe=None):
         self.default = default
         self._device, self._probe = device, probe
+        self._told = False   # the device values' route is logged once, when the first comes
 
     def use_arena(self, arena):
         """Host arrays of MIN_BYTES and more come from ``arena`` from now on."""
@@ -157,9 +42,25 @@ class Storage:
     def for_key(self, wants_device):
         if not wants_device:
             return self.default
-        if self._device is None:
-            self._device = (self._probe() if self._probe else None) or self.default
+        if not self._told:
+            if self._device is None:
+                self._device = (self._probe() if self._probe else None) or self.default
+            self._told = True
+            log.info('device values: %s', self._device.route)
         return self._device
+
+    @property
+    def on_device(self):
+        """Whether some keys may live on a device (their pulls are copied out of it)."""
+        return self._device is not None and self._device.on_device
+
+    def settle(self):
+        """Wait for the copies the arrays have made (a device's): before the answers that
+        free the workers' blocks or carry values, and before a worker's segment is
+        released."""
+        self.default.settle()
+        if self._device is not None and self._device is not self.default:
+            self._device.settle()
 
 
 def gpu_if_present():
@@ -168,8 +69,8 @@ def gpu_if_present():
     try:
         return CudaArrays()
     except ConfigError as exc:
-        log.info('a device-side store asked for the GPU; keys stay in host memory: a GPU '
-                 'placement %s', exc)
+        log.info('a device-side store asked for the GPU; this server has none usable (a GPU '
+                 'placement %s)', exc)
         return None
 
 

@@ -50,8 +50,9 @@ class Trainer:
     first (docs/trainer.md says why it is not the default).
 
     Parameters may live on CUDA devices when the store is a device store ('dist_sync_device',
-    'dist_async_device') or there is none: gradients and weights then pass through pinned host
-    buffers, and local updates run the CUDA kernels on cupy views of the tensors (DLPack).
+    'dist_async_device') or there is none: gradients and weights are then copied once each way
+    between the GPU and host memory (page-locked shared memory, or pinned buffers), and local
+    updates run the CUDA kernels on cupy views of the tensors (DLPack).
 
     Creating a Trainer on a store is collective: every worker must create it, with the same
     parameters; rank 0's initial weights are copied into every worker's parameters.

@@ -7,7 +7,9 @@ writes pulls into it at offsets that headers carry. A server likewise keeps the 
 keys in an arena of its own (blocks from a Heap), which workers map read-only and copy pulls
 out of. Headers still travel over ZeroMQ, so ordering, authentication and errors are
 unchanged. Everything a peer names here (segment name, size, offsets, lengths) is checked
-before use and rejected with ProtocolError.
+before use and rejected with ProtocolError. Each mapping is a region of kvps.pinning, which a
+GPU copy page-locks step by step as it reaches them; ``release`` unlocks it before the mapping
+may go.
 """
 
 import collections
@@ -23,6 +25,7 @@ import weakref
 
 import numpy as np
 
+from .. import pinning
 from ..errors import KVPSError, ProtocolError
 
 SHM_DIR = '/dev/shm'
@@ -193,11 +196,13 @@ class Segment:
         self.fd = fd   # kept open: a peer that comes after the name is gone opens it through us
         self.size = len(memory)
         self._view = memoryview(memory)
-        self._address = np.frombuffer(memory, dtype=np.uint8).ctypes.data
+        self.address = self._address = np.frombuffer(memory, dtype=np.uint8).ctypes.data
         self.blocks = allocator(HEADER_BYTES, self.size)
         self._linked = True
         self.reserved = self.size if reserved is None else reserved   # pages held so far
         self._reserving = threading.Lock()
+        self.region = pinning.REGISTRY.add(self, memory, self.address, self.size, RESERVE_STEP,
+                                           True, f'shared-memory segment {name}')
 
     def describe(self):
         """What a peer needs to map it (an ATTACH, or its answer): ``{name, nonce, size}``, and
@@ -294,9 +299,16 @@ class Segment:
             except FileNotFoundError:
                 pass
 
+    def release(self):
+        """Unlock whatever a GPU copy page-locked of it (kvps.pinning); the mapping may go
+        once the last block does. Idempotent."""
+        pinning.REGISTRY.remove(self.region)
+
     def close(self):
-        """Unlink, and close the file: once the mappings go, so do the pages. Idempotent."""
+        """Unlink, release, and close the file: once the mappings go, so do the pages.
+        Idempotent."""
         self.unlink()
+        self.release()
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -315,9 +327,12 @@ class Mapping:
     """A peer's segment, opened by name only if its nonce matches: a server maps its workers'
     segments, a worker its servers' arenas (read-only)."""
 
-    def __init__(self, memory):
+    def __init__(self, memory, name='', writable=True):
         self.size = len(memory)
         self._view = memoryview(memory)
+        self.address = np.frombuffer(memory, dtype=np.uint8).ctypes.data
+        self.region = pinning.REGISTRY.add(self, memory, self.address, self.size, RESERVE_STEP,
+                                           writable, f'shared-memory mapping of {name}')
 
     @classmethod
     def open(cls, name, nonce, size, directory=SHM_DIR, writable=True, holder=None):
@@ -351,7 +366,12 @@ class Mapping:
         if memory[:NONCE_BYTES] != nonce:
             memory.close()
             raise ProtocolError(f'attach: {name} is not the segment announced (nonce differs)')
-        return cls(memory)
+        return cls(memory, name, writable)
+
+    def release(self):
+        """Unlock whatever a GPU copy page-locked of it (kvps.pinning), before it is dropped:
+        it is unmapped once the last view of it goes. Idempotent."""
+        pinning.REGISTRY.remove(self.region)
 
     def view(self, offset, nbytes):
         """A zero-copy view of ``nbytes`` at ``offset``, after checking both lie in the data

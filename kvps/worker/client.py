@@ -114,6 +114,13 @@ class DistClient:
         staging = self.io.staging
         return [None] * len(sizes) if staging is None else staging.stage(sizes)
 
+    def device_route(self):
+        staging = self.io.staging
+        if staging is None:
+            return False, ('pinned host buffers <-> the socket (no shared memory with a '
+                           'server: none on this host, KVPS_SHM=0 or no room in /dev/shm)')
+        return staging.device_route()
+
     def push(self, items, priority=0):
         """Send each ``(key, flat, dtype)`` (``flat``: a kvps-owned contiguous copy, maybe in a
         block from ``stage``) to the key's servers, small parts fused into one message per
@@ -211,9 +218,13 @@ class DistClient:
 
     def _send_pulls(self, items, priority):
         """Send the pull requests of ``items``; returns what ``_finish_pull`` waits on."""
-        targets, finish = [], []
+        targets, finish, landings = [], [], []
         for key, out, dtype in items:
-            flat = flat_view(out)
+            if type(out) is np.ndarray:
+                flat = flat_view(out)
+            else:   # a GPU pull's Landing (device_route)
+                flat = out
+                landings.append(out)
             target = flat if flat is not None else np.empty(out.size, dtype=out.dtype)
             targets.append((key, target, dtype))
             if flat is None:
@@ -239,7 +250,7 @@ class DistClient:
                 header['priority'] = priority
             self._submit(server, header, (),
                          Request(op, node, copier(batch, blocks, staging, node, self.counts,
-                                                  self.io.trace), keep=blocks))
+                                                  self.io.trace, landings), keep=blocks))
         return op, finish
 
     def _finish_pull(self, op, finish):

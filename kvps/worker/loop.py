@@ -350,7 +350,7 @@ class WorkerIO(threading.Thread):
 
     def _close(self):
         if self.staging is not None:
-            self.staging.segment.close()
+            self.staging.close()
         for dealer in self._servers.values():
             dealer.close(linger_s=0.5)
         if getattr(self, '_link', None) is not None:

@@ -83,13 +83,22 @@ def payload(part, array):
     return array[part.part] if type(array) is list else array[part.start:part.stop]
 
 
-def copier(batch, blocks, staging, node, counts, trace=None):
+def copier(batch, blocks, staging, node, counts, trace=None, landings=()):
     """The reply handler that writes every pulled part into the caller's arrays, from its data
     frame, from the shared-memory block (offset, array) the server wrote it into, or from the
     server's arena where it lent it (remembered: that key part then asks for no block).
     ``counts``: the worker's WorkerCounts (bytes by route); ``trace``: the I/O thread's
-    MessageTrace while the timeline records."""
+    MessageTrace while the timeline records. Targets may be a GPU pull's ``landings``
+    (kvps.devices.Landing): their writes are made in their ``writing()``, which waits for
+    them before the handler returns (the blocks and the arena's bytes they read are let go
+    after it)."""
     def on_data(header, buffers):
+        if not landings:
+            return write_all(header, buffers)
+        with landings[0].writing():
+            write_all(header, buffers)
+
+    def write_all(header, buffers):
         start = recording.now() if trace is not None else 0
         answers = header['keys']
         _check_answers(node, batch, answers, buffers)

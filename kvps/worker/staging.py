@@ -11,9 +11,10 @@ take blocks (never waiting: a payload that finds no room goes through the socket
 import logging
 import os
 
+from .. import pinning
 from ..errors import KVPSError, ProtocolError
 from ..wire import protocol as P
-from ..wire.shm import MIN_BYTES, SHM_DIR, Mapping, Segment, aligned, segment_bytes
+from ..wire.shm import HEADER_BYTES, MIN_BYTES, SHM_DIR, Mapping, Segment, aligned, segment_bytes
 
 log = logging.getLogger('kvps.worker')
 
@@ -45,6 +46,7 @@ class Staging:
         self.attached = frozenset()   # node names; replaced whole, so readers need no lock
         self._asked = set()           # node names whose ATTACH is unanswered
         self.arenas = {}              # node name -> Arena this worker maps
+        self._locks = None            # whether a GPU could page-lock the segment (tried once)
 
     @classmethod
     def create(cls, config, sharers=1):
@@ -66,6 +68,18 @@ class Staging:
                         exc)
             return None
 
+    def device_route(self):
+        """``(direct, how)`` (kvps.kvstore.backend.Backend.device_route): direct once the
+        segment's first step is page-locked (tried the first time GPU values move)."""
+        registry = pinning.REGISTRY
+        if registry.working and self._locks is None:
+            self._locks = registry.spans(self.segment.address, HEADER_BYTES) is not None
+        if registry.working and self._locks:
+            return True, ('page-locked shared memory <-> the servers on this host (one DMA '
+                          'each way); pinned host buffers <-> the socket for any other')
+        why = registry.failed or 'no CUDA device to page-lock it for'
+        return False, f'pinned host buffers, a copy more each way ({why})'
+
     def attach_header(self, node):
         """The ATTACH message that asks ``node`` to map the segment."""
         self._asked.add(node)
@@ -84,9 +98,23 @@ class Staging:
             self.segment.unlink()
 
     def detach(self, node):
-        """``node`` is lost: its replacement has not mapped the segment (nor we its arena)."""
+        """``node`` is lost: its replacement has not mapped the segment (nor we its arena).
+        Its arena is released (unlocked, if a GPU copy locked it; views still taken keep it
+        mapped until they go)."""
         self.attached = self.attached - {node}
-        self.arenas.pop(node, None)
+        self._drop_arena(node)
+
+    def _drop_arena(self, node):
+        arena = self.arenas.pop(node, None)
+        if arena is not None:
+            arena.mapping.release()
+
+    def close(self):
+        """This worker is leaving: the segment and every arena released, the segment's file
+        closed (the pages go with the last mapping). Idempotent."""
+        for node in list(self.arenas):
+            self._drop_arena(node)
+        self.segment.close()
 
     def map_arena(self, node, header):
         """Map the arena an ATTACH answer describes (if any): ``node`` may then lend pulled
@@ -103,6 +131,7 @@ class Staging:
             log.info('cannot map the arena of %s (%s); its pulls are copied into ours', node,
                      exc)
             return
+        self._drop_arena(node)
         self.arenas[node] = Arena(mapping)
 
     def copied(self, node, lease):

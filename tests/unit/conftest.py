@@ -31,3 +31,14 @@ def fresh_refusals():
     REFUSALS.reset()
     yield
     REFUSALS.reset()
+
+
+@pytest.fixture
+def locker(monkeypatch):
+    """A fresh kvps.pinning registry for this test, locking with a HostLocker (returned)."""
+    from page_locking import HostLocker
+
+    from kvps import pinning
+    standin = HostLocker()
+    monkeypatch.setattr(pinning, 'REGISTRY', pinning.Registry(standin))
+    return standin

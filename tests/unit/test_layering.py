@@ -13,7 +13,7 @@ ROLES = {'scheduler', 'server', 'worker'}
 # store and the Trainer on top; the launcher beside the top, imported by nothing.
 RANKS = {
     'errors': 0, 'env_values': 0, 'rank_sources': 0,   # pure: text in, values out
-    'config': 1, 'atomic': 1, 'allocator': 1,
+    'config': 1, 'atomic': 1, 'allocator': 1, 'pinning': 1,
     'timeline': 2, 'optimizer': 2,                   # recording spans; optimizers and kernels
     'wire': 3,                                       # the wire format, sockets, shared memory
     'arrays': 4,                                     # values, one on the other
@@ -120,10 +120,11 @@ def test_torch_and_cupy_are_lazy():
 
 def test_shm_is_used_by_the_roles_and_the_launcher_only():
     """wire.shm (segments, the ring, offset checks) knows nothing of sockets, roles or
-    config: the worker's staging and the server's regions build on it, and the launcher
-    (or its sweeper, once it is killed) removes what a killed worker left."""
+    config (only of errors, and of pinning, whose regions its mappings are): the worker's
+    staging and the server's regions build on it, and the launcher (or its sweeper, once it
+    is killed) removes what a killed worker left."""
     mods = [m for m in imports_of(PKG / 'wire' / 'shm.py') if m.startswith('kvps.')]
-    assert all(m.startswith('kvps.errors') for m in mods), mods
+    assert all(m.startswith(('kvps.errors', 'kvps.pinning')) for m in mods), mods
     for path in sources():
         if unit_of(path) not in ROLES | {'launch'} and path.name != 'shm.py':
             assert not any(m.startswith('kvps.wire.shm') for m in imports_of(path)), path
