@@ -56,9 +56,9 @@ class Scheme:
         return np.sum([self._sent((key, i), v) for i, v in enumerate(values)], axis=0)
 
     def _sent(self, slot, grad):
-        out = np.empty(compression.nbytes(compression.TWO_BIT, grad.size), np.uint8)
+        out = np.empty(compression.nbytes('2bit', grad.size), np.uint8)
         self.codec.encode(slot, 0, grad.ravel(), out)
-        return compression.decode(out, grad.size, 'float32').reshape(grad.shape)
+        return compression.decode('2bit', out, grad.size, 'float32').reshape(grad.shape)
 
 
 def train(scheme, data, args):

@@ -14,11 +14,18 @@ checks; the scheduler sits on host 0. Two layouts:
   h4+4-*   BytePS's layout: 4 worker hosts and 4 more hosts (CPU machines) for the servers;
            gloo runs on the 4 worker hosts (an all-reduce has no use for the others).
 
+Compression for slow links (--compression, default fp16): kvps-fp16 pushes and pulls in
+float16, as push then pull and as one pushpull (kvps-pushpull-fp16); 1bit adds
+kvps-pushpull-1bit (1bit pushes, float16 pulls). The torch anchors (--peers ddp) are
+DistributedDataParallel's all-reduce of the same tensors, plain and with fp16_compress_hook
+(ddp_worker.py), on the worker hosts.
+
 ``link_bound_ms`` is the least step time the links allow, per system: a ring all-reduce, and
 a parameter server with one server beside each worker, must carry 2 (N-1)/N of the model
 each way over every link; with servers on hosts of their own a worker's link carries the
-model once each way. ``of_link_bound``: the share of that bound a system reaches (1.0: the
-link is the only cost; TCP/IP headers alone take ~4%).
+model once each way, each scaled by the share of the bytes its compression sends.
+``of_link_bound``: the share of that bound a system reaches (1.0: the link is the only cost;
+TCP/IP headers alone take ~4%).
 
 With --training, each layout instead times training steps of bench_training.py's models:
 kvps.Trainer (server SGD; workers updating) beside torch DDP over gloo on the worker hosts.
@@ -49,6 +56,7 @@ from _common import MiB  # noqa: E402
 
 BENCH = 'hosts'
 TRAINING_WORKER = training_worker.__file__
+DDP_WORKER = Path(__file__).resolve().parent / 'ddp_worker.py'
 CONFIGS = {  # name: (workers, servers, servers on hosts of their own, keys, total bytes)
     'h2-4mb': (2, 2, False, 40, 4 * MiB), 'h2-64mb': (2, 2, False, 16, 64 * MiB),
     'h4-4mb': (4, 4, False, 40, 4 * MiB), 'h4-64mb': (4, 4, False, 16, 64 * MiB),
@@ -65,7 +73,11 @@ def parse_args(argv=None):
     p.add_argument('--rounds', type=int, default=None, help='timed rounds (default 20 / 5 for 4 / 64 MiB)')
     p.add_argument('--warmup', type=int, default=2)
     p.add_argument('--optimizer', choices=['none', 'sgd', 'both'], default='none')
-    p.add_argument('--peers', default='mxnet,gloo', help="comma list of mxnet, gloo, or 'none'")
+    p.add_argument('--peers', default='mxnet,gloo,ddp',
+                   help="comma list of mxnet, gloo, ddp (DDP plain and with fp16_compress_hook), "
+                        "or 'none'")
+    p.add_argument('--compression', default='fp16',
+                   help="comma list of fp16, 1bit (kvps systems that compress), or 'none'")
     p.add_argument('--launches', type=int, default=1, help='fresh clusters per measurement')
     p.add_argument('--training', default=None, metavar='MODELS',
                    help='time training steps instead (comma list of bench_training.py\'s '
@@ -90,6 +102,10 @@ def parse_args(argv=None):
     if unknown:
         p.error(f'unknown model(s) {unknown}; known: {", ".join(models)}')
     args.peers = set() if args.peers == 'none' else {x.strip() for x in args.peers.split(',')}
+    args.compression = set() if args.compression == 'none' else {
+        x.strip() for x in args.compression.split(',')}
+    if args.compression - set(COMPRESSED_BY):
+        p.error(f'--compression: known are {", ".join(COMPRESSED_BY)}')
     args.out = Path(args.out) if args.out else C.default_out_dir(BENCH)
     return args
 
@@ -119,11 +135,11 @@ def link_bound_ms(system, cfg, rate_bytes):
     all-reduce and for servers beside the workers; with S = W servers on hosts of their own,
     a worker's link carries the model once each way (push out, pull in)."""
     workers, servers, apart, _, total = CONFIGS[cfg]
-    if apart and system != 'gloo':
+    if apart and system not in ('gloo', *DDP_SYSTEMS):
         share = max(1.0, workers / servers)
     else:
         share = 2 * (workers - 1) / workers
-    return share * total / rate_bytes * 1e3
+    return share * WIRE_SHARE.get(system, 1.0) * total / rate_bytes * 1e3
 
 
 # -- processes on the hosts ------------------------------------------------------------------
@@ -232,9 +248,12 @@ def worker_argv(system, cfg, opt, rounds, args, run_dir):
     body = ['--keys', keys, '--total-bytes', total, '--rounds', rounds,
             '--warmup', args.warmup, '--out', run_dir]
     peers = C.peer_pythons()
-    if system in KVPS_SYSTEMS:
-        pushpull = ['--pushpull'] if system == 'kvps-pushpull' else []
-        return [C.PY, PP.WORKER, *body, '--optimizer', opt, *pushpull]
+    if system in KVPS_SYSTEMS or system in COMPRESSED:
+        pushpull = ['--pushpull'] if 'pushpull' in system else []
+        return [C.PY, PP.WORKER, *body, '--optimizer', opt, *pushpull,
+                *COMPRESSED.get(system, ())]
+    if system in DDP_SYSTEMS:
+        return [C.PY, DDP_WORKER, *body, '--hook', DDP_SYSTEMS[system]]
     if system == 'mxnet':
         return [peers['mxnet'], C.PEERS_DIR / 'mxnet_bench.py', *body, '--optimizer', opt,
                 '--lr', 0.1]
@@ -243,7 +262,18 @@ def worker_argv(system, cfg, opt, rounds, args, run_dir):
 
 # kvps as MXNet's benchmark steps (kv.push, then kv.pull), and with one kv.pushpull
 KVPS_SYSTEMS = ('kvps', 'kvps-pushpull')
-STARTERS = {'kvps': run_kvps, 'kvps-pushpull': run_kvps, 'mxnet': run_mxnet, 'gloo': run_gloo}
+# kvps compressing (pushpull_worker's flags), each with the --compression name that adds it
+COMPRESSED = {'kvps-fp16': ['--compress', 'fp16', '--compress-pull', 'fp16'],
+              'kvps-pushpull-fp16': ['--compress', 'fp16', '--compress-pull', 'fp16'],
+              'kvps-pushpull-1bit': ['--compress', '1bit', '--compress-pull', 'fp16']}
+COMPRESSED_BY = {'fp16': ('kvps-fp16', 'kvps-pushpull-fp16'), '1bit': ('kvps-pushpull-1bit',)}
+DDP_SYSTEMS = {'ddp': 'none', 'ddp-fp16': 'fp16'}   # --hook of ddp_worker.py
+# The share of an uncompressed step's bytes a system sends (push and pull alike): 1bit sends
+# 1.5 bits an element (64 elements: 64 sign bits, two bfloat16 scales), then pulls float16.
+WIRE_SHARE = {'kvps-fp16': 0.5, 'kvps-pushpull-fp16': 0.5, 'ddp-fp16': 0.5,
+              'kvps-pushpull-1bit': (1.5 / 32 + 0.5) / 2}
+STARTERS = {'kvps': run_kvps, 'kvps-pushpull': run_kvps, 'mxnet': run_mxnet, 'gloo': run_gloo,
+            **{s: run_kvps for s in COMPRESSED}, **{s: run_ddp for s in DDP_SYSTEMS}}
 
 
 def measure(args, hosts, system, cfg, opt, run_dir):
@@ -311,7 +341,9 @@ def main(argv=None):
         return 0
     _netns.remove_leftovers()
     peers = C.peers_status()
-    systems = [*KVPS_SYSTEMS, *(s for s in ('mxnet', 'gloo') if s in args.peers and peers[s])]
+    systems = [*KVPS_SYSTEMS, *(s for s in ('mxnet', 'gloo') if s in args.peers and peers[s]),
+               *(s for c in sorted(args.compression) for s in COMPRESSED_BY[c]),
+               *(DDP_SYSTEMS if 'ddp' in args.peers else ())]
     if args.training:
         systems = list(TRAINING_SYSTEMS)
     out.emit({'kind': 'meta', 'configs': args.configs, 'rate': args.rate,
@@ -329,14 +361,15 @@ def main(argv=None):
 
 
 def pushpull(args, out, cfg, hosts, systems):
-    """Every system's push+pull rounds on ``hosts``, then a ratios line per kvps step."""
+    """Every system's push+pull rounds on ``hosts``, then a ratios line per kvps step (a
+    compressing one also beside uncompressed kvps)."""
     total = CONFIGS[cfg][-1]
-    gloo = {}   # no optimizer in an all-reduce: measured once per config
+    once = {}   # no optimizer in an all-reduce: gloo and DDP are measured once per config
     for opt in args.optimizers:
         recs = {}
         for system in systems:
-            if system == 'gloo' and gloo:
-                recs.update(gloo)
+            if system in once:
+                recs[system] = once[system]
                 continue
             C.note(f'{cfg} at {args.rate}: {system} optimizer={opt}')
             res = PP._median_of_launches([
@@ -346,19 +379,31 @@ def pushpull(args, out, cfg, hosts, systems):
             if res.get('step_ms'):
                 bound = link_bound_ms(system, cfg, args.rate_bytes)
                 res['of_link_bound'] = round(bound / res['step_ms'], 3)
-            if system == 'gloo':
-                rec = PP._record('gloo', 'allreduce_flat', cfg, None,
-                                 rounds_for(args, total), res, shape(cfg))
-                gloo['gloo_flat'] = out.emit(dict(rec, servers=0))
-                recs.update(gloo)
-            else:
-                recs[system] = out.emit(PP._record(system, 'dist_sync', cfg, opt,
-                                                   rounds_for(args, total), res, shape(cfg)))
+            recs[system] = out.emit(_record(system, cfg, opt, rounds_for(args, total), res))
+            if system == 'gloo' or system in DDP_SYSTEMS:
+                once[system] = recs[system]
         bounds = {s: round(link_bound_ms(s, cfg, args.rate_bytes), 2) for s in systems}
-        peer_recs = {k: v for k, v in recs.items() if k not in KVPS_SYSTEMS}
-        for kvps_system in KVPS_SYSTEMS:
-            line = PP.ratios(cfg, opt, recs[kvps_system], peer_recs, {}, shape(cfg))
+        kvps = [s for s in systems if s in KVPS_SYSTEMS or s in COMPRESSED]
+        peer_recs = {_peer_name(k): v for k, v in recs.items() if k not in kvps}
+        for kvps_system in kvps:
+            peers = dict(peer_recs, **({s: recs[s] for s in KVPS_SYSTEMS}
+                                       if kvps_system in COMPRESSED else {}))
+            line = PP.ratios(cfg, opt, recs[kvps_system], peers, {}, shape(cfg))
             out.emit(dict(line, kvps_step=kvps_system, rate=args.rate, link_bound_ms=bounds))
+
+
+def _record(system, cfg, opt, rounds, res):
+    if system == 'gloo':
+        return dict(PP._record('gloo', 'allreduce_flat', cfg, None, rounds, res, shape(cfg)),
+                    servers=0)
+    if system in DDP_SYSTEMS:
+        return dict(PP._record(system, 'ddp_allreduce', cfg, None, rounds, res, shape(cfg)),
+                    servers=0)
+    return PP._record(system, 'dist_sync', cfg, opt, rounds, res, shape(cfg))
+
+
+def _peer_name(system):
+    return 'gloo_flat' if system == 'gloo' else system
 
 
 if __name__ == '__main__':

@@ -5,7 +5,8 @@ Run by bench_pushpull.py on every worker of a kvps job (DMLC_* variables set by 
 Mirrors the peers' MXNet benchmark step for step so that the figures compare:
 
   1. kv = kvps.create('dist_sync'); init K float32 keys totalling about --total-bytes;
-  2. optionally a server-side SGD (kv.set_optimizer(kvps.optimizer.create('sgd', ...)));
+  2. optionally a server-side SGD (kv.set_optimizer(kvps.optimizer.create('sgd', ...))), and
+     compression of pushes (--compress) and pulls (--compress-pull);
   3. correctness rounds with round-dependent values, checked against the expected sum (no
      optimizer) or w0 - lr * sum (SGD);
   4. warm-up rounds, a barrier, then --rounds timed rounds; one round = kv.push(keys, values)
@@ -38,6 +39,9 @@ def parse_args():
     p.add_argument('--lr', type=float, default=0.1)
     p.add_argument('--out', required=True, help='directory for worker<rank>.json')
     p.add_argument('--tag', default='', help='KVPS_BENCH_TAG of this job (for CPU accounting)')
+    p.add_argument('--compress', default='none',
+                   help='push compression type (kv.set_gradient_compression): fp16, 1bit, ...')
+    p.add_argument('--compress-pull', default='none', help='pulls in fp16 or bf16')
     p.add_argument('--pushpull', action='store_true',
                    help='one kv.pushpull(keys, values, out=outs) per round instead of push '
                         'then pull (pull requests follow the pushes closely)')
@@ -62,6 +66,10 @@ def main():
     if args.optimizer == 'sgd':
         import kvps.optimizer
         kv.set_optimizer(kvps.optimizer.create('sgd', learning_rate=args.lr))
+    if args.compress != 'none' or args.compress_pull != 'none':
+        # the values pushed are exact in every type; pulls in 16 bits are rounded
+        kv.set_gradient_compression({'type': args.compress, 'pull': args.compress_pull})
+    tolerance = 1e-4 if args.compress_pull == 'none' else 1e-3
     push_vals = [np.full(n, float(rank + 1), dtype=np.float32) for _ in keys]
     outs = [np.zeros(n, dtype=np.float32) for _ in keys]
     sum_ranks = nworkers * (nworkers + 1) / 2.0
@@ -88,7 +96,7 @@ def main():
 
     def check(expected, what):
         worst = max(float(np.max(np.abs(o - expected))) for o in outs)
-        if worst > 1e-4 * max(1.0, abs(expected)):
+        if worst > tolerance * max(1.0, abs(expected)):
             errors.append(f'{what}: expected {expected}, max abs err {worst}')
 
     for c in range(args.check_rounds):
@@ -120,6 +128,7 @@ def main():
     med = statistics.median(times)
     rec = {
         'system': 'kvps-dist_sync', 'pushpull': args.pushpull, 'kvps_version': kvps.__version__, 'pid': os.getpid(),
+        'compress': args.compress, 'compress_pull': args.compress_pull,
         'rank': rank, 'num_workers': nworkers,
         'num_servers': int(os.environ.get('DMLC_NUM_SERVER', '0')),
         'keys': args.keys, 'floats_per_key': n, 'total_bytes': actual_bytes,

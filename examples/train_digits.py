@@ -4,6 +4,7 @@
     python examples/train_digits.py                                      # one process, no servers
     KVPS_KVSTORE=dist_async python -m kvps.launch -n 2 -s 1 python examples/train_digits.py
     python -m kvps.launch -n 2 -s 1 python examples/train_digits.py --device cuda   # on a GPU
+    python -m kvps.launch -n 4 -s 2 python examples/train_digits.py --gc-type 1bit   # compressed
 
 Each worker trains on its own shard of the training split (rank::num_workers); rank 0's initial
 weights are broadcast to all, the servers sum the gradients, and every rank prints the final
@@ -41,7 +42,25 @@ def parse_args():
     parser.add_argument('--device', default='cpu', help="where the model trains: cpu or cuda "
                         "(cuda:N); CUDA parameters need a device store")
     parser.add_argument('--update-on-kvstore', choices=('auto', 'yes', 'no'), default='auto')
+    # MXNet's example scripts' names for gradient compression (kvps.compression)
+    parser.add_argument('--gc-type', default='none',
+                        help='gradient compression: none, 2bit, fp16, bf16, 1bit or topk')
+    parser.add_argument('--gc-threshold', type=float, default=0.5, help='2bit\'s threshold')
+    parser.add_argument('--gc-ratio', type=float, default=0.01, help='topk\'s share sent')
+    parser.add_argument('--gc-pull', default='none', help='pulls in fp16 or bf16 (or none)')
     return parser.parse_args()
+
+
+def compression_params(args):
+    """The Trainer's compression_params from --gc-* (None: no compression)."""
+    if args.gc_type == 'none' and args.gc_pull == 'none':
+        return None
+    params = {'type': args.gc_type, 'pull': args.gc_pull}
+    if args.gc_type == '2bit':
+        params['threshold'] = args.gc_threshold
+    elif args.gc_type == 'topk':
+        params['ratio'] = args.gc_ratio
+    return params
 
 
 def store_name(requested, on_gpu):
@@ -139,12 +158,15 @@ def main():
     uok = {'auto': None, 'yes': True, 'no': False}[args.update_on_kvstore]
     x_train, x_test, y_train, y_test = load_split()
     model = make_model(args.hidden, kv.rank, args.device)
+    compression = compression_params(args)
     trainer = Trainer(model.named_parameters(), 'sgd',
                       {'learning_rate': args.lr, 'momentum': 0.9, 'wd': 1e-4},
-                      kvstore=kv, update_on_kvstore=uok)
+                      kvstore=kv, update_on_kvstore=uok,
+                      compression_params=compression if name != 'local' else None)
     if kv.rank == 0:
         print(f'{name}: {kv.num_workers} worker(s), {len(x_train)} training digits, '
-              f'update_on_kvstore={trainer.update_on_kvstore}', flush=True)
+              f'update_on_kvstore={trainer.update_on_kvstore}, compression={compression}',
+              flush=True)
     start = time.monotonic()
     train(args, model, trainer, x_train, y_train.astype(np.int64), kv.num_workers)
     acc = accuracy(model, x_test, y_test, args.device)

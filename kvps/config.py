@@ -5,133 +5,117 @@ import difflib
 import logging
 import os
 
-# The parsers of values, private to the table below (where they keep their names)
-from .env_values import (count_or_all as _count_or_all, count_or_auto as _count_or_auto,
-                         device as _device, flag as _flag, log_level as _log_level,
-                         modules as _modules, nonneg_float as _nonneg_float,
-                         nonneg_int as _nonneg_int, port as _port,
-                         positive_float as _positive_float, positive_int as _positive_int,
-                         role as _role, text as _text)
+from . import env_parsers as parse
+from .env_parsers import Var
 from .errors import ConfigError
 from .rank_sources import SOURCES as RANK_SOURCES, rank_hint
-
-
-@dataclasses.dataclass(frozen=True)
-class Var:
-    """One environment variable: the native name, the ps-lite/MXNet/BytePS aliases, parser, default."""
-    field: str
-    names: tuple
-    parse: object
-    default: object
-    doc: str
-
 
 # How kvps's own log lines look, on nodes and in workers.
 LOG_FORMAT = '%(asctime)s %(name)s %(levelname)s %(message)s'
 
 # Every variable kvps reads. README's table is generated from the same facts; keep docs here true.
 VARS = (
-    Var('role', ('KVPS_ROLE', 'DMLC_ROLE'), _role, None,
+    Var('role', ('KVPS_ROLE', 'DMLC_ROLE'), parse.role, None,
         'This process\'s role: worker, server or scheduler.'),
-    Var('scheduler_host', ('KVPS_SCHEDULER_HOST', 'DMLC_PS_ROOT_URI'), _text, None,
+    Var('scheduler_host', ('KVPS_SCHEDULER_HOST', 'DMLC_PS_ROOT_URI'), parse.text, None,
         'IP or hostname of the scheduler (resolved with retry until `KVPS_CONNECT_TIMEOUT`; '
         'the first failure is logged once as a warning).'),
-    Var('scheduler_port', ('KVPS_SCHEDULER_PORT', 'DMLC_PS_ROOT_PORT'), _port, None,
+    Var('scheduler_port', ('KVPS_SCHEDULER_PORT', 'DMLC_PS_ROOT_PORT'), parse.port, None,
         'TCP port of the scheduler (0 on the scheduler: the OS picks one).'),
-    Var('num_workers', ('KVPS_NUM_WORKERS', 'DMLC_NUM_WORKER'), _positive_int, None,
+    Var('num_workers', ('KVPS_NUM_WORKERS', 'DMLC_NUM_WORKER'), parse.positive_int, None,
         'Number of worker processes in the job.'),
-    Var('num_servers', ('KVPS_NUM_SERVERS', 'DMLC_NUM_SERVER'), _positive_int, None,
+    Var('num_servers', ('KVPS_NUM_SERVERS', 'DMLC_NUM_SERVER'), parse.positive_int, None,
         'Number of server processes in the job.'),
-    Var('interface', ('KVPS_INTERFACE', 'DMLC_INTERFACE'), _text, None,
+    Var('interface', ('KVPS_INTERFACE', 'DMLC_INTERFACE'), parse.text, None,
         'Network interface whose IPv4 address this node advertises (e.g. eth0).'),
-    Var('node_host', ('KVPS_NODE_HOST', 'DMLC_NODE_HOST'), _text, None,
+    Var('node_host', ('KVPS_NODE_HOST', 'DMLC_NODE_HOST'), parse.text, None,
         'Address this node advertises to peers (overrides the interface).'),
-    Var('use_kubernetes', ('KVPS_USE_KUBERNETES', 'DMLC_USE_KUBERNETES'), _flag, False,
+    Var('use_kubernetes', ('KVPS_USE_KUBERNETES', 'DMLC_USE_KUBERNETES'), parse.flag, False,
         'Scheduler and servers bind 0.0.0.0 (the advertised name is a Service, not a local IP).'),
     # Read by rank_sources.rank_hint, in this order of precedence (they must agree); the
     # launcher removes every one of them from what its children inherit, as it gives ranks.
-    Var('rank', RANK_SOURCES, _nonneg_int, None,
+    Var('rank', RANK_SOURCES, parse.nonneg_int, None,
         'This process\'s rank within its role (the launcher sets `KVPS_RANK`); else ranks '
         'follow the order of registration. The first set of these gives it and the others '
         'must agree: the ps-lite/BytePS/dmlc-tracker ids (`DMLC_WORKER_ID` on workers, '
         '`DMLC_SERVER_ID` on servers), Kubeflow\'s `MX_CONFIG` and TensorFlow\'s `TF_CONFIG` '
         '(`task.index`), a Kubernetes Indexed Job\'s index, and the dmlc tracker\'s task '
         'index, workers first ([launching.md](launching.md#ranks)).'),
-    Var('bigarray_bound', ('KVPS_BIGARRAY_BOUND', 'MXNET_KVSTORE_BIGARRAY_BOUND'), _positive_int,
+    Var('bigarray_bound', ('KVPS_BIGARRAY_BOUND', 'MXNET_KVSTORE_BIGARRAY_BOUND'), parse.positive_int,
         1_000_000, 'Arrays with at least this many elements are split across all servers.'),
-    Var('partition_bytes', ('KVPS_PARTITION_BYTES', 'BYTEPS_PARTITION_BYTES'), _positive_int,
+    Var('partition_bytes', ('KVPS_PARTITION_BYTES', 'BYTEPS_PARTITION_BYTES'), parse.positive_int,
         16 << 20, 'Arrays of more bytes are cut into parts of at most this size, spread over '
         'the servers (as BytePS): servers sum, update and answer one part while the next '
         'arrives.'),
-    Var('timeout', ('KVPS_TIMEOUT',), _positive_float, 600.0,
+    Var('timeout', ('KVPS_TIMEOUT',), parse.positive_float, 600.0,
         'Seconds any single wait (reply, barrier, shutdown) may take before RequestTimeout.'),
-    Var('connect_timeout', ('KVPS_CONNECT_TIMEOUT',), _positive_float, 120.0,
+    Var('connect_timeout', ('KVPS_CONNECT_TIMEOUT',), parse.positive_float, 120.0,
         'Seconds for every node to register with the scheduler.'),
-    Var('heartbeat_interval', ('KVPS_HEARTBEAT_INTERVAL',), _positive_float, 1.0,
+    Var('heartbeat_interval', ('KVPS_HEARTBEAT_INTERVAL',), parse.positive_float, 1.0,
         'Seconds between heartbeats from each node to the scheduler.'),
-    Var('heartbeat_timeout', ('KVPS_HEARTBEAT_TIMEOUT',), _positive_float, 30.0,
+    Var('heartbeat_timeout', ('KVPS_HEARTBEAT_TIMEOUT',), parse.positive_float, 30.0,
         'Seconds of silence after which a node is declared lost (PeerLostError).'),
-    Var('server_plugins', ('KVPS_SERVER_PLUGINS',), _modules, None,
+    Var('server_plugins', ('KVPS_SERVER_PLUGINS',), parse.modules, None,
         'Servers: modules (comma-separated, installed on their hosts) imported at start, whose '
         'registered optimizers they then run; one that fails stops its server at start '
         '(`kvps.launch --server-plugin`; [plugins.md](plugins.md)).'),
-    Var('server_device', ('KVPS_SERVER_DEVICE',), _device, 'auto',
+    Var('server_device', ('KVPS_SERVER_DEVICE',), parse.device, 'auto',
         'Where servers keep shards: auto (keys of device-side stores on the GPU when the '
         'server has one, others in host memory), cpu, or cuda (all on the GPU; needs cupy). '
         'Every process logs at INFO, once, the route its GPU values take (`device values: '
         '...`; docs/shared-memory.md).'),
-    Var('update_threads', ('KVPS_UPDATE_THREADS',), _count_or_auto, 1,
+    Var('update_threads', ('KVPS_UPDATE_THREADS',), parse.count_or_auto, 1,
         'Threads a server splits the host update of one key (or part) of 256 Ki elements or '
         'more over, bit for bit as one thread would (numpy releases the GIL). For hosts whose '
         'cores idle while servers update (GPU workers, servers on hosts of their own); where '
         'workers compute on the same cores it slows them. auto: the cores this process may '
         'run on, at most 4.'),
-    Var('log_level', ('KVPS_LOG_LEVEL',), _log_level, 'WARNING',
+    Var('log_level', ('KVPS_LOG_LEVEL',), parse.log_level, 'WARNING',
         'Python logging level of kvps\'s messages, on nodes and in workers (DEBUG, INFO, ...).'),
-    Var('log_refusals', ('KVPS_LOG_REFUSALS',), _count_or_all, 3,
+    Var('log_refusals', ('KVPS_LOG_REFUSALS',), parse.count_or_all, 3,
         'Refused messages (no or a wrong secret, malformed, from a stranger) of each sender '
         'that a node logs in full; the rest are counted (`refused` in its stats) and summed '
         'up in one line every 10 s, so strangers cannot flood its log. all: log every one.'),
-    Var('port_file', ('KVPS_PORT_FILE',), _text, None,
+    Var('port_file', ('KVPS_PORT_FILE',), parse.text, None,
         'Scheduler only: write the bound port to this file (the launcher uses it).'),
-    Var('checkpoint_dir', ('KVPS_CHECKPOINT_DIR',), _text, None,
+    Var('checkpoint_dir', ('KVPS_CHECKPOINT_DIR',), parse.text, None,
         'Servers checkpoint weights and optimizer state here and resume from it on start.'),
-    Var('checkpoint_every', ('KVPS_CHECKPOINT_EVERY',), _nonneg_int, 0,
+    Var('checkpoint_every', ('KVPS_CHECKPOINT_EVERY',), parse.nonneg_int, 0,
         'Checkpoint after this many applied updates (0: off; shutdown always checkpoints).'),
-    Var('checkpoint_seconds', ('KVPS_CHECKPOINT_SECONDS',), _nonneg_float, 0.0,
+    Var('checkpoint_seconds', ('KVPS_CHECKPOINT_SECONDS',), parse.nonneg_float, 0.0,
         'Checkpoint when this many seconds passed since the last one and something changed.'),
-    Var('recovery_timeout', ('KVPS_RECOVERY_TIMEOUT',), _nonneg_float, 0.0,
+    Var('recovery_timeout', ('KVPS_RECOVERY_TIMEOUT',), parse.nonneg_float, 0.0,
         'Seconds the job waits for a lost server to rejoin with its rank (0: a lost server '
         'ends the job). Servers then need KVPS_CHECKPOINT_DIR.'),
-    Var('secret', ('KVPS_SECRET',), _text, None,
+    Var('secret', ('KVPS_SECRET',), parse.text, None,
         'Job secret: every message is authenticated with it (the launcher makes one).'),
-    Var('secret_file', ('KVPS_SECRET_FILE',), _text, None,
+    Var('secret_file', ('KVPS_SECRET_FILE',), parse.text, None,
         'File holding the job secret (for clusters started by hand).'),
-    Var('auth_payload', ('KVPS_AUTH_PAYLOAD',), _flag, False,
+    Var('auth_payload', ('KVPS_AUTH_PAYLOAD',), parse.flag, False,
         'Also authenticate array payloads, not only headers (costs a hash of every byte).'),
-    Var('max_inflight_bytes', ('KVPS_MAX_INFLIGHT_BYTES',), _positive_int, 1 << 29,
+    Var('max_inflight_bytes', ('KVPS_MAX_INFLIGHT_BYTES',), parse.positive_int, 1 << 29,
         'Back-pressure: a push waits while this worker has more unacknowledged push bytes.'),
-    Var('max_message_bytes', ('KVPS_MAX_MESSAGE_BYTES',), _positive_int, 1 << 31,
+    Var('max_message_bytes', ('KVPS_MAX_MESSAGE_BYTES',), parse.positive_int, 1 << 31,
         'Largest message a node accepts; larger ones are rejected and logged.'),
-    Var('shm', ('KVPS_SHM',), _flag, True,
+    Var('shm', ('KVPS_SHM',), parse.flag, True,
         'Move array payloads of 1 KiB and more between a worker and the servers on its host '
         'through shared memory (/dev/shm) instead of the socket (0: always the socket).'),
-    Var('shm_bytes', ('KVPS_SHM_BYTES',), _count_or_auto, 'auto',
+    Var('shm_bytes', ('KVPS_SHM_BYTES',), parse.count_or_auto, 'auto',
         'Size of each worker\'s shared-memory segment (made at start, when a server shares '
         'its host) and of each server\'s arena for the weights its local workers pull (made '
         'when the first attaches); the pages of both are reserved 16 MiB at a time as blocks '
         'need them, and what finds no room goes the way it would without. auto: half of '
         '/dev/shm split among the job\'s processes on the host (none under 2 MiB).'),
-    Var('malloc_trim_bytes', ('KVPS_MALLOC_TRIM_BYTES',), _nonneg_int, 1 << 30,
+    Var('malloc_trim_bytes', ('KVPS_MALLOC_TRIM_BYTES',), parse.nonneg_int, 1 << 30,
         'Servers and the workers of a distributed store ask glibc to keep up to this many '
         'freed bytes per heap (and to serve chunks up to 32 MiB from its heaps) instead of '
         'returning message buffers to the kernel and faulting them in again every round (0: '
         'leave malloc as it is).'),
-    Var('timeline', ('KVPS_TIMELINE',), _text, None,
+    Var('timeline', ('KVPS_TIMELINE',), parse.text, None,
         'Record a timeline of this node\'s spans into the directory PATH.d (every node of '
         'the job: `python -m kvps.launch --timeline PATH` sets it and merges the nodes\' '
         'files into the Chrome trace PATH; by hand, `python -m kvps.timeline merge`).'),
-    Var('stats_seconds', ('KVPS_STATS',), _nonneg_float, 0.0,
+    Var('stats_seconds', ('KVPS_STATS',), parse.nonneg_float, 0.0,
         'Every node prints a line of its counters (bytes and messages per second, requests '
         'waiting) every this many seconds (0: off; `python -m kvps.launch --stats`).'),
 )

@@ -57,17 +57,19 @@ class Backend(Protocol):
         this worker's earlier requests of the same key; a backend with nothing in flight
         ignores it."""
 
-    def pull(self, items, priority=0):
+    def pull(self, items, priority=0, codec=None):
         """Write each key's value into ``out`` of ``items`` ([(key, out, dtype name)]: out a
         writable numpy array of the key's size, or a Landing where ``device_route`` allows)
         after this worker's earlier pushes of it are applied. Blocks; raises any error
-        pending from pushes."""
+        pending from pushes. ``codec`` ('fp16', 'bf16' or None), here and in every pull:
+        float32 and float64 values come rounded to that type (kvps.compression.half), widened
+        exactly into ``out``."""
 
-    def pull_begin(self, items, priority=0):
+    def pull_begin(self, items, priority=0, codec=None):
         """``pull(items)``'s requests sent now; returns the wait, after which ``out`` holds
         the values (nothing writes into them after it returns)."""
 
-    def pushpull(self, pushes, pulls, priority=0):
+    def pushpull(self, pushes, pulls, priority=0, codec=None):
         """``push(pushes)`` then ``pull(pulls)`` (the same keys, in the same order); blocks
         until every pull has landed."""
 

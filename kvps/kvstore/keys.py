@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 
-from .. import arrays, compression, devices, rows
+from .. import arrays, devices, rows
 from ..errors import KeyNotInitializedError, KeyTypeError
 from ..timeline.recording import traced
 from ..wire.protocol import MAX_KEY_CHARS, PRIORITIES
@@ -89,8 +89,8 @@ class StoreKeys:
         the memory the backend sends from when it has some."""
         grad = self.host_copies([(key, values)])[0]
         parts = self.parts(key)
-        sizes = [compression.nbytes(codec.name, stop - start)
-                 for _, _, start, stop in parts]
+        dtype = self.meta[key][1]
+        sizes = [codec.nbytes(stop - start, dtype) for _, _, start, stop in parts]
         payloads = []
         for (_, part, start, stop), size, out in zip(parts, sizes, self._backend.stage(sizes)):
             out = np.empty(size, np.uint8) if out is None else out

@@ -8,6 +8,7 @@ import numpy as np
 
 from .. import rows
 from ..arrays import flat_view
+from ..compression import land_pulled, pulled_dtype, round_pulled
 from ..errors import ConfigError
 from ..server.records import ReplyKind
 from ..server.row_store import LIVE
@@ -117,27 +118,30 @@ class LocalBackend:
             if reply.kind is ReplyKind.ERROR:
                 raise reply.payload
 
-    def pushpull(self, pushes, pulls, priority=0):
+    def pushpull(self, pushes, pulls, priority=0, codec=None):
         """Push then pull: nothing to overlap in one process."""
         self.push(pushes)
-        self.pull(pulls)
+        self.pull(pulls, codec=codec)
 
-    def pull_begin(self, items, priority=0):
+    def pull_begin(self, items, priority=0, codec=None):
         """Pull now (nothing is in flight in one process); the wait is a no-op."""
-        self.pull(items)
+        self.pull(items, codec=codec)
         return lambda: None
 
     @_serialized
-    def pull(self, items, priority=0):
+    def pull(self, items, priority=0, codec=None):
+        """With a ``codec``, values are rounded as a server answers such a pull."""
         self.counts.pull_calls += 1
-        for key, out, _ in items:
+        for key, out, dtype in items:
             (reply,) = self.shard.pull(None, _ME, key, 0)
             value, lease = reply.payload.array, reply.payload.lease
             flat = flat_view(out)
-            if flat is not None:
-                np.copyto(flat, value)
+            target, value = (flat, value) if flat is not None else \
+                (out, value.reshape(out.shape))
+            if pulled_dtype(codec, dtype) != dtype:
+                land_pulled(target, round_pulled(value, codec))
             else:
-                np.copyto(out, value.reshape(out.shape))
+                np.copyto(target, value)
             lease.released = True
 
     def pull_rows_begin(self, items, priority=0):

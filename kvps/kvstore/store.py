@@ -44,6 +44,7 @@ class KVStore(KVStoreBase):
         # GPU values are taken by device stores only
         self._keys = StoreKeys(name, backend, device=parse_type(name)[2])
         self._codec = None         # gradient compression of pushes (set_gradient_compression)
+        self._pull_codec = None    # the type pulls travel in ('fp16', 'bf16'), or None
         self._residuals = {}       # what compressed pushes have not sent yet, per key part
 
     # -- identity -------------------------------------------------------------------------
@@ -123,7 +124,7 @@ class KVStore(KVStoreBase):
         meta = self._keys.meta
         if codec is not None:
             for k, _ in pairs:
-                compression.check_compressible(k, meta[k][1])
+                compression.check_compressible(k, meta[k][1], codec.name)
             return [(k, self._keys.encoded(codec, k, values), codec.name)
                     for k, values in pairs]
         copies = self._keys.host_copies(pairs, stage=True)
@@ -132,11 +133,13 @@ class KVStore(KVStoreBase):
     def set_gradient_compression(self, compression_params):
         """Compress pushed gradients, as MXNet does: ``{'type': '2bit', 'threshold': 0.5}``
         sends each element as +threshold, -threshold or 0 and keeps the difference on this
-        worker for later pushes (``None`` or type 'none': off). Pulls stay exact. Every worker
-        should set the same; see kvps.compression. 'device' and 'dist*' stores only, as in
-        MXNet: any other type raises ConfigError."""
+        worker for later pushes (``None`` or type 'none': off); also 'fp16', 'bf16', '1bit'
+        and 'topk' (``ratio``), each with that error feedback. Pulls stay exact unless
+        ``'pull': 'fp16'`` (or 'bf16') rounds the float32 and float64 values they bring.
+        Every worker should set the same; see kvps.compression and docs/api.md. 'device' and
+        'dist*' stores only, as in MXNet: any other type raises ConfigError."""
         check_compression_type(self._type)
-        self._codec = compression.parse(compression_params, self._residuals)
+        self._codec, self._pull_codec = compression.parse(compression_params, self._residuals)
 
     @traced('pull', 'pull')
     def pull(self, key, out=None, priority=0, ignore_sparse=True):
@@ -147,7 +150,7 @@ class KVStore(KVStoreBase):
         self._open()
         priority = checked_priority(priority)
         landings, items = self._pull_items(key, out)
-        self._backend.pull(items, priority)
+        self._backend.pull(items, priority, self._pull_codec)
         self._land(landings)
 
     def pull_begin(self, key, out, priority=0):
@@ -158,7 +161,7 @@ class KVStore(KVStoreBase):
         self._open()
         priority = checked_priority(priority)
         landings, items = self._pull_items(key, out)
-        wait = self._backend.pull_begin(items, priority)
+        wait = self._backend.pull_begin(items, priority, self._pull_codec)
 
         def landed():
             wait()
@@ -265,7 +268,7 @@ class KVStore(KVStoreBase):
         priority = checked_priority(priority)
         landings, pulls = self._pull_items(key, value if out is None else out)
         pushes = self._push_items(key, value)
-        self._backend.pushpull(pushes, pulls, priority)
+        self._backend.pushpull(pushes, pulls, priority, self._pull_codec)
         self._land(landings)
 
     def broadcast(self, key, value, out, priority=0):

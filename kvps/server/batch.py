@@ -10,10 +10,11 @@ class Batch:
     every key has settled. Each key's replies carry the token ``(batch, index)``."""
 
     __slots__ = ('identity', 'req_id', 'op', 'results', 'remaining', 'error', 'places',
-                 'reader')
+                 'reader', 'codec')
 
-    def __init__(self, identity, req_id, op, size, reader=None):
+    def __init__(self, identity, req_id, op, size, reader=None, codec=None):
         self.identity, self.req_id, self.op, self.reader = identity, req_id, op, reader
+        self.codec = codec   # PULL: the type float32 and float64 values are answered in
         self.results = [None] * size
         self.remaining = size
         self.error = None
@@ -38,4 +39,5 @@ class Batch:
         if self.op != PULL:
             return Reply(ReplyKind.ACK, token, None)
         pulled = [reply.payload for reply in self.results]
-        return Reply(ReplyKind.DATA, token, PullAnswer(self.reader, pulled, self.places))
+        return Reply(ReplyKind.DATA, token, PullAnswer(self.reader, pulled, self.places,
+                                                       self.codec))

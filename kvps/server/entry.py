@@ -76,6 +76,9 @@ class Entry:
     restored: bool = False                # from a checkpoint, not yet claimed by an init
     arrays: object = dataclasses.field(default_factory=HostArrays)   # where the arrays live
     device: bool = False                  # a device-side store asked for the GPU
+    # the weight as compressed pulls answer it: (version, weight, codec, rounded copy), shared
+    # by every such pull until the weight changes (the copy is never written)
+    rounded: tuple = None
 
     @property
     def n(self):

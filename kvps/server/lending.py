@@ -4,6 +4,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..compression.half import ROUNDED, pulled_dtype, round_pulled
 from ..errors import ProtocolError
 from ..wire import protocol as P
 from ..wire.items import DataItem, new
@@ -55,16 +56,19 @@ class Lending:
         the worker's Reader then (the answer may lend values there), else None."""
         return self.regions.saw(identity, header)
 
-    def place(self, worker, at, entry):
-        """``(at, view)``: where in ``worker``'s segment a pulled ``entry`` is asked for
-        (ProtocolError if that range is not the worker's)."""
-        return at, self.regions.view(worker, at, entry.weight.nbytes)
+    def place(self, worker, at, entry, codec=None):
+        """``(at, view)``: where in ``worker``'s segment a pulled ``entry`` is asked for, in
+        the dtype a pull with ``codec`` carries it (ProtocolError if that range is not the
+        worker's)."""
+        size = entry.weight.nbytes if codec is None else \
+            P.nbytes(pulled_dtype(codec, entry.dtype), entry.n)
+        return at, self.regions.view(worker, at, size)
 
-    def places(self, worker, items, entries):
+    def places(self, worker, items, entries, codec=None):
         """``place`` of each pulled key (None: in a frame or lent); None if some offset is
         bad (that key then gets its error alone)."""
         try:
-            return [None if item.at is None else self.place(worker, item.at, entry)
+            return [None if item.at is None else self.place(worker, item.at, entry, codec)
                     for item, entry in zip(items, entries)]
         except ProtocolError:
             return None
@@ -76,23 +80,35 @@ class Lending:
         is done with each. A device's weights are copied out (into the segment, or a pinned
         frame) and waited for here: their leases end now."""
         items, frames, framed, lent, copied = [], [], [], [], []
+        codec = answer.codec
         device = self._storage.on_device   # (asked per key only where some keys are)
         for pulled, place in zip(answer.pulled, answer.places):
-            if device and pulled.entry.arrays.on_device:
+            # a compressed pull rounds a copy of the weight, on the host: nothing to lend or
+            # lease
+            rounded = codec is not None and pulled.entry.dtype in ROUNDED
+            if device and not rounded and pulled.entry.arrays.on_device:
                 copied.append(pulled)
                 items.append(_copy_out(pulled, place, frames))
                 continue
-            offset = None if answer.reader is None else self.regions.lendable(pulled.array)
+            offset = None if answer.reader is None or rounded else \
+                self.regions.lendable(pulled.array)
             if offset is not None:
                 lent.append(pulled)
                 items.append(new(DataItem, (None, offset)))
             elif place is None:
-                frames.append(pulled.array)
-                framed.append(pulled.lease)
+                if rounded:
+                    frames.append(_rounded(pulled, codec))
+                    pulled.lease.released = True
+                else:
+                    frames.append(pulled.array)
+                    framed.append(pulled.lease)
                 items.append(IN_FRAME)
             else:
                 at, view = place
-                np.frombuffer(view, pulled.array.dtype)[...] = pulled.array   # (np.copyto: 4x)
+                if rounded:
+                    np.frombuffer(view, np.uint16)[...] = _rounded(pulled, codec).view(np.uint16)
+                else:
+                    np.frombuffer(view, pulled.array.dtype)[...] = pulled.array   # (copyto: 4x)
                 pulled.lease.released = True
                 items.append(new(DataItem, (at, None)))
         if copied:
@@ -129,3 +145,16 @@ def _copy_out(pulled, place, frames):
         return IN_FRAME
     arrays.copy_out(pulled.array, place[1])
     return new(DataItem, (place[0], None))
+
+
+def _rounded(pulled, codec):
+    """The pulled weight rounded to ``codec`` (kvps.compression.half), made once per version
+    of the weight: in sync every worker pulls the same round's value."""
+    entry = pulled.entry
+    cached = entry.rounded
+    if cached is None or cached[0] != entry.version or cached[1] is not entry.weight or \
+            cached[2] != codec:
+        cached = entry.rounded = (entry.version, entry.weight, codec,
+                                  round_pulled(entry.arrays.to_host(pulled.array), codec))
+    return cached[3]
+

@@ -32,6 +32,7 @@ class PullAnswer(NamedTuple):
     reader: object       # the worker's Reader of the server's arena, or None: nothing is lent
     pulled: list         # a Pulled per key part
     places: list         # per key part: None, or (offset, view) in the worker's segment
+    codec: object = None   # the PULL's: float32 and float64 values are rounded to it
 
 
 class Rows(NamedTuple):

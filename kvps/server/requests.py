@@ -124,33 +124,34 @@ class Requests:
         return self.shard.together(push_all)
 
     def _pull(self, token, h, buffers):
-        worker = token[0]
+        worker, codec = token[0], h.get('codec')
         reader = self.lending.saw(worker, h)
         entries = self.shard.ready_for(worker, h['keys'])
-        places = None if entries is None else self.lending.places(worker, h['keys'], entries)
+        places = None if entries is None else self.lending.places(worker, h['keys'], entries,
+                                                                  codec)
         if places is not None:   # one reply now, without settling key by key
             pulled = [entry.pulled() for entry in entries]
-            return [Reply(DATA, token, PullAnswer(reader, pulled, places))]
+            return [Reply(DATA, token, PullAnswer(reader, pulled, places, codec))]
 
         def pull_one(item_token, item, _):
             entry = self.shard.entries.get((item.key, item.part))
             if item.at is not None and entry is not None:   # (no entry: shard.pull says so)
                 batch, index = item_token
-                batch.places[index] = self.lending.place(worker, item.at, entry)
+                batch.places[index] = self.lending.place(worker, item.at, entry, codec)
             return self.shard.pull(item_token, worker, item.key, item.part)
         return self._each_key(token, P.PULL, h['keys'], [None] * len(h['keys']), pull_one,
-                              reader)
+                              reader, codec)
 
     def _pull_rows(self, token, h, buffers):
         asked = (buffers[0] if h.get('ids') else None), \
             row_store.LIVE if h.get('live') else h.get('since')
         return self.shard.pull(token, token[0], h['key'], h['part'], asked)
 
-    def _each_key(self, token, op, items, buffers, handle, reader=None):
+    def _each_key(self, token, op, items, buffers, handle, reader=None, codec=None):
         """Run ``handle`` per key of a multi-key message; one key's error does not stop the
         others, and the answers are gathered in a Batch (``reader``: the worker reads the
-        arena, so the answer may lend weights in it)."""
-        batch = Batch(token[0], token[1], op, len(items), reader)
+        arena, so the answer may lend weights in it; ``codec``: a PULL's)."""
+        batch = Batch(token[0], token[1], op, len(items), reader, codec)
         replies = []
         for index, (item, buffer) in enumerate(zip(items, buffers)):
             try:

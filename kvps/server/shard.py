@@ -18,7 +18,7 @@ from ..errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInitial
                       KVPSError, ShapeError)
 from ..timeline import recording
 from ..wire.items import new
-from ..wire.protocol import ROW_SPARSE, TWO_BIT, identity_label
+from ..wire.protocol import GRADIENT_CODECS, ROW_SPARSE, identity_label
 from . import row_store
 from .entry import Deferred, Entry, Queued
 from .flows import FlowNotes
@@ -28,6 +28,7 @@ from .row_store import RowGrad
 from .storage import HostArrays, Storage
 
 ACK, DATA, ERROR, ROWS = ReplyKind.ACK, ReplyKind.DATA, ReplyKind.ERROR, ReplyKind.ROWS
+_CODED = frozenset(GRADIENT_CODECS)   # (a set: every push asks)
 
 
 def _reply(token, failure):
@@ -98,9 +99,9 @@ class Shard:
         acknowledged, not applied again. ``step`` (sync): the most pushes the worker has
         made of any key; the round's update counts at least that many (lr scheduler)."""
         entry = self._entry(key, part)
-        if dtype == TWO_BIT:   # a compressed gradient: decoded, then as any other push
-            compression.check_compressible(key, entry.dtype)
-            data = memoryview(compression.decode(data, entry.n, entry.dtype)).cast('B')
+        if dtype in _CODED:   # a compressed gradient: decoded, then as any other push
+            compression.check_compressible(key, entry.dtype, dtype)
+            data = memoryview(compression.decode(dtype, data, entry.n, entry.dtype)).cast('B')
             dtype = entry.dtype
         elif dtype == ROW_SPARSE:   # some rows: merged and applied as rows (row_store)
             data, dtype = row_store.decode_push(entry, data), entry.dtype

@@ -11,10 +11,11 @@ import msgpack
 import numpy as np
 
 from ..errors import ProtocolError
+from .codecs import GRADIENT_CODECS, ONE_BIT, PULL_CODECS, TOP_K, coded_nbytes
 from .items import CheckItem, DataItem, InitItem, Layout, PullItem, PushItem, ResumeItem
 
 # Node <-> scheduler.
-VERSION = 12                 # bumped on any change of the wire format; checked at REGISTER
+VERSION = 13                 # bumped on any change of the wire format; checked at REGISTER
 # node -> scheduler: {role, host, port, rank, pid, version, shared, rank_from (the setting
 # that gave the rank, for messages: 'DMLC_WORKER_ID=3')}
 REGISTER = 'register'
@@ -62,7 +63,9 @@ PULL_ROWS = 'pull_rows'
 # [epoch, count] in a later PULL_ROWS asks for the rows changed after this answer
 ROWS = 'row_data'
 # {keys: PullItem}. `seen` (an int, only from a worker that mapped this server's arena) also
-# allows answers from the arena
+# allows answers from the arena. `codec` (one of PULL_CODECS): float32 and float64 values are
+# answered rounded to that 16-bit type (PULL_DTYPES), in a frame or the worker's segment, never
+# lent; the DATA items are as for any pull
 PULL = 'pull'
 # + 1 buffer: the optimizer's spec (a map), msgpack. With `check` true the server only
 # checks that it runs that optimizer with those parameters (an ERROR if not) and answers
@@ -135,12 +138,11 @@ DTYPES = {name: np.dtype(t) for name, t in {
     'int8': np.int8, 'uint8': np.uint8, 'int32': np.int32, 'int64': np.int64,
 }.items()}
 ITEMSIZE = {name: t.itemsize for name, t in DTYPES.items()}
-# Compressed gradients (kvps.compression), a PUSH item dtype only: a float32 threshold, then
-# four 2-bit codes per byte.
-TWO_BIT = '2bit'
-# Some rows of a key (kvps.rows), a PUSH item dtype only: `n` counts bytes.
+# Compressed gradients (kvps.wire.codecs) and some rows of a key (kvps.rows) are PUSH item
+# dtypes only; a 'rows' item's `n` counts bytes.
 ROW_SPARSE = 'rows'
-PUSH_CODECS = (TWO_BIT, ROW_SPARSE)
+PUSH_CODECS = GRADIENT_CODECS + (ROW_SPARSE,)
+SIZED_IN_BYTES = (ONE_BIT, TOP_K, ROW_SPARSE)   # push kinds whose `n` counts bytes
 MAX_HEADER_BYTES = 1 << 20   # headers are small maps; a bigger one is hostile or broken
 # The items of one multi-key message pack to at most this many bytes (its sender cuts a longer
 # list of keys into several messages): the header, and a DATA answer to a PULL, stay far
@@ -236,6 +238,9 @@ def validate_header(header):
     rank_from = header.get('rank_from')
     if rank_from is not None and not (isinstance(rank_from, str) and len(rank_from) <= 200):
         raise ProtocolError(f'{op}: rank_from must be a string of at most 200 characters')
+    codec = header.get('codec')
+    if codec is not None and not (type(codec) is str and codec in PULL_CODECS):
+        raise ProtocolError(f'{op}: codec must be one of {", ".join(PULL_CODECS)}')
     digest = header.get('digest')
     if digest is not None and not (isinstance(digest, bytes) and len(digest) <= MAX_DIGEST_BYTES):
         raise ProtocolError(f'{op}: digest must be at most {MAX_DIGEST_BYTES} bytes')
@@ -378,12 +383,11 @@ def _check_buffers(header, buffers, max_message_bytes):
 
 
 def nbytes(dtype_name, n):
-    """Bytes of ``n`` elements of a wire dtype."""
-    if dtype_name == TWO_BIT:
-        return 4 + (n + 3) // 4
-    if dtype_name == ROW_SPARSE:
-        return n
-    return n * ITEMSIZE[dtype_name]
+    """Bytes of ``n`` elements of a wire dtype, or of a payload whose PUSH item says ``n``."""
+    size = ITEMSIZE.get(dtype_name)
+    if size is not None:
+        return n * size
+    return n if dtype_name == ROW_SPARSE else coded_nbytes(dtype_name, n)
 
 
 def as_array(buffer, dtype_name):

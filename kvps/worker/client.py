@@ -14,6 +14,7 @@ import numpy as np
 
 from ..allocator import keep_freed_memory
 from ..arrays import flat_view
+from ..compression import pulled_dtype
 from ..errors import ConfigError
 from ..timeline import recording
 from ..timeline.counters import WorkerCounts
@@ -147,7 +148,7 @@ class DistClient:
         """One PUSH per batch, each item numbered (its ``seq``) as it is made: numbering and
         queueing under one lock keep a key part's pushes to a server in the order of their
         numbers, whichever threads push at once."""
-        counts, rows = self.io.push_counts, P.ROW_SPARSE
+        counts, in_bytes = self.io.push_counts, P.SIZED_IN_BYTES
         with counts.lock:
             for server, batch in batches:
                 node = server_name(server)
@@ -158,7 +159,7 @@ class DistClient:
                     where = (key, part.part)
                     seq = numbered.get(where, 0)
                     numbered[where] = seq + 1
-                    n = data.nbytes if dtype == rows else part.stop - part.start
+                    n = data.nbytes if dtype in in_bytes else part.stop - part.start
                     keys.append(new(PushItem, (key, where[1], dtype, n, at, seq)))
                     if at is None:
                         frames.append(data)
@@ -190,20 +191,20 @@ class DistClient:
                     self._step = count
             return self._step
 
-    def pull(self, items, priority=0):
+    def pull(self, items, priority=0, codec=None):
         """Fill each ``out`` of ``items`` ([(key, out, dtype)]: writable numpy arrays, as the
         store checks them) with the key's value once this worker's pushes of it are applied.
         Every request leaves before any answer is awaited, and small parts share one message
-        per server."""
+        per server. ``codec``: float32 and float64 values travel rounded to it."""
         self._raise_pending_errors()
-        self.pull_begin(items, priority)()
+        self.pull_begin(items, priority, codec)()
 
-    def pull_begin(self, items, priority=0):
+    def pull_begin(self, items, priority=0, codec=None):
         """Send the pull requests of ``items`` now; returns the wait for their answers."""
-        sent = self._send_pulls(items, priority)
+        sent = self._send_pulls(items, priority, codec)
         return lambda: self._finish_pull(*sent)
 
-    def pushpull(self, pushes, pulls, priority=0):
+    def pushpull(self, pushes, pulls, priority=0, codec=None):
         """``push(pushes)`` then ``pull(pulls)`` (the same keys, in the same order), with each
         wave's pull requests sent right behind its pushes rather than behind all of them: a
         server answers a key's pull as soon as its round is complete, so results flow back
@@ -212,12 +213,14 @@ class DistClient:
         waits = []
         for start, stop in waves(pulls, self.sharding, self.io.staging):
             self.push(pushes[start:stop], priority)
-            waits.append(self.pull_begin(pulls[start:stop], priority))
+            waits.append(self.pull_begin(pulls[start:stop], priority, codec))
         for wait in waits:
             wait()
 
-    def _send_pulls(self, items, priority):
-        """Send the pull requests of ``items``; returns what ``_finish_pull`` waits on."""
+    def _send_pulls(self, items, priority, codec=None):
+        """Send the pull requests of ``items``; returns what ``_finish_pull`` waits on. The
+        parts are listed with the dtype their values travel in (``codec``'s, if it rounds
+        them), which sizes their frames and shared-memory blocks."""
         targets, finish, landings = [], [], []
         for key, out, dtype in items:
             if type(out) is np.ndarray:
@@ -226,7 +229,7 @@ class DistClient:
                 flat = out
                 landings.append(out)
             target = flat if flat is not None else np.empty(out.size, dtype=out.dtype)
-            targets.append((key, target, dtype))
+            targets.append((key, target, dtype if codec is None else pulled_dtype(codec, dtype)))
             if flat is None:
                 finish.append((out, target))
         staging = self.io.staging
@@ -248,6 +251,8 @@ class DistClient:
                 for (key, part, _, _), block in zip(batch, blocks)]}
             if priority:
                 header['priority'] = priority
+            if codec is not None:
+                header['codec'] = codec
             self._submit(server, header, (),
                          Request(op, node, copier(batch, blocks, staging, node, self.counts,
                                                   self.io.trace, landings), keep=blocks))

@@ -2,6 +2,7 @@
 server, pulled bytes written into the caller's arrays."""
 
 from .. import rows
+from ..compression import land_pulled
 from ..errors import ProtocolError
 from ..timeline import recording
 from ..wire import protocol as P
@@ -27,8 +28,9 @@ def server_name(rank):
 
 
 def part_nbytes(item):
-    """Bytes of one ``(key, part, array, dtype)`` part of a pull."""
-    return (item[1].stop - item[1].start) * item[2].itemsize
+    """Bytes of one ``(key, part, array, dtype)`` part of a pull (``dtype``: the one its
+    values travel in)."""
+    return (item[1].stop - item[1].start) * P.ITEMSIZE[item[3]]
 
 
 def fuse(parts, wire_bytes=part_nbytes, shaped=False):
@@ -125,7 +127,11 @@ def copier(batch, blocks, staging, node, counts, trace=None, landings=()):
             else:
                 raise ProtocolError(f'a pull answered at shared-memory offset {at}, which this '
                                     'worker did not give')
-            target[part.start:part.stop] = P.as_array(source, dtype)   # (np.copyto: slower)
+            values = P.as_array(source, dtype)
+            if values.itemsize == target.itemsize:
+                target[part.start:part.stop] = values   # (np.copyto: slower)
+            else:   # rounded by the server (a compressed pull): widened
+                land_pulled(target[part.start:part.stop], values)
         counts.pulled_socket += socket
         counts.pulled_shm += shm
         if trace is not None:

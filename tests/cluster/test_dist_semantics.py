@@ -176,19 +176,99 @@ def test_compressed_pushes_deliver_what_the_2bit_rule_sends(job, store):
     sizes = [3000, 5, 1200000]
     want = [np.zeros(n, np.float64 if n == 5 else np.float32) for n in sizes]
     for rank in range(2):
-        rng, codec = np.random.default_rng(rank), compression.parse({'type': '2bit'})
+        rng, codec = np.random.default_rng(rank), compression.parse({'type': '2bit'}).push
         for _ in range(3):
             for key, n in enumerate(sizes):
                 grad = rng.standard_normal(n).astype(want[key].dtype)
                 payload = codec.encode(key, 0, grad, np.empty(
                     compression.nbytes('2bit', n), np.uint8))
-                want[key] += compression.decode(payload, n, str(want[key].dtype))
+                want[key] += compression.decode('2bit', payload, n, str(want[key].dtype))
     digests = [hashlib.sha256(w.tobytes()).hexdigest() for w in want]
     results = result.results()
     assert sorted(results) == [0, 1]
     for res in results.values():
         assert res['head'] == [w[:5].tolist() for w in want] and res['digests'] == digests
 
+
+
+# One store per type (each its own codec and residuals), each pulling its keys rounded and,
+# through a plain store, exactly.
+CODECS = [{'type': 'fp16', 'pull': 'fp16'}, {'type': 'bf16', 'pull': 'bf16'}, {'type': '1bit'},
+          {'type': 'topk', 'ratio': 0.05, 'pull': 'fp16'}]
+SIZES = [3000, 5, 200000]   # keys 0 and 2 split over both servers; payloads >= 1 KiB in shm
+CODECS_SCRIPT = f'''
+import json
+codecs, sizes = {CODECS!r}, {SIZES!r}
+plain = kvps.create(os.environ['STORE'])
+r = plain.rank
+stores, parts = [], {{}}
+for t, params in enumerate(codecs):
+    kv = kvps.create(os.environ['STORE'])
+    keys = [10 * t + i for i in range(3)]
+    kv.init(keys, [np.zeros(n, np.float64 if n == 5 else np.float32) for n in sizes])
+    kv.set_gradient_compression(params)
+    stores.append((kv, keys))
+    parts.update({{k: kv._keys.parts(k) for k in keys}})
+plain.set_optimizer(kvps.optimizer.create('test', rescale_grad=1.0))   # w += the pushed sum
+for t, (kv, keys) in enumerate(stores):
+    rng = np.random.default_rng([r, t])
+    for step in range(3):
+        kv.push(keys, [rng.standard_normal(n).astype(np.float64 if n == 5 else np.float32)
+                       for n in sizes])
+plain.barrier()                    # async: every worker's pushes are applied after it
+for t, (kv, keys) in enumerate(stores):
+    exact = [np.zeros(n, np.float64 if n == 5 else np.float32) for n in sizes]
+    rounded = [np.zeros_like(e) for e in exact]
+    plain.pull(keys, out=exact)
+    kv.pull(keys, out=rounded)
+    np.savez(os.path.join(os.environ['OUT'], f'{{r}}-{{t}}.npz'), *exact, *rounded)
+report(rank=r, parts={{str(k): v for k, v in parts.items()}})
+'''
+
+
+@pytest.mark.parametrize('store', ['dist_sync', 'dist_async'])
+def test_every_codec_delivers_what_it_sends_and_pulls_round(job, store, tmp_path):
+    """Servers apply what each worker's codecs send, part by part as the worker splits keys
+    (the codecs are replayed here on the parts the worker reports; test_compression_codecs
+    pins them), up to the float32 sums' order; and a pull with 'pull' set is the exact
+    value rounded to that type, the server keeping full precision."""
+    import numpy as np
+    from kvps import compression
+    from kvps.optimizer.kernels.common import bf16_to_f32
+    result = job(CODECS_SCRIPT, 2, 2, env={'STORE': store, 'KVPS_BIGARRAY_BOUND': '1000',
+                                           'OUT': str(tmp_path)}, timeout=180)
+    assert result.returncode == 0, result.output
+    results = result.results()
+    assert sorted(results) == [0, 1]
+    parts = results[0]['parts']
+    assert all(len(parts[str(10 * t + k)]) == 2 for t in range(4) for k in (0, 2))
+    for t, params in enumerate(CODECS):
+        want = [np.zeros(n) for n in SIZES]
+        for rank in range(2):
+            rng, codec = np.random.default_rng([rank, t]), compression.parse(params).push
+            for _ in range(3):
+                for i, n in enumerate(SIZES):
+                    grad = rng.standard_normal(n).astype(np.float64 if n == 5 else np.float32)
+                    for _, part, start, stop in parts[str(10 * t + i)]:
+                        dtype = grad.dtype.name
+                        payload = codec.encode(10 * t + i, part, grad[start:stop], np.empty(
+                            codec.nbytes(stop - start, dtype), np.uint8))
+                        want[i][start:stop] += compression.decode(codec.name, payload,
+                                                                  stop - start, dtype)
+        for rank in range(2):
+            got = np.load(tmp_path / f'{rank}-{t}.npz')
+            exact, rounded = [got[f'arr_{i}'] for i in range(3)], \
+                [got[f'arr_{i}'] for i in range(3, 6)]
+            for w, e, p in zip(want, exact, rounded):
+                np.testing.assert_allclose(e, w, rtol=1e-5, atol=1e-5)
+                pull = params.get('pull')
+                if pull == 'fp16':
+                    assert p.tolist() == e.astype(np.float16).astype(e.dtype).tolist()
+                elif pull == 'bf16':
+                    bits = compression.round_pulled(e, 'bf16')
+                    assert p.tolist() == bf16_to_f32(bits).astype(e.dtype).tolist()
+                else:
+                    assert p.tolist() == e.tolist()
 
 PUSHPULL_SCRIPT = '''
 kv = kvps.create('dist_sync')

@@ -124,7 +124,7 @@ _fuzz_keys = st.one_of(
     st.integers(P.MAX_KEY_CHARS - 2, P.MAX_KEY_CHARS + 50).map(lambda n: 'k' * n),
     st.sampled_from([(1 << 63) - 1, -(1 << 63), (1 << 64) - 1]))
 _keys = st.one_of(_fuzz_keys, st.sampled_from(sorted(REAL_KEYS)))
-WIRE_DTYPES = sorted(P.DTYPES) + [P.TWO_BIT]   # 2bit: compressed pushes (random thresholds)
+WIRE_DTYPES = sorted(P.DTYPES) + list(P.GRADIENT_CODECS)   # compressed pushes too
 _dtypes = st.one_of(st.sampled_from(WIRE_DTYPES), st.sampled_from(
     ['float128', 'complex64', 'object', 'bool', '', 'FLOAT32', 'float32 ', '<f4', '2BIT']),
     st.text(max_size=8))

@@ -12,6 +12,7 @@ import numpy as np
 
 from kvps.errors import ConfigError, KVPSError
 from kvps.kvstore.backend import Backend
+from kvps.optimizer.kernels.common import bf16_to_f32, f32_to_bf16
 
 F32 = np.dtype('float32')
 
@@ -97,6 +98,33 @@ def check_pushpull_pulls_what_it_pushed(backend):
                      [('c.pushpull', out, 'float32')])
     assert (out == 2).all()
 
+
+
+def check_a_compressed_pull_rounds_float_values_and_nothing_else(backend):
+    """With a codec, float32 and float64 values come rounded to it (float16 beyond its range
+    to inf), in a frame or in shared memory (the big key), and other dtypes as they are; the
+    servers keep full precision."""
+    small = np.array([1 / 3, 7e4, -2.5, 1e-9, 1 + 2 ** -9], F32)
+    big = np.linspace(-3, 3, 1 << 16).astype(F32)
+    with np.errstate(over='ignore'):
+        halves = small.astype(np.float16)
+    for key, value in [('c.round', small), ('c.round64', small.astype(np.float64) / 7),
+                       ('c.roundbig', big), ('c.half', halves)]:
+        _init(backend, key, value)
+        with np.errstate(over='ignore'):   # 7e4: inf in float16
+            half = value.astype(np.float16).astype(value.dtype)
+        brain = bf16_to_f32(f32_to_bf16(value)).astype(value.dtype)
+        out = np.zeros_like(value)
+        backend.pull([(key, out, value.dtype.name)], codec='fp16')
+        assert out.tobytes() == half.tobytes(), key
+        backend.pull_begin([(key, out, value.dtype.name)], codec='bf16')()
+        assert out.tobytes() == (value if value.dtype == np.float16 else brain).tobytes(), key
+        double = value * 2   # a new value: what was rounded before is not answered again
+        backend.pushpull([(key, double.reshape(-1).copy(), value.dtype.name)],
+                         [(key, out, value.dtype.name)], codec='bf16')
+        assert out.tobytes() == (double if value.dtype == np.float16 else bf16_to_f32(
+            f32_to_bf16(double)).astype(value.dtype)).tobytes(), key
+        assert _pulled(backend, key, value).tobytes() == double.tobytes(), key
 
 def check_stage_gives_a_block_or_none_per_size(backend):
     sizes = [16, 1 << 20]

@@ -34,9 +34,9 @@ def send(codec, grads, key='k', dtype=np.float32):
     got = []
     for g in grads:
         g = np.asarray(g, dtype)
-        out = np.empty(P.nbytes(P.TWO_BIT, g.size), np.uint8)
+        out = np.empty(P.nbytes('2bit', g.size), np.uint8)
         payload = codec.encode(key, 0, g, out)
-        got.append(compression.decode(memoryview(payload), g.size, str(g.dtype)))
+        got.append(compression.decode('2bit', memoryview(payload), g.size, str(g.dtype)))
     return got
 
 
@@ -44,7 +44,7 @@ def send(codec, grads, key='k', dtype=np.float32):
 def test_quantization_follows_the_rule_and_loses_nothing(n):
     rng = np.random.default_rng(n)
     grads = [rng.standard_normal(n).astype(np.float32) for _ in range(6)]
-    codec = compression.parse({'type': '2bit', 'threshold': 0.5})
+    codec = compression.parse({'type': '2bit', 'threshold': 0.5}).push
     got = send(codec, grads)
     want, residual = reference(grads, 0.5)
     for a, b in zip(got, want):
@@ -57,7 +57,7 @@ def test_float64_gradients_keep_a_float64_residual_as_mxnet_does():
     """MXNet's residual has the gradient's dtype. 0.5 - 2**-30 is below a 0.5 threshold, so
     nothing is sent; a float32 residual rounds it up to 0.5 and sends +0.5 at once, and what
     is held back is no longer what was pushed minus what was sent."""
-    codec = compression.parse({'type': '2bit', 'threshold': 0.5})
+    codec = compression.parse({'type': '2bit', 'threshold': 0.5}).push
     below = 0.5 - 2.0 ** -30
     got = send(codec, [[below, -below, 0.25]] * 3, dtype=np.float64)
     assert [g.tolist() for g in got] == [[0.0, 0.0, 0.0], [0.5, -0.5, 0.5],
@@ -67,7 +67,7 @@ def test_float64_gradients_keep_a_float64_residual_as_mxnet_does():
 
 
 def test_each_key_part_keeps_its_own_residual():
-    codec = compression.parse({'type': '2BIT', 'threshold': 1.0})
+    codec = compression.parse({'type': '2BIT', 'threshold': 1.0}).push
     for key in ('a', 'b'):
         assert send(codec, [[0.6]], key=key)[0].tolist() == [0.0]
     assert send(codec, [[0.6]], key='a')[0].tolist() == [1.0]      # 1.2 held by 'a' only
@@ -76,34 +76,68 @@ def test_each_key_part_keeps_its_own_residual():
 
 @pytest.mark.parametrize('dtype', ['float16', 'float32', 'float64'])
 def test_decoding_gives_the_keys_dtype_with_exactly_plus_minus_threshold(dtype):
-    codec = compression.parse({'type': '2bit', 'threshold': 0.25})
+    codec = compression.parse({'type': '2bit', 'threshold': 0.25}).push
     got, = send(codec, [[1.0, -1.0, 0.1, 0.25, -0.25]], dtype=dtype)
     assert got.dtype == np.dtype(dtype) and got.tolist() == [0.25, -0.25, 0.0, 0.25, -0.25]
 
 
 def test_the_payload_is_a_float32_threshold_then_four_codes_a_byte():
-    codec = compression.parse({'type': '2bit', 'threshold': 2.0})
-    out = np.empty(P.nbytes(P.TWO_BIT, 5), np.uint8)
+    codec = compression.parse({'type': '2bit', 'threshold': 2.0}).push
+    out = np.empty(P.nbytes('2bit', 5), np.uint8)
     payload = codec.encode('k', 0, np.array([3, -3, 0, 3, -3], np.float32), out)
-    assert P.nbytes(P.TWO_BIT, 5) == 4 + 2
+    assert P.nbytes('2bit', 5) == 4 + 2
     assert payload[:4].view('<f4')[0] == 2.0
     assert payload[4:].tolist() == [0b11_00_10_11, 0b10]
 
 
 @pytest.mark.parametrize('params, error', [
-    ({'type': '1bit'}, 'not supported'), ({'type': '2bit', 'threshold': 0}, 'threshold'),
-    ({'type': '2bit', 'threshold': -1}, 'threshold'),
-    ({'type': '2bit', 'threshold': float('nan')}, 'threshold'),
-    ({'type': '2bit', 'threshold': True}, 'threshold'),
-    ({'type': '2bit', 'thresh': 1}, 'unknown'), ('2bit', 'dict'),
+    ({'type': '3bit'}, "type '3bit' is not supported; kvps has 2bit, fp16, bf16, 1bit, topk"),
+    ({'type': '2bit', 'threshold': 0}, 'threshold > 0, got 0'),
+    ({'type': '2bit', 'threshold': -1}, 'threshold > 0, got -1'),
+    ({'type': '2bit', 'threshold': float('nan')}, 'threshold > 0, got nan'),
+    ({'type': '2bit', 'threshold': True}, 'threshold > 0, got True'),
+    ({'type': '2bit', 'thresh': 1}, "unknown parameter.*'thresh' for 2bit.*takes type, "
+                                    'threshold, pull'),
+    ({'type': 'topk', 'ratio': 0}, r'ratio in \(0, 1\].*got 0'),
+    ({'type': 'topk', 'ratio': -0.1}, r'ratio in \(0, 1\].*got -0.1'),
+    ({'type': 'topk', 'ratio': 1.5}, r'ratio in \(0, 1\].*got 1.5'),
+    ({'type': 'topk', 'ratio': float('nan')}, r'ratio in \(0, 1\].*got nan'),
+    ({'type': 'topk', 'ratio': '0.1'}, r"ratio in \(0, 1\].*got '0.1'"),
+    ({'type': 'topk', 'k': 10}, "unknown parameter.*'k' for topk.*takes type, ratio, pull"),
+    ({'type': 'fp16', 'threshold': 0.5}, "unknown parameter.*'threshold' for fp16.*takes type, "
+                                         'pull'),
+    ({'type': '1bit', 'threshold': 0}, "'threshold' for 1bit.*it has no threshold"),
+    ({'type': '1bit', 'chunk': 0}, r'chunk .*an int from 1 to 4294967295, got 0'),
+    ({'type': '1bit', 'chunk': 2.5}, r'chunk .*an int from 1 to 4294967295, got 2.5'),
+    ({'type': '1bit', 'chunk': True}, r'chunk .*an int from 1 to 4294967295, got True'),
+    ({'type': '1bit', 'chunk': 2 ** 32}, r'chunk .*got 4294967296'),
+    ({'type': 'bf16', 1: 2}, "unknown parameter.*1 for bf16"),
+    ({'type': 'fp16', 'pull': 'int8'}, "pull compression 'int8' is not supported; pulls may "
+                                       "travel as 'fp16' or 'bf16'"),
+    ({'type': 'none', 'ratio': 0.1, 'bogus': 1}, "unknown parameter.*'bogus' for none"),
+    ('2bit', 'must be a dict'),
 ])
-def test_bad_parameters_are_refused(params, error):
+def test_bad_parameters_are_refused_at_the_call_naming_what_is_wrong(params, error):
     with pytest.raises((ValueError, TypeError), match=error):
         compression.parse(params)
+    kv = kvps.create('device')   # the store's call raises the same, before anything changes
+    with pytest.raises((ValueError, TypeError), match=error):
+        kv.set_gradient_compression(params)
+
+
+def test_parameters_are_read_as_mxnet_scripts_pass_them():
+    """Names are case-insensitive; without a type, MXNet's example scripts still pass a
+    threshold ({'type': args.gc_type, 'threshold': ...} with gc_type 'none'): taken, unused."""
+    assert compression.parse({'type': 'none', 'threshold': 0.5}) == (None, None)
+    assert compression.parse({'type': 'NONE', 'pull': 'FP16'}) == (None, 'fp16')
+    assert compression.parse({'type': 'TopK', 'ratio': np.float32(0.5)}).push.ratio == 0.5
+    assert compression.parse({'type': '2bit'}).push.threshold == 0.5        # MXNet's default
+    assert compression.parse({'type': 'topk'}).push.ratio == 0.01
+    assert compression.parse({'type': 'bf16', 'pull': None}).pull is None
 
 
 def test_none_and_type_none_turn_compression_off():
-    assert compression.parse(None) is None and compression.parse({'type': 'none'}) is None
+    assert compression.parse(None) == compression.parse({'type': 'none'}) == (None, None)
 
 
 @pytest.mark.parametrize('payload, message', [
@@ -114,12 +148,12 @@ def test_none_and_type_none_turn_compression_off():
 ])
 def test_the_server_refuses_malformed_payloads(payload, message):
     with pytest.raises(ProtocolError, match=message):
-        compression.decode(payload, 5, 'float32')
+        compression.decode('2bit', payload, 5, 'float32')
 
 
 def test_the_unused_code_decodes_to_zero():
     payload = np.array(1.0, '<f4').tobytes() + bytes([0b01_01_01_01])
-    assert compression.decode(payload, 4, 'float32').tolist() == [0.0] * 4
+    assert compression.decode('2bit', payload, 4, 'float32').tolist() == [0.0] * 4
 
 
 def test_a_store_pushes_compressed_values_and_pulls_exact_ones():
@@ -179,14 +213,15 @@ def test_low_precision_keys_get_the_threshold_they_can_hold_and_lose_nothing(dty
     rng = np.random.default_rng(5)
     grads = [rng.standard_normal(50).astype(np.float32) for _ in range(8)]
     grads = [bf16(g) if dtype == 'bfloat16' else g.astype(np.float16) for g in grads]
-    codec = compression.parse({'type': '2bit', 'threshold': 0.3})
+    codec = compression.parse({'type': '2bit', 'threshold': 0.3}).push
     t = compression.sent_threshold(0.3, dtype)
     assert t != np.float32(0.3) and t == widened(bf16([0.3]) if dtype == 'bfloat16'
                                                   else np.float16([0.3]))[0]
     got = []
     for g in grads:
-        out = np.empty(P.nbytes(P.TWO_BIT, g.size), np.uint8)
-        got.append(compression.decode(memoryview(codec.encode('k', 0, g, out)), g.size, dtype))
+        out = np.empty(P.nbytes('2bit', g.size), np.uint8)
+        got.append(compression.decode('2bit', memoryview(codec.encode('k', 0, g, out)), g.size,
+                                          dtype))
     assert all(a.dtype == (np.uint16 if dtype == 'bfloat16' else np.float16) for a in got)
     assert set(np.concatenate([widened(a) for a in got]).tolist()) <= {0.0, t, -t}
     held = codec._residuals[('k', 0)]
@@ -268,3 +303,16 @@ def test_device_and_dist_types_compress_pushes_by_the_2bit_rule(name):
                     [0.0, 0.0, -0.5, 0.5],     # -0.6: -0.5 sent, -0.1 held; 0.5 held
                     [0.0, 0.0, 0.0, 0.5],      # the last of the 2.0, four pushes late
                     [0.0, 0.0, 0.0, 0.0]]      # nothing is left to send
+
+
+def test_several_values_of_one_push_are_summed_then_quantized_as_mxnets_dist_stores_do():
+    """Two values of 0.3 (one per GPU) sum to 0.6, which sends one threshold (0.5); each value
+    quantized alone, as MXNet's single-machine device store does, would send nothing."""
+    kv = kvps.create('device')
+    kv.init(0, np.zeros(3, np.float32))
+    kv.set_optimizer(kvps.optimizer.create('test', rescale_grad=1.0))   # w += g
+    kv.set_gradient_compression({'type': '2bit', 'threshold': 0.5})
+    kv.push(0, [np.full(3, 0.3, np.float32), np.full(3, 0.3, np.float32)])
+    out = np.zeros(3, np.float32)
+    kv.pull(0, out=out)
+    assert out.tolist() == [0.5] * 3

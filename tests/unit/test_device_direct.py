@@ -64,7 +64,7 @@ class ShmBackend(LocalBackend):
         self.held += [flat for _, flat, _ in items]
         super().push([(k, np.concatenate(f) if type(f) is list else f, d) for k, f, d in items])
 
-    def pull(self, items, priority=0):
+    def pull(self, items, priority=0, codec=None):
         landings = [out for _, out, _ in items if type(out) is not np.ndarray]
         for key, out, dtype in items:
             (reply,) = self.shard.pull(None, b'w', key, 0)

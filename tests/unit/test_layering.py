@@ -12,7 +12,7 @@ ROLES = {'scheduler', 'server', 'worker'}
 # and units of a lower rank. Values and the wire at the bottom, the roles above them, the
 # store and the Trainer on top; the launcher beside the top, imported by nothing.
 RANKS = {
-    'errors': 0, 'env_values': 0, 'rank_sources': 0,   # pure: text in, values out
+    'errors': 0, 'env_parsers': 0, 'rank_sources': 0,  # pure: text in, values out
     'config': 1, 'atomic': 1, 'allocator': 1, 'pinning': 1,
     'timeline': 2, 'optimizer': 2,                   # recording spans; optimizers and kernels
     'wire': 3,                                       # the wire format, sockets, shared memory
@@ -161,6 +161,12 @@ PUBLIC = {
     'kvps.trainer': {'Trainer'},
     'kvps.launch': {'main'},
     'kvps.timeline': {'phase', 'enabled'},
+    # the codecs' package: set_gradient_compression's parameters, the codecs, the servers'
+    # decoding and the 16-bit pulls
+    'kvps.compression': {'parse', 'Settings', 'OFF', 'TYPES', 'CODECS', 'decode', 'nbytes',
+                         'check_compressible', 'DECODABLE', 'ErrorFeedback', 'TwoBit',
+                         'Float16', 'BFloat16', 'OneBit', 'TopK', 'sent_threshold',
+                         'pulled_dtype', 'round_pulled', 'land_pulled'},
 }
 
 

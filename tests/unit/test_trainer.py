@@ -738,7 +738,7 @@ def test_compression_params_reach_the_store():
     assert x.tolist() == [-0.5, 0.0, 0.5, -0.5]
     with pytest.raises(ValueError, match='not supported'):
         Trainer([param(0)], 'sgd', kvstore=fake_store('dist_sync'),
-                compression_params={'type': 'topk'})
+                compression_params={'type': '3bit'})
 
 
 @pytest.mark.parametrize('kvstore', ['local', 'local_update_cpu', 'store'])

@@ -1,9 +1,20 @@
-"""Parsers of environment variables' text (numbers, flags, names, ports), for config.py: each
-returns the value or raises ValueError saying what it expected."""
+"""Parsers of environment variables' values for kvps.config: each takes the text and returns
+the value or raises ValueError saying what it expected."""
 
+import dataclasses
 import re
 
 ROLES = ('worker', 'server', 'scheduler')
+
+
+@dataclasses.dataclass(frozen=True)
+class Var:
+    """One environment variable: the native name, the ps-lite/MXNet/BytePS aliases, parser, default."""
+    field: str
+    names: tuple
+    parse: object
+    default: object
+    doc: str
 
 
 def number(cast, ok, message):
@@ -24,9 +35,9 @@ MAX_SECONDS = 1e9
 MAX_INT = 2 ** 63 - 1
 
 positive_float = number(float, lambda v: 0 < v <= MAX_SECONDS,
-                        f'must be > 0 and at most {MAX_SECONDS:g} (seconds)')
+                          f'must be > 0 and at most {MAX_SECONDS:g} (seconds)')
 nonneg_float = number(float, lambda v: 0 <= v <= MAX_SECONDS,
-                      f'must be >= 0 and at most {MAX_SECONDS:g} (seconds)')
+                        f'must be >= 0 and at most {MAX_SECONDS:g} (seconds)')
 nonneg_int = number(int, lambda v: 0 <= v <= MAX_INT, 'must be >= 0 and below 2**63')
 positive_int = number(int, lambda v: 1 <= v <= MAX_INT, 'must be >= 1 and below 2**63')
 
@@ -64,16 +75,16 @@ def count_or_all(text):
     return 'all' if low == 'all' else nonneg_int(low)
 
 
-def text(value):
-    return value.strip()
+def text(text):
+    return text.strip()
 
 
-MODULE = re.compile(r'[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*')
+_MODULE = re.compile(r'[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*')
 
 
 def modules(text):
     names = tuple(n.strip() for n in text.split(',') if n.strip())
-    bad = [n for n in names if not MODULE.fullmatch(n)]
+    bad = [n for n in names if not _MODULE.fullmatch(n)]
     if bad:
         raise ValueError(f'{bad[0]!r} is not a Python module name; expected module names '
                          'separated by commas (e.g. mypkg.optimizers,other)')
@@ -87,11 +98,11 @@ def port(text):
     return value
 
 
-LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'WARN', 'ERROR', 'CRITICAL', 'FATAL', 'NOTSET')
+_LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'WARN', 'ERROR', 'CRITICAL', 'FATAL', 'NOTSET')
 
 
 def log_level(text):
     name = text.strip().upper()
-    if name not in LOG_LEVELS:
-        raise ValueError(f'expected one of {", ".join(LOG_LEVELS)}')
+    if name not in _LOG_LEVELS:
+        raise ValueError(f'expected one of {", ".join(_LOG_LEVELS)}')
     return name

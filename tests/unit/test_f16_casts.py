@@ -1,0 +1,45 @@
+"""float16 casts through torch give numpy's values bit for bit, and never warn."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvps.compression import f16
+
+
+def same(a, b):
+    """Bit for bit, except that any NaN equals any NaN (payload bits may differ)."""
+    bits = f'u{a.itemsize}'
+    return bool(np.all((a.view(bits) == b.view(bits)) | (np.isnan(a) & np.isnan(b))))
+
+
+def test_float32_to_float16_rounds_every_kind_of_value_as_numpy():
+    # a stride through every float32 bit pattern, and the edges of float16's range
+    spread = np.arange(0, 1 << 32, 7919, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    edges = np.float32([65504, 65519.99, 65520, -65520, 6e-8, 2.98e-8, 2.9e-8, np.inf, np.nan])
+    values = np.concatenate([spread, edges])
+    with np.errstate(over='ignore', invalid='ignore'):
+        assert same(f16.astype(values, np.dtype(np.float16)), values.astype(np.float16))
+
+
+@pytest.mark.parametrize('wide', [np.float32, np.float64])
+def test_float16_widens_exactly(wide):
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    assert same(f16.astype(every, np.dtype(wide)), every.astype(wide))
+
+
+def test_float64_rounds_once_as_numpy_does():
+    # torch would round these through float32 first: -890.74998 to -890.75, then to -891
+    values = np.array([-890.74998212, -623.250016, 645.74998631] * 2000)
+    assert same(f16.astype(values, np.dtype(np.float16)), values.astype(np.float16))
+
+
+def test_a_read_only_payload_casts_without_a_warning():
+    # a fresh process with warnings as errors: torch warns once a process, on the first
+    # read-only array it is given (received payloads are read-only)
+    code = ('import numpy as np; from kvps.compression import f16; '
+            'p = np.frombuffer(np.ones(10000, np.float16).tobytes(), np.float16); '
+            'out = f16.cast_into(np.empty(p.size, np.float32), p); assert (out == 1).all()')
+    subprocess.run([sys.executable, '-W', 'error', '-c', code], check=True, timeout=120)
