@@ -52,9 +52,10 @@ def test_a_rank_claimed_twice_is_refused_naming_both_processes(by_hand):
     """The refused process, the scheduler's log and the reason the job ends with (which a
     launcher reads to blame a node) all name both claims: host, pid and the setting."""
     sched, env = by_hand.scheduler(2, 1, extra={'KVPS_LOG_LEVEL': 'INFO',
-                                                'KVPS_CONNECT_TIMEOUT': '25'})
+                                                'KVPS_CONNECT_TIMEOUT': '30'})
     log = Output(sched)
     server = by_hand('server', env)
+    log.wait_for(rf'registered server \(host 127\.0\.0\.1, pid {server.pid}\)', 60)
     holder = by_hand('worker', {**env, 'KVPS_RANK': '1'}, script=WORKER)
     log.wait_for(rf'registered worker 1 \(host 127\.0\.0\.1, pid {holder.pid}, rank from '
                  r'KVPS_RANK=1\)', 60)
