@@ -87,6 +87,10 @@ VARS = (
     Var('recovery_timeout', ('KVPS_RECOVERY_TIMEOUT',), parse.nonneg_float, 0.0,
         'Seconds the job waits for a lost server to rejoin with its rank (0: a lost server '
         'ends the job). Servers then need KVPS_CHECKPOINT_DIR.'),
+    Var('min_workers', ('KVPS_MIN_WORKERS',), parse.positive_int, None, 'Makes the job elastic: '
+        'it goes on while at least this many workers are members ([elastic.md](elastic.md)).'),
+    Var('max_workers', ('KVPS_MAX_WORKERS',), parse.positive_int, None,
+        'Elastic jobs: at most this many member workers at once (default: `DMLC_NUM_WORKER`).'),
     Var('secret', ('KVPS_SECRET',), parse.text, None,
         'Job secret: every message is authenticated with it (the launcher makes one).'),
     Var('secret_file', ('KVPS_SECRET_FILE',), parse.text, None,
@@ -158,6 +162,8 @@ class Config:
     checkpoint_every: int = 0
     checkpoint_seconds: float = 0.0
     recovery_timeout: float = 0.0
+    min_workers: int = None
+    max_workers: int = None
     secret: str = None
     secret_file: str = None
     auth_payload: bool = False

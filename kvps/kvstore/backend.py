@@ -105,6 +105,10 @@ class Backend(Protocol):
         """Block until every worker is here and this worker's pushes are applied; returns the
         ranks whose ``digest`` (bytes) differs from rank 0's, [] when all agree."""
 
+    def on_membership_change(self, callback):
+        """Call ``callback(num_workers, ranks)`` at the first call after each change of the
+        job's workers (elastic jobs; a fixed job's never change); None: no more calls."""
+
     def wait_pushes(self):
         """Block until every push so far, of any thread, is applied; raise the first error
         a server reported for one."""

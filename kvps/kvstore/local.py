@@ -85,6 +85,9 @@ class LocalBackend:
         self.pid = os.getpid()
         self.counts = WorkerCounts()   # calls only: nothing travels
 
+    def on_membership_change(self, callback):
+        """One process is the whole job: its workers never change."""
+
     @_serialized
     def init(self, items, device=False):
         """In this process, keys stay in host memory; device values are summed on their GPU

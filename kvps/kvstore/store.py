@@ -3,14 +3,11 @@
 
 import os
 
-import numpy as np
-
-from .. import arrays, compression, devices, rows
+from .. import arrays, compression, rows
 from ..errors import ConfigError, DuplicateInitError, KeyNotInitializedError, StoreClosedError
 from ..optimizer import states
 from ..timeline.recording import traced
-from ..wire.protocol import DTYPES
-from . import row_calls
+from . import pulls, row_calls
 from .base import KVStoreBase, registered
 from .job import dist_backend
 from .keys import StoreKeys, checked_priority
@@ -149,9 +146,9 @@ class KVStore(KVStoreBase):
             raise TypeError('pull needs out= (the arrays to write into)')
         self._open()
         priority = checked_priority(priority)
-        landings, items = self._pull_items(key, out)
+        landings, items = pulls.plan(self._keys, self._backend, key, out)
         self._backend.pull(items, priority, self._pull_codec)
-        self._land(landings)
+        pulls.land(landings)
 
     def pull_begin(self, key, out, priority=0):
         """A pull started now and waited for later (a kvps extension of MXNet's API): sends
@@ -160,70 +157,13 @@ class KVStore(KVStoreBase):
         back while backward still runs."""
         self._open()
         priority = checked_priority(priority)
-        landings, items = self._pull_items(key, out)
+        landings, items = pulls.plan(self._keys, self._backend, key, out)
         wait = self._backend.pull_begin(items, priority, self._pull_codec)
 
         def landed():
             wait()
-            self._land(landings)
+            pulls.land(landings)
         return landed
-
-    def _pull_items(self, key, out):
-        """``(landings, backend items)`` for a pull into ``out``, every target checked first
-        (a pull raises before it writes any of them). A key whose targets are all on GPUs is
-        written onto them straight from the backend's page-locked shared memory, where it has
-        some (a devices.Landing: landing ``(it, targets)``); other GPU targets are pulled into
-        a pinned host buffer of the key's dtype and copied (cast) onto each device from there:
-        landing ``(buffer, targets)``; host targets are pulled into the first of the key's
-        dtype (a scratch array if none is), which feeds the rest, cast where their dtype
-        differs: landing ``(None, [(numpy view, its dtype)], that first view, the key's
-        dtype)``."""
-        landings, items, straight, group = [], [], None, None
-        for k, targets in self._keys.pairs(key, out):
-            shape, dtype = self._keys.known(k)
-            names = []
-            for t in targets:
-                if rows.is_row_sparse(t):
-                    raise TypeError(f'key {k!r}: pull into dense arrays or tensors (row-sparse '
-                                    'values are for push; row_sparse_pull pulls some rows)')
-                names.append(arrays.check_pull_target(t, shape, dtype, k))
-            gpu = self._keys.on_gpu(k, targets)   # first: it names the device store types
-            views = devices.check_targets(targets, k)
-            if gpu:
-                on_gpus = all(view is None for view in views)
-                if on_gpus and straight is None:
-                    straight = devices.direct(self._backend)
-                if on_gpus and straight:
-                    group = group or devices.Landings()
-                    landing = devices.Landing(targets, dtype, group)
-                    items.append((k, landing, dtype))
-                else:
-                    landing = devices.pull_buffer(targets, dtype)
-                    items.append((k, arrays.as_numpy(landing), dtype))
-                landings.append((landing, targets))
-                continue
-            first = next((v for v, name in zip(views, names) if name == dtype), None)
-            if first is None:
-                first = np.empty(shape, DTYPES[dtype])
-            landings.append((None, list(zip(views, names)), first, dtype))
-            items.append((k, first, dtype))
-        return landings, items
-
-    @staticmethod
-    def _land(landings):
-        """Copy what a pull wrote into its first target or host buffer onto the rest."""
-        for landing in landings:
-            if landing[0] is not None:
-                devices.land(*landing)
-                continue
-            _, targets, first, dtype = landing
-            for view, name in targets:
-                if view is first:
-                    continue
-                if name == dtype:
-                    view[...] = first
-                else:
-                    arrays.cast_into(view, name, first, dtype)
 
     @traced('row_sparse_pull', 'pull')
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):
@@ -266,16 +206,25 @@ class KVStore(KVStoreBase):
         being pushed."""
         self._open()
         priority = checked_priority(priority)
-        landings, pulls = self._pull_items(key, value if out is None else out)
+        targets = value if out is None else out
+        landings, items = pulls.plan(self._keys, self._backend, key, targets)
         pushes = self._push_items(key, value)
-        self._backend.pushpull(pushes, pulls, priority, self._pull_codec)
-        self._land(landings)
+        self._backend.pushpull(pushes, items, priority, self._pull_codec)
+        pulls.land(landings)
 
     def broadcast(self, key, value, out, priority=0):
         """Initialize with rank 0's ``value`` and pull it into ``out`` on every worker."""
         checked_priority(priority)   # before the collective init
         self.init(key, value)
         self.pull(key, out, priority)
+
+    def on_membership_change(self, callback):
+        """Call ``callback(num_workers, ranks)`` on this worker at its first store call after
+        each change of an elastic job's workers (docs/elastic.md); None: no more calls."""
+        if callback is not None and not callable(callback):
+            raise TypeError(f'on_membership_change takes a callable or None, got '
+                            f'{type(callback).__name__}')
+        self._backend.on_membership_change(callback)
 
     @traced('barrier', 'barrier')
     def barrier(self):

@@ -14,6 +14,7 @@ import tempfile
 
 from ..config import VARS, Config
 from ..errors import ConfigError
+from ..scheduler.elastic import bounds as elastic_bounds
 from ..timeline import merge as timeline_merge, recording as timeline_recording
 from ..wire.auth import new_secret
 from .processes import ProcSpec, Sweeper
@@ -154,6 +155,16 @@ def build_parser():
                    help='restart a server that dies, up to N times in all; it rejoins with its '
                         'rank and resumes from its checkpoint (needs KVPS_CHECKPOINT_DIR; sets '
                         f'KVPS_RECOVERY_TIMEOUT={DEFAULT_RECOVERY_TIMEOUT} unless given)')
+    p.add_argument('--min-workers', dest='min_workers', type=_checked('min_workers'),
+                   metavar='M', help='make the job elastic: it goes on while at least M workers '
+                                     'are members; workers may leave and join (KVPS_MIN_WORKERS; '
+                                     'docs/elastic.md)')
+    p.add_argument('--max-workers', dest='max_workers', type=_checked('max_workers'),
+                   metavar='X', help='elastic jobs: at most X workers at once (default: -n; '
+                                     'KVPS_MAX_WORKERS)')
+    p.add_argument('--restart-workers', dest='restart_workers', type=_count, default=0,
+                   metavar='N', help='elastic jobs: restart a worker that dies, up to N times in '
+                                     'all; it rejoins as a new member')
     p.add_argument('--timeline', metavar='PATH', type=os.path.abspath,
                    help='every node records a timeline of its spans (KVPS_TIMELINE); at the end '
                         'they are merged into the Chrome trace PATH (open it in Perfetto, or '
@@ -176,6 +187,8 @@ def parse_args(argv=None):
         opts.command = opts.command[1:]
     if not opts.command:
         parser.error('missing the command each worker runs (e.g. -- python train.py)')
+    if opts.min_workers is None and (opts.max_workers or opts.restart_workers):
+        parser.error('--max-workers and --restart-workers need --min-workers (an elastic job)')
     return opts
 
 
@@ -194,8 +207,9 @@ def _common_env(opts, environ):
             env[_BY_FIELD[field].names[0]] = value
     if opts.timeline:
         env[_BY_FIELD['timeline'].names[0]] = opts.timeline
-    if opts.stats_seconds is not None:
-        env[_BY_FIELD['stats_seconds'].names[0]] = opts.stats_seconds
+    for field in ('stats_seconds', 'min_workers', 'max_workers'):
+        if getattr(opts, field) is not None:
+            env[_BY_FIELD[field].names[0]] = getattr(opts, field)
     if opts.restart_servers and not env.get('KVPS_RECOVERY_TIMEOUT'):
         env['KVPS_RECOVERY_TIMEOUT'] = DEFAULT_RECOVERY_TIMEOUT
     env.update({
@@ -246,6 +260,7 @@ def run(opts, environ=None, node_argv=NODE_ARGV, out=None, err=None):
         scheduler = plan_scheduler(opts, environ, port_file, node_argv)
         try:  # catch a bad inherited KVPS_* value here, not in every child
             config = Config.from_env(scheduler.env)
+            elastic = elastic_bounds(config) is not None
         except ConfigError as exc:
             print(f'kvps.launch: {exc}', file=err or sys.stderr, flush=True)
             return 2
@@ -255,7 +270,9 @@ def run(opts, environ=None, node_argv=NODE_ARGV, out=None, err=None):
             print(f'kvps.launch: {flag}{problem}', file=err or sys.stderr, flush=True)
             return 2
         supervisor = Supervisor(out=out, err=err, grace=opts.grace,
-                                restarts={'server': opts.restart_servers},
+                                restarts={'server': opts.restart_servers,
+                                          'worker': opts.restart_workers},
+                                tolerated={'worker'} if elastic else (),
                                 formed_file=config.formed_file,
                                 blame_file=config.blame_file, sweeper=Sweeper())
         with forwarding_signals(supervisor):

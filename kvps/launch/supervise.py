@@ -31,7 +31,7 @@ class Supervisor:
 
     def __init__(self, out=None, err=None, grace=5.0, tail_lines=TAIL_LINES, restarts=None,
                  primary_role='worker', formed_file=None, unjoined_grace=UNJOINED_GRACE,
-                 blame_file=None, sweeper=None):
+                 blame_file=None, sweeper=None, tolerated=()):
         self.out = out if out is not None else sys.stdout
         self.err = err if err is not None else sys.stderr
         self.grace = grace
@@ -52,6 +52,9 @@ class Supervisor:
         # when a child ends the job without exiting first (found lost, never registered)
         self.blame_file = blame_file
         self.sweeper = sweeper             # a Sweeper: told each child, closed at stop
+        # Roles whose failures the job survives (an elastic job's workers): the coordinator
+        # ends the job if it cannot go on, naming them in the blame file
+        self.tolerated = frozenset(tolerated)
 
     # -- output --------------------------------------------------------------------------
 
@@ -137,7 +140,7 @@ class Supervisor:
             blamed = self._blamed()   # this exit may only be the job ending because of it
             if blamed is not None:
                 return self.fail(*blamed)
-            if not self._restart(what):
+            if not self._restart(what) and not self._tolerate(what):
                 return self.fail(what)
         if what.returncode == 0 and self._unjoined is None and self._left_unformed(what):
             self._unjoined = (what, time.monotonic() + self.unjoined_grace)
@@ -190,6 +193,14 @@ class Supervisor:
         self.say(f'{child.name} (pid {child.pid}) failed: {describe(child.returncode)}; '
                  f'restarting it ({left - 1} restart(s) left)')
         return self.start(child.spec) is not None
+
+    def _tolerate(self, child):
+        """Let the job go on without a failed child of a tolerated role; return whether so."""
+        if child.spec.role not in self.tolerated or self._left_unformed(child):
+            return False   # (a worker that fails before the job formed: it can never form)
+        self.say(f'{child.name} (pid {child.pid}) failed: {describe(child.returncode)}; the '
+                 'elastic job goes on without it')
+        return True
 
     def fail(self, child, why=None):
         """Stop the job because `child` failed; it is the root cause if nothing failed before."""

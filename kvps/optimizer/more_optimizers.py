@@ -1,8 +1,9 @@
 """The optimizers MXNet registers beyond kvps's first ten, by MXNet's names and rules.
 
-From MXNet 1.9: adadelta, adamax, nadam, ftml, lars, lbsgd, sgld, dcasgd and ccsgd (SGD's old
-name); from MXNet 2 (1.9 has none of them): adabelief and lans. Each takes MXNet's
-hyper-parameter names and defaults and runs its kernel (kernels.numpy_more, kernels.cuda_more).
+From MXNet 1.9: adadelta, adamax, nadam, ftml, lars, lbsgd, sgld, dcasgd, ccsgd (SGD's old
+name) and groupadagrad (contrib); from MXNet 2 (1.9 has none of them): adabelief and lans.
+Each takes MXNet's hyper-parameter names and defaults and runs its kernel (kernels.numpy_more
+and cuda_more; GroupAdaGrad's, which keeps a state per row: numpy_rows and cuda_rows).
 Where MXNet's Python keeps state outside the per-key arrays (a momentum schedule shared by all
 keys, a last learning rate), kvps keeps it per key, which gives what MXNet gives a model of one
 parameter; each class says where it differs.
@@ -15,7 +16,7 @@ from .kernels import noise
 from .optimizers import SGD, Optimizer, _MomentumState, _unit_interval, register
 
 __all__ = ['AdaDelta', 'Adamax', 'Nadam', 'FTML', 'LARS', 'LBSGD', 'SGLD', 'DCASGD', 'ccSGD',
-           'AdaBelief', 'LANS']
+           'GroupAdaGrad', 'AdaBelief', 'LANS']
 
 
 class _Betas:
@@ -220,6 +221,32 @@ class DCASGD(Optimizer):
 class ccSGD(SGD):   # noqa: N801 (MXNet's name)
     """MXNet's deprecated name for SGD, kept by MXNet 1.9 for old scripts."""
     name = 'ccsgd'
+
+
+@register
+class GroupAdaGrad(Optimizer):
+    """MXNet 1.9 contrib GroupAdaGrad: AdaGrad with one history per row of a 2-D weight,
+    g = clip(rescale*grad); h += mean(g^2 over the row); w -= lr*g / sqrt(h + eps), as its
+    fused (row_sparse) kernel computes it: the row's squares summed in order, then divided
+    by the row's length. Pushed rows update only those rows and their history (MXNet's lazy
+    update, the only one it has). Weight decay is refused, as in MXNet (an assert there, at
+    the first update): ConfigError at creation. MXNet 1.9 names epsilon ``eps`` (MXNet 2
+    ``epsilon``; both are taken). The history is float32 for float16/bfloat16 weights (MXNet
+    makes it float32 and then fails the update of a float16 weight without
+    multi_precision). Keys stay whole on one server (their rows are counted from the
+    shape) and are never fused with others."""
+    name = 'groupadagrad'
+    hyper = {'epsilon': ('float', 1e-5)}
+    aliases = {'eps': 'epsilon'}
+    kernel, kernel_params, kernel_states = 'group_adagrad_update', ('epsilon',), ('history',)
+    fp32_states = whole_tensor = True
+    lazy_update = True     # (not a hyper-parameter: MXNet has no other way)
+    row_states = ('history',)   # one element per row, not per element (see Updater)
+
+    def _validate(self):
+        if self.wd != 0.0:
+            raise ConfigError(f'GroupAdaGrad does not support weight decay: wd must be 0, got '
+                              f'{self.wd} (as in MXNet)')
 
 
 @register

@@ -81,9 +81,10 @@ class Optimizer:
     the kernel takes), `needs_count` (kernel takes the per-key update count as `t`) and
     `fp32_states` (float32 states for low-precision weights even without multi_precision)
     and `whole_tensor` (the update reads the whole weight, as LAMB's norms do: servers must
-    not split it). An optimizer of one's own may instead override MXNet's `create_state` and
-    `update` (Python on numpy or cupy arrays, key by key; whole tensors unless it sets
-    `whole_tensor = False`): see kvps.optimizer.python_rules and docs/plugins.md.
+    not split it), `row_states` (states of one element per row of a 2-D key, not one per
+    element: GroupAdaGrad's history). An optimizer of one's own may instead override MXNet's
+    `create_state` and `update` (Python on numpy or cupy arrays, key by key; whole tensors
+    unless it sets `whole_tensor = False`): see kvps.optimizer.python_rules and docs/plugins.md.
     """
     name = None
     default_lr = 0.01
@@ -95,6 +96,7 @@ class Optimizer:
     needs_count = False
     fp32_states = False  # keep states fp32 for float16/bfloat16 weights even without a master
     whole_tensor = False
+    row_states = ()   # states of one element per row of a 2-D key, not per element
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -285,7 +287,6 @@ class SGD(_MomentumState, Optimizer):
     kernel, kernel_params, kernel_states = 'sgd_update', ('momentum', 'nesterov'), ('mom',)
 
 
-
 @register
 class NAG(SGD):
     """Nesterov: mom = momentum*mom + g; w -= lr*(g + momentum*mom) (MXNet NAG, torch nesterov)."""
@@ -389,7 +390,6 @@ class Signum(_MomentumState, Optimizer):
     name = 'signum'
     hyper = {'momentum': ('float', 0.9), 'wd_lh': ('float', 0.0)}
     kernel, kernel_params, kernel_states = 'signum_update', ('momentum', 'wd_lh'), ('mom',)
-
 
 
 @register

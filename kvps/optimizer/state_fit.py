@@ -22,9 +22,10 @@ def unpacked_state(key, part, state):
                           f'({exc})') from None
 
 
-def misfit(opt, key, part, state, weight):
+def misfit(opt, key, part, state, weight, rows=None):
     """``(error type, message)`` if ``state`` was not made for ``weight`` under ``opt`` (a
-    state of another job's key: another dtype, shape or multi_precision), else None."""
+    state of another job's key: another dtype, shape or multi_precision), else None.
+    ``rows``: the key's rows, the shape of the states ``opt.row_states`` names."""
     where, dtype = f'key {key!r} part {part}', common.dtype_name(weight)
     if wants_master(opt, weight) != ('weight32' in state):
         return DTypeError, (
@@ -37,15 +38,32 @@ def misfit(opt, key, part, state, weight):
     for name, arr in state.items():
         if opt.runs_python and name != 'weight32':
             continue   # made by its create_state: python_rules.fit checks them
-        if tuple(arr.shape) != tuple(weight.shape):
+        shape = (rows,) if name in opt.row_states else tuple(weight.shape)
+        if tuple(arr.shape) != shape:
             return ShapeError, (f'{where}: optimizer state {name!r} has shape '
-                                f'{tuple(arr.shape)}, the key part {tuple(weight.shape)}')
+                                f'{tuple(arr.shape)}, the key part {tuple(weight.shape)} '
+                                f'keeps {shape}')
         need = np.dtype(np.float32) if name == 'weight32' else want
         if arr.dtype != need:
             return DTypeError, (f'{where}: optimizer state {name!r} is '
                                 f'{dtype_label(arr.dtype)}, but the key is {dtype}, whose state '
                                 f'is {dtype_label(need)}')
     return None
+
+
+def state_rows(opt, key, part, shape_of, weight):
+    """The rows of ``key`` that ``opt``'s per-row states hold one element each for (None
+    when it keeps none): of its shape, else of ``weight``'s; ShapeError unless the key is
+    a whole 2-D weight (MXNet's GroupAdaGrad asserts two dimensions)."""
+    if not opt.row_states:
+        return None
+    shape = shape_of(key, part) or (weight.shape if weight.ndim > 1 else None)
+    if shape is None or len(shape) != 2:
+        what = f'a key of shape {tuple(shape)}' if shape is not None else \
+            'a flat weight of no known shape (a part of a key split across servers)'
+        raise ShapeError(f'key {key!r}: {type(opt).__name__} keeps one history per row of a '
+                         f'2-D weight (as MXNet), but this is {what}')
+    return int(shape[0])
 
 
 def wants_master(opt, weight):

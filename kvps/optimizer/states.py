@@ -61,11 +61,13 @@ def split(merged, num_servers, parts_of):
             'states': []} for _ in range(num_servers)]
     for key, count, whole in merged['keys']:
         parts = parts_of(key)
-        _check_whole(key, whole, max((stop for _, _, _, stop in parts), default=0))
+        size = max((stop for _, _, _, stop in parts), default=0)
+        _check_whole(key, whole, size, len(parts) == 1)
         for server, part, start, stop in parts:
             out[server]['counts'].append([key, part, count])
-            out[server]['states'].append(
-                [key, part, {name: _slice(blob, start, stop) for name, blob in whole.items()}])
+            out[server]['states'].append([key, part, {   # (a key in one part: all of it)
+                name: _slice(blob, start, stop if len(parts) > 1 else _count(blob))
+                for name, blob in whole.items()}])
     if 'optimizer' in merged:
         for states in out:
             states['optimizer'] = merged['optimizer']
@@ -120,10 +122,11 @@ def _check_format(merged):
         raise ConfigError(f'not a kvps optimizer-state file (format {FILE_FORMAT!r} expected)')
 
 
-def _check_whole(key, whole, size):
+def _check_whole(key, whole, size, one_part=False):
     """ConfigError naming ``key`` unless each of its state arrays holds ``size`` elements
     (the key's) in bytes of its dtype: a state of another key would be cut to fit, or
-    split at the wrong bytes."""
+    split at the wrong bytes. A key held ``one_part`` whole may also have a state of one
+    element per row (GroupAdaGrad's history), which its server checks against the rows."""
     if not isinstance(whole, dict):
         raise ConfigError(f'key {key!r}: its optimizer state is not a map of arrays')
     for name, blob in whole.items():
@@ -133,7 +136,8 @@ def _check_whole(key, whole, size):
         except (KeyError, TypeError) as exc:
             raise ConfigError(f'key {key!r}: optimizer state {name!r} is malformed '
                               f'({exc!r})') from None
-        if itemsize is None or count != size or nbytes != size * itemsize:
+        per_row = one_part and 0 < count < size and size % count == 0
+        if itemsize is None or (count != size and not per_row) or nbytes != count * itemsize:
             raise ConfigError(f'key {key!r}: optimizer state {name!r} holds {count} '
                               f'{blob["dtype"]} elements in {nbytes} bytes, but the key has '
                               f'{size} elements: the state was saved for another key')

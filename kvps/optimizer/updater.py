@@ -8,7 +8,7 @@ from .kernels import common, kernels_for, multi_apply, numpy_kernels
 from .kernels.numpy_packing import PACK_UP_TO, Slabs
 from .optimizers import Optimizer
 from .state_fit import (STATE_DTYPES, STATE_FORMAT, STATE_ITEMSIZE, check_state_names, misfit,
-                        pack, state_dtype, unpacked_state, wants_master)
+                        pack, state_dtype, state_rows, unpacked_state, wants_master)
 
 __all__ = ['Updater', 'STATE_FORMAT', 'STATE_ITEMSIZE']
 
@@ -23,7 +23,9 @@ class Updater:
     ``state_from_weight``), plus 'weight32', the fp32 master copy, for float16/bfloat16
     weights under multi_precision. Without multi_precision low-precision states keep the
     weight's dtype (arithmetic still runs in fp32 and rounds once per step, as on a GPU),
-    except for optimizers with fp32_states (LAMB, as in MXNet). An optimizer with a
+    except for optimizers with fp32_states (LAMB, as in MXNet). The states an optimizer
+    names in ``row_states`` hold one element per row of the key's 2-D shape (GroupAdaGrad's
+    history; ``shape_of`` gives the shape). An optimizer with a
     ``key_args(key, count)`` method adds what it returns to each key's kernel call.
     Update counts are kept per (key, part) and drive the lr scheduler as in MXNet: a key's
     count is incremented before its lr is computed, and num_update = the max over keys
@@ -111,8 +113,9 @@ class Updater:
         """Whether pushed rows are updated alone (MXNet's lazy_update, on by default for sgd
         and adam); else the server applies them as the dense gradient they stand for
         (always for a Python update: MXNet hands it rows in a type of its own)."""
-        return (getattr(self._opt, 'lazy_update', False) and not self._opt.whole_tensor
-                and not self._opt.runs_python)
+        opt = self._opt   # (a rule by rows, GroupAdaGrad's, updates rows alone though whole)
+        return (getattr(opt, 'lazy_update', False) and not opt.runs_python
+                and (not opt.whole_tensor or bool(opt.row_states)))
 
     def update_rows(self, key, part, weight, ids, grad, width):
         """MXNet's lazy update: only rows ``ids`` (sorted, unique) of ``weight`` (flat, rows
@@ -126,13 +129,14 @@ class Updater:
         count = self._tick(key, part)
         self._opt.num_update = self._num_update
         ids = kernels.from_host(ids, weight)   # a GPU weight takes its index on its device
-        picked = {name: array.reshape(-1, width)[ids] for name, array in state.items()}
+        num_rows = weight.size // width   # (a per-row state has rows of one element)
+        picked = {name: array.reshape(num_rows, -1)[ids] for name, array in state.items()}
         rows = weight.reshape(-1, width)[ids]
         multi_apply(self._calls([(key, rows.reshape(-1), grad.reshape(-1),
                                   {n: a.reshape(-1) for n, a in picked.items()}, count)]))
         weight.reshape(-1, width)[ids] = rows
         for name, array in state.items():
-            array.reshape(-1, width)[ids] = picked[name]
+            array.reshape(num_rows, -1)[ids] = picked[name]
 
     # -- per update --------------------------------------------------------------------------
     def _check(self, key, part, weight, grad):
@@ -184,7 +188,8 @@ class Updater:
 
     def _fit(self, key, part, state, weight, kernels):
         """Check ``state`` against ``weight``, moving it to the weight's device if need be."""
-        problem = misfit(self._opt, key, part, state, weight)
+        problem = misfit(self._opt, key, part, state, weight,
+                         state_rows(self._opt, key, part, self._shape_of, weight))
         if problem is not None:
             error, message = problem
             raise error(message)
@@ -207,9 +212,14 @@ class Updater:
             return state
         from_weight = getattr(self._opt, 'state_from_weight', ())   # DCASGD's previous weight
         dtype = state_dtype(self._opt, weight)
+        rows = state_rows(self._opt, key, part, self._shape_of, weight)
         for name in self._opt.state_names():
-            state[name] = kernels.zeros_like(weight, dtype) if name not in from_weight else \
-                _copy(state.get('weight32', weight), dtype, kernels)
+            if name in self._opt.row_states:   # one element per row (GroupAdaGrad's)
+                state[name] = kernels.zeros_like(weight.reshape(-1)[:rows], dtype)
+            elif name in from_weight:
+                state[name] = _copy(state.get('weight32', weight), dtype, kernels)
+            else:
+                state[name] = kernels.zeros_like(weight, dtype)
         return self._in_slabs(state)
 
     def _work(self, key, part, weight, state, kernels):
@@ -317,7 +327,8 @@ class Updater:
             check_state_names(opt, restored)
         for where, state in restored.items():
             weight = (weights or {}).get(where)
-            problem = None if weight is None else misfit(opt, *where, state, weight)
+            problem = None if weight is None else misfit(
+                opt, *where, state, weight, state_rows(opt, *where, self._shape_of, weight))
             if problem is not None:
                 raise ConfigError(problem[1])
             if weight is not None and opt.runs_python:
@@ -342,10 +353,6 @@ class Updater:
         self._layouts = {}
         self._launches.clear()   # they hold the replaced states
         self._num_update = opt.num_update = num_update
-
-
-
-
 
 
 def _flat(key, part):
@@ -386,8 +393,3 @@ def _check_dtype(key, label, array):
     if common.storage_name(array) not in common.WEIGHT_DTYPES:
         raise DTypeError(f'key {key!r}: {label} dtype {array.dtype} is not supported; '
                          'use float16, float32, float64 or bfloat16 (uint16 storage)')
-
-
-
-
-

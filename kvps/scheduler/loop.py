@@ -14,6 +14,7 @@ from ..wire import protocol as P
 from ..wire.link import decode_or_log
 from ..wire.refusals import REFUSALS
 from ..wire.transport import Poller, Router, bind_host, guard_from, new_context, resolve
+from .elastic import Elastic, bounds
 from .membership import Membership
 
 log = logging.getLogger('kvps.scheduler')
@@ -30,7 +31,8 @@ class Scheduler:
 
     def __init__(self, config):
         self.config = config.require_cluster()
-        self.members = Membership(config.num_workers, config.num_servers)
+        self.members = Membership(config.num_workers, config.num_servers, bounds(config))
+        self.elastic = Elastic(self)
         self.ctx = new_context()
         self.router = Router(self.ctx, guard_from(config))
         host = resolve(config.scheduler_host, config.connect_timeout)
@@ -92,17 +94,20 @@ class Scheduler:
             handler(self, identity, header)
         except KVPSError as exc:
             log.warning('refused %s from %r: %s', header['op'], identity, exc)
-            self._send(identity, P.error_header(header.get('id', 0), exc, 'scheduler'))
+            self.send(identity, P.error_header(header.get('id', 0), exc, 'scheduler'))
         except Exception as exc:  # a scheduler bug: log it and keep the job running
             log.exception('%s from %r failed', header['op'], identity)
-            self._send(identity, P.error_header(header.get('id', 0), exc, 'scheduler'))
+            self.send(identity, P.error_header(header.get('id', 0), exc, 'scheduler'))
 
     def _on_register(self, identity, header):
         if header.get('version') != P.VERSION:
             raise ConfigError(f'this node speaks kvps wire protocol {header.get("version")}, the '
                               f'scheduler speaks {P.VERSION}: install one kvps version everywhere')
         if self.members.ranked:
-            self._on_rejoin(identity, header)
+            if header['role'] == 'worker':
+                self.elastic.join(identity, header)
+            else:
+                self._on_rejoin(identity, header)
             return
         self.members.register(identity, header['role'], header['host'], header['port'],
                               header.get('rank'), header.get('pid', 0), time.monotonic(),
@@ -117,7 +122,7 @@ class Scheduler:
             now = time.monotonic()
             for node in self.members.nodes.values():
                 node.last_seen = now  # liveness counts from the start of the job
-                self._welcome(node)
+                self.welcome(node)
             log.info('all %d nodes registered: %s', len(self.members.nodes),
                      self.members.table())
 
@@ -132,18 +137,18 @@ class Scheduler:
                                          header.get('pid', 0), time.monotonic(),
                                          header.get('rank_from'))
         if old.lost_since is None:   # if it still lives, it must not serve beside its successor
-            self._send(old.identity, {'op': P.SHUTDOWN, 'id': 0,
+            self.send(old.identity, {'op': P.SHUTDOWN, 'id': 0,
                                       'reason': 'replaced by a server that rejoined with its rank'})
-        self._welcome(node, restarted=True)
+        self.welcome(node, restarted=True)
         for worker in self.members.of_role('worker'):
             if not worker.finished:
-                self._send(worker.identity, {'op': P.SERVER_BACK, 'id': 0, 'rank': node.rank,
+                self.send(worker.identity, {'op': P.SERVER_BACK, 'id': 0, 'rank': node.rank,
                                              'host': node.host, 'port': node.port})
         recording.note('rejoin', 'membership', {'node': node.describe()})
         log.warning('%s rejoined the job in place of pid %d', node.describe(), old.pid)
 
-    def _welcome(self, node, restarted=False):
-        self._send(node.identity, {'op': P.WELCOME, 'id': 0, 'restarted': restarted,
+    def welcome(self, node, restarted=False):
+        self.send(node.identity, {'op': P.WELCOME, 'id': 0, 'restarted': restarted,
                                    'clock': recording.now(),
                                    'recovery_timeout': self.config.recovery_timeout,
                                    'job': self.job,
@@ -153,29 +158,32 @@ class Scheduler:
         self.counts.heartbeats += 1
         if identity in self.members.nodes:
             # (its clock: a node's timeline aligns its spans with it)
-            self._send(identity, {'op': P.HEARTBEAT_ACK, 'id': header.get('id', 0),
+            self.send(identity, {'op': P.HEARTBEAT_ACK, 'id': header.get('id', 0),
                                   'clock': recording.now()})
         elif identity in self.members.replaced:   # it woke up after its successor came
-            self._send(identity, {'op': P.SHUTDOWN, 'id': 0,
+            self.send(identity, {'op': P.SHUTDOWN, 'id': 0,
                                   'reason': 'another server has taken this rank'})
 
     def _on_barrier(self, identity, header):
         node = self._worker(identity)
         if recording.RECORDER is not None:
             self._barrier_began.setdefault(header['seq'], recording.now())
-        released = self.members.arrive(node.identity, header['seq'], header.get('digest'))
-        differs = self.members.disagreeing() if released else []
-        self.counts.barriers += bool(released)
-        if released and recording.RECORDER is not None:
-            recording.RECORDER.span('barrier', 'barrier', self._barrier_began.pop(
-                header['seq'], recording.now()), {'seq': header['seq'], 'differs': differs})
-        for worker in released:
-            self._send(worker, {'op': P.BARRIER_DONE, 'id': header['seq'], 'differs': differs})
+        self.release(self.members.arrive(node.identity, header['seq'], header.get('digest')))
         self._fail_blocked_barriers()
+
+    def release(self, barriers):
+        """Answer the workers of each completed barrier (Membership.releasable)."""
+        for seq, workers, differs in barriers:
+            self.counts.barriers += 1
+            if recording.RECORDER is not None:
+                recording.RECORDER.span('barrier', 'barrier', self._barrier_began.pop(
+                    seq, recording.now()), {'seq': seq, 'differs': differs})
+            for worker in workers:
+                self.send(worker, {'op': P.BARRIER_DONE, 'id': seq, 'differs': differs})
 
     def _on_finish(self, identity, header):
         self._worker(identity)
-        self._send(identity, {'op': P.ACK, 'id': header.get('id', 0)})
+        self.send(identity, {'op': P.ACK, 'id': header.get('id', 0)})
         grace = min(FINISH_GRACE, self.config.heartbeat_timeout / 2)
         self._finishing.setdefault(identity, time.monotonic() + grace)
         if all(n.finished or n.identity in self._finishing
@@ -187,14 +195,17 @@ class Scheduler:
         """A worker's FINISH takes effect: servers fail the rounds it can never join, and
         so do the barriers; the job ends with its last worker."""
         del self._finishing[identity]
-        self.members.finish(identity)
         node = self.members.nodes[identity]
+        if self.members.elastic is not None:   # it leaves; the others go on without it
+            self.elastic.leave(node)
+            return
+        self.members.finish(identity)
         recording.note('finish', 'membership', {'node': node.describe()})
         for server in self.members.of_role('server'):
-            self._send(server.identity, {'op': P.FINISH, 'id': 0, 'rank': node.rank})
+            self.send(server.identity, {'op': P.FINISH, 'id': 0, 'rank': node.rank})
         self._fail_blocked_barriers()
         if self.members.all_workers_finished:
-            self._end(0, 'all workers finished')
+            self.end(0, 'all workers finished')
 
     def _on_abort(self, identity, header):
         """A member fails (a server that cannot start serving, say): end the job now with
@@ -202,10 +213,14 @@ class Scheduler:
         node = self.members.nodes.get(identity)
         if node is None or not self.members.ranked:
             raise KVPSError('only members of a running job may abort it')
-        self._lose(node, f'{node.describe()} failed: {header["reason"]}')
+        self.lose(node, f'{node.describe()} failed: {header["reason"]}')
+
+    def _on_ack(self, identity, header):
+        self.elastic.acked(identity, header.get('id'))
 
     _HANDLERS = {P.REGISTER: _on_register, P.HEARTBEAT: _on_heartbeat,
-                 P.BARRIER: _on_barrier, P.FINISH: _on_finish, P.ABORT: _on_abort}
+                 P.BARRIER: _on_barrier, P.FINISH: _on_finish, P.ABORT: _on_abort,
+                 P.ACK: _on_ack}
 
     def _worker(self, identity):
         node = self.members.nodes.get(identity)
@@ -219,7 +234,7 @@ class Scheduler:
             exc = KVPSError(f'barrier can never complete: {finished.describe()} has finished')
             # an answer to that barrier, not the end of the job: a worker that catches it may
             # still leave the job cleanly
-            self._send(identity, P.error_header(seq, exc, 'scheduler'))
+            self.send(identity, P.error_header(seq, exc, 'scheduler'))
 
     # -- time -------------------------------------------------------------------------------
     def _tick(self, now):
@@ -230,18 +245,18 @@ class Scheduler:
                 reason = (f'registration timed out after {self.config.connect_timeout:.0f} s: '
                           f'{self.members.missing()} (KVPS_CONNECT_TIMEOUT)')
                 self._blame(self.members.missing_ranks(), reason)
-                self._end(1, reason)
+                self.end(1, reason)
             return
         for lost in self.members.silent(now, self.config.heartbeat_timeout):
             reason = (f'{lost.describe()} is lost: no heartbeat for '
                       f'{now - lost.last_seen:.1f} s (KVPS_HEARTBEAT_TIMEOUT)')
             if lost.role == 'server' and self.config.recovery_timeout:
                 self._await_replacement(lost, reason, now)
-            else:
-                self._lose(lost, reason)
+            elif not self.lose(lost, reason):
                 return
         for identity in [i for i, when in self._finishing.items() if now >= when]:
             self._finished(identity)
+        self.elastic.tick(now)
         for lost in self.members.overdue(now, self.config.recovery_timeout):
             self._lose(lost, f'{lost.describe()} is lost and was not replaced within '
                              f'{self.config.recovery_timeout:g} s (KVPS_RECOVERY_TIMEOUT)')
@@ -255,19 +270,28 @@ class Scheduler:
                     reason, self.config.recovery_timeout, lost.rank)
         for worker in self.members.of_role('worker'):
             if not worker.finished:
-                self._send(worker.identity, {'op': P.SERVER_LOST, 'id': 0, 'rank': lost.rank,
+                self.send(worker.identity, {'op': P.SERVER_LOST, 'id': 0, 'rank': lost.rank,
                                              'reason': reason})
 
-    def _lose(self, lost, reason):
-        """A peer is gone for good: tell everyone who, and end the job."""
+    def lose(self, lost, reason):
+        """A member is lost: an elastic job goes on without a worker while it has enough
+        (returns True); else the job ends (False)."""
+        if lost.role == 'worker' and self.members.elastic is not None:
+            return self.elastic.leave(lost, reason)
+        self._lose(lost, reason)
+        return False
+
+    def _lose(self, lost, reason, blamed=None):
+        """A peer is gone for good: tell everyone who, and end the job (``blamed``: the
+        ``(role, rank)`` nodes that ended it, if not only ``lost``)."""
         recording.note('lost', 'lost', {'node': lost.describe(), 'reason': reason})
-        self._blame([(lost.role, lost.rank)], reason)
+        self._blame(blamed or [(lost.role, lost.rank)], reason)
         for node in self.members.nodes.values():
             if node is not lost:
-                self._send(node.identity, {'op': P.PEER_LOST, 'id': 0, 'role': lost.role,
+                self.send(node.identity, {'op': P.PEER_LOST, 'id': 0, 'role': lost.role,
                                            'rank': lost.rank, 'host': lost.host,
                                            'reason': reason})
-        self._end(1, reason)
+        self.end(1, reason)
 
     def _blame(self, nodes, reason):
         """Name the ``(role, rank)`` nodes that end the job to a launcher, before anyone is
@@ -281,15 +305,15 @@ class Scheduler:
         except OSError as exc:   # the launcher's directory is gone: nobody reads it anyway
             log.warning('could not write %s: %s', self.config.blame_file, exc)
 
-    def _end(self, code, reason):
+    def end(self, code, reason):
         if code:
             log.error('ending the job: %s', reason)
         for node in self.members.nodes.values():
             if node.role == 'server' or (code and not node.finished):
-                self._send(node.identity, {'op': P.SHUTDOWN, 'id': 0, 'reason': reason})
+                self.send(node.identity, {'op': P.SHUTDOWN, 'id': 0, 'reason': reason})
         self.exit_code = code
 
-    def _send(self, identity, header):
+    def send(self, identity, header):
         try:
             self.router.send_to(identity, P.encode(header))
         except KVPSError as exc:  # the peer is gone; liveness reports it

@@ -19,6 +19,8 @@ class Node:
     finished: bool = False
     lost_since: float = None     # a lost server the job is waiting for, since this time
     rank_from: str = None        # the setting that asked for rank_hint ('DMLC_WORKER_ID=3')
+    incarnation: int = 0         # elastic: the epoch this worker joined at (0: it formed the job)
+    first_barrier: int = 1       # the first barrier this worker is counted at
 
     def describe(self):
         rank = '?' if self.rank is None else self.rank
@@ -53,8 +55,12 @@ def _listed(items, most=20):
 class Membership:
     """Who is in the job, with which rank, and who is waiting at which barrier."""
 
-    def __init__(self, num_workers, num_servers):
+    def __init__(self, num_workers, num_servers, elastic=None):
         self.want = {'worker': num_workers, 'server': num_servers}
+        # (min, max) members of an elastic job, or None: a fixed job (a lost worker ends it)
+        self.elastic = elastic
+        self.epoch = 0             # elastic: bumped by every change of the workers
+        self.lost_workers = []     # elastic: the worker Nodes lost so far
         self.nodes = {}            # identity -> Node
         self.replaced = set()      # identities of servers that others have replaced
         self.ranked = False
@@ -201,28 +207,93 @@ class Membership:
 
     def welcome(self, node):
         servers = sorted(self.of_role('server'), key=lambda n: n.rank)
-        return {'rank': node.rank, 'num_workers': self.want['worker'],
-                'num_servers': self.want['server'],
-                'servers': [[s.host, s.port] for s in servers],
-                'nodes': [n.as_entry() for n in self.nodes.values()],
-                'finished': [n.rank for n in self.of_role('worker') if n.finished]}
+        welcome = {'rank': node.rank, 'num_workers': self.want['worker'],
+                   'num_servers': self.want['server'],
+                   'servers': [[s.host, s.port] for s in servers],
+                   'nodes': [n.as_entry() for n in self.nodes.values()],
+                   'finished': [n.rank for n in self.of_role('worker') if n.finished]}
+        if self.elastic is not None:
+            workers = self.worker_members()
+            welcome.update(num_workers=len(workers), workers=workers, epoch=self.epoch,
+                           elastic=True, incarnation=node.incarnation,
+                           barriers=node.first_barrier - 1)
+        return welcome
+
+    # -- elastic jobs: workers leave and join ----------------------------------------------
+    def worker_members(self):
+        """``[[rank, incarnation]]`` of the member workers, by rank."""
+        return sorted([n.rank, n.incarnation] for n in self.of_role('worker'))
+
+    def leave(self, identity, lost):
+        """Take a worker out of an elastic job (``lost``: not finished); a new epoch."""
+        node = self.nodes.pop(identity)
+        for arrived in self._barrier.values():
+            arrived.pop(identity, None)
+        if lost:
+            self.lost_workers.append(node)
+        self.epoch += 1
+        return node
+
+    def join(self, identity, host, port, rank_hint, pid, now, rank_from=None):
+        """A worker registering into a running elastic job: its Node, with the lowest free
+        rank (or ``rank_hint``), counted from the next barrier that no member reached; None
+        while that rank is held, or every rank is (it may ask again when a worker leaves)."""
+        if self.elastic is None:
+            raise ConfigError('the job is running with its '
+                              f'{self.want["worker"]} worker(s) and is not elastic: start it '
+                              'with --min-workers (KVPS_MIN_WORKERS) to let workers join')
+        most = self.elastic[1]
+        if rank_hint is not None and not (isinstance(rank_hint, int) and 0 <= rank_hint < most):
+            raise ConfigError(f'{_rank_source(rank_hint, rank_from)} is out of range: the '
+                              f'elastic job takes ranks 0..{most - 1} (KVPS_MAX_WORKERS={most})')
+        taken = {n.rank for n in self.of_role('worker')}
+        free = [r for r in range(most) if r not in taken]
+        rank = rank_hint if rank_hint is not None else (free[0] if free else None)
+        if rank is None or rank in taken:
+            return None
+        self.epoch += 1
+        started = bool(self._barrier.get(self.barriers_done + 1))
+        node = Node(identity, 'worker', host, port, pid, rank_hint, now, rank=rank,
+                    incarnation=self.epoch, first_barrier=self.barriers_done + 1 + started,
+                    rank_from=rank_from)
+        self.nodes[identity] = node
+        return node
+
+    @property
+    def too_few_workers(self):
+        """Whether an elastic job has lost workers below its minimum."""
+        return len(self.of_role('worker')) < self.elastic[0]
 
     # -- barriers and finishing -------------------------------------------------------------
     def arrive(self, identity, seq, digest=None):
         """Record a worker at barrier ``seq``, with what it asks everyone to agree on; return
         the identities to release (or []). Workers meet at one barrier at a time, so only the
         next one may be waited at."""
-        if seq != self.barriers_done + 1:
+        first = self.nodes[identity].first_barrier
+        if seq != max(self.barriers_done + 1, first):
             raise ConfigError(f'barrier {seq} is out of step: the job is at barrier '
                               f'{self.barriers_done + 1}')
-        arrived = self._barrier.setdefault(seq, {})
-        arrived[identity] = digest
-        if len(arrived) < self.want['worker']:
-            return []
-        del self._barrier[seq]
-        self.barriers_done = seq
-        self._last_digests = arrived
-        return sorted(arrived)
+        self._barrier.setdefault(seq, {})[identity] = digest
+        return self.releasable()
+
+    def releasable(self):
+        """``[(seq, identities released, ranks that disagree)]`` of the barriers now complete
+        (a worker arrived, or one that the others waited for left an elastic job)."""
+        released = []
+        while True:
+            seq = self.barriers_done + 1
+            arrived = self._barrier.get(seq, {})
+            if self.elastic is None:
+                done = len(arrived) >= self.want['worker']
+            else:   # the members counted at this barrier have all come
+                done = bool(arrived) and all(n.identity in arrived for n in self.of_role('worker')
+                                             if n.first_barrier <= seq)
+            if not done:
+                return released
+            del self._barrier[seq]
+            self.barriers_done = seq
+            self._last_digests = arrived
+            released.append((seq, sorted(arrived), self.disagreeing()))
 
     def disagreeing(self):
         """Ranks whose digest at the last completed barrier differs from rank 0's."""

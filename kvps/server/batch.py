@@ -1,6 +1,6 @@
 """A multi-key request on a server: per-key answers, gathered into one reply."""
 
-from ..wire.protocol import PULL
+from ..wire.protocol import CHECK, PULL
 from .records import PullAnswer, Reply, ReplyKind
 
 
@@ -36,6 +36,8 @@ class Batch:
         token = (self.identity, self.req_id)
         if self.error is not None:
             return Reply(ReplyKind.ERROR, token, self.error)
+        if self.op == CHECK:   # each key's push count (an elastic job's joiner starts there)
+            return Reply(ReplyKind.ACK, token, {'counts': [r.payload for r in self.results]})
         if self.op != PULL:
             return Reply(ReplyKind.ACK, token, None)
         pulled = [reply.payload for reply in self.results]

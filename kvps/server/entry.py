@@ -79,6 +79,10 @@ class Entry:
     # the weight as compressed pulls answer it: (version, weight, codec, rounded copy), shared
     # by every such pull until the weight changes (the copy is never written)
     rounded: tuple = None
+    # elastic jobs (kvps.server.members): the open round's (worker, data), and the joiners
+    # whose first round is a later one (worker -> that round)
+    pushes: list = dataclasses.field(default_factory=list)
+    late: dict = dataclasses.field(default_factory=dict)
 
     @property
     def n(self):
@@ -140,11 +144,18 @@ class Entry:
         if self.version >= made and self.merged:
             doomed += self.held
             self.held, self.merged, self.summed, self.rows = [], set(), None, []
+            self.pushes = []
         doomed += [q.token for q in self.queued if q.round >= made]
         self.queued = [q for q in self.queued if q.round < made]
         doomed += [d.token for d in self.deferred if d.need > made]
         self.deferred = [d for d in self.deferred if d.need <= made]
         return doomed
+
+    def next_round(self):
+        """A round is over: its kept pushes go, and joiners whose first round opens count."""
+        self.pushes = []
+        if self.late:
+            self.late = {w: first for w, first in self.late.items() if first > self.version}
 
     def writable_weight(self):
         if _in_use(self.weight_leases):

@@ -12,6 +12,7 @@ per key.
 """
 
 from ..timeline import recording
+from ..wire.identities import worker_rank
 
 
 class FlowNotes:
@@ -27,7 +28,7 @@ class FlowNotes:
         entry = self._entries.get((item.key, item.part))
         if entry is None:   # (the push fails: it has no round)
             return
-        rank = int(worker.rsplit(b'-', 1)[1])   # (protocol.worker_identity: b'worker-N')
+        rank = worker_rank(worker)
         self._waiting.append((entry, item.seq if sync else entry.version,
                               ['r', rank, item.key, item.part, item.seq]))
 

@@ -7,6 +7,7 @@ import numpy as np
 from ..compression.half import ROUNDED, pulled_dtype, round_pulled
 from ..errors import ProtocolError
 from ..wire import protocol as P
+from ..wire.identities import members_on
 from ..wire.items import DataItem, new
 from ..wire.shm import segment_bytes
 from .regions import Regions
@@ -35,8 +36,8 @@ class Lending:
         takes its share of /dev/shm among the job's processes on this host when
         KVPS_SHM_BYTES=auto (it reserves pages only as weights fill it; weights it cannot
         hold are copied into a worker's segment for every pull)."""
-        workers = P.members_on(welcome, host, 'worker')
-        size = segment_bytes(config.shm_bytes, workers + P.members_on(welcome, host, 'server'))
+        workers = members_on(welcome, host, 'worker')
+        size = segment_bytes(config.shm_bytes, workers + members_on(welcome, host, 'server'))
         return cls(Regions(config.shm, arena_bytes=size, neighbours=workers), storage)
 
     def attach(self, identity, header, now):

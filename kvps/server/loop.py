@@ -8,11 +8,12 @@ from ..errors import KVPSError, PeerLostError, ProtocolError
 from ..timeline import recording
 from ..timeline.counters import ServerCounts, Ticker
 from ..wire import protocol as P
+from ..wire.identities import identity_label, worker_identity
 from ..wire.link import SchedulerLink, decode_or_refusal
 from ..wire.ordering import by_priority
 from ..wire.refusals import REFUSALS
 from ..wire.transport import Poller, Router, bind_host, guard_from, new_context
-from . import checkpoint
+from . import checkpoint, members
 from .lending import Lending
 from .records import Reply, ReplyKind
 from .recovery import Recovery
@@ -55,9 +56,11 @@ class Server:
         self.name = f'server {self.rank}'
         if recording.RECORDER is not None:
             recording.RECORDER.name_node(self.rank, self.name)
-        self.shard = Shard(welcome['num_workers'], storage=storage)
+        elastic = welcome.get('elastic', False)
+        self.shard = Shard(welcome['num_workers'], storage=storage, elastic=elastic)
         # Only the job's workers may talk to a server; anyone else is refused and logged.
-        self.workers = {P.worker_identity(r) for r in range(welcome['num_workers'])}
+        self.workers = set(members.identities(welcome['workers']) if elastic else
+                           (worker_identity(r) for r in range(welcome['num_workers'])))
         self.lending = Lending.on_host(self.link.host, config, welcome, storage)
         self.counts = ServerCounts()
         self.replies = Replies(self.router.send_to, self.name, self.lending,
@@ -68,7 +71,7 @@ class Server:
                                  self.checkpointer.path if resuming else None)
         self.recovery = None
         if welcome.get('restarted'):
-            finished = {P.worker_identity(r) for r in welcome.get('finished', ())}
+            finished = {worker_identity(r) for r in welcome.get('finished', ())}
             self.recovery = Recovery(self.name, self.workers - finished, finished)
             log.warning('%s rejoined the job; waiting for %d workers to resume', self.name,
                         len(self.recovery.awaiting))
@@ -143,20 +146,42 @@ class Server:
             return
         op = header['op']
         if op == P.FINISH:
-            worker = P.worker_identity(header['rank'])
+            worker = worker_identity(header['rank'])
             if self.recovery is not None:
                 self.recovery.finish(worker)
                 self._recovered_if_done()
             else:
                 self.lending.forget(worker)
                 self.requests.forget(worker)
-                self.replies.hold(self.shard.worker_finished(worker))
+                self.replies.hold(members.worker_finished(self.shard, worker))
+        elif op == P.MEMBERS:
+            self._members_changed(header)
         elif op == P.SHUTDOWN:
             log.info('%s: shutting down: %s', self.name, header.get('reason', ''))
             self.exit_code = 0
         elif op == P.PEER_LOST:
             log.error('%s: %s', self.name, header['reason'])
             self.exit_code = 1
+
+    def _members_changed(self, header):
+        """An elastic job's workers changed: rounds go on with the members (kvps.server.members);
+        the scheduler welcomes a joiner once every server has acknowledged."""
+        gone, joined = members.identities(header['gone']), members.identities(header['joined'])
+        for worker in gone:
+            self.workers.discard(worker)
+            self.lending.forget(worker)
+            self.requests.forget(worker)
+            if self.recovery is not None:   # it will not resume (nor fail rounds: it left)
+                self.recovery.awaiting.discard(worker)
+        self.workers.update(joined)
+        replies, discarded = members.change(self.shard, gone, joined)
+        self.replies.hold(replies)
+        for worker, rounds in discarded.items():
+            log.warning('%s: %s left the job: its pushes to %d open round(s) were taken out',
+                        self.name, identity_label(worker), rounds)
+        if self.recovery is not None:
+            self._recovered_if_done()
+        self.link.send({'op': P.ACK, 'id': header['epoch']})
 
     # -- worker requests --------------------------------------------------------------------
     def _serve_burst(self):
@@ -226,6 +251,6 @@ class Server:
         recovery, self.recovery = self.recovery, None
         finished, parked = recovery.settle(self.shard, self.workers)
         for worker in finished:
-            self.replies.hold(self.shard.worker_finished(worker))
+            self.replies.hold(members.worker_finished(self.shard, worker))
         for identity, header, buffers in parked:
             self._handle(identity, header, buffers)

@@ -7,6 +7,7 @@ from ..errors import KVPSError
 from ..timeline import recording
 from ..timeline.counters import ServerCounts
 from ..wire import protocol as P
+from ..wire.identities import identity_label
 from .batch import Batch
 from .records import ReplyKind
 
@@ -52,7 +53,7 @@ class Replies:
         start = recording.now()
         self._senders[reply.kind](identity, req_id, reply.payload)
         recorder.span(f'reply {reply.kind.value}', 'reply', start,
-                      {'to': P.identity_label(identity)})
+                      {'to': identity_label(identity)})
 
     def _ack(self, identity, req_id, fields):
         self._send(identity, P.encode({'op': P.ACK, 'id': req_id, **(fields or {})}))

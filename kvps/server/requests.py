@@ -8,6 +8,7 @@ import msgpack
 from ..errors import ConfigError, KVPSError, ProtocolError
 from ..timeline import recording
 from ..wire import protocol as P
+from ..wire.identities import identity_label
 from . import row_store
 from .batch import Batch
 from .records import PullAnswer, Reply, ReplyKind
@@ -49,7 +50,7 @@ class Requests:
             # (a push's handling is its keys merged into their rounds: its optimizer updates,
             # nested, are spans of their own; rounds that only replaced values end here)
             recorder.span(f'recv {header["op"]}', 'merge' if header['op'] == P.PUSH else 'recv',
-                          start, {'from': P.identity_label(identity),
+                          start, {'from': identity_label(identity),
                                   'keys': len(header.get('keys', ()))},
                           self.shard.flows.closed())
 
@@ -99,7 +100,8 @@ class Requests:
 
     def _check(self, token, h, buffers):
         def check_one(item_token, item, _):
-            return self.shard.check(item_token, item.key, item.part, item.dtype, item.shape)
+            return self.shard.check(item_token, item.key, item.part, item.dtype, item.shape,
+                                    token[0])
         return self._each_key(token, P.CHECK, h['keys'], [None] * len(h['keys']), check_one)
 
     def _push(self, token, h, buffers):

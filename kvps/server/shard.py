@@ -17,8 +17,9 @@ from .. import compression
 from ..errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInitializedError,
                       KVPSError, ShapeError)
 from ..timeline import recording
+from ..wire.identities import identity_label
 from ..wire.items import new
-from ..wire.protocol import GRADIENT_CODECS, ROW_SPARSE, identity_label
+from ..wire.protocol import GRADIENT_CODECS, ROW_SPARSE
 from . import row_store
 from .entry import Deferred, Entry, Queued
 from .flows import FlowNotes
@@ -38,8 +39,11 @@ def _reply(token, failure):
 class Shard:
     """The keys one server holds and the rules for changing them."""
 
-    def __init__(self, num_workers, updater=None, storage=None):
-        self.num_workers = num_workers
+    def __init__(self, num_workers, updater=None, storage=None, elastic=False):
+        self.num_workers = num_workers   # the members every round waits for (less late ones)
+        # An elastic job's: the open rounds' pushes are kept, so that a lost worker's can be
+        # taken out (kvps.server.members)
+        self.keep_pushes = elastic
         # (an optimizer written in Python sees a key this server holds whole in its shape)
         self.optimizer = OptimizerStates(updater, lambda k, p: self.entries[k, p].whole_shape)
         self.storage = storage or Storage(HostArrays())   # host or a CUDA device
@@ -83,14 +87,16 @@ class Shard:
         entry.restored, entry.sync, entry.device = False, sync, device
         return [Reply(ACK, token, None)]
 
-    def check(self, token, key, part, dtype, shape):
-        """Confirm that another worker's view of a key matches what rank 0 initialized."""
+    def check(self, token, key, part, dtype, shape, worker=None):
+        """Confirm that another worker's view of a key matches what rank 0 initialized; the
+        ack carries ``worker``'s count of pushes of it (sync), where an elastic job's joiner
+        numbers its pushes from."""
         entry = self._entry(key, part)
         if not entry.holds(dtype, shape):
             error = ShapeError if tuple(shape) != tuple(entry.shape) else DTypeError
             raise error(f'key {key!r}: this worker has {tuple(shape)} {dtype}, but rank 0 '
                         f'initialized {entry.shape} {entry.dtype}')
-        return [Reply(ACK, token, None)]
+        return [Reply(ACK, token, entry.pushed.get(worker, 0) if entry.sync else 0)]
 
     # -- push -----------------------------------------------------------------------------
     def push(self, token, worker, key, part, dtype, sync, data, seq=None, step=0):
@@ -124,7 +130,7 @@ class Shard:
             entry.queued.append(Queued(worker, round_index, data, token, step))
             return []
         self._merge(entry, worker, data, token, step)
-        return self._close_rounds(entry)
+        return self.close_rounds(entry)
 
     @staticmethod
     def _acknowledge_again(entry, seq, token):
@@ -161,14 +167,25 @@ class Shard:
         adds them in its own pass, so the merge buffer is neither written nor read back.
         bfloat16 pushes are summed in float32, rounded once where the sum becomes the weight
         (an optimizer takes the float32 sum as it is)."""
+        self.add_push(entry, worker, data)
+        entry.held.append(token)
+        entry.step = max(entry.step, step)
+
+    def add_push(self, entry, worker, data):
+        """Add ``worker``'s push ``data`` to ``entry``'s open round."""
         if type(data) is RowGrad:
             entry.rows.append(data)
         else:
             self._add_to_round(entry, entry.arrays.received(data, entry.dtype),
-                               len(entry.merged) + 1 == self.num_workers)
+                               len(entry.merged) + 1 == self.need(entry))
         entry.merged.add(worker)
-        entry.held.append(token)
-        entry.step = max(entry.step, step)
+        if self.keep_pushes:
+            entry.pushes.append((worker, data))
+
+    def need(self, entry):
+        """How many pushes ``entry``'s open round waits for: every member's, less those of
+        joiners whose first round is a later one."""
+        return self.num_workers - len(entry.late) if entry.late else self.num_workers
 
     def _add_to_round(self, entry, grad, last=False):
         """Add a dense ``grad`` to the open round's sum (``last``: no push follows it)."""
@@ -199,10 +216,10 @@ class Shard:
         self._add_to_round(entry, row_store.dense(entry, grad))
         return entry.take_summed()
 
-    def _close_rounds(self, entry):
+    def close_rounds(self, entry):
         """Apply every round that is now complete; answer what waited on it."""
         replies = []
-        while len(entry.merged) == self.num_workers and not self._gather(entry,
+        while len(entry.merged) == self.need(entry) and not self._gather(entry,
                                                                               bool(entry.rows)):
             failure = self._apply(entry)
             replies += self._finish_round(entry, failure)
@@ -215,6 +232,8 @@ class Shard:
         kind, payload = (ACK, None) if failure is None else (ERROR, failure)
         replies = [new(Reply, (kind, token, payload)) for token in entry.held]
         entry.held, entry.merged = [], set()
+        if entry.pushes or entry.late:   # (elastic jobs: kvps.server.members)
+            entry.next_round()
         if entry.deferred:
             replies += [self._answer(entry, pull.token, pull.rows)
                         for pull in entry.ready_pulls()]
@@ -268,7 +287,7 @@ class Shard:
             failure = failed.get(index)
             self._count_update(entry, failure)
             if entry.sync:
-                self._released += self._finish_round(entry, failure) + self._close_rounds(entry)
+                self._released += self._finish_round(entry, failure) + self.close_rounds(entry)
             else:
                 self._released += [_reply(t, failure) for t in entry.held]
                 entry.held = []
@@ -385,24 +404,6 @@ class Shard:
 
     def commit_states(self):
         self.optimizer.commit_states()
-
-    # -- workers leaving ------------------------------------------------------------------
-    def worker_finished(self, worker):
-        """A worker is done: fail every sync round that now lacks its push."""
-        self.finished[worker] = {k: e.pushed.get(worker, 0) for k, e in self.entries.items()}
-        replies = []
-        for entry in self.entries.values():
-            replies += self._fail_impossible(entry, worker)
-        return replies
-
-    def _fail_impossible(self, entry, worker):
-        """Rounds from index ``made`` on lack this worker's push: answer their waiters now."""
-        if not entry.sync:
-            return []
-        made = entry.pushed.get(worker, 0)
-        exc = KVPSError(f'a sync round of key {entry.key!r} can never complete: '
-                        f'{identity_label(worker)} finished after {made} pushes of it')
-        return [Reply(ERROR, t, exc) for t in entry.drop_rounds_from(made)]
 
     # -- lookup ---------------------------------------------------------------------------
     def _entry(self, key, part):

@@ -15,7 +15,7 @@ from .codecs import GRADIENT_CODECS, ONE_BIT, PULL_CODECS, TOP_K, coded_nbytes
 from .items import CheckItem, DataItem, InitItem, Layout, PullItem, PushItem, ResumeItem
 
 # Node <-> scheduler.
-VERSION = 13                 # bumped on any change of the wire format; checked at REGISTER
+VERSION = 14                 # bumped on any change of the wire format; checked at REGISTER
 # node -> scheduler: {role, host, port, rank, pid, version, shared, rank_from (the setting
 # that gave the rank, for messages: 'DMLC_WORKER_ID=3')}
 REGISTER = 'register'
@@ -37,6 +37,9 @@ SHUTDOWN = 'shutdown'        # scheduler -> node: exit now ({reason})
 PEER_LOST = 'peer_lost'      # scheduler -> node: {role, rank, host, reason}
 SERVER_LOST = 'server_lost'  # scheduler -> worker: {rank, reason}; the job waits for its return
 SERVER_BACK = 'server_back'  # scheduler -> worker: {rank, host, port} of the replacement
+# scheduler -> server, worker (elastic jobs): {epoch (= id), workers, gone, joined: lists of
+# [rank, incarnation]}; a server answers ACK {id: epoch} (docs/elastic.md)
+MEMBERS = 'members'
 
 # Worker <-> server. A multi-key op lists one item per key part under `keys`, each of the
 # NamedTuple that ITEMS names (kvps.wire.items declares every field). PUSH, PULL and PULL_ROWS
@@ -121,12 +124,13 @@ _FIELDS = {
     PEER_LOST: {'role': str, 'reason': str},
     SERVER_LOST: {'rank': int, 'reason': str},
     SERVER_BACK: {'rank': int, 'host': str, 'port': int},
+    MEMBERS: {'epoch': int, 'workers': list, 'gone': list, 'joined': list},
     PULL_ROWS: {'key': (int, str), 'part': int},
     ROWS: {'epoch': int, 'count': int},
     ATTACH: {'name': str, 'nonce': bytes, 'size': int},
 }
 OPS = frozenset([REGISTER, WELCOME, HEARTBEAT, HEARTBEAT_ACK, BARRIER, BARRIER_DONE, FINISH, ABORT,
-                 SHUTDOWN, PEER_LOST, SERVER_LOST, SERVER_BACK, INIT, CHECK, PUSH, PULL,
+                 SHUTDOWN, PEER_LOST, SERVER_LOST, SERVER_BACK, MEMBERS, INIT, CHECK, PUSH, PULL,
                  SET_OPTIMIZER, GET_STATES, SET_STATES, COMMIT_STATES, RESUME, ATTACH, ACK,
                  DATA, ERROR, STATES, PULL_ROWS, ROWS])
 
@@ -401,19 +405,3 @@ def error_header(req_id, exc, node, traceback_text=''):
     """The ERROR reply that carries an exception back to the node that caused it."""
     return {'op': ERROR, 'id': req_id, 'type': type(exc).__name__, 'message': str(exc),
             'traceback': traceback_text, 'node': node}
-
-
-def members_on(welcome, host, role):
-    """How many of the job's nodes of ``role`` registered from ``host`` (by the welcome's
-    node table; the same advertised address is taken to mean the same machine)."""
-    return sum(1 for n in welcome.get('nodes', ()) if n['role'] == role and n['host'] == host)
-
-
-def worker_identity(rank):
-    """The socket identity a worker uses towards every server (servers count rounds by it)."""
-    return f'worker-{rank}'.encode()
-
-
-def identity_label(identity):
-    """A socket identity as people read it in errors ('worker-1', not b'worker-1')."""
-    return identity.decode(errors='replace') if isinstance(identity, bytes) else str(identity)

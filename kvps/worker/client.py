@@ -13,17 +13,15 @@ import threading
 import numpy as np
 
 from ..allocator import keep_freed_memory
-from ..arrays import flat_view
-from ..compression import pulled_dtype
-from ..errors import ConfigError
 from ..timeline import recording
 from ..timeline.counters import WorkerCounts
 from ..wire import protocol as P
 from ..wire.items import PullItem, PushItem, new
-from .collectives import Collectives
+from .collectives import Collectives, refuse_updater
+from .joining import Members
 from .loop import SCHEDULER, WorkerIO
-from .messages import (copier, describe, fuse, live_collector, part_nbytes, payload, row_writer,
-                       server_name, waves)
+from .messages import (copier, describe, fuse, live_collector, part_nbytes, payload, pull_targets,
+                       row_writer, server_name, waves)
 from .pending import Operation, PushWindow, Request
 from .sharding import Sharding
 
@@ -51,20 +49,29 @@ class DistClient:
         self.rank = welcome['rank']
         if recording.RECORDER is not None:
             recording.RECORDER.name_node(self.rank, f'worker {self.rank}')
-        self.num_workers = welcome['num_workers']
         self.num_servers = welcome['num_servers']
         self.sharding = Sharding(self.num_servers, config.bigarray_bound,
                                    config.partition_bytes)
+        # elastic: keys stay whole, so that one server decides each round (docs/elastic.md)
+        self.sharding.keep_whole = welcome.get('elastic', False) and sync
         self._window = PushWindow(config.max_inflight_bytes, self.counts)
         self._errors = collections.deque()     # errors of pushes, raised at the next wait
         self._lock = threading.Lock()   # push counts, barrier numbers, closing
-        self._barrier_seq = 0
+        self._barrier_seq = welcome.get('barriers', 0)   # (a joiner's: the job's so far)
         self._pushes = {}         # key -> pushes made of it (sync: the lr scheduler's step)
         self._step = 0            # the most of any key
         self.keys = {}            # key -> (shape, dtype name), for every store of this process
         self.closed = False
         self._collectives = Collectives(self.config, sync, self.rank, self.sharding,
                                         self._request, self.barrier, self.wait_pushes)
+        self.members = Members(self.io, sync, self._pushes)
+        self._collectives.joining = self.members.joining
+
+    # The job's member workers now (an elastic job's change as workers leave and join)
+    num_workers = property(lambda self: len(self.io.membership[1]))
+
+    def on_membership_change(self, callback):
+        self.members.callback = callback
 
     @property
     def forked(self):
@@ -76,14 +83,7 @@ class DistClient:
         return [(p.server, p.part, p.start, p.stop) for p in self.sharding.parts(key)]
 
     def set_updater(self, fn):
-        """Refused: a Python updater would have to run on the servers, which run only
-        optimizers sent as plain data."""
-        raise ConfigError(
-            'a distributed store cannot take a Python updater: its servers run only '
-            'optimizers named as plain data (kvps never sends code). Use '
-            'kv.set_optimizer(kvps.optimizer.create(...)), write an Optimizer subclass and '
-            'install it on the servers (KVPS_SERVER_PLUGINS, docs/plugins.md), or update on '
-            'the workers (kvps.Trainer(..., update_on_kvstore=False))')
+        refuse_updater(fn)   # (no Python runs on servers)
 
     # -- setup: collective (Collectives) or this worker's ----------------------------------
     def init(self, items, device=False):
@@ -127,6 +127,7 @@ class DistClient:
         block from ``stage``) to the key's servers, small parts fused into one message per
         server, ahead of queued requests of a lower ``priority``; do not wait."""
         self._raise_pending_errors()
+        self.members.catching_up = False
         self.counts.push_calls += 1
         step = self._count_pushes(items)
         nbytes = sum(sum(p.nbytes for p in flat) if type(flat) is list else flat.nbytes
@@ -221,17 +222,7 @@ class DistClient:
         """Send the pull requests of ``items``; returns what ``_finish_pull`` waits on. The
         parts are listed with the dtype their values travel in (``codec``'s, if it rounds
         them), which sizes their frames and shared-memory blocks."""
-        targets, finish, landings = [], [], []
-        for key, out, dtype in items:
-            if type(out) is np.ndarray:
-                flat = flat_view(out)
-            else:   # a GPU pull's Landing (device_route)
-                flat = out
-                landings.append(out)
-            target = flat if flat is not None else np.empty(out.size, dtype=out.dtype)
-            targets.append((key, target, dtype if codec is None else pulled_dtype(codec, dtype)))
-            if flat is None:
-                finish.append((out, target))
+        targets, finish, landings = pull_targets(items, codec)
         staging = self.io.staging
 
         def wire_bytes(item):
@@ -329,7 +320,10 @@ class DistClient:
 
     def barrier(self, digest=None):
         """Return when every worker is here and this worker's pushes are all applied: the
-        ranks whose ``digest`` (bytes) differs from rank 0's, [] when all agree."""
+        ranks whose ``digest`` (bytes) differs from rank 0's, [] when all agree. An elastic
+        job's joiner meets no one before its first push (the job is past its setup)."""
+        if self.members.catching_up:
+            return []
         self.wait_pushes()
         with self._lock:   # one number per barrier, whichever threads call at once
             self._barrier_seq += 1
@@ -404,6 +398,8 @@ class DistClient:
                 'pushing it, or stalled?') if self.sync else ''
 
     def _raise_pending_errors(self):
+        if self.io.membership[0] != self.members.epoch:
+            self.members.moved()
         if self._errors:
             try:
                 exc = self._errors.popleft()

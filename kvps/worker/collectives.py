@@ -7,7 +7,7 @@ from ..errors import ConfigError, KVPSError, RemoteError
 from ..optimizer.optimizers import Optimizer, registered_class
 from ..wire import protocol as P
 from ..wire.items import CheckItem, InitItem
-from .messages import describe, fuse, state_collector
+from .messages import describe, fuse, server_name, state_collector
 
 _REFUSED = b'refused'   # rank 0's word at the barrier ending a collective the servers refused
 
@@ -22,21 +22,31 @@ class Collectives:
     def __init__(self, config, sync, rank, sharding, request, barrier, wait_pushes):
         self.config, self.sync, self.rank, self.sharding = config, sync, rank, sharding
         self._request, self._barrier, self._wait_pushes = request, barrier, wait_pushes
+        # joining(counts=None): whether this worker joined a running elastic job and has not
+        # pushed yet (its setup calls are then checks against the job's: the servers have the
+        # keys and the optimizer); ``counts`` hands it the push counts its CHECKs answered
+        self.joining = lambda counts=None: False
 
     def init(self, items, device=False):
         """``items``: [(key, flat array, shape, dtype name)]. Rank 0's values win. ``device``:
         a device-side store asks servers to keep these keys on their GPUs if they have one."""
         for key, flat, shape, _ in items:
             self.sharding.place(key, flat.size, flat.itemsize, rows.width_of(shape))
+        if self.joining():
+            counts = {}
+            self._wait_all(self._send_keys(P.CHECK, items, {}, counts))
+            self.joining(counts)
+            return
         self._by_rank_0('init', lambda: self._wait_all(
             self._send_keys(P.INIT, items, {'sync': self.sync, 'device': device})))
         if self.rank != 0:
             self._wait_all(self._send_keys(P.CHECK, items, {}))
 
-    def _send_keys(self, op, items, fields):
+    def _send_keys(self, op, items, fields, counts=None):
         """INIT (every part of each key, with its values) or CHECK (part 0: where rank 0's
         init put it) of ``items``, many keys per message as ``fuse`` cuts them; returns the
-        operations to wait on, in the order of their first keys."""
+        operations to wait on, in the order of their first keys. ``counts`` (a dict, CHECK):
+        gets (server node, (key, part)) -> the pushes the server counts of it."""
         init = op == P.INIT
         parts = []
         for key, flat, shape, dtype in items:
@@ -51,7 +61,8 @@ class Collectives:
                     for key, part, _, dtype, shape in batch]
             ops.append(self._request(server, describe('init', batch),
                                      {'op': op, 'keys': keys, **fields},
-                                     [values for _, _, values, _, _ in batch] if init else ()))
+                                     [values for _, _, values, _, _ in batch] if init else (),
+                                     None if counts is None else _counter(counts, server, keys)))
         return ops
 
     def set_optimizer(self, spec):
@@ -60,6 +71,8 @@ class Collectives:
         _reads_whole), and no server gets it."""
         blob = msgpack.packb(spec, use_bin_type=True)
         self._require_whole_keys(spec, self._reads_whole(spec, blob))
+        if self.joining():   # the servers run the job's optimizer already
+            return
         self._by_rank_0('set_optimizer', lambda: self._wait_all([
             self._request(s, 'set_optimizer', {'op': P.SET_OPTIMIZER}, (blob,))
             for s in range(self.sharding.num_servers)]), after_pushes=True)
@@ -87,6 +100,9 @@ class Collectives:
             spec = per_server[0]['optimizer']
             self._require_whole_keys(spec, self._reads_whole(
                 spec, msgpack.packb(spec, use_bin_type=True)))
+
+        if self.joining():   # the servers hold the job's state already
+            return
 
         def send():
             what = 'load_optimizer_states'
@@ -177,6 +193,26 @@ class Collectives:
     def _wait_all(self, ops):
         for op in ops:
             op.wait(self.config.timeout)
+
+
+def refuse_updater(fn):
+    """A distributed store's set_updater: a Python updater would have to run on the servers,
+    which run only optimizers sent as plain data."""
+    raise ConfigError(
+        'a distributed store cannot take a Python updater: its servers run only '
+        'optimizers named as plain data (kvps never sends code). Use '
+        'kv.set_optimizer(kvps.optimizer.create(...)), write an Optimizer subclass and '
+        'install it on the servers (KVPS_SERVER_PLUGINS, docs/plugins.md), or update on '
+        'the workers (kvps.Trainer(..., update_on_kvstore=False))')
+
+
+def _counter(counts, server, keys):
+    """The on_data of a CHECK to ``server``: its ACK's push count of each of ``keys``."""
+    def take(header, _):
+        node = server_name(server)
+        for item, count in zip(keys, header.get('counts', ())):
+            counts[(node, (item.key, item.part))] = count
+    return take
 
 
 def _init_bytes(item):

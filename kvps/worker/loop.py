@@ -16,6 +16,7 @@ from ..errors import KVPSError, PeerLostError, ProtocolError, StoreClosedError
 from ..timeline import recording
 from ..timeline.counters import Ticker, WorkerCounts
 from ..wire import protocol as P
+from ..wire.identities import members_on, worker_identity
 from ..wire.items import ResumeItem
 from ..wire.link import SchedulerLink, decode_or_refusal
 from ..wire.ordering import PriorityOrder
@@ -56,6 +57,8 @@ class WorkerIO(threading.Thread):
         self.push_counts = PushCounts()   # each push's seq, numbered as API threads queue it
         self._poller = Poller()
         self.staging = None         # this worker's shared-memory segment, if it has one
+        # (epoch, ranks): the job's member workers, as the last WELCOME or MEMBERS told
+        self.membership = (0, [])
         self.trace = None           # the messages' spans, while the timeline records
         self._ticker = Ticker(0, 'worker', None)   # --stats lines, from the welcome on
 
@@ -89,6 +92,7 @@ class WorkerIO(threading.Thread):
         try:
             self._link = SchedulerLink(self.ctx, self.config, 'worker')
             self.welcome = self._link.register()
+            self.membership = membership_of(self.welcome)
             if recording.RECORDER is not None:
                 self.trace = MessageTrace(self.welcome['rank'])
             self._ticker = Ticker(self.config.stats_seconds, f'worker {self.welcome["rank"]}',
@@ -141,10 +145,10 @@ class WorkerIO(threading.Thread):
         """A segment when a server shares this host (by address): others could never map it,
         and its pages would only sit reserved in /dev/shm."""
         host = self._link.host
-        servers = P.members_on(self.welcome, host, 'server')
+        servers = members_on(self.welcome, host, 'server')
         if not servers:
             return None
-        return Staging.create(self.config, servers + P.members_on(self.welcome, host, 'worker'))
+        return Staging.create(self.config, servers + members_on(self.welcome, host, 'worker'))
 
     def _connect_servers(self, welcome):
         self._poller.register(self.waker.socket)
@@ -153,8 +157,8 @@ class WorkerIO(threading.Thread):
             self._connect(rank, host, port)
 
     def _connect(self, rank, host, port):
-        dealer = Dealer(self.ctx, P.worker_identity(self.welcome['rank']),
-                        guard_from(self.config))
+        identity = worker_identity(self.welcome['rank'], self.welcome.get('incarnation', 0))
+        dealer = Dealer(self.ctx, identity, guard_from(self.config))
         dealer.connect(host, port)
         self._servers[server_name(rank)] = dealer
         self._by_socket[dealer] = server_name(rank)
@@ -282,6 +286,9 @@ class WorkerIO(threading.Thread):
             self._lost.add(server_name(header['rank']))
             if self.staging is not None:
                 self.staging.detach(server_name(header['rank']))
+        elif op == P.MEMBERS:   # (an elastic job's: read by the API threads' next call)
+            if header['epoch'] > self.membership[0]:
+                self.membership = membership_of(header)
         elif op == P.SERVER_BACK:
             self._rejoin(header['rank'], header['host'], header['port'])
         elif op in (P.PEER_LOST, P.SHUTDOWN, P.ERROR):
@@ -357,6 +364,13 @@ class WorkerIO(threading.Thread):
             self._link.close()
         self.waker.close()
         self.ctx.term()
+
+
+def membership_of(message):
+    """``(epoch, member ranks)`` of a WELCOME or MEMBERS (a fixed job: epoch 0, every rank)."""
+    if 'workers' not in message:
+        return 0, list(range(message['num_workers']))
+    return message['epoch'], [rank for rank, _ in message['workers']]
 
 
 class _Attaching(Operation):

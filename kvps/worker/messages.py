@@ -1,8 +1,11 @@
 """How a worker's requests are cut into messages and how their answers land: parts fused per
 server, pulled bytes written into the caller's arrays."""
 
+import numpy as np
+
 from .. import rows
-from ..compression import land_pulled
+from ..arrays import flat_view
+from ..compression import land_pulled, pulled_dtype
 from ..errors import ProtocolError
 from ..timeline import recording
 from ..wire import protocol as P
@@ -191,3 +194,22 @@ def live_collector(sink, slot, part, width, dtype):
 
 def describe(what, items):
     return f'{what} of key {items[0][0]!r}' if len(items) == 1 else f'{what} of {len(items)} keys'
+
+
+def pull_targets(items, codec):
+    """``(targets, finish, landings)`` of a pull of ``items`` ([(key, out, dtype)]): each
+    key's flat target with the dtype its values travel in (``codec``'s, if it rounds them);
+    ``(out, scratch)`` for outs that have no flat view (written into scratch, copied at the
+    finish); the GPU pulls' Landings (device_route)."""
+    targets, finish, landings = [], [], []
+    for key, out, dtype in items:
+        if type(out) is np.ndarray:
+            flat = flat_view(out)
+        else:
+            flat = out
+            landings.append(out)
+        target = flat if flat is not None else np.empty(out.size, dtype=out.dtype)
+        targets.append((key, target, dtype if codec is None else pulled_dtype(codec, dtype)))
+        if flat is None:
+            finish.append((out, target))
+    return targets, finish, landings

@@ -10,6 +10,7 @@ import pytest
 import zmq
 
 from kvps.wire import protocol as P
+from kvps.wire.identities import worker_identity
 from kvps.wire.items import PushItem
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
@@ -89,7 +90,7 @@ def test_intruders_are_refused_everywhere_and_the_job_carries_on(by_hand, tmp_pa
                         msgpack.packb({'name': 'sgd'}))
     # Posing as the real worker: zmq drops a second peer with a taken identity, and the
     # real worker's connection is not disturbed (checked by its result below).
-    assert not send_raw(port, P.worker_identity(0), push, np.full(3, 100.0).tobytes())
+    assert not send_raw(port, worker_identity(0), push, np.full(3, 100.0).tobytes())
     # A flood of a thousand at each: counted, summed up, and harmless.
     flood(scheduler_port, b'flooder', 1000)
     flood(port, b'flooder', 1000)

@@ -86,3 +86,48 @@ def test_dist_sync_servers_update_as_the_local_store(job):
     for res in found.values():
         for name in RUNS:
             assert res['weights'][name] == expected[name], name
+
+
+# GroupAdaGrad: 2-D keys (one history per row), dense pushes and pushes of some rows, on
+# servers that would split the float32 key (MXNET_KVSTORE_BIGARRAY_BOUND below its size): set
+# before init, the optimizer keeps its keys whole.
+GROUP_KEYS = {'emb': ((40, 6), np.float32), 'small': ((3, 4), np.float16)}
+GROUP_ENV = {'MXNET_KVSTORE_BIGARRAY_BOUND': '100'}
+
+
+def group_weights(kv, ranks):
+    kv.set_optimizer(kvps.optimizer.create('groupadagrad', learning_rate=0.1, rescale_grad=0.5,
+                                           clip_gradient=1.0, multi_precision=True))
+    rng = np.random.default_rng(11)
+    kv.init(list(GROUP_KEYS), [rng.standard_normal(shape).astype(dtype)
+                               for shape, dtype in GROUP_KEYS.values()])
+    for step in range(STEPS):
+        for key, (shape, dtype) in GROUP_KEYS.items():
+            pushes = []
+            for rank in ranks:
+                g = np.random.default_rng([rank, step, shape[0]]).standard_normal(shape)
+                g = g.astype(dtype)
+                ids = np.array(sorted({(step + rank) % shape[0], (5 * step) % shape[0]}))
+                pushes.append(kvps.RowSparse(ids, g[ids]) if step % 2 else g)
+            kv.push(key, pushes if len(pushes) > 1 else pushes[0])
+    out = [np.zeros(shape, dtype) for shape, dtype in GROUP_KEYS.values()]
+    kv.pull(list(GROUP_KEYS), out=out)
+    return out
+
+
+GROUP_SCRIPT = '''
+sys.path.insert(0, os.environ['TEST_DIR'])
+from test_dist_more_optimizers import digest, group_weights
+kv = kvps.create('dist_sync')
+report(rank=kv.rank, weights=digest(group_weights(kv, [kv.rank])))
+'''
+
+
+def test_groupadagrad_on_dist_sync_servers_updates_as_the_local_store(job):
+    result = job(GROUP_SCRIPT, 2, 2, env={'TEST_DIR': str(Path(__file__).parent), **GROUP_ENV})
+    assert result.returncode == 0, result.output
+    got = group_weights(kvps.create('local'), [0, 1])
+    assert all(np.isfinite(w.astype(np.float32)).all() for w in got)
+    found = result.results()
+    assert sorted(found) == [0, 1], result.output
+    assert all(res['weights'] == digest(got) for res in found.values()), result.output

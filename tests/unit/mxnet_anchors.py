@@ -4,7 +4,8 @@ Python: ``python mxnet_anchors.py``."""
 
 import mxnet as mx
 import numpy as np
-from optimizer_configs import CONFIGS, NOT_IN_MXNET_19, STEPS, draws, problem
+from optimizer_configs import (CONFIGS, GROUP_CONFIGS, NOT_IN_MXNET_19, STEPS, draws,
+                               group_problem, group_rows, problem)
 
 N = 16   # elements of each run's weight
 
@@ -60,5 +61,34 @@ def main():
     print('}')
 
 
+def group_run(params, sched, grads_as, mp, config_id):
+    """A GroupAdaGrad run of optimizer_configs.GROUP_CONFIGS in MXNet."""
+    params = dict(params)
+    if sched:
+        params['lr_scheduler'] = mx.lr_scheduler.FactorScheduler(step=sched[0], factor=sched[1])
+    updater = mx.optimizer.get_updater(mx.optimizer.create('groupadagrad', **params))
+    w0, grads = group_problem(config_id)
+    dtype = 'float16' if mp else 'float32'
+    weight = mx.nd.array(w0, dtype=dtype)
+    for step, g in enumerate(grads):
+        if grads_as == 'dense':
+            updater(0, mx.nd.array(g, dtype=dtype), weight)
+            continue
+        rows = list(range(g.shape[0])) if grads_as == 'rows' else group_rows(step)
+        updater(0, mx.nd.sparse.row_sparse_array((g[rows], rows), shape=g.shape, dtype=dtype),
+                weight)
+    return weight.asnumpy().reshape(-1)
+
+
+def main_group():
+    print(f'# MXNet {mx.__version__}: GroupAdaGrad weights after {STEPS} updates')
+    print('MXNET_GROUP = {')
+    for config_id, params, sched, grads_as, mp in GROUP_CONFIGS:
+        values = ', '.join('%.9g' % v for v in group_run(params, sched, grads_as, mp, config_id))
+        print(f'    {config_id!r}: [{values}],')
+    print('}')
+
+
 if __name__ == '__main__':
     main()
+    main_group()

@@ -71,3 +71,28 @@ def draws(n, steps=STEPS):
     (whose generator kvps cannot reproduce): the same numbers on both sides."""
     rng = np.random.default_rng(2024)
     return [rng.standard_normal(n) for _ in range(steps)]
+
+# GroupAdaGrad's runs (MXNet 1.9 contrib), on a weight of GROUP_SHAPE: (id, parameters, a
+# FactorScheduler's (step, factor) or None, how the gradients go: 'dense' (MXNet's Python
+# rule), 'rows' (every row as row_sparse: MXNet's fused kernel) or 'some' (group_rows(step)
+# only, row_sparse), multi_precision on a float16 weight)
+GROUP_SHAPE = (6, 5)
+GROUP_CONFIGS = [
+    ('groupadagrad', dict(rescale_grad=0.5, clip_gradient=0.8, learning_rate=0.1), (10, 0.5),
+     'dense', False),
+    ('groupadagrad-rows', dict(rescale_grad=0.5, clip_gradient=0.8, learning_rate=0.1),
+     (10, 0.5), 'rows', False),
+    ('groupadagrad-some', dict(eps=1e-3, learning_rate=0.05), None, 'some', False),
+    ('groupadagrad-mp', dict(learning_rate=0.1, multi_precision=True), None, 'some', True),
+]
+
+
+def group_rows(step):
+    """The rows of GROUP_SHAPE that a 'some' run's gradient ``step`` has (sorted)."""
+    return sorted({step % GROUP_SHAPE[0], (3 * step + 1) % GROUP_SHAPE[0]})
+
+
+def group_problem(config_id):
+    """A GroupAdaGrad run's starting weight and gradients, of GROUP_SHAPE, float32."""
+    w0, grads = problem(config_id, GROUP_SHAPE[0] * GROUP_SHAPE[1])
+    return w0.reshape(GROUP_SHAPE), [g.reshape(GROUP_SHAPE) for g in grads]

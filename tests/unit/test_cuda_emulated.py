@@ -15,8 +15,8 @@ import types
 import numpy as np
 import pytest
 
-from kvps.optimizer.kernels import (cuda_kernels as C, cuda_launch as L, cuda_source as src,
-                                    numpy_kernels as K)
+from kvps.optimizer.kernels import (cuda_kernels as C, cuda_launch as L, cuda_rows as CR,
+                                    cuda_source as src, numpy_kernels as K)
 from test_cuda_source import (BASE, CASES, DTYPES, NEEDS_T, Device, current_stream, every_plan,
                               live_states, reduces, state_dtype)
 
@@ -149,6 +149,7 @@ def emulated(library, monkeypatch):
     monkeypatch.setattr(L, 'cupy', lambda: HOST_CUPY)
     monkeypatch.setattr(L, 'compiled', lambda code, name: Emulated(library, name, log))
     monkeypatch.setattr(L, '_KERNELS', {})
+    monkeypatch.setattr(CR, '_KERNELS', {})   # (test_cuda_rows' kernel, from its library)
     return log
 
 

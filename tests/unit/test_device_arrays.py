@@ -24,10 +24,11 @@ from kvps.server.requests import Requests
 from kvps.server.shard import Shard
 from kvps.server.storage import HostArrays, Storage
 from kvps.wire import protocol as P
+from kvps.wire.identities import worker_identity
 from kvps.wire.items import PullItem, PushItem
 from kvps.wire.shm import Segment
 
-W0 = P.worker_identity(0)
+W0 = worker_identity(0)
 N = 1024   # float32 elements: 4 KB, over MIN_BYTES
 
 

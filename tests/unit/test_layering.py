@@ -13,7 +13,7 @@ ROLES = {'scheduler', 'server', 'worker'}
 # store and the Trainer on top; the launcher beside the top, imported by nothing.
 RANKS = {
     'errors': 0, 'env_parsers': 0, 'rank_sources': 0,  # pure: text in, values out
-    'config': 1, 'atomic': 1, 'allocator': 1, 'pinning': 1,
+    'config': 1, 'atomic': 1, 'allocator': 1, 'pinning': 1, 'elastic': 1,
     'timeline': 2, 'optimizer': 2,                   # recording spans; optimizers and kernels
     'wire': 3,                                       # the wire format, sockets, shared memory
     'arrays': 4,                                     # values, one on the other
@@ -154,8 +154,8 @@ PUBLIC = {
                      'check_compression_type'},
     'kvps.optimizer': {'Optimizer', 'SGD', 'NAG', 'Adam', 'AdamW', 'AdaGrad', 'RMSProp', 'LAMB',
                        'Ftrl', 'Signum', 'Test', 'AdaDelta', 'Adamax', 'Nadam', 'FTML', 'LARS',
-                       'LBSGD', 'SGLD', 'DCASGD', 'ccSGD', 'AdaBelief', 'LANS', 'create',
-                       'register', 'registered',
+                       'LBSGD', 'SGLD', 'DCASGD', 'ccSGD', 'GroupAdaGrad', 'AdaBelief', 'LANS',
+                       'create', 'register', 'registered',
                        'LRScheduler', 'FactorScheduler', 'MultiFactorScheduler',
                        'CosineScheduler', 'PolyScheduler', 'create_scheduler'},
     'kvps.trainer': {'Trainer'},

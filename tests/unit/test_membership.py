@@ -163,7 +163,7 @@ def test_barrier_releases_everyone_once_all_arrive():
     m = full()
     m.assign_ranks()
     assert m.arrive(b'w-a', 1) == []
-    assert m.arrive(b'w-b', 1) == [b'w-a', b'w-b']
+    assert m.arrive(b'w-b', 1) == [(1, [b'w-a', b'w-b'], [])]
     assert m.arrive(b'w-a', 2) == []
 
 
@@ -171,8 +171,8 @@ def test_a_barrier_with_digests_names_the_ranks_that_differ_from_rank_0():
     m = full()
     m.assign_ranks()
     assert m.arrive(b'w-b', 1, b'other') == []
-    assert m.arrive(b'w-a', 1, b'same') == [b'w-a', b'w-b']
     rank_of_b = m.nodes[b'w-b'].rank
+    assert m.arrive(b'w-a', 1, b'same') == [(1, [b'w-a', b'w-b'], [rank_of_b])]
     assert m.disagreeing() == [rank_of_b]
     m.arrive(b'w-a', 2, b'x')
     m.arrive(b'w-b', 2, b'x')

@@ -3,13 +3,14 @@
 import numpy as np
 import pytest
 
-from kvps.optimizer.kernels import numpy_kernels as K
 from kvps.errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInitializedError,
                          KVPSError, ShapeError)
 from kvps.optimizer import FactorScheduler, create
-from kvps.server.shard import Shard
+from kvps.optimizer.kernels import numpy_kernels as K
 from kvps.optimizer.updater import Updater
+from kvps.server import members
 from kvps.server.recovery import rebase
+from kvps.server.shard import Shard
 from kvps.wire.items import PullItem, ResumeItem
 
 W0, W1, W2 = b'worker-0', b'worker-1', b'worker-2'
@@ -224,7 +225,7 @@ def test_errors_are_clear():
 
 def test_check_compares_another_workers_view():
     shard = make()
-    assert shard.check('c', 'k', 0, 'float32', [2]) == [('ack', 'c', None)]
+    assert shard.check('c', 'k', 0, 'float32', [2]) == [('ack', 'c', 0)]   # (pushes of it)
     with pytest.raises(ShapeError, match=r'rank 0 initialized \(2,\)'):
         shard.check('c', 'k', 0, 'float32', [1, 2])
     with pytest.raises(DTypeError, match=r'float64, but rank 0 initialized \(2,\) float32'):
@@ -235,7 +236,7 @@ def test_finished_worker_fails_rounds_that_can_never_complete():
     shard = make(num_workers=3)
     shard.push('a', W0, 'k', 0, 'float32', True, buf(1, 1))
     assert shard.pull('q', W0, 'k', 0) == []
-    replies = shard.worker_finished(W2)           # W2 never pushed: round 1 is doomed
+    replies = members.worker_finished(shard, W2)           # W2 never pushed: round 1 is doomed
     assert sorted(t for kind, t, _ in replies if kind == 'error') == ['a', 'q']
     with pytest.raises(KVPSError, match='can never complete'):
         shard.push('b', W1, 'k', 0, 'float32', True, buf(1, 1))
@@ -244,7 +245,7 @@ def test_finished_worker_fails_rounds_that_can_never_complete():
 def test_finished_worker_that_already_pushed_lets_the_round_finish():
     shard = make()
     shard.push('a', W0, 'k', 0, 'float32', True, buf(1, 1))
-    assert shard.worker_finished(W0) == []
+    assert members.worker_finished(shard, W0) == []
     assert acks(shard.push('b', W1, 'k', 0, 'float32', True, buf(2, 2))) == ['a', 'b']
 
 

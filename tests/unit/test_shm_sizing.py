@@ -7,11 +7,11 @@ import types
 
 import pytest
 
-from kvps.wire import protocol as P
-from kvps.wire import shm
 from kvps.config import Config
 from kvps.errors import ConfigError
 from kvps.server.regions import Regions
+from kvps.wire import shm
+from kvps.wire.identities import members_on
 from kvps.wire.shm import Segment, segment_bytes, share_of
 from kvps.worker.loop import WorkerIO
 from kvps.worker.staging import Staging
@@ -81,9 +81,9 @@ def _welcome(*members):
 def test_members_on_a_host_are_counted_by_role():
     welcome = _welcome(('worker', 'a'), ('worker', 'a'), ('server', 'a'), ('worker', 'b'),
                        ('scheduler', 'a'))
-    assert P.members_on(welcome, 'a', 'worker') == 2
-    assert P.members_on(welcome, 'a', 'server') == 1
-    assert P.members_on(welcome, 'b', 'server') == 0
+    assert members_on(welcome, 'a', 'worker') == 2
+    assert members_on(welcome, 'a', 'server') == 1
+    assert members_on(welcome, 'b', 'server') == 0
 
 
 def _staging_of(host, welcome, config=None):

@@ -4,7 +4,8 @@ Both modules expose the same functions (`sgd_update`, `nag_update`, `adam_update
 `adamw_update`, `adagrad_update`, `rmsprop_update`, `lamb_update`, `ftrl_update`,
 `signum_update`, `test_update`, and from numpy_more and cuda_more `adadelta_update`,
 `adamax_update`, `nadam_update`, `ftml_update`, `lars_update`, `lbsgd_update`, `sgld_update`,
-`dcasgd_update`, `adabelief_update`, `lans_update`) with the same signatures, plus
+`dcasgd_update`, `adabelief_update`, `lans_update`, and from numpy_rows and cuda_rows
+`group_adagrad_update`, whose state has one element per row) with the same signatures, plus
 `zeros_like`, `widen`, `add_widened`, `narrow`, `to_host`, `from_host` and
 `multi_update(calls, launches=None)`.
 cupy is imported only when a cupy array shows up.
@@ -20,7 +21,7 @@ KERNEL_NAMES = ('sgd_update', 'nag_update', 'adam_update', 'adamw_update', 'adag
                 'rmsprop_update', 'lamb_update', 'ftrl_update', 'signum_update', 'test_update',
                 'adadelta_update', 'adamax_update', 'nadam_update', 'ftml_update', 'lars_update',
                 'lbsgd_update', 'sgld_update', 'dcasgd_update', 'adabelief_update',
-                'lans_update')
+                'lans_update', 'group_adagrad_update')
 
 
 def is_cupy(array):

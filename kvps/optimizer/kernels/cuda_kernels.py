@@ -12,7 +12,7 @@ rule and dtypes. cupy is imported lazily: importing kvps never needs it.
 
 import numpy as np
 
-from . import common, cuda_launch as launch, cuda_more
+from . import common, cuda_launch as launch, cuda_more, cuda_rows
 from .common import kernel_scalars as _base, moment_scalars as _moment_scalars
 from .cuda_source import MOMENTS, PREP, PREP_WD, sgd_step
 
@@ -196,8 +196,10 @@ def from_host(array, like):
         return cp.asarray(array)
 
 
-# cuda_more's rules join this module's rule table (multi_update looks them up here)
-globals().update({name: getattr(cuda_more, name) for name in cuda_more.__all__})
+# cuda_more's and cuda_rows' rules join this module's rule table (multi_update looks them up
+# here)
+globals().update({name: getattr(module, name) for module in (cuda_more, cuda_rows)
+                  for name in module.__all__})
 
 
 def multi_update(calls, launches=None):
@@ -209,5 +211,13 @@ def multi_update(calls, launches=None):
     current stream; a key met again waits for the launches before it (its updates keep
     their order). ``launches``: a dict the caller keeps from call to call (the Updater
     does), in which the prepared launches of its call lists are kept (cuda_launch.Round says
-    when they stay valid); without it every call list is planned anew."""
-    launch.multi_update(calls, globals(), launches)
+    when they stay valid); without it every call list is planned anew. A rule by rows
+    (cuda_rows: a state per row) launches its own kernel per key, on the same stream."""
+    by_rows = [call for call in calls if call[0] in cuda_rows.__all__]
+    if not by_rows:
+        launch.multi_update(calls, globals(), launches)
+        return
+    launch.multi_update([call for call in calls if call[0] not in cuda_rows.__all__],
+                        globals(), launches)
+    for name, args, kwargs in by_rows:   # (one optimizer's calls: never both kinds at once)
+        globals()[name](*args, **kwargs)

@@ -19,15 +19,16 @@ small keys at once run as packed passes of numpy_packing (multi_update).
 
 import numpy as np
 
-from . import common, numpy_more, numpy_packing
+from . import common, numpy_more, numpy_packing, numpy_rows
 from .common import bf16_to_f32, f32_to_bf16, kernel_scalars as _base, moment_scalars
 from .numpy_blocks import (BLOCK, adam_step, first_moment, prep as _prep, run, set_threads,
                            sgd_body, store)
 
 __all__ = ['sgd_update', 'nag_update', 'adam_update', 'adamw_update', 'adagrad_update',
            'rmsprop_update', 'lamb_update', 'ftrl_update', 'signum_update', 'test_update',
-           *numpy_more.__all__, 'zeros_like', 'widen', 'add_widened', 'narrow', 'to_host',
-           'from_host', 'multi_update', 'set_threads', 'bf16_to_f32', 'f32_to_bf16', 'BLOCK']
+           *numpy_more.__all__, *numpy_rows.__all__, 'zeros_like', 'widen', 'add_widened',
+           'narrow', 'to_host', 'from_host', 'multi_update', 'set_threads', 'bf16_to_f32',
+           'f32_to_bf16', 'BLOCK']
 
 
 def sgd_update(weight, grad, mom, lr, wd, rescale_grad, clip_gradient, momentum=0.0,
@@ -307,8 +308,10 @@ def from_host(array, like):
     return np.ascontiguousarray(array)
 
 
-# numpy_more's rules join this module's rule table (multi_update looks them up here)
-globals().update({name: getattr(numpy_more, name) for name in numpy_more.__all__})
+# numpy_more's and numpy_rows' rules join this module's rule table (multi_update looks them
+# up here)
+globals().update({name: getattr(module, name) for module in (numpy_more, numpy_rows)
+                  for name in module.__all__})
 
 
 def multi_update(calls, launches=None):
