@@ -78,6 +78,9 @@ VARS = (
         'up in one line every 10 s, so strangers cannot flood its log. all: log every one.'),
     Var('port_file', ('KVPS_PORT_FILE',), parse.text, None,
         'Scheduler only: write the bound port to this file (the launcher uses it).'),
+    Var('port_range', ('KVPS_PORT_RANGE',), parse.port_range, None,
+        'Ports LO-HI (both included) the scheduler and servers bind when the port is theirs to '
+        'pick (firewalls); one finding all taken fails saying so. Unset: any the OS picks.'),
     Var('checkpoint_dir', ('KVPS_CHECKPOINT_DIR',), parse.text, None,
         'Servers checkpoint weights and optimizer state here and resume from it on start.'),
     Var('checkpoint_every', ('KVPS_CHECKPOINT_EVERY',), parse.nonneg_int, 0,
@@ -158,6 +161,7 @@ class Config:
     log_level: str = 'WARNING'
     log_refusals: object = 3
     port_file: str = None
+    port_range: range = None
     checkpoint_dir: str = None
     checkpoint_every: int = 0
     checkpoint_seconds: float = 0.0
@@ -309,7 +313,8 @@ class Config:
             value = getattr(self, var.field)
             if value is not None and value != var.default:
                 env[var.names[0]] = (','.join(value) if isinstance(value, tuple) else
-                                     str(int(value) if isinstance(value, bool) else value))
+                                     parse.port_range_text(value) if isinstance(value, range)
+                                     else str(int(value) if isinstance(value, bool) else value))
         return env
 
 

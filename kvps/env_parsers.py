@@ -98,6 +98,19 @@ def port(text):
     return value
 
 
+def port_range(text):
+    """``range`` of the ports LO..HI (KVPS_PORT_RANGE)."""
+    match = re.fullmatch(r'\s*(\d{1,5})\s*-\s*(\d{1,5})\s*', text, re.ASCII)
+    if not match or not 1 <= int(match[1]) <= int(match[2]) <= 65535:
+        raise ValueError('expected LO-HI, ports with 1 <= LO <= HI <= 65535 (e.g. 20000-20100)')
+    return range(int(match[1]), int(match[2]) + 1)   # both included
+
+
+def port_range_text(ports):
+    """How KVPS_PORT_RANGE writes ``ports``."""
+    return f'{ports.start}-{ports.stop - 1}'
+
+
 _LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'WARN', 'ERROR', 'CRITICAL', 'FATAL', 'NOTSET')
 
 

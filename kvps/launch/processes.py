@@ -15,11 +15,18 @@ PR_SET_PDEATHSIG = 1
 
 @dataclasses.dataclass(frozen=True)
 class ProcSpec:
-    """One process to start: its role, rank within the role (None for the scheduler), argv, env."""
+    """One process to start: its role, rank within the role (None for the scheduler), argv, env.
+
+    A carrier (ssh, srun, mpirun starting runners elsewhere) also has ``tasks``: the specs of
+    the processes it carries, which the supervisor watches instead of it; and ``stdin``:
+    bytes written to it at start, the pipe then left open (a runner under ssh stops its child
+    when that pipe closes)."""
     role: str
     rank: object
     argv: tuple
     env: dict
+    stdin: bytes = None
+    tasks: tuple = ()
 
     @property
     def name(self):
@@ -132,6 +139,17 @@ class Child:
         self.done = False        # set by the supervisor when it handled this child's exit
         self.group_gone = False  # once empty a process group can never gain members again
         self.reader = None
+        self.tasks = []          # a carrier's Tasks
+        self.respawn = spec      # what starts it again
+
+    def close_stdin(self):
+        """Close the pipe to its stdin; whether it had one open (its way to be stopped)."""
+        stdin, self.proc.stdin = self.proc.stdin, None
+        if stdin is None:
+            return False
+        with contextlib.suppress(OSError):
+            stdin.close()
+        return True
 
     @property
     def returncode(self):
@@ -139,6 +157,10 @@ class Child:
 
     def signal_group(self, signum):
         if self.group_gone:
+            return
+        # a runner under ssh is stopped by closing the pipe: ssh forwards the EOF and stays,
+        # bringing back what its child prints as it stops (SIGKILL still kills ssh)
+        if signum == signal.SIGTERM and self.close_stdin():
             return
         if self.proc.returncode is not None and not group_alive(self.pid):
             self.group_gone = True

@@ -13,6 +13,7 @@ import time
 
 from ..wire.shm import remove_leftovers
 from .processes import Child, describe, exit_code, pdeathsig_preexec
+from .tasks import MIRRORED, Task, parse_control, route, untagged
 
 TAIL_LINES = 20
 _READ_CHUNK = 1 << 16
@@ -31,12 +32,13 @@ class Supervisor:
 
     def __init__(self, out=None, err=None, grace=5.0, tail_lines=TAIL_LINES, restarts=None,
                  primary_role='worker', formed_file=None, unjoined_grace=UNJOINED_GRACE,
-                 blame_file=None, sweeper=None, tolerated=()):
+                 blame_file=None, sweeper=None, tolerated=(), mirror_to=None, blame_wait=0.0):
         self.out = out if out is not None else sys.stdout
         self.err = err if err is not None else sys.stderr
         self.grace = grace
         self.tail_lines = tail_lines
-        self.children = []
+        self.children = []       # what the job is made of: local children and remote tasks
+        self.procs = []          # the local processes: children, and carriers of tasks
         self.stopped = None      # exit code once the job has been stopped
         self._events = queue.SimpleQueue()  # put() is reentrant: safe from signal handlers
         self._lock = threading.Lock()       # one writer at a time on out and err
@@ -55,6 +57,11 @@ class Supervisor:
         # Roles whose failures the job survives (an elastic job's workers): the coordinator
         # ends the job if it cannot go on, naming them in the blame file
         self.tolerated = frozenset(tolerated)
+        # The local port file whose counterparts a remote scheduler's runner reports (written
+        # here as they come), and how long a failure waits for a blame file that comes from
+        # afar: the exit of a node the scheduler stopped may arrive first.
+        self.mirror_to = mirror_to
+        self.blame_wait = blame_wait
 
     # -- output --------------------------------------------------------------------------
 
@@ -73,26 +80,65 @@ class Supervisor:
     def _pump(self, child):
         """Copy a child's merged stdout+stderr to out, one prefixed line at a time."""
         decoder = codecs.getincrementaldecoder('utf-8')(errors='replace')
-        prefix = f'[{child.name}] '
         stream = child.proc.stdout
         while True:
             chunk = stream.readline(_READ_CHUNK)
             text = decoder.decode(chunk, final=not chunk)
             if text:
                 line = text if text.endswith('\n') else text + '\n'
-                child.tail.append(line)
-                self._write(self.out, prefix + line)
+                if child.tasks:
+                    self._carried(child, line)
+                else:
+                    child.tail.append(line)
+                    self._write(self.out, f'[{child.name}] {line}')
             if not chunk:
                 break
         stream.close()
 
+    def _carried(self, carrier, line):
+        """A line from a carrier: a runner's control line, or a task's (or its own) output."""
+        control = parse_control(line)
+        if control is None:
+            task, text = route(carrier, line)
+            (task or carrier).tail.append(untagged(task, text) if task else line)
+            self._write(self.out, text)
+            return
+        task = next((t for t in carrier.tasks if t.name == control['task']), None)
+        if task is not None:
+            self._on_control(task, control)
+
+    def _on_control(self, task, control):
+        event = control.get('event')
+        if event == 'start':
+            task.remote_pid, task.host = control.get('pid'), control.get('host')
+        elif event == 'exit' and isinstance(control.get('returncode'), int):
+            task.status = control['returncode']
+            self._report_exit(task)
+        elif event == 'file' and control.get('suffix') in MIRRORED and self.mirror_to:
+            try:   # whole, like the scheduler's own: readers never see half a file
+                tmp = f'{self.mirror_to}{control["suffix"]}.tmp'
+                with open(tmp, 'w', encoding='utf-8') as f:
+                    f.write(str(control.get('text', '')))
+                os.replace(tmp, self.mirror_to + control['suffix'])
+            except OSError as exc:
+                self.say(f'cannot write {self.mirror_to}{control["suffix"]}: {exc}')
+
+    def _report_exit(self, task):
+        with self._lock:
+            if task.reported:
+                return
+            task.reported = True
+        self._events.put(('exit', task))
+
     # -- starting ------------------------------------------------------------------------
 
     def start(self, spec):
-        """Start one spec; returns its child, or None (reported, job stopped) if it cannot run."""
+        """Start one spec; returns its child (a carrier's first task), or None (reported, job
+        stopped) if it cannot run."""
         try:
             proc = subprocess.Popen(
-                list(spec.argv), env=spec.env, stdin=subprocess.DEVNULL,
+                list(spec.argv), env=spec.env,
+                stdin=subprocess.DEVNULL if spec.stdin is None else subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 start_new_session=True, preexec_fn=pdeathsig_preexec())
         except OSError as exc:
@@ -100,7 +146,15 @@ class Supervisor:
             self.stop(127 if isinstance(exc, FileNotFoundError) else 126)
             return None
         child = Child(spec, proc, self.tail_lines)
-        self.children.append(child)
+        child.tasks = [Task(task, child, self.tail_lines) for task in spec.tasks]
+        self.procs.append(child)
+        self.children.extend(child.tasks or [child])
+        if spec.stdin is not None:
+            try:
+                proc.stdin.write(spec.stdin)
+                proc.stdin.flush()
+            except OSError:   # it exited at once: its exit and output say why
+                child.close_stdin()
         if self.sweeper is not None:
             self.sweeper.watch(child.pid)
         child.reader = threading.Thread(target=self._pump, args=(child,), daemon=True,
@@ -108,11 +162,16 @@ class Supervisor:
         child.reader.start()
         threading.Thread(target=self._await_exit, args=(child,), daemon=True,
                          name=f'kvps-wait-{child.name}').start()
-        return child
+        return (child.tasks or [child])[0]
 
     def _await_exit(self, child):
         child.proc.wait()
-        self._events.put(('exit', child))
+        if not child.tasks:
+            self._events.put(('exit', child))
+            return
+        child.reader.join(timeout=2.0)   # the runners' last control lines first
+        for task in child.tasks:         # those that said nothing ended with their carrier
+            self._report_exit(task)
 
     # -- events --------------------------------------------------------------------------
 
@@ -137,7 +196,8 @@ class Supervisor:
             return self.stop(128 + what)
         what.done = True
         if what.returncode != 0:
-            blamed = self._blamed()   # this exit may only be the job ending because of it
+            blamed = self._blamed(self.blame_wait)   # this exit may only be the job ending
+            # because of it
             if blamed is not None:
                 return self.fail(*blamed)
             if not self._restart(what) and not self._tolerate(what):
@@ -165,10 +225,14 @@ class Supervisor:
             self.fail(child, 'exited with exit code 0 without joining the job (it never '
                              'created a distributed kvstore), so the job can never start')
 
-    def _blamed(self):
-        """``(child, why)`` for the child the coordinator named in the blame file, if any."""
+    def _blamed(self, wait=0.0):
+        """``(child, why)`` for the child the coordinator named in the blame file, if any
+        (waiting up to ``wait`` s for one)."""
         if self.blame_file is None:
             return None
+        deadline = time.monotonic() + wait
+        while not os.path.exists(self.blame_file) and time.monotonic() < deadline:
+            time.sleep(_POLL)
         try:
             with open(self.blame_file, encoding='utf-8') as f:
                 verdict = json.load(f)
@@ -187,12 +251,13 @@ class Supervisor:
         """Start a failed child's spec again if its role has restarts left and the job is still
         running (some primary child is); return whether it did."""
         left = self.restarts.get(child.spec.role, 0)
-        if left <= 0 or all(c.done for c in self.children if c.spec.role == self.primary_role):
+        if left <= 0 or child.respawn is None or all(
+                c.done for c in self.children if c.spec.role == self.primary_role):
             return False
         self.restarts[child.spec.role] = left - 1
         self.say(f'{child.name} (pid {child.pid}) failed: {describe(child.returncode)}; '
                  f'restarting it ({left - 1} restart(s) left)')
-        return self.start(child.spec) is not None
+        return self.start(child.respawn) is not None
 
     def _tolerate(self, child):
         """Let the job go on without a failed child of a tolerated role; return whether so."""
@@ -267,13 +332,13 @@ class Supervisor:
             return self.stopped
         self.stopped = code
         self._terminate_all()
-        for child in self.children:
+        for child in self.procs:
             try:
                 child.proc.wait(timeout=self.grace + 5.0)
             except subprocess.TimeoutExpired:  # unkillable (stuck in the kernel): don't hang
                 self.say(f'{child.name} (pid {child.pid}) survived SIGKILL')
         deadline = time.monotonic() + 2.0  # a setsid'd grandchild may hold a pipe open
-        for child in self.children:
+        for child in self.procs:
             child.reader.join(timeout=max(0.0, deadline - time.monotonic()))
             remove_leftovers(child.pid)   # a worker killed while its segment had a name
         if self.sweeper is not None:
@@ -282,15 +347,15 @@ class Supervisor:
         return code
 
     def _terminate_all(self):
-        for child in self.children:
+        for child in self.procs:
             child.signal_group(signal.SIGTERM)
         deadline = time.monotonic() + self.grace
-        while time.monotonic() < deadline and any(c.group_alive() for c in self.children):
+        while time.monotonic() < deadline and any(c.group_alive() for c in self.procs):
             event = self._next_event(min(_POLL, max(0.0, deadline - time.monotonic())))
             if event is not None and event[0] == 'signal':
                 self.say(f'got {signal.Signals(event[1]).name} again; killing all processes')
                 break
-        for child in self.children:
+        for child in self.procs:
             if child.group_alive():
                 child.signal_group(signal.SIGKILL)
 

@@ -36,7 +36,8 @@ class Scheduler:
         self.ctx = new_context()
         self.router = Router(self.ctx, guard_from(config))
         host = resolve(config.scheduler_host, config.connect_timeout)
-        self.port = self.router.bind(bind_host(config, host), config.scheduler_port or 0)
+        self.port = self.router.bind(bind_host(config, host), config.scheduler_port or 0,
+                                     config.port_range)
         if config.port_file:
             self._publish_port(config.port_file)
         self.exit_code = None

@@ -40,7 +40,7 @@ class Server:
         self.ctx = new_context()
         self.link = SchedulerLink(self.ctx, config, 'server')
         self.router = Router(self.ctx, guard_from(config))
-        port = self.router.bind(bind_host(config, self.link.host), 0)
+        port = self.router.bind(bind_host(config, self.link.host), 0, config.port_range)
         welcome = self.link.register(port)
         try:
             self._join(config, welcome, storage)

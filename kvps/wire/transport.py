@@ -1,7 +1,9 @@
 """The only module importing zmq: sockets, zero-copy send/recv, polling, addresses, error mapping."""
 
+import errno
 import fcntl
 import logging
+import random
 import socket
 import struct
 import threading
@@ -11,6 +13,7 @@ import zmq
 
 from ..config import variable
 from ..errors import AuthError, ConfigError, TransportError
+from ..env_parsers import port_range_text
 from .auth import TO_DEALER, TO_ROUTER, Guard
 from .refusals import REFUSALS
 
@@ -94,12 +97,16 @@ class Router(Socket):
         # Replying to a peer that is gone raises instead of vanishing silently.
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
 
-    def bind(self, host, port=0):
-        """Bind host:port (0: the OS picks) and return the port actually bound."""
+    def bind(self, host, port=0, port_range=None):
+        """Bind host:port and return the port bound. Port 0: one the OS picks, or, with a
+        ``port_range`` (KVPS_PORT_RANGE), the first free one of the range from a random start
+        (nodes starting together on a host then rarely try the same ports)."""
         try:
             if port:
                 self._sock.bind(f'tcp://{host}:{port}')
                 return port
+            if port_range is not None:
+                return self._bind_in_range(host, port_range)
             # zmq's wildcard port binds port 0: the OS picks from its ephemeral range, so a
             # job never takes the fixed port another job on the host was told to use
             self._sock.bind(f'tcp://{host}:*')
@@ -107,6 +114,20 @@ class Router(Socket):
             return int(endpoint.rsplit(':', 1)[1])
         except zmq.ZMQError as exc:
             raise TransportError(f'cannot bind {host}:{port}: {exc}') from None
+
+    def _bind_in_range(self, host, ports):
+        start = random.randrange(len(ports))
+        for i in range(len(ports)):
+            port = ports[(start + i) % len(ports)]
+            try:
+                self._sock.bind(f'tcp://{host}:{port}')
+                return port
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+        raise ConfigError(f'KVPS_PORT_RANGE={port_range_text(ports)}: every port of it is in '
+                          f'use on {host} ({len(ports)} tried); widen the range (the '
+                          'scheduler and every server of a host each need one)')
 
     def recv_from(self):
         """``(identity, frames)``; frames is None when authentication refused the message."""

@@ -1,5 +1,7 @@
 """The environment contract: KVPS_* names, ps-lite's DMLC_* aliases, and clear errors."""
 
+import re
+
 import pytest
 
 from kvps.config import VARS, Config, markdown_table
@@ -127,3 +129,22 @@ def test_a_misspelled_setting_is_named_with_the_one_it_looks_like(caplog):
                         'mean KVPS_CHECKPOINT_EVERY?']
     Config.from_env(env)   # once per process
     assert len([r for r in caplog.records if r.name == 'kvps.config']) == 1
+
+
+@pytest.mark.parametrize('text, lo, hi', [
+    ('20000-20100', 20000, 20100), (' 9000 - 9000 ', 9000, 9000), ('1-65535', 1, 65535)])
+def test_a_port_range_reads_both_ends_included(text, lo, hi):
+    ports = Config.from_env({'KVPS_PORT_RANGE': text}).port_range
+    assert (ports[0], ports[-1], len(ports)) == (lo, hi, hi - lo + 1)
+    # and a child process is given the same range
+    assert Config.from_env(Config(port_range=ports).to_env()).port_range == ports
+
+
+@pytest.mark.parametrize('text', [
+    '20000', '20000-', 'a-b', '20000:20100', '-5-10', '20100-20000', '0-10', '60000-70000',
+    '\u0662\u0660-30',     # Arabic-Indic digits are not port numbers
+])
+def test_a_bad_port_range_is_a_config_error_naming_it(text):
+    with pytest.raises(ConfigError, match=re.escape(
+            f"KVPS_PORT_RANGE={text!r}: expected LO-HI, ports with 1 <= LO <= HI <= 65535")):
+        Config.from_env({'KVPS_PORT_RANGE': text})

@@ -154,7 +154,7 @@ def test_parse_command_forms():
     (['-n', '1', '-s', '1', '--grace', 'inf', 'cmd'], 'must be a finite number >= 0'),
     (['-n', '1', '-s', '1', '--grace', 'nan', 'cmd'], 'must be a finite number >= 0'),
     (['-n', '1', '-s', '1', '--grace', 'soon', 'cmd'], 'must be a finite number >= 0'),
-    (['-n', '1', '-s', '1', '--env', 'NOEQUALS', 'cmd'], 'expected NAME=VALUE'),
+    (['-n', '1', '-s', '1', '--env', 'NO SPACE=1', 'cmd'], 'expected NAME=VALUE'),
     (['-n', '1', '-s', '1', '--env', '=1', 'cmd'], 'valid variable name'),
     (['-n', '1', '-s', '1', '--env', '1FOO=2', 'cmd'], 'valid variable name'),
     (['-n', '1', '-s', '1', '--env', 'A-B=2', 'cmd'], 'valid variable name'),

@@ -8,9 +8,9 @@ import socket
 import numpy as np
 import pytest
 
-from kvps.wire import transport
 from kvps.config import Config
 from kvps.errors import ConfigError
+from kvps.wire import transport
 from kvps.wire.transport import (Dealer, Router, Socket, advertised_host, interface_address,
                                  new_context, resolve)
 
@@ -138,3 +138,44 @@ def test_resolve_and_interface_errors_name_their_variables(monkeypatch):
     with pytest.raises(ConfigError, match=r"interface 'nosuch0' \(KVPS_INTERFACE or "
                                           r'DMLC_INTERFACE\) has no IPv4 address'):
         interface_address('nosuch0')
+
+
+def _free_ports(count):
+    """``count`` consecutive ports free on 127.0.0.1 now (the first of a run the OS gave)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(('127.0.0.1', 0))
+            first = probe.getsockname()[1]
+        if first + count > 65535:
+            continue
+        try:
+            held = [socket.create_server(('127.0.0.1', first + i)) for i in range(count)]
+        except OSError:
+            continue
+        for s in held:
+            s.close()
+        return first
+    pytest.skip('no run of free ports found')
+
+
+def test_a_port_range_restricts_the_ports_bound_until_every_one_is_taken():
+    first = _free_ports(3)
+    ports = range(first, first + 3)
+    ctx = new_context()
+    routers = [Router(ctx) for _ in range(4)]
+    try:
+        bound = [r.bind('127.0.0.1', 0, ports) for r in routers[:3]]
+        assert sorted(bound) == [first, first + 1, first + 2]
+        with pytest.raises(ConfigError, match=rf'KVPS_PORT_RANGE={first}-{first + 2}: every '
+                                              r'port of it is in use on 127.0.0.1 \(3 tried\); '
+                                              'widen the range'):
+            routers[3].bind('127.0.0.1', 0, ports)
+        # an explicit port (a scheduler's fixed one) is bound as given, range or not
+        with socket.socket() as probe:
+            probe.bind(('127.0.0.1', 0))
+            fixed = probe.getsockname()[1]
+        assert routers[3].bind('127.0.0.1', fixed, ports) == fixed
+    finally:
+        for r in routers:
+            r.close(linger_s=0)
+        ctx.term()
