@@ -8,6 +8,7 @@ import os
 from . import env_parsers as parse
 from .env_parsers import Var
 from .errors import ConfigError
+from .rank_sources import SOURCES as RANK_SOURCES, rank_hint
 
 # How kvps's own log lines look, on nodes and in workers.
 LOG_FORMAT = '%(asctime)s %(name)s %(levelname)s %(message)s'
@@ -31,8 +32,15 @@ VARS = (
         'Address this node advertises to peers (overrides the interface).'),
     Var('use_kubernetes', ('KVPS_USE_KUBERNETES', 'DMLC_USE_KUBERNETES'), parse.flag, False,
         'Scheduler and servers bind 0.0.0.0 (the advertised name is a Service, not a local IP).'),
-    Var('rank', ('KVPS_RANK',), parse.nonneg_int, None,
-        'Requested rank within the role (the launcher sets it); else ranks follow arrival order.'),
+    # Read by rank_sources.rank_hint, in this order of precedence (they must agree); the
+    # launcher removes every one of them from what its children inherit, as it gives ranks.
+    Var('rank', RANK_SOURCES, parse.nonneg_int, None,
+        'This process\'s rank within its role (the launcher sets `KVPS_RANK`); else ranks '
+        'follow the order of registration. The first set of these gives it and the others '
+        'must agree: the ps-lite/BytePS/dmlc-tracker ids (`DMLC_WORKER_ID` on workers, '
+        '`DMLC_SERVER_ID` on servers), Kubeflow\'s `MX_CONFIG` and TensorFlow\'s `TF_CONFIG` '
+        '(`task.index`), a Kubernetes Indexed Job\'s index, and the dmlc tracker\'s task '
+        'index, workers first ([launching.md](launching.md#ranks)).'),
     Var('bigarray_bound', ('KVPS_BIGARRAY_BOUND', 'MXNET_KVSTORE_BIGARRAY_BOUND'), parse.positive_int,
         1_000_000, 'Arrays with at least this many elements are split across all servers.'),
     Var('partition_bytes', ('KVPS_PARTITION_BYTES', 'BYTEPS_PARTITION_BYTES'), parse.positive_int,
@@ -139,6 +147,8 @@ class Config:
     node_host: str = None
     use_kubernetes: bool = False
     rank: int = None
+    # which setting gave the rank ('DMLC_WORKER_ID=3'), as messages name it; not a setting
+    rank_from: str = dataclasses.field(default=None, compare=False)
     bigarray_bound: int = 1_000_000
     partition_bytes: int = 16 << 20
     timeout: float = 600.0
@@ -194,9 +204,11 @@ class Config:
         """Read every variable in VARS (or those of ``fields``); the KVPS_ name wins over its
         aliases."""
         env = os.environ if environ is None else environ
+        if fields is not None and 'rank' in fields:   # a rank is one within a role
+            fields = {*fields, 'role', 'num_workers'}
         values = {}
         for var in VARS:
-            if fields is not None and var.field not in fields:
+            if (fields is not None and var.field not in fields) or var.field == 'rank':
                 continue
             for name in var.names:
                 raw = env.get(name)
@@ -206,6 +218,12 @@ class Config:
                     except ValueError as exc:
                         raise ConfigError(f'{name}={raw!r}: {exc}') from None
                     break
+        if fields is None or 'rank' in fields:
+            try:
+                values['rank'], values['rank_from'] = rank_hint(
+                    env, values.get('role'), values.get('num_workers'))
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if fields is None:
             _warn_misspelled(env)
         config = cls(**values)

@@ -28,8 +28,10 @@ _KVPS_PREFIXES = ('KVPS_', 'DMLC_')
 
 
 def name(field):
-    """The name the launcher sets for a contract field: ps-lite's DMLC_* where there is one."""
-    return BY_FIELD[field].names[-1]
+    """The name the launcher sets for a contract field: ps-lite's DMLC_* where there is one
+    (a rank's other names are cluster managers', each with a meaning of its own)."""
+    names = BY_FIELD[field].names
+    return names[0] if field == 'rank' else names[-1]
 
 
 def kvps_node(python=None):

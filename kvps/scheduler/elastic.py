@@ -76,7 +76,7 @@ class Elastic:
 
     def _try_join(self, identity, header):
         node = self.members.join(identity, header['host'], header['port'], header.get('rank'),
-                                 header.get('pid', 0), time.monotonic())
+                                 header.get('pid', 0), time.monotonic(), header.get('rank_from'))
         if node is None:
             return False
         servers = {s.identity for s in self.members.of_role('server')}

@@ -112,8 +112,10 @@ class Scheduler:
             return
         self.members.register(identity, header['role'], header['host'], header['port'],
                               header.get('rank'), header.get('pid', 0), time.monotonic(),
-                              header.get('shared', {}))
+                              header.get('shared', {}), header.get('rank_from'))
         recording.note('register', 'register', {'role': header['role'], 'host': header['host']})
+        log.info('registered %s (%d of %d nodes)', self.members.label(identity),
+                 len(self.members.nodes), sum(self.members.want.values()))
         if self.members.complete:
             self.members.assign_ranks()
             if self.config.formed_file:   # before any welcome: no worker can be done earlier
@@ -122,7 +124,8 @@ class Scheduler:
             for node in self.members.nodes.values():
                 node.last_seen = now  # liveness counts from the start of the job
                 self.welcome(node)
-            log.info('all %d nodes registered', len(self.members.nodes))
+            log.info('all %d nodes registered: %s', len(self.members.nodes),
+                     self.members.table())
 
     def _on_rejoin(self, identity, header):
         """A server registering into a running job replaces the server of its rank, which is
@@ -132,7 +135,8 @@ class Scheduler:
                               'waits for lost servers (KVPS_RECOVERY_TIMEOUT > 0)')
         node, old = self.members.replace(identity, header['role'], header['host'],
                                          header['port'], header.get('rank'),
-                                         header.get('pid', 0), time.monotonic())
+                                         header.get('pid', 0), time.monotonic(),
+                                         header.get('rank_from'))
         if old.lost_since is None:   # if it still lives, it must not serve beside its successor
             self.send(old.identity, {'op': P.SHUTDOWN, 'id': 0,
                                       'reason': 'replaced by a server that rejoined with its rank'})

@@ -1,5 +1,6 @@
 """Pure cluster membership: registration, rank assignment, barriers, liveness and finishing."""
 
+import collections
 import dataclasses
 
 from ..errors import ConfigError
@@ -17,6 +18,7 @@ class Node:
     rank: int = None
     finished: bool = False
     lost_since: float = None     # a lost server the job is waiting for, since this time
+    rank_from: str = None        # the setting that asked for rank_hint ('DMLC_WORKER_ID=3')
     incarnation: int = 0         # elastic: the epoch this worker joined at (0: it formed the job)
     first_barrier: int = 1       # the first barrier this worker is counted at
 
@@ -32,6 +34,16 @@ class Node:
 def _registered_label(node):
     rank = '' if node.rank_hint is None else f' {node.rank_hint}'
     return f'{node.role}{rank} (host {node.host}, pid {node.pid})'
+
+
+def _claim(node):
+    """A node that asked for a rank, with the setting that asked (KVPS_RANK unless told)."""
+    return (f'{node.role} {node.rank_hint} (host {node.host}, pid {node.pid}, rank from '
+            f'{_rank_source(node.rank_hint, node.rank_from)})')
+
+
+def _rank_source(rank, rank_from):
+    return rank_from or f'KVPS_RANK={rank}'
 
 
 def _listed(items, most=20):
@@ -55,28 +67,43 @@ class Membership:
         self._barrier = {}         # seq -> {worker identity arrived: its digest or None}
         self._last_digests = {}    # the digests of the last completed barrier
         self.barriers_done = 0
+        self.refusals = collections.deque(maxlen=3)   # the last registrations refused, why
         # setting name -> (value, who set it first): the job size is the scheduler's
         self._shared = {'DMLC_NUM_WORKER': (num_workers, 'the scheduler'),
                         'DMLC_NUM_SERVER': (num_servers, 'the scheduler')}
 
     # -- registration ------------------------------------------------------------------
-    def register(self, identity, role, host, port, rank_hint, pid, now, shared=None):
+    def register(self, identity, role, host, port, rank_hint, pid, now, shared=None,
+                 rank_from=None):
         """Add a node; raise ConfigError for a bad role, a full role, a taken rank or a
-        ``shared`` setting (name -> value) that differs from the first node's that sent it."""
+        ``shared`` setting (name -> value) that differs from the first node's that sent it.
+        ``rank_from`` names the setting that gave ``rank_hint`` (KVPS_RANK when None). A
+        refusal is also kept: the job may end on the node it leaves missing."""
+        node = Node(identity, role, host, port, pid, rank_hint, now, rank_from=rank_from)
+        try:
+            self._admit(node, shared or {})
+        except ConfigError as exc:
+            self.refusals.append(str(exc))
+            raise
+        self.nodes[identity] = node
+
+    def _admit(self, node, shared):
+        role = node.role
         if role not in self.want:
             raise ConfigError(f'cannot register role {role!r}: expected worker or server')
-        if identity in self.nodes:
+        if node.identity in self.nodes:
             raise ConfigError(f'{role} with this identity is already registered')
         if self.ranked or self.count(role) >= self.want[role]:
             raise ConfigError(f'the job already has its {self.want[role]} {role}(s)')
-        if rank_hint is not None:
-            self._check_rank(role, rank_hint)
-            holder = next((n for n in self.of_role(role) if n.rank_hint == rank_hint), None)
+        if node.rank_hint is not None:
+            self._check_rank(role, node.rank_hint, node.rank_from)
+            holder = next((n for n in self.of_role(role) if n.rank_hint == node.rank_hint),
+                          None)
             if holder is not None:
-                raise ConfigError(f'KVPS_RANK={rank_hint}: {role} rank {rank_hint} is already '
-                                  f'taken by {_registered_label(holder)}')
-        self._check_shared(role, pid, shared or {})
-        self.nodes[identity] = Node(identity, role, host, port, pid, rank_hint, now)
+                raise ConfigError(f'{role} rank {node.rank_hint} is claimed twice: '
+                                  f'{_claim(holder)} has it, so {_claim(node)} is refused; '
+                                  f'give every {role} its own rank')
+        self._check_shared(role, node.pid, shared)
 
     def _check_shared(self, role, pid, shared):
         for name, value in shared.items():
@@ -86,7 +113,7 @@ class Membership:
                 raise ConfigError(f'{name}={value!r} here, but {name}={first!r} on {who}: '
                                   'every node of a job must have the same')
 
-    def replace(self, identity, role, host, port, rank_hint, pid, now):
+    def replace(self, identity, role, host, port, rank_hint, pid, now, rank_from=None):
         """A server rejoins a running job with a rank (or takes the one lost server's rank);
         return ``(new node, the node it replaces)``. Only servers can rejoin: their state is
         in checkpoints, a worker's is in its training loop."""
@@ -96,20 +123,21 @@ class Membership:
         if identity in self.nodes:
             raise ConfigError('a node with this identity is already registered')
         rank = rank_hint if rank_hint is not None else self._only_lost_rank()
-        self._check_rank(role, rank)
+        self._check_rank(role, rank, rank_from)
         old = next(n for n in self.of_role('server') if n.rank == rank)
         del self.nodes[old.identity]
         self.replaced.add(old.identity)
-        node = Node(identity, role, host, port, pid, rank_hint, now, rank=rank)
+        node = Node(identity, role, host, port, pid, rank_hint, now, rank=rank,
+                    rank_from=rank_from)
         self.nodes[identity] = node
         return node, old
 
-    def _check_rank(self, role, rank):
+    def _check_rank(self, role, rank, rank_from=None):
         want = self.want[role]
         if not isinstance(rank, int) or not 0 <= rank < want:
             variable = 'DMLC_NUM_WORKER' if role == 'worker' else 'DMLC_NUM_SERVER'
-            raise ConfigError(f'KVPS_RANK={rank} is out of range: the job has {want} {role}s '
-                              f'({variable}), ranks 0..{want - 1}')
+            raise ConfigError(f'{_rank_source(rank, rank_from)} is out of range: the job has '
+                              f'{want} {role}s ({variable}), ranks 0..{want - 1}')
 
     def _only_lost_rank(self):
         lost = [n.rank for n in self.of_role('server') if n.lost_since is not None]
@@ -117,6 +145,18 @@ class Membership:
             raise ConfigError(f'{len(lost)} servers are lost: a rejoining server must give its '
                               'rank (KVPS_RANK)')
         return lost[0]
+
+    def label(self, identity):
+        """A registered node as logs name it: role, the rank it asked for and from which
+        setting, host and pid."""
+        node = self.nodes[identity]
+        return _claim(node) if node.rank_hint is not None else _registered_label(node)
+
+    def table(self):
+        """Every node of a ranked job, by role and rank, with the address it advertised."""
+        nodes = sorted(self.nodes.values(), key=lambda n: (n.role != 'server', n.role, n.rank))
+        return _listed([f'{n.role} {n.rank} at {n.host}' + (f':{n.port}' if n.port else '')
+                        + f' (pid {n.pid})' for n in nodes])
 
     def count(self, role):
         return sum(1 for n in self.nodes.values() if n.role == role)
@@ -137,9 +177,10 @@ class Membership:
             return ''
         named = [f'{role} {rank}' for role, rank in self.missing_ranks()]
         came = [_registered_label(n) for n in self.nodes.values()]
+        refused = ''.join(f'; refused: {why}' for why in self.refusals)
         return (' and '.join(parts) + ' never registered ('
                 + (f'missing: {_listed(named)}; ' if named else '')
-                + f'registered: {_listed(came) or "none"})')
+                + f'registered: {_listed(came) or "none"}{refused})')
 
     def missing_ranks(self):
         """``(role, rank)`` of every node that never registered, for the roles whose
@@ -193,7 +234,7 @@ class Membership:
         self.epoch += 1
         return node
 
-    def join(self, identity, host, port, rank_hint, pid, now):
+    def join(self, identity, host, port, rank_hint, pid, now, rank_from=None):
         """A worker registering into a running elastic job: its Node, with the lowest free
         rank (or ``rank_hint``), counted from the next barrier that no member reached; None
         while that rank is held, or every rank is (it may ask again when a worker leaves)."""
@@ -203,8 +244,8 @@ class Membership:
                               'with --min-workers (KVPS_MIN_WORKERS) to let workers join')
         most = self.elastic[1]
         if rank_hint is not None and not (isinstance(rank_hint, int) and 0 <= rank_hint < most):
-            raise ConfigError(f'KVPS_RANK={rank_hint} is out of range: the elastic job takes '
-                              f'ranks 0..{most - 1} (KVPS_MAX_WORKERS={most})')
+            raise ConfigError(f'{_rank_source(rank_hint, rank_from)} is out of range: the '
+                              f'elastic job takes ranks 0..{most - 1} (KVPS_MAX_WORKERS={most})')
         taken = {n.rank for n in self.of_role('worker')}
         free = [r for r in range(most) if r not in taken]
         rank = rank_hint if rank_hint is not None else (free[0] if free else None)
@@ -213,7 +254,8 @@ class Membership:
         self.epoch += 1
         started = bool(self._barrier.get(self.barriers_done + 1))
         node = Node(identity, 'worker', host, port, pid, rank_hint, now, rank=rank,
-                    incarnation=self.epoch, first_barrier=self.barriers_done + 1 + started)
+                    incarnation=self.epoch, first_barrier=self.barriers_done + 1 + started,
+                    rank_from=rank_from)
         self.nodes[identity] = node
         return node
 

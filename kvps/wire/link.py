@@ -42,7 +42,8 @@ class SchedulerLink:
         self._beats[0] = recording.now()
         self.send({'op': P.REGISTER, 'id': 0, 'role': self.role, 'host': self.host,
                    'port': port, 'rank': self.config.rank, 'pid': os.getpid(),
-                   'version': P.VERSION, 'shared': self.config.shared_settings(self.role)})
+                   'rank_from': self.config.rank_from, 'version': P.VERSION,
+                   'shared': self.config.shared_settings(self.role)})
         # Wait a little past the scheduler's own bound: its verdict names the missing nodes.
         deadline = time.monotonic() + self.config.connect_timeout + max(
             2.0, 2 * self.config.heartbeat_interval)

@@ -15,8 +15,10 @@ from .codecs import GRADIENT_CODECS, ONE_BIT, PULL_CODECS, TOP_K, coded_nbytes
 from .items import CheckItem, DataItem, InitItem, Layout, PullItem, PushItem, ResumeItem
 
 # Node <-> scheduler.
-VERSION = 13                 # bumped on any change of the wire format; checked at REGISTER
-REGISTER = 'register'        # node -> scheduler: {role, host, port, rank, pid, version}
+VERSION = 14                 # bumped on any change of the wire format; checked at REGISTER
+# node -> scheduler: {role, host, port, rank, pid, version, shared, rank_from (the setting
+# that gave the rank, for messages: 'DMLC_WORKER_ID=3')}
+REGISTER = 'register'
 # scheduler -> node: {rank, num_workers, num_servers, servers, nodes, recovery_timeout, job (a
 # token naming this run, kept in server checkpoints), clock (the scheduler's monotonic ns: a
 # node's timeline aligns with it)}; to a server that replaces a lost one also
@@ -237,6 +239,9 @@ def validate_header(header):
     items = None if layout is None else _typed_items(op, layout, header['keys'])
     if 'shared' in header:   # REGISTER's only: no cost on the data path's messages
         _check_shared(op, header['shared'])
+    rank_from = header.get('rank_from')
+    if rank_from is not None and not (isinstance(rank_from, str) and len(rank_from) <= 200):
+        raise ProtocolError(f'{op}: rank_from must be a string of at most 200 characters')
     codec = header.get('codec')
     if codec is not None and not (type(codec) is str and codec in PULL_CODECS):
         raise ProtocolError(f'{op}: codec must be one of {", ".join(PULL_CODECS)}')

@@ -139,23 +139,23 @@ def running(tmp_path):
 @pytest.fixture
 def by_hand(tmp_path):
     """Start roles one process each, as a cluster operator would; every process is killed
-    at the end of the test."""
+    at the end of the test. A process runs ``python -m kvps.node``, a worker ``script``, or
+    ``argv`` in ``cwd`` (the test's directory by default)."""
     tag = uuid.uuid4().hex
     procs = []
 
-    def start(role, env, script=None, rank=None):
+    def start(role, env, script=None, rank=None, argv=None, cwd=None):
         full_env = {**os.environ, **FAST, **env, 'DMLC_ROLE': role, 'KVPS_TEST_TAG': tag,
                     'PYTHONUNBUFFERED': '1'}
         if rank is not None:
             full_env['KVPS_RANK'] = str(rank)
-        if script is None:
-            argv = [sys.executable, '-m', 'kvps.node']
-        else:
+        if script is not None:
             path = tmp_path / f'{role}_{uuid.uuid4().hex[:6]}.py'
             path.write_text(PRELUDE + textwrap.dedent(script))
             argv = [sys.executable, str(path)]
+        argv = argv or [sys.executable, '-m', 'kvps.node']
         proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+                                stderr=subprocess.STDOUT, text=True, cwd=cwd or tmp_path)
         procs.append(proc)
         return proc
 

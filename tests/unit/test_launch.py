@@ -658,3 +658,16 @@ def test_an_unresolvable_host_is_refused_before_anything_starts(monkeypatch, cap
                               sys.executable, '-c', 'pass'], monkeypatch, capsys)
     assert code == 2 and started == [], err
     assert "argument --host: 'no-such-host.invalid': cannot resolve" in err
+
+
+def test_children_inherit_no_rank_from_a_cluster_manager():
+    """kvps.launch gives the ranks: one run inside a Kubernetes Indexed Job's pod, a TFJob or
+    under a dmlc tracker must not hand that process's own index to every child, where it
+    would disagree with the KVPS_RANK the launcher sets."""
+    opts = launch.parse_args(['-n', '2', '-s', '2', 'python', 'train.py'])
+    environ = {'JOB_COMPLETION_INDEX': '3', 'DMLC_WORKER_ID': '5', 'DMLC_SERVER_ID': '0',
+               'DMLC_TASK_ID': '7', 'MX_CONFIG': '{}', 'TF_CONFIG': '{}', 'KVPS_RANK': '1'}
+    for spec in launch.plan_nodes(opts, environ, 4242, node_argv=('node',)):
+        assert not (set(environ) - {'KVPS_RANK'}) & set(spec.env), spec.env
+        assert spec.env['KVPS_RANK'] == str(spec.rank)
+        assert Config.from_env(spec.env).rank_from == f'KVPS_RANK={spec.rank}'

@@ -12,7 +12,7 @@ ROLES = {'scheduler', 'server', 'worker'}
 # and units of a lower rank. Values and the wire at the bottom, the roles above them, the
 # store and the Trainer on top; the launcher beside the top, imported by nothing.
 RANKS = {
-    'errors': 0, 'env_parsers': 0,
+    'errors': 0, 'env_parsers': 0, 'rank_sources': 0,  # pure: text in, values out
     'config': 1, 'atomic': 1, 'allocator': 1, 'pinning': 1, 'elastic': 1,
     'timeline': 2, 'optimizer': 2,                   # recording spans; optimizers and kernels
     'wire': 3,                                       # the wire format, sockets, shared memory

@@ -34,13 +34,60 @@ def test_requested_ranks_are_kept():
     # a rank set by hand (KVPS_RANK) is named with what it clashes with
     ('worker', 5, r'KVPS_RANK=5 is out of range: the job has 2 workers \(DMLC_NUM_WORKER\), '
                   r'ranks 0\.\.1'),
-    ('worker', 0, r'KVPS_RANK=0: worker rank 0 is already taken by worker 0 \(host h, pid 1\)'),
+    ('worker', 0, r'worker rank 0 is claimed twice: worker 0 \(host h, pid 1, rank from '
+                  r'KVPS_RANK=0\) has it, so worker 0 \(host h, pid 2, rank from KVPS_RANK=0\) '
+                  r'is refused; give every worker its own rank'),
 ])
 def test_bad_registrations_are_refused(role, hint, match):
     m = Membership(2, 1)
     m.register(b'w0', 'worker', 'h', 0, 0, 1, now=0)
     with pytest.raises(ConfigError, match=match):
         m.register(b'x', role, 'h', 0, hint, 2, now=0)
+
+
+def test_a_rank_claimed_twice_names_both_claims_and_the_settings_that_gave_them():
+    """Whoever reads the refusal (the refused process, the scheduler's log, the reason the
+    job ends with) can tell both processes apart and which cluster setting to fix."""
+    m = Membership(2, 2)
+    m.register(b'w-a', 'worker', 'node-a', 0, 1, 11, 0, rank_from='KVPS_RANK=1')
+    m.register(b's-a', 'server', 'node-a', 5000, 1, 21, 0,
+               rank_from='DMLC_TASK_ID=3 (less DMLC_NUM_WORKER=2)')
+    with pytest.raises(ConfigError) as refused:
+        m.register(b'w-b', 'worker', 'node-b', 0, 1, 12, 0, rank_from='DMLC_WORKER_ID=1')
+    assert str(refused.value) == (
+        'worker rank 1 is claimed twice: worker 1 (host node-a, pid 11, rank from KVPS_RANK=1) '
+        'has it, so worker 1 (host node-b, pid 12, rank from DMLC_WORKER_ID=1) is refused; '
+        'give every worker its own rank')
+    with pytest.raises(ConfigError, match=r'^server rank 1 is claimed twice: server 1 \(host '
+                                          r'node-a, pid 21, rank from DMLC_TASK_ID=3 \(less '
+                                          r'DMLC_NUM_WORKER=2\)\) has it, so server 1 \(host '
+                                          r'node-c, pid 22, rank from JOB_COMPLETION_INDEX=1\)'):
+        m.register(b's-b', 'server', 'node-c', 5001, 1, 22, 0, rank_from='JOB_COMPLETION_INDEX=1')
+    assert b'w-b' not in m.nodes and b's-b' not in m.nodes
+    # the job that then never forms ends naming what is missing and why
+    assert m.missing() == (
+        '1 of 2 workers and 1 of 2 servers never registered (missing: worker 0, server 0; '
+        'registered: worker 1 (host node-a, pid 11), server 1 (host node-a, pid 21); '
+        f'refused: {refused.value}; refused: server rank 1 is claimed twice: server 1 (host '
+        'node-a, pid 21, rank from DMLC_TASK_ID=3 (less DMLC_NUM_WORKER=2)) has it, so server '
+        '1 (host node-c, pid 22, rank from JOB_COMPLETION_INDEX=1) is refused; give every '
+        'server its own rank)')
+    assert m.label(b'w-a') == 'worker 1 (host node-a, pid 11, rank from KVPS_RANK=1)'
+
+
+def test_a_rank_out_of_range_names_the_setting_that_gave_it():
+    with pytest.raises(ConfigError, match=r'^JOB_COMPLETION_INDEX=4 is out of range: the job has '
+                                          r'2 servers \(DMLC_NUM_SERVER\), ranks 0\.\.1$'):
+        Membership(2, 2).register(b's', 'server', 'h', 1, 4, 1, 0,
+                                  rank_from='JOB_COMPLETION_INDEX=4')
+
+
+def test_the_formed_jobs_table_lists_every_node_by_role_and_rank_with_its_address():
+    m = full(hints=(1, None))
+    m.assign_ranks()
+    assert m.table() == ('server 0 at h:5000 (pid 12), worker 0 at h (pid 13), '
+                         'worker 1 at h (pid 11)')
+    assert m.label(b'w-b') == 'worker (host h, pid 13)'
 
 
 def test_a_full_job_refuses_more_nodes():
