@@ -1,7 +1,12 @@
 """float16 conversions at memory speed: numpy converts float16 one element at a time (about
 25 ms for 16 M float32 elements on one core), torch with the CPU's conversion instructions
-(about 2.5 ms), so the codecs' float16 casts go through torch, imported when the first runs."""
+(about 2.5 ms), so the codecs' float16 casts go through torch.
 
+torch is imported on a thread of its own when the first cast runs, and numpy casts until it is
+ready: a server importing it on its loop would stop answering, heartbeats included, for the
+seconds an import of torch takes on a busy host."""
+
+import threading
 import warnings
 
 import numpy as np
@@ -12,17 +17,29 @@ warnings.filterwarnings('ignore', 'The given NumPy array is not writable', UserW
                         r'kvps\.compression\.f16')
 
 SMALL = 4096   # elements below which numpy's cast costs less than reaching torch
-_torch = []    # [torch] once imported, [None] where it is not installed
+_STATE = {}    # 'torch': the module once imported (None where it is not installed); 'thread'
+_STARTING = threading.Lock()
 
 
 def _torch_module():
-    if not _torch:
-        try:
-            import torch  # only here: servers that never cast float16 never load it
-        except ImportError:
-            torch = None
-        _torch.append(torch)
-    return _torch[0]
+    """torch, or None while it is being imported (or where it is not installed)."""
+    try:
+        return _STATE['torch']
+    except KeyError:
+        with _STARTING:
+            if 'thread' not in _STATE:   # only here: servers that never cast never load it
+                _STATE['thread'] = threading.Thread(target=_import_torch, daemon=True,
+                                                    name='kvps-torch-import')
+                _STATE['thread'].start()
+        return None
+
+
+def _import_torch():
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    _STATE['torch'] = torch
 
 
 def cast_into(out, values):

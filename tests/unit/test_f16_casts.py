@@ -9,6 +9,23 @@ import pytest
 from kvps.compression import f16
 
 
+@pytest.fixture(autouse=True, params=['numpy', 'torch'])
+def path(request):
+    """Each test through numpy's casts (torch still loading) and through torch's."""
+    if request.param == 'torch':
+        f16._torch_module()
+        f16._STATE['thread'].join(120)
+        assert f16._STATE['torch'] is not None
+        yield
+    else:
+        saved = dict(f16._STATE)
+        f16._STATE.clear()
+        f16._STATE['thread'] = None   # as while the import runs: torch not there yet
+        yield
+        f16._STATE.clear()
+        f16._STATE.update(saved)
+
+
 def same(a, b):
     """Bit for bit, except that any NaN equals any NaN (payload bits may differ)."""
     bits = f'u{a.itemsize}'
@@ -40,6 +57,7 @@ def test_a_read_only_payload_casts_without_a_warning():
     # a fresh process with warnings as errors: torch warns once a process, on the first
     # read-only array it is given (received payloads are read-only)
     code = ('import numpy as np; from kvps.compression import f16; '
+            'f16._torch_module(); f16._STATE["thread"].join(); '
             'p = np.frombuffer(np.ones(10000, np.float16).tobytes(), np.float16); '
             'out = f16.cast_into(np.empty(p.size, np.float32), p); assert (out == 1).all()')
     subprocess.run([sys.executable, '-W', 'error', '-c', code], check=True, timeout=120)
