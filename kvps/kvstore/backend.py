@@ -125,6 +125,11 @@ class Backend(Protocol):
         """``[(server, part, start, stop)]``: where the elements of ``key`` (``size`` of
         them, initialized) lie, in order, covering ``range(size)``."""
 
+    def scale_rounds(self):
+        """In an elastic dist_sync job: the keys initialized from now on have each round's
+        sum scaled by N / (the workers of the round), N the job's DMLC_NUM_WORKER, so that a
+        round weighs as a round of N workers; returns N. Elsewhere nothing changes: None."""
+
     def balance_keys(self, total):
         """Hint: a model of ``total`` elements is about to be initialized; split its keys
         so that servers carry about the same bytes."""

@@ -315,6 +315,15 @@ class KVStore(KVStoreBase):
         weight whole (LAMB) and will be set after init."""
         self._backend.keep_keys_whole()
 
+    def scale_rounds(self):
+        """An elastic dist_sync job's rounds as a fixed job's (a kvps extension of MXNet's
+        API, the Trainer's): each round's sum of the keys initialized from now on is scaled
+        by N / (the workers who pushed into it), N the job's size (DMLC_NUM_WORKER), so an
+        optimizer's rescale_grad keeps its meaning as workers leave and join; returns N, or
+        None where rounds never change size (nothing is scaled). docs/elastic.md."""
+        self._open()
+        return self._backend.scale_rounds()
+
     def stats(self):
         """Counts since this worker joined (a kvps extension of MXNet's API): push and pull
         calls, rounds, bytes pushed and pulled by route (``'shm'``, ``'socket'``), messages

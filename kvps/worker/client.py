@@ -108,6 +108,14 @@ class DistClient:
         weight whole is coming)."""
         self.sharding.keep_whole = True
 
+    def scale_rounds(self):
+        """An elastic dist_sync job's keys initialized from now on have each round's sum
+        scaled to the job's DMLC_NUM_WORKER workers; returns that number (None elsewhere)."""
+        if not (self.sync and self.io.welcome.get('elastic')):
+            return None
+        self._collectives.scale_to = self.config.num_workers
+        return self.config.num_workers
+
     # -- data -----------------------------------------------------------------------------
     def stage(self, sizes):
         """Where a push's copies of values of ``sizes`` bytes should be made: blocks of this
