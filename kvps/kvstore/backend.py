@@ -26,6 +26,9 @@ class Backend(Protocol):
     # written by the stores, so that every store of one job membership sees the same keys
     keys: dict
     closed: bool          # close() was called: the store refuses further calls
+    # this worker joined a running elastic job and has not pushed yet: its setup calls (init,
+    # set_optimizer, barriers) check the job's setup rather than make it
+    joining: bool
     # This process was forked from the one that made the backend, and cannot use it (a
     # distributed backend's sockets and I/O thread stay with its maker, ``pid``).
     forked: bool

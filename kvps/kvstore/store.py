@@ -57,6 +57,12 @@ class KVStore(KVStoreBase):
     def num_workers(self):
         return self._backend.num_workers
 
+    @property
+    def joining(self):
+        """Whether this worker joined a running elastic job and has not pushed yet (a kvps
+        extension): its init checks the job's keys, and set_optimizer is the job's."""
+        return self._backend.joining
+
     def is_capable(self, capability):
         """MXNet's capability query: kvps stores can all run optimizers on the servers. As in
         MXNet, a capability it does not know is a ValueError (not False: a misspelled name

@@ -255,7 +255,7 @@ class Trainer:
                                  keep_whole=self._mode.on_servers and self._optimizer.whole_tensor)
         reference = self._store.scale_rounds()   # an elastic dist_sync job's size, or None
         if reference is not None:
-            self._elastic = ElasticBatch(self._store.kv, reference)
+            self._elastic = ElasticBatch.joined(self._store.kv, reference, self._mode.on_servers)
         entries = self._layout.store_keys(self._params)
         keys = [key for _, key, _ in entries]
         try:   # refused alike on every worker (they hold the same key table), before sending

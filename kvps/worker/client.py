@@ -69,6 +69,7 @@ class DistClient:
 
     # The job's member workers now (an elastic job's change as workers leave and join)
     num_workers = property(lambda self: len(self.io.membership[1]))
+    joining = property(lambda self: self.members.catching_up)
 
     def on_membership_change(self, callback):
         self.members.callback = callback

@@ -4,6 +4,7 @@ whose final weights equal a replay of the rounds' recorded members."""
 
 import json
 import textwrap
+from pathlib import Path
 
 # Every worker pushes a value to key 0 each round; the servers' optimizer 'test' adds each
 # round's sum to the weight (w += sum), so the pulled weights tell every round's sum.
@@ -114,3 +115,35 @@ def test_repeated_kills_and_joins_end_in_the_weights_their_rounds_replay_to(job)
         replay += delta if delta in late else members   # the round's members, replayed
         before = weight
     assert replay == last[0, 0], result.output
+
+
+DIGITS = Path(__file__).resolve().parents[2] / 'examples' / 'train_digits.py'
+
+
+def test_the_digits_example_reaches_its_accuracy_with_a_worker_killed_halfway(job):
+    """examples/train_digits.py, 4 workers in an elastic job: worker 3 is killed at step 42
+    of 84; the Trainer goes on with 3 (its rounds scaled to the job's 4 by the servers) and
+    every survivor ends with the same weights, at >= 90% test accuracy."""
+    result = job(f'''
+        import runpy, signal
+        sys.argv = ['train_digits.py', '--epochs', '4']
+        step, made = kvps.Trainer.step, [0]
+        def killing_step(self, batch_size, *args, **kwargs):
+            made[0] += 1
+            if self.kvstore.rank == 3 and made[0] == 42:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return step(self, batch_size, *args, **kwargs)
+        kvps.Trainer.step = killing_step
+        try:
+            runpy.run_path({str(DIGITS)!r}, run_name='__main__')
+        except SystemExit as exc:
+            assert not exc.code, exc.code
+    ''', workers=4, servers=1, env={'KVPS_HEARTBEAT_TIMEOUT': '3'},
+                 launcher_args=['--min-workers', '2'], timeout=150,
+                 ends_when='the three survivors finish 4 epochs')
+    assert result.returncode == 0, result.output
+    accuracies = {line.split('rank ')[1].split(':')[0]: line.split('test accuracy ')[1].split()[0]
+                  for line in result.stdout.splitlines() if 'test accuracy' in line}
+    assert sorted(accuracies) == ['0', '1', '2'], result.output
+    assert len(set(accuracies.values())) == 1, accuracies      # the same weights everywhere
+    assert float(accuracies['0']) >= 0.90, result.output
