@@ -110,12 +110,11 @@ class DistClient:
         self.sharding.keep_whole = True
 
     def scale_rounds(self):
-        """An elastic dist_sync job's keys initialized from now on have each round's sum
-        scaled to the job's DMLC_NUM_WORKER workers; returns that number (None elsewhere)."""
-        if not (self.sync and self.io.welcome.get('elastic')):
-            return None
-        self._collectives.scale_to = self.config.num_workers
-        return self.config.num_workers
+        """Backend.scale_rounds: rounds scaled to DMLC_NUM_WORKER in an elastic dist_sync job."""
+        if self.sync and self.io.welcome.get('elastic'):
+            self._collectives.scale_to = self.config.num_workers
+            return self.config.num_workers
+        return None
 
     # -- data -----------------------------------------------------------------------------
     def stage(self, sizes):
