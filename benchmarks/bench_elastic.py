@@ -47,7 +47,10 @@ def main():
             steps[name].append(median([r['step_s'] for r in results]))
     fixed, elastic = median(steps['fixed']), median(steps['elastic'])
     out.emit({'what': 'step', **shape, 'fixed_ms': fixed * 1e3, 'elastic_ms': elastic * 1e3,
-              'elastic_over_fixed': elastic / fixed, 'launches': args.launches})
+              'elastic_over_fixed': elastic / fixed, 'launches': args.launches,
+              # every launch's median, in the order run: the spread is the noise to judge by
+              'fixed_each_ms': [round(s * 1e3, 3) for s in steps['fixed']],
+              'elastic_each_ms': [round(s * 1e3, 3) for s in steps['elastic']]})
     for timeout in ('2', '6'):
         note(f'recovery, KVPS_HEARTBEAT_TIMEOUT={timeout}')
         env = {'KVPS_HEARTBEAT_INTERVAL': '0.5', 'KVPS_HEARTBEAT_TIMEOUT': timeout}

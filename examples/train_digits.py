@@ -131,8 +131,10 @@ def train(args, model, trainer, x, y, num_workers):
             with kvps.timeline.phase('backward'):
                 loss.backward()
             # The servers sum over workers: normalizing by the combined batch makes one step
-            # equal to a single-process step on every worker's samples together.
-            trainer.step(args.batch_size * num_workers)
+            # equal to a single-process step on every worker's samples together (counted
+            # now: an elastic job's workers come and go, docs/elastic.md).
+            kv = trainer.kvstore
+            trainer.step(args.batch_size * (kv.num_workers if kv is not None else 1))
             total += loss.item() / args.batch_size
             if bar is not None:
                 bar.set_postfix(loss=f'{total / step:.3f}', refresh=False)

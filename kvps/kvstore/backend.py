@@ -26,6 +26,9 @@ class Backend(Protocol):
     # written by the stores, so that every store of one job membership sees the same keys
     keys: dict
     closed: bool          # close() was called: the store refuses further calls
+    # this worker joined a running elastic job and has not pushed yet: its setup calls (init,
+    # set_optimizer, barriers) check the job's setup rather than make it
+    joining: bool
     # This process was forked from the one that made the backend, and cannot use it (a
     # distributed backend's sockets and I/O thread stay with its maker, ``pid``).
     forked: bool
@@ -124,6 +127,11 @@ class Backend(Protocol):
     def parts(self, key, size):
         """``[(server, part, start, stop)]``: where the elements of ``key`` (``size`` of
         them, initialized) lie, in order, covering ``range(size)``."""
+
+    def scale_rounds(self):
+        """In an elastic dist_sync job: the keys initialized from now on have each round's
+        sum scaled by N / (the workers of the round), N the job's DMLC_NUM_WORKER, so that a
+        round weighs as a round of N workers; returns N. Elsewhere nothing changes: None."""
 
     def balance_keys(self, total):
         """Hint: a model of ``total`` elements is about to be initialized; split its keys

@@ -73,6 +73,7 @@ class LocalBackend:
 
     rank = 0
     num_workers = 1
+    joining = False   # (one process is the whole job)
     num_servers = 1
     sync = True
     forked = False   # plain memory and no threads of its own: a forked child may use its copy
@@ -195,6 +196,9 @@ class LocalBackend:
 
     def balance_keys(self, total):
         pass
+
+    def scale_rounds(self):
+        return None   # one worker: its rounds never change size
 
     def parts(self, key, size):
         return [(0, 0, 0, size)]

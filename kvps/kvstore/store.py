@@ -57,6 +57,12 @@ class KVStore(KVStoreBase):
     def num_workers(self):
         return self._backend.num_workers
 
+    @property
+    def joining(self):
+        """Whether this worker joined a running elastic job and has not pushed yet (a kvps
+        extension): its init checks the job's keys, and set_optimizer is the job's."""
+        return self._backend.joining
+
     def is_capable(self, capability):
         """MXNet's capability query: kvps stores can all run optimizers on the servers. As in
         MXNet, a capability it does not know is a ValueError (not False: a misspelled name
@@ -314,6 +320,15 @@ class KVStore(KVStoreBase):
         now on on one server each, whatever their size, for an optimizer that reads each
         weight whole (LAMB) and will be set after init."""
         self._backend.keep_keys_whole()
+
+    def scale_rounds(self):
+        """An elastic dist_sync job's rounds as a fixed job's (a kvps extension of MXNet's
+        API, the Trainer's): each round's sum of the keys initialized from now on is scaled
+        by N / (the workers who pushed into it), N the job's size (DMLC_NUM_WORKER), so an
+        optimizer's rescale_grad keeps its meaning as workers leave and join; returns N, or
+        None where rounds never change size (nothing is scaled). docs/elastic.md."""
+        self._open()
+        return self._backend.scale_rounds()
 
     def stats(self):
         """Counts since this worker joined (a kvps extension of MXNet's API): push and pull

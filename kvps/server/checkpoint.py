@@ -38,7 +38,8 @@ def snapshot(shard, job=None, resumed=False):
     """The shard's weights and optimizer state as bytes; ``job``: the run writing it,
     ``resumed``: whether that run started from an earlier run's file."""
     entries = [[e.key, e.part, e.dtype, list(e.shape), e.sync,
-                e.arrays.to_host(e.weight).tobytes(), e.version, _applied_pushes(e), e.device]
+                e.arrays.to_host(e.weight).tobytes(), e.version, _applied_pushes(e), e.device,
+                e.scale_to]
                for e in shard.entries.values()]
     updater = shard.updater.get_states(dump_optimizer=True) if shard.updater else None
     # The header comes first, so that _header reads it without the weights.
@@ -92,7 +93,9 @@ def restore(shard, blob, rounds=False, job=None):
     try:
         for key, part, dtype, shape, sync, data, version, pushed, *rest in state['entries']:
             device = bool(rest and rest[0])   # a /2 file predates the device wish
-            entry = shard.new_entry(key, part, dtype, shape, sync, data, device, restored=True)
+            scale_to = rest[1] if len(rest) > 1 else 0   # (an older /5 file has no scale)
+            entry = shard.new_entry(key, part, dtype, shape, sync, data, device, restored=True,
+                                    scale_to=scale_to)
             if rounds:
                 entry.version, entry.pushed = version, dict(pushed)
             shard.entries[(key, part)] = entry

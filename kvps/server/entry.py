@@ -5,7 +5,7 @@ import math
 from typing import NamedTuple
 
 from ..wire.items import new
-from . import row_store
+from . import members, row_store
 from .records import Pulled
 from .storage import HostArrays
 
@@ -83,6 +83,8 @@ class Entry:
     # whose first round is a later one (worker -> that round)
     pushes: list = dataclasses.field(default_factory=list)
     late: dict = dataclasses.field(default_factory=dict)
+    # elastic jobs: each round's sum is scaled to this many workers (0: summed as pushed)
+    scale_to: int = 0
 
     @property
     def n(self):
@@ -173,6 +175,9 @@ class Entry:
 
     def take_summed(self):
         """The round's gradient (a received buffer or the merge buffer), handed to the
-        update; the next round starts afresh."""
+        update; the next round starts afresh. A sync round of another size than the key's
+        ``scale_to`` is scaled to it (members.scaled)."""
+        if self.scale_to and self.sync and len(self.merged) != self.scale_to:
+            return members.scaled(self, len(self.merged))
         summed, self.summed = self.summed, None
         return summed

@@ -1,10 +1,12 @@
 """Workers leaving and joining one server's Shard: a fixed job's finished worker fails the
 rounds it can never join; an elastic job's gone worker has its pushes to open rounds taken
-out (all or nothing), and a joiner counts from the next round of each key."""
+out (all or nothing), a joiner counts from the next round of each key, and rounds of
+another size than the job's are scaled to it where a key asks (the Trainer's)."""
 
-from ..errors import KVPSError
+from ..errors import ConfigError, KVPSError
 from ..wire.identities import identity_label, worker_identity
 from .records import Reply, ReplyKind
+from .row_store import RowGrad
 
 
 def worker_finished(shard, worker):
@@ -72,3 +74,46 @@ def _leave(shard, entry, worker):
         for other, data in kept:
             shard.add_push(entry, other, data)
     return shard.close_rounds(entry) if entry.merged else []
+
+
+# -- rounds scaled to the job's size (the Trainer's keys in an elastic dist_sync job) --------
+FLOATS = ('float16', 'bfloat16', 'float32', 'float64')
+
+
+def check_scale(key, dtype, scale_to):
+    """Only a floating point key's rounds can be scaled (ConfigError)."""
+    if scale_to and dtype not in FLOATS:
+        raise ConfigError(f'key {key!r}: rounds scaled to {scale_to} workers need a floating '
+                          f'point key, not {dtype}')
+
+
+def scaled(entry, n):
+    """The closing round's sum of ``n`` members' pushes, times ``entry.scale_to / n``: the
+    round weighs as a round of the job's ``scale_to`` workers (docs/elastic.md, "The
+    Trainer"). Only rounds of another size than ``scale_to`` come here. The product is made
+    in the merge buffer (the float32 one of a bfloat16 key), never in a received push."""
+    factor = entry.scale_to / n
+    summed, arrays = entry.summed, entry.arrays
+    entry.summed = None
+    if type(summed) is tuple:   # (sum so far, last push): the update would have added them
+        summed = arrays.add(*summed, out=entry.writable_merge())
+    elif summed is not entry.merge:   # one push as received (read-only; bfloat16 bits):
+        summed = arrays.add(summed, summed, out=entry.writable_merge())   # 2x, widened
+        factor /= 2                   # (exact: a power of two)
+    arrays.xp.multiply(summed, factor, out=summed)
+    return summed
+
+
+def scaled_rows(entry, grad, n):
+    """A round's RowGrad ``grad`` of ``n`` members, scaled as ``scaled`` does (a copy)."""
+    if not entry.scale_to or n == entry.scale_to:
+        return grad
+    arrays, rows, factor = entry.arrays, grad.rows, entry.scale_to / n
+    if entry.dtype != 'bfloat16':
+        return RowGrad(grad.ids, (rows * factor).astype(rows.dtype))
+    wide = arrays.xp.empty(rows.shape, 'float32')
+    arrays.add(rows, rows, out=wide)      # bfloat16 bits widened (doubled: exact)
+    arrays.xp.multiply(wide, factor / 2, out=wide)
+    out = arrays.xp.empty(rows.shape, rows.dtype)
+    arrays.assign(out, wide)              # rounded back to bfloat16
+    return RowGrad(grad.ids, out)

@@ -1,4 +1,5 @@
-"""How a restarted server rejoins its job: RESUMEs awaited, restored counts rebased on them."""
+"""How a restarted server rejoins its job: RESUMEs awaited, restored counts rebased on them
+(an elastic job's joiners' first rounds included)."""
 
 import logging
 
@@ -68,16 +69,28 @@ def rebase(entries, acked, workers):
     by_part, lost = {}, {}
     for worker, items in acked.items():
         for item in items:
-            by_part.setdefault((item.key, item.part), {})[worker] = item.acked
+            by_part.setdefault((item.key, item.part), {})[worker] = item
     for key_part, entry in entries.items():
-        counts = by_part.get(key_part, {})
+        items = by_part.get(key_part, {})
         if entry.sync:
-            seen = max(counts.values(), default=0)
+            # (a joiner none of whose pushes was acknowledged tells of no completed round)
+            seen = max((i.acked for i in items.values() if i.acked > i.first), default=0)
             if seen > entry.version:
                 lost[key_part] = seen - entry.version
             entry.version = max(entry.version, seen)
             entry.pushed = {worker: entry.version for worker in workers}
+            _joiners_wait(entry, items)
         else:
-            for worker, count in counts.items():
-                entry.pushed[worker] = max(entry.pushed.get(worker, 0), count)
+            for worker, item in items.items():
+                entry.pushed[worker] = max(entry.pushed.get(worker, 0), item.acked)
     return lost
+
+
+def _joiners_wait(entry, items):
+    """An elastic job's joiners whose first round of ``entry`` is still ahead count from it,
+    as when they joined (kvps.server.members): the checkpoint does not hold that, the
+    joiners' RESUMEs do."""
+    entry.late = {}
+    for worker, item in items.items():
+        if item.first > entry.version:
+            entry.pushed[worker] = entry.late[worker] = item.first

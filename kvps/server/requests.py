@@ -72,13 +72,13 @@ class Requests:
         self._state_pieces.pop(worker, None)
 
     def _init(self, token, h, buffers):
-        sync, device = h['sync'], h.get('device', False)
+        sync, device, scale_to = h['sync'], h.get('device', False), h.get('scale_to', 0)
 
         def init_one(item_token, item, buffer):
             if self.resumed_from is not None:
                 self._refuse_misplaced_init(item.key, item.part)
             return self.shard.init(item_token, item.key, item.part, item.dtype, item.shape, sync,
-                                   buffer, device)
+                                   buffer, device, scale_to)
         return self._each_key(token, P.INIT, h['keys'], buffers, init_one)
 
     def _refuse_misplaced_init(self, key, part):

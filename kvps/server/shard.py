@@ -20,7 +20,7 @@ from ..timeline import recording
 from ..wire.identities import identity_label
 from ..wire.items import new
 from ..wire.protocol import GRADIENT_CODECS, ROW_SPARSE
-from . import row_store
+from . import members, row_store
 from .entry import Deferred, Entry, Queued
 from .flows import FlowNotes
 from .optimizer_states import OptimizerStates
@@ -58,14 +58,18 @@ class Shard:
         self.flows = FlowNotes(self.entries)   # the rounds' arrows, while the timeline records
 
     # -- init -----------------------------------------------------------------------------
-    def init(self, token, key, part, dtype, shape, sync, data, device=False):
-        """``device``: a device-side store asks for the key on this server's GPU."""
+    def init(self, token, key, part, dtype, shape, sync, data, device=False, scale_to=0):
+        """``device``: a device-side store asks for the key on this server's GPU;
+        ``scale_to``: its rounds are scaled to that many workers (members.scaled)."""
+        members.check_scale(key, dtype, scale_to)
         existing = self.entries.get((key, part))
         if existing is not None and existing.restored:
+            existing.scale_to = scale_to
             return self._claim_restored(token, existing, dtype, shape, sync, len(data), device)
         if existing is not None:
             raise DuplicateInitError(f'key {key!r} is already initialized')
-        self.entries[(key, part)] = self.new_entry(key, part, dtype, shape, sync, data, device)
+        self.entries[(key, part)] = self.new_entry(key, part, dtype, shape, sync, data, device,
+                                                   scale_to=scale_to)
         return [Reply(ACK, token, None)]
 
     def new_entry(self, key, part, dtype, shape, sync, data, device, **more):
@@ -207,7 +211,7 @@ class Shard:
             return entry.take_summed()
         grad = row_store.summed(entry, pieces)
         if entry.summed is None:
-            return grad
+            return members.scaled_rows(entry, grad, len(entry.merged))
         if type(entry.summed) is tuple:
             first, second = entry.summed
             entry.summed = None

@@ -164,6 +164,9 @@ class UserStore(_Surface):
         if keep_whole and self._keep_whole is not None:
             self._keep_whole()
 
+    def scale_rounds(self):
+        return None   # a store of one's own: its rounds are its own business
+
     def set_compression(self, compression_params):
         if self._compress is None:
             warnings.warn(f'the store {type(self.kv).__name__} has no '
@@ -249,6 +252,10 @@ class KvpsStore(_Surface):
         self.kv.balance_keys(total)
         if keep_whole:
             self.kv.keep_keys_whole()
+
+    def scale_rounds(self):
+        """An elastic dist_sync job's size, to which its rounds are scaled (else None)."""
+        return self.kv.scale_rounds()
 
     def set_compression(self, compression_params):
         self.kv.set_gradient_compression(compression_params)

@@ -9,6 +9,7 @@ from ..errors import ConfigError, DuplicateInitError, ParameterMismatchError, St
 from ..optimizer import optimizers as opt_mod
 from ..timeline.recording import traced
 from .cross_barrier import Arrivals, check_cross_barrier, hook_modules
+from .elastic_batch import ElasticBatch
 from .exchange import Exchange
 from .fusion import Layout, check_bucket_bytes, scatter_fused, split_partly_frozen, weights_of
 from .grads import GradientLog
@@ -83,6 +84,7 @@ class Trainer:
         self._batch_size_known = False    # a step (of this job) has set rescale_grad
         self._reduced = False      # 'grads' or 'buffers': where this step's sums are
         self._exchange = None
+        self._elastic = None       # an elastic job's ElasticBatch
         if self._store is not None:
             self._exchange = Exchange(self._store, self._mode, self._layout, bucket_bytes,
                                       self._grads)
@@ -251,6 +253,9 @@ class Trainer:
         # the servers get an optimizer that reads weights whole at the first step, after init
         self._store.prepare_init(sum(p.tensor.numel() for p in self._params),
                                  keep_whole=self._mode.on_servers and self._optimizer.whole_tensor)
+        reference = self._store.scale_rounds()   # an elastic dist_sync job's size, or None
+        if reference is not None:
+            self._elastic = ElasticBatch.joined(self._store.kv, reference, self._mode.on_servers)
         entries = self._layout.store_keys(self._params)
         keys = [key for _, key, _ in entries]
         try:   # refused alike on every worker (they hold the same key table), before sending
@@ -268,7 +273,10 @@ class Trainer:
 
     # -- internals: one step ---------------------------------------------------------------
     def _rescale(self, batch_size):
-        """optimizer.rescale_grad = scale / batch_size, kept in step with the servers' copy."""
+        """optimizer.rescale_grad = scale / batch_size, kept in step with the servers' copy
+        (an elastic job's batch_size restated for its fixed size: ElasticBatch)."""
+        if self._elastic is not None:
+            batch_size = self._elastic.job_batch(batch_size)
         rescale = self._scale / batch_size
         changed = rescale != self._optimizer.rescale_grad
         if changed and self._batch_size_known and self._mode.on_servers \

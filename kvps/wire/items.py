@@ -73,6 +73,9 @@ class ResumeItem(NamedTuple):
     key: Key        # the key
     part: Count     # which part of the key
     acked: Count    # how many of the worker's pushes of it the lost server acknowledged
+    # the worker's first round of it: 0, or later for a worker that joined a running elastic
+    # job (its count started there, so ``acked == first`` tells of no completed round)
+    first: Count = 0
 
 
 class Layout(NamedTuple):

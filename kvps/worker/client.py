@@ -69,6 +69,7 @@ class DistClient:
 
     # The job's member workers now (an elastic job's change as workers leave and join)
     num_workers = property(lambda self: len(self.io.membership[1]))
+    joining = property(lambda self: self.members.catching_up)
 
     def on_membership_change(self, callback):
         self.members.callback = callback
@@ -107,6 +108,13 @@ class DistClient:
         """Keys initialized from now on go to one server each (an optimizer that reads each
         weight whole is coming)."""
         self.sharding.keep_whole = True
+
+    def scale_rounds(self):
+        """Backend.scale_rounds: rounds scaled to DMLC_NUM_WORKER in an elastic dist_sync job."""
+        if self.sync and self.io.welcome.get('elastic'):
+            self._collectives.scale_to = self.config.num_workers
+            return self.config.num_workers
+        return None
 
     # -- data -----------------------------------------------------------------------------
     def stage(self, sizes):

@@ -26,6 +26,7 @@ class Collectives:
         # pushed yet (its setup calls are then checks against the job's: the servers have the
         # keys and the optimizer); ``counts`` hands it the push counts its CHECKs answered
         self.joining = lambda counts=None: False
+        self.scale_to = 0   # elastic dist_sync: rounds of keys initialized now are scaled to it
 
     def init(self, items, device=False):
         """``items``: [(key, flat array, shape, dtype name)]. Rank 0's values win. ``device``:
@@ -37,8 +38,10 @@ class Collectives:
             self._wait_all(self._send_keys(P.CHECK, items, {}, counts))
             self.joining(counts)
             return
-        self._by_rank_0('init', lambda: self._wait_all(
-            self._send_keys(P.INIT, items, {'sync': self.sync, 'device': device})))
+        fields = {'sync': self.sync, 'device': device}
+        if self.scale_to:
+            fields['scale_to'] = self.scale_to
+        self._by_rank_0('init', lambda: self._wait_all(self._send_keys(P.INIT, items, fields)))
         if self.rank != 0:
             self._wait_all(self._send_keys(P.CHECK, items, {}))
 

@@ -30,6 +30,6 @@ class Members:
             push_counts = self.io.push_counts
             with push_counts.lock:
                 for (node, where), count in counts.items():
-                    push_counts.of(node)[where] = count
+                    push_counts.start(node, where, count)
                     self._pushes[where[0]] = max(self._pushes.get(where[0], 0), count)
         return self.catching_up

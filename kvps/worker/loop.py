@@ -330,13 +330,15 @@ class WorkerIO(threading.Thread):
 
     def _resume(self, name, acked, waiting):
         """Send ``name`` the RESUME: per key part, the pushes it acknowledged: ``acked``, the
-        pushes numbered (lowered here to the first of those still ``waiting`` for an answer)."""
+        pushes numbered (lowered here to the first of those still ``waiting`` for an answer),
+        and where a joiner's numbering began."""
         for request in waiting:
             header = request.message[0]
             for item in header['keys'] if header['op'] == P.PUSH else ():
                 where = (item.key, item.part)
                 acked[where] = min(acked[where], item.seq)
-        runs = P.within_budget([ResumeItem(key, part, count)
+        firsts = self.push_counts.firsts.get(name, {})
+        runs = P.within_budget([ResumeItem(key, part, count, firsts.get((key, part), 0))
                                 for (key, part), count in acked.items()])
         for header, run in zip(P.continued({'op': P.RESUME, 'id': 0}, len(runs)), runs):
             self._servers[name].send(P.encode({**header, 'keys': run}))

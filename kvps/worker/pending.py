@@ -90,6 +90,8 @@ class PushCounts:
     def __init__(self):
         self.lock = threading.Lock()
         self._by_node = {}   # node name -> {(key, part): pushes queued}
+        # node name -> {(key, part): the first round} of a worker that joined a running job
+        self.firsts = {}
 
     def of(self, node):
         """``node``'s counts, to number pushes by (under ``lock``)."""
@@ -97,6 +99,11 @@ class PushCounts:
         if counts is None:
             counts = self._by_node[node] = {}
         return counts
+
+    def start(self, node, where, count):
+        """A joiner's pushes of key part ``where`` on ``node`` start at round ``count``."""
+        self.of(node)[where] = count
+        self.firsts.setdefault(node, {})[where] = count
 
     def copy(self, node):
         """A copy of ``node``'s counts (under ``lock``)."""

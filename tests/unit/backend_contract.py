@@ -183,6 +183,8 @@ def check_barrier_and_wait_pushes(backend):
 def check_placement_hints_take_effect_for_later_keys(backend):
     assert backend.balance_keys(10_000) is None
     assert backend.keep_keys_whole() is None
+    assert backend.scale_rounds() is None   # (a fixed job: its rounds never change size)
+    assert backend.joining is False
     _init(backend, 'c.whole', np.zeros(10_000, F32))
     assert len(backend.parts('c.whole', 10_000)) == 1
 

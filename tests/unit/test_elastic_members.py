@@ -193,3 +193,30 @@ def test_an_epoch_is_dealt_once_among_the_members_whatever_the_changes():
         shard(10, 0, [0, 2], 1)
     with pytest.raises(ValueError, match='start 11 is outside'):
         shard(10, 0, [0], 0, start=11)
+
+
+def test_a_restarted_server_learns_a_joiners_first_round_from_its_resume():
+    """Round 0 had begun when J joined, so J counts from round 1; the server dies with round 0
+    open and restarts from a checkpoint that predates the join. The founders resume at 0 (their
+    round-0 pushes unanswered) and J at 1, its first: round 0 is redone without J (J's count
+    says no round completed), and round 1 waits for J."""
+    from kvps.server.checkpoint import restore, snapshot
+    from kvps.server.recovery import rebase
+    from kvps.wire.items import ResumeItem
+    before = shard_of(2)
+    restarted = Shard(3, elastic=True)
+    restore(restarted, snapshot(before), rounds=True)
+    rebase(restarted.entries, {W0: [ResumeItem('k', 0, 0)], W1: [ResumeItem('k', 0, 0)],
+                               J: [ResumeItem('k', 0, 1, first=1)]}, {W0, W1, J})
+    entry = restarted.entries['k', 0]
+    assert (entry.version, entry.pushed, entry.late) == (0, {W0: 0, W1: 0, J: 1}, {J: 1})
+    restarted.init('t', 'k', 0, 'float32', [2], True, buf(0, 0))   # (claims the restored key)
+    restarted.push('a', W0, 'k', 0, 'float32', True, buf(1, 1), seq=0)
+    restarted.push('b', W1, 'k', 0, 'float32', True, buf(2, 2), seq=0)
+    assert value(restarted) == [3.0, 3.0]                      # round 0: the founders
+    restarted.push('c', W0, 'k', 0, 'float32', True, buf(1, 1), seq=1)
+    restarted.push('d', W1, 'k', 0, 'float32', True, buf(2, 2), seq=1)
+    assert value(restarted) == [3.0, 3.0]                      # round 1 waits for J
+    assert acks(restarted.push('e', J, 'k', 0, 'float32', True, buf(4, 4), seq=1)) == [
+        'c', 'd', 'e']
+    assert value(restarted) == [7.0, 7.0]
