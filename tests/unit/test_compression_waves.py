@@ -1,6 +1,7 @@
-"""Compressed pushes leave in waves: each run of keys (kvps.kvstore.keys.ENCODE_WAVE_BYTES of
-payload) is handed to the backend before the next is encoded, a pushpull's pulls follow each
-run, small keys still share a run, and the values are those of one push of every key."""
+"""A compressed pushpull leaves in waves: each run of keys (kvps.kvstore.keys.ENCODE_WAVE_BYTES
+of payload) is handed to the backend with its pulls before the next is encoded, small keys
+still share a run, and the values are those of one push of every key; a push is encoded whole
+before it is sent."""
 
 import numpy as np
 import pytest
@@ -38,15 +39,27 @@ def store(params):
     return kv, backend
 
 
-def test_each_big_key_is_sent_before_the_next_is_encoded():
+def test_a_pushpull_sends_each_big_key_before_the_next_is_encoded():
     kv, backend = store({'type': 'fp16'})
     kv.init([0, 1, 2], [np.zeros(BIG, np.float32)] * 3)
     values = [np.full(BIG, k + 0.5, np.float32) for k in range(3)]
-    kv.push([0, 1, 2], values)
-    assert backend.calls == [('push', [0], [(0, 0)]), ('push', [1], [(0, 0), (1, 0)]),
-                             ('push', [2], [(0, 0), (1, 0), (2, 0)])]
+    outs = [np.zeros(BIG, np.float32) for _ in range(3)]
+    kv.pushpull([0, 1, 2], values, out=outs)
+    assert [call for call in backend.calls if call[0] == 'push'] == [
+        ('push', [0], [(0, 0)]), ('push', [1], [(0, 0), (1, 0)]),
+        ('push', [2], [(0, 0), (1, 0), (2, 0)])]
     for k in range(3):   # (the caller's arrays are read in place, never written)
         assert values[k].tolist() == [k + 0.5] * BIG
+        assert outs[k].tolist() == [k + 0.5] * BIG
+
+
+def test_a_push_hands_every_key_at_once():
+    """A push (its pulls come later, behind it on the socket) is encoded whole, then sent."""
+    kv, backend = store({'type': 'fp16'})
+    kv.init([0, 1, 2], [np.zeros(BIG, np.float32)] * 3)
+    kv.push([0, 1, 2], [np.full(BIG, k + 0.5, np.float32) for k in range(3)])
+    assert backend.calls == [('push', [0, 1, 2], [(0, 0), (1, 0), (2, 0)])]
+    for k in range(3):
         out = np.zeros(BIG, np.float32)
         kv.pull(k, out=out)
         assert out.tolist() == [k + 0.5] * BIG
@@ -56,8 +69,10 @@ def test_small_keys_share_one_wave():
     kv, backend = store({'type': 'fp16'})
     keys = list(range(50))
     kv.init(keys, [np.zeros(100, np.float32)] * 50)
-    kv.push(keys, [np.full(100, k, np.float32) for k in keys])
-    assert [call[:2] for call in backend.calls] == [('push', keys)]
+    outs = [np.zeros(100, np.float32) for _ in keys]
+    kv.pushpull(keys, [np.full(100, k, np.float32) for k in keys], out=outs)
+    assert [call[:2] for call in backend.calls] == [('push', keys), ('pull', keys)]
+    assert [o.tolist() for o in outs] == [[k] * 100 for k in keys]
 
 
 def test_a_pushpull_sends_each_waves_pulls_behind_it_and_lands_every_result():
@@ -90,7 +105,8 @@ def test_nothing_is_sent_when_a_later_key_is_bad():
     kv, backend = store({'type': 'fp16'})
     kv.init([0, 1], [np.zeros(BIG, np.float32), np.zeros(4, np.float32)])
     with pytest.raises(kvps.errors.ShapeError, match='key 1'):
-        kv.push([0, 1], [np.ones(BIG, np.float32), np.ones(5, np.float32)])
+        kv.pushpull([0, 1], [np.ones(BIG, np.float32), np.ones(5, np.float32)],
+                    out=[np.zeros(BIG, np.float32), np.zeros(4, np.float32)])
     assert backend.calls == [] and not kv._residuals
 
 
