@@ -14,6 +14,10 @@ from ..wire.protocol import MAX_KEY_CHARS, PRIORITIES
 
 # Keys travel as msgpack ints: 64 bits, signed or unsigned.
 _KEY_MIN, _KEY_END = -2 ** 63, 2 ** 64
+# Compressed payload bytes a push hands its backend at a time: each run is on the link while
+# the next is encoded (the link starts after the first key, not after the last), and small
+# keys still share a run, so their parts still share messages.
+ENCODE_WAVE_BYTES = 1 << 20
 
 
 class StoreKeys:
@@ -83,11 +87,30 @@ class StoreKeys:
                                          f'kv.init({key!r}, value) first')
         return meta
 
+    def encoded_waves(self, codec, pairs):
+        """Runs of ``[(key, payloads, codec name)]`` for ``pairs`` of about ENCODE_WAVE_BYTES
+        of payload each, a run encoded when the caller asks for it (a generator; one empty
+        run for no pairs)."""
+        run, held = [], 0
+        for i, (key, values) in enumerate(pairs):
+            payloads = self.encoded(codec, key, values)
+            run.append((key, payloads, codec.name))
+            held += sum(p.nbytes for p in payloads)
+            if held >= ENCODE_WAVE_BYTES or i == len(pairs) - 1:
+                yield run
+                run, held = [], 0
+        if not pairs:
+            yield run
+
     @traced('compress', 'compress')
     def encoded(self, codec, key, values):
         """One compressed payload per part of the key (as the backend splits it), each in
         the memory the backend sends from when it has some."""
-        grad = self.host_copies([(key, values)])[0]
+        if len(values) == 1 and type(values[0]) is np.ndarray:
+            # read where it is: the encoding, made before this returns, only reads it
+            grad = values[0].reshape(-1)
+        else:
+            grad = self.host_copies([(key, values)])[0]
         parts = self.parts(key)
         dtype = self.meta[key][1]
         sizes = [codec.nbytes(stop - start, dtype) for _, _, start, stop in parts]
