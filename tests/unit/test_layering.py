@@ -186,3 +186,10 @@ def test_entry_points_do_not_move():
     assert callable(kvps.launch.main)
     assert (PKG / 'launch' / '__main__.py').exists() and (PKG / 'node.py').exists()
     assert issubclass(kvps.PeerLostError, kvps.KVPSError)
+
+
+def test_no_two_test_files_share_a_name():
+    """pytest imports test files by their name (no __init__.py): a unit and a cluster test of
+    one name stop the whole run at collection."""
+    names = [p.name for p in Path(__file__).resolve().parents[1].glob('*/test_*.py')]
+    assert not {n for n in names if names.count(n) > 1}
