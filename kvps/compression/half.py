@@ -71,17 +71,10 @@ def pulled_dtype(codec, dtype):
     return PULL_DTYPES[codec] if codec is not None and dtype in ROUNDED else dtype
 
 
-def round_pulled(weight, codec, out=None):
-    """A float32 or float64 ``weight`` as a pull with ``codec`` carries it (float16, or
-    bfloat16 bits), into ``out`` (a uint8 buffer of 2 bytes an element) when given."""
-    if codec == FP16:
-        # (beyond 65504: inf, as documented)
-        if out is None:
-            return f16.astype(weight, np.float16)
-        f16.cast_into(np.frombuffer(out, np.float16), weight)
-        return out
-    bits = None if out is None else np.frombuffer(out, np.uint16)
-    return f32_to_bf16(weight, bits)
+def round_pulled(weight, codec):
+    """A float32 or float64 ``weight`` as a pull with ``codec`` carries it: float16 (beyond
+    65504: inf, as documented), or bfloat16 bits."""
+    return f16.astype(weight, np.float16) if codec == FP16 else f32_to_bf16(weight)
 
 
 def land_pulled(target, values):
