@@ -1,6 +1,8 @@
 """`python -m kvps.launch --launcher ssh|slurm|mpi` runs real jobs through stand-ins of ssh,
 srun and mpirun (tests/cluster/standins.py) that start the processes on this machine as the
-real ones would on a cluster's hosts. Every node still binds 127.0.0.1 (--host 127.0.0.1)."""
+real ones would on a cluster's hosts, and the ssh ones again through a real OpenSSH server
+on 127.0.0.1 (tests/cluster/real_sshd.py; skipped where sshd is not installed). Every node
+still binds 127.0.0.1 (--host 127.0.0.1)."""
 
 import json
 import os
@@ -13,8 +15,9 @@ import time
 import uuid
 
 import pytest
+import real_sshd
 import standins
-from conftest import FAST, PRELUDE, Job, assert_no_leftovers
+from conftest import FAST, PRELUDE, Job, assert_no_leftovers, processes_tagged
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -76,7 +79,7 @@ def cluster(tmp_path):
     def run(launcher_args, env=None, **sizes):
         return finish(start(launcher_args, env, **sizes))
 
-    start.run, start.finish, start.bin_dir = run, finish, bin_dir
+    start.run, start.finish, start.bin_dir, start.tag = run, finish, bin_dir, tag
     start.ssh_calls = lambda: [json.loads(line) for line in ssh_log.read_text().splitlines()]
     yield start
     for proc in procs:
@@ -86,6 +89,34 @@ def cluster(tmp_path):
     assert_no_leftovers(tag, wait_s=5)
     # the shared files of srun and mpirun jobs are gone
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith('.kvps-launch')]
+
+
+@pytest.fixture(scope='session')
+def sshd(tmp_path_factory):
+    """A real sshd reached as the hosts of the host file (skips where none is installed)."""
+    missing = real_sshd.available()
+    if missing:
+        pytest.skip(missing)
+    daemon = real_sshd.Daemon(tmp_path_factory.mktemp('sshd'), HOSTS).start()
+    yield daemon
+    daemon.stop()
+
+
+SSH_KINDS = ['ssh stand-in', 'real sshd']
+
+
+def _over_ssh(kind, request):
+    args = ['--launcher', 'ssh', '-H', 'hosts']
+    if kind == 'real sshd':
+        args += ['--ssh', request.getfixturevalue('sshd').command]
+    return args
+
+
+@pytest.fixture(params=SSH_KINDS)
+def over_ssh(request):
+    """The launcher's arguments for a job over ssh to the three hosts: through the stand-in,
+    then through a real sshd."""
+    return _over_ssh(request.param, request)
 
 
 def _wait_for(path, proc, timeout=60):
@@ -114,9 +145,10 @@ def _expected_results(workers):
             for r in range(workers)}
 
 
-def test_ssh_job_over_three_hosts_keeps_the_secret_off_every_command_line(cluster, tmp_path):
+def test_ssh_job_over_three_hosts_keeps_the_secret_off_every_command_line(cluster, tmp_path,
+                                                                          over_ssh):
     hold = tmp_path / 'hold'
-    proc = cluster(['--launcher', 'ssh', '-H', 'hosts', '--env', 'HOLD'], {'HOLD': str(hold)})
+    proc = cluster([*over_ssh, '--env', 'HOLD'], {'HOLD': str(hold)})
     _wait_for(hold, proc)          # the whole job runs: every process is up
     assert not [line for line in _command_lines() if SECRET in line]
     hold.unlink()
@@ -128,6 +160,8 @@ def test_ssh_job_over_three_hosts_keeps_the_secret_off_every_command_line(cluste
     placed = 'scheduler on alpha, server 0 on beta, server 1 on gamma, worker 0 on alpha, ' \
              'worker 1 on beta'
     assert f'kvps.launch: over ssh: {placed}' in result.stderr
+    if '--ssh' in over_ssh:   # a real sshd: its clients' argv were on the command lines above
+        return
     calls = cluster.ssh_calls()
     assert sorted(c[-2] for c in calls) == ['alpha', 'alpha', 'beta', 'beta', 'gamma']
     assert all('-T' in c and c[-1].endswith('-m kvps.launch.remote') for c in calls), calls
@@ -138,9 +172,10 @@ def _blames(result):
     return [m.groups() for m in map(BLAME.match, result.stderr.splitlines()) if m]
 
 
-@pytest.mark.parametrize('launcher', [['--launcher', 'ssh', '-H', 'hosts'],
-                                      ['--launcher', 'mpi']])
-def test_a_failing_worker_is_blamed_as_the_local_launcher_blames_it(cluster, launcher):
+@pytest.mark.parametrize('launcher', [*SSH_KINDS, 'mpi'])
+def test_a_failing_worker_is_blamed_as_the_local_launcher_blames_it(cluster, launcher,
+                                                                    request):
+    launcher = (['--launcher', 'mpi'] if launcher == 'mpi' else _over_ssh(launcher, request))
     # (mpirun giving MPICH's PMI_RANK here; Open MPI's ranks are the next test's)
     standins.mpirun(cluster.bin_dir, 'mpich')
     env = {'FAIL_RANK': '1'}
@@ -152,10 +187,13 @@ def test_a_failing_worker_is_blamed_as_the_local_launcher_blames_it(cluster, lau
     assert _blames(local) == _blames(remote) == expected, remote.output
 
 
-def test_ctrl_c_stops_every_remote_process(cluster, tmp_path):
+def test_ctrl_c_stops_every_remote_process(cluster, tmp_path, over_ssh):
     hold = tmp_path / 'hold'
-    proc = cluster(['--launcher', 'ssh', '-H', 'hosts', '--env', 'HOLD'], {'HOLD': str(hold)})
+    proc = cluster([*over_ssh, '--env', 'HOLD'], {'HOLD': str(hold)})
     _wait_for(hold, proc)
+    # what must go: the launcher, and on the "hosts" 5 runners and their 5 nodes (the real
+    # sshd's sessions carry the tag too: ssh sends it, sshd accepts it)
+    assert len(processes_tagged(cluster.tag)) >= 11
     proc.send_signal(signal.SIGINT)
     result = cluster.finish(proc)   # and nothing of the job is left: ssh, runners, nodes
     assert result.returncode == 130, result.output
