@@ -31,7 +31,10 @@ class Scheduler:
 
     def __init__(self, config):
         self.config = config.require_cluster()
-        self.members = Membership(config.num_workers, config.num_servers, bounds(config))
+        # a node waiting for the job to form beats every interval: three missed beats, and a
+        # process that claims its rank takes it (a cluster manager restarted it)
+        self.members = Membership(config.num_workers, config.num_servers, bounds(config),
+                                  stale_after=3 * config.heartbeat_interval)
         self.elastic = Elastic(self)
         self.ctx = new_context()
         self.router = Router(self.ctx, guard_from(config))
@@ -110,9 +113,12 @@ class Scheduler:
             else:
                 self._on_rejoin(identity, header)
             return
-        self.members.register(identity, header['role'], header['host'], header['port'],
-                              header.get('rank'), header.get('pid', 0), time.monotonic(),
-                              header.get('shared', {}), header.get('rank_from'))
+        stale = self.members.register(identity, header['role'], header['host'], header['port'],
+                                      header.get('rank'), header.get('pid', 0),
+                                      time.monotonic(), header.get('shared', {}),
+                                      header.get('rank_from'))
+        if stale is not None:
+            self._dropped(stale)
         recording.note('register', 'register', {'role': header['role'], 'host': header['host']})
         log.info('registered %s (%d of %d nodes)', self.members.label(identity),
                  len(self.members.nodes), sum(self.members.want.values()))
@@ -126,6 +132,13 @@ class Scheduler:
                 self.welcome(node)
             log.info('all %d nodes registered: %s', len(self.members.nodes),
                      self.members.table())
+
+    def _dropped(self, node):
+        why = self.members.dropped[node.identity]
+        log.warning('%s left the forming job: %s; %d of %d nodes registered',
+                    self.members.describe_claim(node), why, len(self.members.nodes),
+                    sum(self.members.want.values()))
+        recording.note('lost', 'lost', {'node': node.describe(), 'reason': why})
 
     def _on_rejoin(self, identity, header):
         """A server registering into a running job replaces the server of its rank, which is
@@ -157,7 +170,11 @@ class Scheduler:
 
     def _on_heartbeat(self, identity, header):
         self.counts.heartbeats += 1
-        if identity in self.members.nodes:
+        dropped = self.members.dropped.get(identity)
+        if dropped is not None:   # it was not dead after all: it must not wait on
+            self.send(identity, P.error_header(header.get('id', 0), ConfigError(
+                f'this node left the forming job: {dropped}'), 'scheduler'))
+        elif identity in self.members.nodes:
             # (its clock: a node's timeline aligns its spans with it)
             self.send(identity, {'op': P.HEARTBEAT_ACK, 'id': header.get('id', 0),
                                   'clock': recording.now()})
@@ -245,6 +262,8 @@ class Scheduler:
         REFUSALS.tick(now)
         self.ticker.tick(now)
         if not self.members.ranked:
+            for node in self.members.drop_silent(now, self.config.heartbeat_timeout):
+                self._dropped(node)
             if now - self.started > self.config.connect_timeout:
                 reason = (f'registration timed out after {self.config.connect_timeout:.0f} s: '
                           f'{self.members.missing()} (KVPS_CONNECT_TIMEOUT)')

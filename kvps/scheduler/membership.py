@@ -55,8 +55,12 @@ def _listed(items, most=20):
 class Membership:
     """Who is in the job, with which rank, and who is waiting at which barrier."""
 
-    def __init__(self, num_workers, num_servers, elastic=None):
+    def __init__(self, num_workers, num_servers, elastic=None, stale_after=None):
         self.want = {'worker': num_workers, 'server': num_servers}
+        # a registered node that waits for the job to form heartbeats: one silent longer
+        # than this (s) gives up its rank to a new claim of it (None: never)
+        self.stale_after = stale_after
+        self.dropped = {}          # identity -> why it left before the job formed
         # (min, max) members of an elastic job, or None: a fixed job (a lost worker ends it)
         self.elastic = elastic
         self.epoch = 0             # elastic: bumped by every change of the workers
@@ -78,32 +82,59 @@ class Membership:
         """Add a node; raise ConfigError for a bad role, a full role, a taken rank or a
         ``shared`` setting (name -> value) that differs from the first node's that sent it.
         ``rank_from`` names the setting that gave ``rank_hint`` (KVPS_RANK when None). A
-        refusal is also kept: the job may end on the node it leaves missing."""
+        refusal is also kept: the job may end on the node it leaves missing. Returns the node
+        that held the rank asked for and has been silent past ``stale_after`` (it gave the
+        rank up: a process restarted in its place, as a cluster manager restarts a pod),
+        or None."""
         node = Node(identity, role, host, port, pid, rank_hint, now, rank_from=rank_from)
         try:
-            self._admit(node, shared or {})
+            stale = self._admit(node, shared or {}, now)
         except ConfigError as exc:
             self.refusals.append(str(exc))
             raise
         self.nodes[identity] = node
+        return stale
 
-    def _admit(self, node, shared):
+    def _admit(self, node, shared, now):
         role = node.role
         if role not in self.want:
             raise ConfigError(f'cannot register role {role!r}: expected worker or server')
         if node.identity in self.nodes:
             raise ConfigError(f'{role} with this identity is already registered')
-        if self.ranked or self.count(role) >= self.want[role]:
-            raise ConfigError(f'the job already has its {self.want[role]} {role}(s)')
-        if node.rank_hint is not None:
+        holder = None
+        if node.rank_hint is not None and not self.ranked:
             self._check_rank(role, node.rank_hint, node.rank_from)
             holder = next((n for n in self.of_role(role) if n.rank_hint == node.rank_hint),
                           None)
-            if holder is not None:
+            if holder is not None and not self._stale(holder, now):
                 raise ConfigError(f'{role} rank {node.rank_hint} is claimed twice: '
                                   f'{_claim(holder)} has it, so {_claim(node)} is refused; '
                                   f'give every {role} its own rank')
+        full = self.count(role) - (holder is not None) >= self.want[role]
+        if self.ranked or full:
+            raise ConfigError(f'the job already has its {self.want[role]} {role}(s)')
         self._check_shared(role, node.pid, shared)
+        if holder is not None:
+            self.drop(holder, f'{_claim(node)} took its rank after {now - holder.last_seen:.1f} '
+                      's of its silence')
+        return holder
+
+    def _stale(self, node, now):
+        return self.stale_after is not None and now - node.last_seen > self.stale_after
+
+    def drop(self, node, why):
+        """Before the job forms: ``node`` leaves it (gone, or replaced), its place free."""
+        del self.nodes[node.identity]
+        self.dropped[node.identity] = why
+
+    def drop_silent(self, now, timeout):
+        """Before the job forms: the registered nodes not heard from within ``timeout``
+        leave it (they died waiting); returns them."""
+        gone = [n for n in self.nodes.values() if now - n.last_seen > timeout]
+        for node in gone:
+            self.drop(node, f'nothing heard from it for {now - node.last_seen:.1f} s while '
+                            'the job formed (KVPS_HEARTBEAT_TIMEOUT)')
+        return gone
 
     def _check_shared(self, role, pid, shared):
         for name, value in shared.items():
@@ -149,7 +180,10 @@ class Membership:
     def label(self, identity):
         """A registered node as logs name it: role, the rank it asked for and from which
         setting, host and pid."""
-        node = self.nodes[identity]
+        return self.describe_claim(self.nodes[identity])
+
+    @staticmethod
+    def describe_claim(node):
         return _claim(node) if node.rank_hint is not None else _registered_label(node)
 
     def table(self):

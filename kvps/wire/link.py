@@ -47,15 +47,18 @@ class SchedulerLink:
         # Wait a little past the scheduler's own bound: its verdict names the missing nodes.
         deadline = time.monotonic() + self.config.connect_timeout + max(
             2.0, 2 * self.config.heartbeat_interval)
-        poll = self.socket.raw.poll
+        poll, interval = self.socket.raw.poll, self.config.heartbeat_interval
         while True:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
+            if now - self._last_sent >= interval:   # alive while it waits: one that dies
+                self._heartbeat()                   # here frees its rank for a restarted one
             if left <= 0:
                 raise RequestTimeout(
                     f'{self.role} waited {self.config.connect_timeout:.0f} s for the scheduler at '
                     f'{self.config.scheduler_host}:{self.config.scheduler_port} and the other '
                     f'nodes to register (KVPS_CONNECT_TIMEOUT); {self._secret_hint()}')
-            if not poll(int(min(left, 1.0) * 1000)):
+            if not poll(int(min(left, interval) * 1000)):
                 continue
             header = self.next_message()
             if header is None:

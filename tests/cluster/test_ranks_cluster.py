@@ -3,6 +3,7 @@ and nodes advertising the address DMLC_INTERFACE or DMLC_NODE_HOST gives them.""
 
 import json
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,50 @@ def test_a_rank_claimed_twice_is_refused_naming_both_processes(by_hand):
         blame
     for node in (holder, server):
         assert by_hand.finish(node, exits_when='the scheduler ends the job')[0] != 0
+
+
+def test_a_node_that_dies_before_the_job_forms_gives_its_rank_to_a_restarted_one(by_hand):
+    """As a cluster manager restarts a pod with its index: the holder of worker rank 1 stops
+    answering (SIGSTOP: it cannot beat) while the job forms; its restarted copy claims rank 1,
+    takes it once the holder has missed its beats, and the job forms and trains with it. The
+    holder, woken, is told it left the job, and ends."""
+    sched, env = by_hand.scheduler(2, 1, extra={'KVPS_LOG_LEVEL': 'INFO'})
+    log = Output(sched)
+    server = by_hand('server', {**env, 'DMLC_SERVER_ID': '0'})
+    holder = by_hand('worker', {**env, 'DMLC_WORKER_ID': '1'}, script=WORKER)
+    log.wait_for(rf'registered worker 1 \(host 127\.0\.0\.1, pid {holder.pid}', 60)
+    holder.send_signal(signal.SIGSTOP)
+    restarted = []
+    try:
+        # a claim that comes too early is refused (the holder might be alive); the restarted
+        # process of a cluster manager tries again, as this loop does
+        left = log.wait_for(r'left the forming job: (.*?); \d+ of 3 nodes registered', 60,
+                            lambda: _claim_again(by_hand, env, restarted))
+    finally:
+        holder.send_signal(signal.SIGCONT)
+    new = restarted[-1]
+    assert f'worker 1 (host 127.0.0.1, pid {holder.pid}, rank from DMLC_WORKER_ID=1) left' \
+        in log.text, log.text
+    assert left.group(1).startswith(f'worker 1 (host 127.0.0.1, pid {new.pid}, rank from '
+                                    'DMLC_WORKER_ID=1) took its rank after ') or \
+        left.group(1).startswith('nothing heard from it for'), left.group(1)
+    first = by_hand('worker', {**env, 'DMLC_WORKER_ID': '0'}, script=WORKER)
+    for worker, rank in ((new, 1), (first, 0)):
+        code, out = by_hand.finish(worker, exits_when='the job ends')
+        assert code == 0, out
+        assert results(out) == [{'rank': rank, 'num_workers': 2}, {'pulled': [3.0] * 3}], out
+    code, out = by_hand.finish(holder, exits_when='the scheduler tells it it left the job')
+    assert code != 0 and 'ConfigError: this node left the forming job: ' in out, out
+    assert by_hand.finish(server)[0] == 0
+    assert log.exit_code(30) == 0, log.text
+
+
+
+def _claim_again(by_hand, env, claims):
+    """Start a claimant of worker rank 1 unless one is still waiting for its answer."""
+    if claims and claims[-1].poll() is None:
+        return
+    claims.append(by_hand('worker', {**env, 'DMLC_WORKER_ID': '1'}, script=WORKER))
 
 
 @pytest.mark.parametrize('env, host', [

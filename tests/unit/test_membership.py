@@ -75,6 +75,41 @@ def test_a_rank_claimed_twice_names_both_claims_and_the_settings_that_gave_them(
     assert m.label(b'w-a') == 'worker 1 (host node-a, pid 11, rank from KVPS_RANK=1)'
 
 
+def test_a_rank_whose_holder_fell_silent_before_the_job_formed_goes_to_its_new_claimant():
+    """A cluster manager restarts a pod that died while the job formed, with its index: the
+    new process takes the rank once the old one has missed its beats (3 s here), not before;
+    the job then forms with it, and the old one is told why if it ever speaks again."""
+    m = Membership(2, 1, stale_after=3.0)
+    m.register(b'w-old', 'worker', 'pod-1', 0, 1, 11, 0, rank_from='JOB_COMPLETION_INDEX=1')
+    m.register(b'w-0', 'worker', 'pod-0', 0, 0, 10, 0)
+    m.seen(b'w-0', 3.5)
+    with pytest.raises(ConfigError, match='worker rank 1 is claimed twice'):
+        m.register(b'w-early', 'worker', 'pod-1', 0, 1, 12, 2.5)   # heard from 2.5 s ago
+    stale = m.register(b'w-new', 'worker', 'pod-1', 0, 1, 13, 3.5,
+                       rank_from='JOB_COMPLETION_INDEX=1')
+    assert stale.pid == 11 and b'w-old' not in m.nodes
+    assert m.dropped == {b'w-old': 'worker 1 (host pod-1, pid 13, rank from '
+                                   'JOB_COMPLETION_INDEX=1) took its rank after 3.5 s of its '
+                                   'silence'}
+    m.register(b's', 'server', 'h', 5000, None, 14, 3.6)
+    assert m.complete
+    m.assign_ranks()
+    assert m.nodes[b'w-new'].rank == 1
+
+
+def test_a_node_silent_past_the_heartbeat_timeout_leaves_the_forming_job():
+    m = Membership(2, 1, stale_after=3.0)
+    m.register(b'w-a', 'worker', 'h', 0, None, 11, 0)
+    m.register(b's', 'server', 'h', 5000, None, 12, 0)
+    m.seen(b's', 9.0)
+    assert m.drop_silent(10.0, 10.5) == [] and len(m.nodes) == 2
+    gone = m.drop_silent(10.0, 6.0)
+    assert [n.pid for n in gone] == [11] and list(m.nodes) == [b's']
+    assert 'nothing heard from it for 10.0 s' in m.dropped[b'w-a']
+    m.register(b'w-b', 'worker', 'h', 0, None, 13, 10.0)   # its place is free again
+    assert m.count('worker') == 1
+
+
 def test_a_rank_out_of_range_names_the_setting_that_gave_it():
     with pytest.raises(ConfigError, match=r'^JOB_COMPLETION_INDEX=4 is out of range: the job has '
                                           r'2 servers \(DMLC_NUM_SERVER\), ranks 0\.\.1$'):
