@@ -1,8 +1,8 @@
 """A node's own timeline: spans kept in a bounded buffer and streamed to its part file.
 
 `KVPS_TIMELINE=PATH` makes each node of a job record into a part file of its own,
-``PATH.d/<role>-<pid>.kvtl`` (a stream of msgpack items), which `kvps.timeline.merge`
-joins into one Chrome trace at ``PATH``. Off (the default), ``RECORDER`` is None and a
+``PATH.d/<role>-<host>-<pid>-<tag>.kvtl`` (a stream of msgpack items), which
+`kvps.timeline.merge` joins into one Chrome trace at ``PATH``. Off (the default), ``RECORDER`` is None and a
 recording site costs the one check ``if RECORDER is not None``; nothing else runs, no
 thread, no file.
 
@@ -30,6 +30,7 @@ import collections
 import contextlib
 import functools
 import os
+import secrets
 import socket
 import threading
 import time
@@ -50,6 +51,14 @@ def parts_dir(path):
     return f'{os.fspath(path)}.d'
 
 
+def part_name(role):
+    """A node's part file: its role, host and pid, and a random tag, since pids repeat
+    across hosts that share the directory (containers: every pod's first process is pid 1)
+    and 'xb' opening must never meet another node's file."""
+    host = ''.join(c if c.isalnum() or c in '.-_' else '_' for c in socket.gethostname())
+    return f'{role}-{host}-{os.getpid()}-{secrets.token_hex(4)}{SUFFIX}'
+
+
 class Recorder:
     """One node's events, appended from any thread, written by one writer thread."""
 
@@ -57,7 +66,7 @@ class Recorder:
         directory = parts_dir(path)
         try:   # a path that cannot be written is refused now, not at the end of the job
             os.makedirs(directory, exist_ok=True)
-            self._file = open(os.path.join(directory, f'{role}-{os.getpid()}{SUFFIX}'), 'wb')
+            self._file = open(os.path.join(directory, part_name(role)), 'xb')
         except OSError as exc:
             raise ConfigError(f'KVPS_TIMELINE={path}: cannot write the timeline there '
                               f'({exc.strerror or exc})') from None

@@ -66,6 +66,20 @@ def test_spans_reach_the_part_file_and_survive_a_torn_tail(path):
     recorder.close()
 
 
+def test_nodes_of_one_role_and_pid_keep_their_own_part_files(path, monkeypatch):
+    """Pids repeat across hosts that share the timeline's directory (every pod's first
+    process is pid 1): each node still writes a file of its own, and merge reads both."""
+    monkeypatch.setattr(recording.os, 'getpid', lambda: 1)
+    a, b = Recorder(path, 'worker'), Recorder(path, 'worker')
+    for rank, recorder in enumerate((a, b)):
+        recorder.name_node(rank, f'worker {rank}')
+        recorder.instant('here', 'membership')
+        recorder.close()
+    parts = merge.part_files([path])
+    assert len(parts) == 2 and all('worker-' in str(p) and '-1-' in str(p) for p in parts)
+    assert sorted(merge.read_part(p).events[0][1] for p in parts) == ['here', 'here']
+
+
 def test_the_buffer_is_bounded_and_says_what_it_lost(path):
     recorder = Recorder(path, 'worker', capacity=8)
     recorder._stop.set()   # no writer: the buffer fills
