@@ -34,6 +34,12 @@ def _torch_module():
         return None
 
 
+def prepare():
+    """Start loading torch now (in the background) for the float16 casts to come: a worker
+    calls it as it sets fp16 compression, so its first pushes need not wait on numpy."""
+    _torch_module()
+
+
 def _import_torch():
     try:
         import torch
@@ -59,6 +65,21 @@ def cast_into(out, values):
     with np.errstate(over='ignore'):
         np.copyto(out, values, casting='unsafe')
     return out
+
+
+def round_off(residual, out, limit):
+    """The fp16 codec's step in three passes of torch: float16 ``out`` gets float32
+    ``residual`` clipped to +-``limit`` and rounded to nearest even, and ``residual`` keeps
+    what that leaves (``residual -= out``, exact in float32). False where torch is not there
+    yet, or for a small block: the caller does it with numpy, to the same bits."""
+    torch = _torch_module() if residual.size >= SMALL else None
+    if torch is None:
+        return False
+    r, o = torch.from_numpy(residual), torch.from_numpy(out)
+    lo, hi = torch.aminmax(r)   # (with a NaN both are NaN: clipped, the NaN travels)
+    o.copy_(r if -limit <= lo and hi <= limit else r.clamp(-limit, limit))
+    r.sub_(o)
+    return True
 
 
 def astype(values, dtype):

@@ -36,6 +36,9 @@ class Half(ErrorFeedback):
         # page fault every 4 KiB)
         for start in range(0, residual.size, BLOCK):
             block, payload = residual[start:start + BLOCK], out[2 * start:2 * (start + BLOCK)]
+            if self.name == FP16 and kind in ('float32', 'float16') and \
+                    f16.round_off(block, payload.view('<f2'), FP16_MAX):
+                continue   # (the server decodes exactly these float16 values)
             if self.name == FP16:
                 lo, hi = block.min(), block.max()
                 # (NaN compares false: it travels as NaN)

@@ -6,6 +6,7 @@ import numbers
 from typing import NamedTuple, Optional
 
 from ..wire.codecs import BF16, FP16, ONE_BIT, PULL_CODECS, TOP_K, TWO_BIT
+from . import f16
 from .half import BFloat16, Float16
 from .onebit import OneBit, checked_chunk
 from .topk import TopK
@@ -53,6 +54,8 @@ def parse(params, residuals=None):
     _refuse_unknown(kind or 'none', params, known)
     pull = _pull(params.get('pull'))
     push = TYPES[kind][1](params, residuals) if kind in TYPES else None
+    if FP16 in (kind, pull):
+        f16.prepare()
     return Settings(push, pull)
 
 

@@ -61,3 +61,24 @@ def test_a_read_only_payload_casts_without_a_warning():
             'p = np.frombuffer(np.ones(10000, np.float16).tobytes(), np.float16); '
             'out = f16.cast_into(np.empty(p.size, np.float32), p); assert (out == 1).all()')
     subprocess.run([sys.executable, '-W', 'error', '-c', code], check=True, timeout=120)
+
+
+def test_the_fp16_codec_sends_and_keeps_the_same_bits_either_way():
+    """The codec's encode (clip to +-65504, round, take what is sent off the residual) in
+    torch's passes gives numpy's payload and residual bit for bit, NaN, inf and values past
+    float16's range included, over pushes that carry residuals on."""
+    from kvps.compression.half import Float16
+    rng = np.random.default_rng(7)
+    grads = [rng.standard_normal(3 * f16.SMALL).astype(np.float32) * scale
+             for scale in (1e-3, 1.0, 3e4, 1e6)]
+    grads[2][:4] = [np.inf, -np.inf, np.nan, 65519.0]
+    codec, residual = Float16(), np.zeros(grads[0].size, np.float32)
+    for grad in grads:
+        out = np.empty(2 * grad.size, np.uint8)
+        codec.encode('k', 0, grad, out)
+        with np.errstate(invalid='ignore', over='ignore'):
+            residual += grad
+            expected = np.clip(residual, -65504, 65504).astype(np.float16)
+            residual -= expected.astype(np.float32)
+        assert same(out.view(np.float16), expected)
+        assert same(codec._residuals['k', 0], residual)
