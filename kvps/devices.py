@@ -120,7 +120,11 @@ class PushCopies:
 
 def _into_block(flat, block):
     """``flat`` copied into ``block`` when it is page-locked (as numpy of its dtype), else
-    into a fresh pinned buffer; not waited for."""
+    into a fresh pinned buffer; not waited for. A cupy ``block`` is one of the worker's
+    device segment (the ipc route): copied on the device, and handed on as a cupy array."""
+    if is_cupy(block):
+        _torch().from_dlpack(block).view(flat.dtype).copy_(flat, non_blocking=True)
+        return block.view(DTYPES[arrays.dtype_name(flat)])
     spans = None if block is None else pinning.REGISTRY.spans(block.ctypes.data, block.nbytes)
     if spans is None:
         return _staged(flat)
@@ -225,6 +229,10 @@ class Landing:
 
     def __setitem__(self, where, source):
         dst = self._flat[where]
+        if is_cupy(source):   # a block of the worker's device segment (the ipc route)
+            dst.copy_(_torch().from_dlpack(source.view('uint8')).view(dst.dtype),
+                      non_blocking=True)
+            return
         spans = pinning.REGISTRY.spans(source.ctypes.data, source.nbytes)
         _copy_spans(dst, _host_tensor(source, dst.dtype), spans or [(0, source.nbytes)])
 

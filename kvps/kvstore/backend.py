@@ -39,9 +39,12 @@ class Backend(Protocol):
         calls it, rank 0's values win. Blocks until the servers hold the keys. ``device``:
         keep them on the servers' GPUs where there are some."""
 
-    def stage(self, sizes):
+    def stage(self, sizes, device=False):
         """Where a push's copies of ``sizes`` bytes should be made: per size a writable
-        uint8 block the backend sends from (shared memory), or None (make it anywhere)."""
+        uint8 block the backend sends from (shared memory), or None (make it anywhere).
+        ``device``: blocks of GPU memory the servers map (the ipc route: a GPU value is
+        copied into one on the device, kvps.devices.PushCopies), None where there are none;
+        asked only where ``device_route`` is direct."""
 
     def device_route(self):
         """``(direct, how)``: ``direct`` when GPU values may go straight between a GPU and

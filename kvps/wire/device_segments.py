@@ -12,7 +12,7 @@ and the server waits on it (on its own stream) before reading them.
 
 import weakref
 
-from ..errors import ProtocolError
+from ..errors import KVPSError, ProtocolError
 from .device_sharing import check_handle, check_size
 from .shm import MAX_SEGMENT_BYTES, Ring
 
@@ -31,7 +31,11 @@ class DeviceSegment:
     def __init__(self, sharing, nbytes):
         self.sharing = sharing
         self.buffer = sharing.export(nbytes)
-        self.event = sharing.event()
+        try:
+            self.event = sharing.event()
+        except KVPSError:   # nothing half-made stays
+            self.buffer.close()
+            raise
         self.blocks = Ring(0, nbytes)
 
     def describe(self):
@@ -41,16 +45,28 @@ class DeviceSegment:
 
     def take(self, nbytes):
         """``(wire offset, uint8 device array of nbytes)``, or None when there is no room. The
-        block is reused once that array object is gone: hold it, not a view of it, until the
-        request that names it is answered."""
+        block is reused once it and every view of it are gone."""
         if self.buffer.closed:
             return None
         offset = self.blocks.alloc(nbytes)
         if offset is None:
             return None
-        block = self.buffer.array[offset:offset + nbytes]
-        weakref.finalize(block, self.blocks.free, offset)
+        block, anchor = self.sharing.piece(self.buffer, offset, nbytes)
+        weakref.finalize(anchor, self.blocks.free, offset)
         return DEVICE_BASE + offset, block
+
+    def offset_of(self, array):
+        """The wire offset of device ``array`` if its bytes lie in this segment, else None."""
+        if self.buffer.closed:
+            return None
+        offset = self.sharing.address(array) - self.sharing.address(self.buffer.array)
+        return DEVICE_BASE + offset if 0 <= offset and offset + array.nbytes <= \
+            self.buffer.nbytes else None
+
+    def host_copy(self, at, nbytes):
+        """A host copy of the worker's own ``nbytes`` at wire offset ``at``."""
+        offset = at - DEVICE_BASE
+        return self.sharing.to_host(self.buffer.array[offset:offset + nbytes])
 
     def close(self):
         """Free the buffer and the event (this worker is leaving). Idempotent."""

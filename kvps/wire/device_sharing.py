@@ -108,6 +108,12 @@ class Sharing:
         array, release = self._map(check_handle(handle), check_size(nbytes))
         return Shared(self, array, handle, release, False)
 
+    def piece(self, shared, offset, nbytes):
+        """``(array, anchor)``: ``nbytes`` of ``shared`` at ``offset`` as a flat uint8 device
+        array, and an object that lives while that array or any view of it does (a
+        finalizer on it tells when the piece may be reused)."""
+        return self._piece(shared.array, offset, nbytes)
+
     def event(self):
         """A new interprocess Event of this process, to record."""
         return self._event()
@@ -146,6 +152,21 @@ class HostSharing(Sharing):
             raise ProtocolError('not a device buffer handle of this host') from None
         mapping = Mapping.open(name, nonce, HEADER_BYTES + nbytes, self.directory)
         return _data(mapping.view(HEADER_BYTES, nbytes)), mapping.release
+
+    @staticmethod
+    def _piece(array, offset, nbytes):
+        piece = np.frombuffer(memoryview(array)[offset:offset + nbytes], np.uint8)
+        return piece, piece   # every numpy view of an array made from a buffer has it as .base
+
+    @staticmethod
+    def address(array):
+        """Where ``array``'s bytes start."""
+        return array.__array_interface__['data'][0]
+
+    @staticmethod
+    def to_host(array):
+        """A host copy of device ``array``."""
+        return array.copy()
 
     def _event(self):
         handle = (_HOST_EVENT + secrets.token_bytes(16)).ljust(HANDLE_BYTES, b'\0')
@@ -200,9 +221,26 @@ class CudaSharing(Sharing):
         memory = self.cupy.cuda.UnownedMemory(pointer, nbytes, self)
         return self._array(memory, nbytes), lambda: self.runtime.ipcCloseMemHandle(pointer)
 
+    def _piece(self, array, offset, nbytes):
+        # cupy's views share the memory object, not the array: the anchor is the memory's
+        # owner, which every view keeps through it
+        anchor = _Anchor()
+        memory = self.cupy.cuda.UnownedMemory(array.data.ptr + offset, nbytes, anchor)
+        return self._array(memory, nbytes), anchor
+
+    @staticmethod
+    def address(array):
+        return array.data.ptr
+
+    def to_host(self, array):
+        return self.cupy.asnumpy(array)
+
     def _event(self):
-        event = self.cupy.cuda.Event(block=False, disable_timing=True, interprocess=True)
-        handle = bytes(self.runtime.ipcGetEventHandle(event.ptr))
+        try:
+            event = self.cupy.cuda.Event(block=False, disable_timing=True, interprocess=True)
+            handle = bytes(self.runtime.ipcGetEventHandle(event.ptr))
+        except Exception as exc:  # cupy's CUDARuntimeError
+            raise KVPSError(f'cannot make an interprocess event: {exc}') from None
         return Event(handle, lambda: event.record(), _nothing, _nothing)
 
     def _open_event(self, handle):
@@ -215,6 +253,10 @@ class CudaSharing(Sharing):
             stream = self.cupy.cuda.get_current_stream().ptr
             self.runtime.streamWaitEvent(stream, pointer, 0)
         return Event(handle, _nothing, wait, lambda: self.runtime.eventDestroy(pointer))
+
+
+class _Anchor:
+    """An object to hang a finalizer on (cupy's memory keeps its owner)."""
 
 
 def sharing_for(setting):

@@ -54,8 +54,8 @@ class ShmBackend(LocalBackend):
             return [(0, 0, 0, size // 2), (0, 1, size // 2, size)]
         return super().parts(key, size)
 
-    def stage(self, sizes):
-        return self.staging.stage(sizes)
+    def stage(self, sizes, device=False):
+        return self.staging.stage(sizes, device)
 
     def device_route(self):
         return self.staging.device_route()
