@@ -11,11 +11,12 @@ open) lives here once, so that the stand-in's tests cover it for CUDA too.
 A handle is a capability: whoever holds it may read and write the buffer. Handles travel only
 in requests of authenticated job members, and a server opens only those of workers on its own
 host (kvps.server.regions). A buffer stays valid while its exporter keeps it: the exporter
-closes it last, once it leaves the job (a killed exporter's stand-in files are removed as its
-shared-memory segment is, by name: ``kvps.wire.shm.remove_leftovers``).
+closes it last, once it leaves the job; a killed exporter's buffers go with it.
 """
 
+import os
 import secrets
+import struct
 
 import numpy as np
 
@@ -24,7 +25,9 @@ from .shm import HEADER_BYTES, NONCE_BYTES, SHM_DIR, Mapping, Segment
 
 HANDLE_BYTES = 64          # cudaIpcMemHandle_t and cudaIpcEventHandle_t: 64 bytes each
 MAX_BUFFER_BYTES = 1 << 40
-_NAME_BYTES = HANDLE_BYTES - NONCE_BYTES   # the stand-in's handle: a segment's name, its nonce
+# The stand-in's handle: a segment's name (NUL-padded), its nonce, the exporter's pid and fd.
+_HOLDER = '<II'
+_NAME_BYTES = HANDLE_BYTES - NONCE_BYTES - struct.calcsize(_HOLDER)
 _HOST_EVENT = b'kvps-host-event:'
 
 
@@ -125,9 +128,11 @@ class Sharing:
 
 class HostSharing(Sharing):
     """The stand-in on the host: a buffer is a shared-memory segment of ``directory``
-    (kvps.wire.shm: 0600, a random name and nonce, pages reserved at once) whose name and nonce
-    make the handle; both sides map it. An event only counts: host writes are done when they
-    return."""
+    (kvps.wire.shm: 0600, a random name and nonce, pages reserved at once) whose name goes at
+    once; its handle names the segment, its nonce and the exporter's open file, through which
+    peers map it (/proc/<pid>/fd/<fd>, checked). As a CUDA allocation, it goes with its
+    exporter, even one killed: nothing is ever left in /dev/shm. An event only counts: host
+    writes are done when they return."""
 
     name = 'host'
 
@@ -140,17 +145,20 @@ class HostSharing(Sharing):
             segment = Segment.create(HEADER_BYTES + nbytes, self.directory)
         except KVPSError as exc:
             raise KVPSError(f'cannot export a device buffer (the stand-in\'s): {exc}') from None
-        # the name stays while the buffer is open: a restarted server opens it again by it
-        handle = segment.name.encode().ljust(_NAME_BYTES, b'\0') + segment.nonce
+        segment.unlink()
+        handle = (segment.name.encode().ljust(_NAME_BYTES, b'\0') + segment.nonce
+                  + struct.pack(_HOLDER, os.getpid(), segment.fd))
         return _data(segment.view(HEADER_BYTES, nbytes)), handle, segment.close
 
     def _map(self, handle, nbytes):
-        name, nonce = handle[:_NAME_BYTES].rstrip(b'\0'), handle[_NAME_BYTES:]
+        name = handle[:_NAME_BYTES].rstrip(b'\0')
+        nonce = handle[_NAME_BYTES:_NAME_BYTES + NONCE_BYTES]
+        holder = struct.unpack(_HOLDER, handle[_NAME_BYTES + NONCE_BYTES:])
         try:
             name = name.decode('ascii')
         except UnicodeDecodeError:
             raise ProtocolError('not a device buffer handle of this host') from None
-        mapping = Mapping.open(name, nonce, HEADER_BYTES + nbytes, self.directory)
+        mapping = Mapping.open(name, nonce, HEADER_BYTES + nbytes, self.directory, holder=holder)
         return _data(mapping.view(HEADER_BYTES, nbytes)), mapping.release
 
     @staticmethod

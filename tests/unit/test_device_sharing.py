@@ -14,7 +14,6 @@ import pytest
 from kvps.errors import ConfigError, KVPSError, ProtocolError
 from kvps.wire.device_segments import DEVICE_BASE, DeviceMapping, DeviceSegment, on_device
 from kvps.wire.device_sharing import HANDLE_BYTES, HostSharing, sharing_for
-from kvps.wire.shm import remove_leftovers
 
 
 @pytest.fixture
@@ -29,7 +28,7 @@ def files(path):
 def test_a_buffer_exported_is_opened_by_its_handle_and_both_see_the_same_bytes(sharing, tmp_path):
     mine = sharing.export(4096)
     assert mine.exported and len(mine.handle) == HANDLE_BYTES and mine.nbytes == 4096
-    assert [os.stat(tmp_path / name).st_mode & 0o777 for name in files(tmp_path)] == [0o600]
+    assert files(tmp_path) == []   # no name: peers open the exporter's file, as it lives
     theirs = HostSharing(str(tmp_path)).open(mine.handle, 4096)   # (another process's view)
     mine.array[:8] = np.arange(8, dtype=np.uint8)
     assert theirs.array[:8].tolist() == list(range(8))
@@ -65,7 +64,7 @@ def test_closing_twice_is_harmless_and_a_closed_buffer_is_gone(sharing, tmp_path
 def test_a_handle_or_size_a_peer_got_wrong_is_refused(sharing, handle, nbytes, why):
     mine = sharing.export(4096)
     if handle in (None, 'another nonce'):
-        handle = mine.handle if handle is None else mine.handle[:48] + bytes(16)
+        handle = mine.handle if handle is None else mine.handle[:40] + bytes(16) + mine.handle[56:]
     with pytest.raises(ProtocolError, match=why):
         sharing.open(handle, nbytes)
     assert sharing.open_buffers == 1
@@ -99,14 +98,25 @@ def test_the_setting_names_the_implementation():
         sharing_for('gpu')
 
 
-def test_the_launcher_removes_the_buffers_of_a_killed_exporter(tmp_path):
+def test_a_killed_exporters_buffer_goes_with_it(tmp_path):
     code = (f'import os, sys; from kvps.wire.device_sharing import HostSharing\n'
             f'b = HostSharing({str(tmp_path)!r}).export(4096)\n'
-            f'print(flush=True); os.kill(os.getpid(), 9)')
-    proc = subprocess.run([sys.executable, '-c', code], capture_output=True, cwd=os.getcwd(),
-                          env={**os.environ, 'PYTHONPATH': os.getcwd()})
-    assert proc.returncode == -9 and len(files(tmp_path)) == 1
-    remove_leftovers(int(files(tmp_path)[0].split('-')[1]), str(tmp_path))
+            f'b.array[:3] = 7; print(b.handle.hex(), flush=True); sys.stdin.read()')
+    proc = subprocess.Popen([sys.executable, '-c', code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, 'PYTHONPATH': os.getcwd()})
+    try:
+        handle = bytes.fromhex(proc.stdout.readline())
+        theirs = HostSharing(str(tmp_path)).open(handle, 4096)
+        assert theirs.array[:4].tolist() == [7, 7, 7, 0]
+        theirs.close()
+    finally:
+        proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+        proc.stdin.close()
+    with pytest.raises(ProtocolError, match='is gone'):
+        HostSharing(str(tmp_path)).open(handle, 4096)
     assert files(tmp_path) == []
 
 
