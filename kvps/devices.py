@@ -151,7 +151,7 @@ def direct(backend):
     a DMA each way straight between it and the GPU; the route is logged at INFO the first
     time a GPU value moves."""
     _use_torch_locker()
-    ok, how = backend.device_route()
+    ok, how = backend.device_route(current_cuda_device())
     global _ROUTE_TOLD
     if not _ROUTE_TOLD:
         _ROUTE_TOLD = True
@@ -381,6 +381,13 @@ def _checked(error, call):
     except RuntimeError:
         pass
     raise pinning.LockFailed(f'{call}: CUDA error {int(error)} ({error})')
+
+
+def current_cuda_device():
+    """torch's current CUDA device (the one a worker's GPU values are on, as DDP sets it), or
+    None without one."""
+    torch = _torch()
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
 
 
 def _use_torch_locker():

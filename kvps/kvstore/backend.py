@@ -46,10 +46,10 @@ class Backend(Protocol):
         copied into one on the device, kvps.devices.PushCopies), None where there are none;
         asked only where ``device_route`` is direct."""
 
-    def device_route(self):
+    def device_route(self, device=None):
         """``(direct, how)``: ``direct`` when GPU values may go straight between a GPU and
-        page-locked shared memory (kvps.pinning): a push's GPU copies into blocks from
-        ``stage``, and a pull's ``out`` may be a kvps.devices.Landing (written with
+        page-locked shared memory (kvps.pinning), or GPU memory the servers map (``device``:
+        the CUDA device the values are on): a push's GPU copies into blocks from ``stage``, and a pull's ``out`` may be a kvps.devices.Landing (written with
         ``out[start:stop] = host array`` inside ``with out.writing():``, whose end waits for
         the writes, before those host bytes are let go). ``how``: the route GPU values take,
         in words (logged). Cheap: asked at every push and pull of GPU values."""

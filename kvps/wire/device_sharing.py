@@ -201,13 +201,16 @@ class CudaSharing(Sharing):
 
     name = 'cuda'
 
-    def __init__(self):
+    def __init__(self, device=None):
+        """``device``: the CUDA device its buffers and events are made on (None: cupy's
+        current one)."""
         super().__init__()
         try:
             import cupy
         except ImportError as exc:
             raise ConfigError(f'CUDA IPC needs cupy (pip install "kvps[cuda]"): {exc}') from None
         self.cupy, self.runtime = cupy, cupy.cuda.runtime
+        self.device = cupy.cuda.Device(device)
 
     def _array(self, memory, nbytes):
         cupy = self.cupy
@@ -215,7 +218,8 @@ class CudaSharing(Sharing):
 
     def _alloc(self, nbytes):
         try:
-            memory = self.cupy.cuda.Memory(nbytes)
+            with self.device:
+                memory = self.cupy.cuda.Memory(nbytes)
             handle = bytes(self.runtime.ipcGetMemHandle(memory.ptr))
         except Exception as exc:  # cupy's OutOfMemoryError, CUDARuntimeError
             raise KVPSError(f'cannot export {nbytes} bytes of device memory: {exc}') from None
@@ -245,7 +249,9 @@ class CudaSharing(Sharing):
 
     def _event(self):
         try:
-            event = self.cupy.cuda.Event(block=False, disable_timing=True, interprocess=True)
+            with self.device:
+                event = self.cupy.cuda.Event(block=False, disable_timing=True,
+                                             interprocess=True)
             handle = bytes(self.runtime.ipcGetEventHandle(event.ptr))
         except Exception as exc:  # cupy's CUDARuntimeError
             raise KVPSError(f'cannot make an interprocess event: {exc}') from None
@@ -267,13 +273,13 @@ class _Anchor:
     """An object to hang a finalizer on (cupy's memory keeps its owner)."""
 
 
-def sharing_for(setting):
-    """The Sharing a KVPS_IPC value names: 'cuda' (CudaSharing; ConfigError without cupy),
-    'host' (the stand-in: tests without a GPU), or None for 'off'."""
+def sharing_for(setting, device=None):
+    """The Sharing a KVPS_IPC value names: 'cuda' (CudaSharing on CUDA ``device``; ConfigError
+    without cupy), 'host' (the stand-in: tests without a GPU), or None for 'off'."""
     if setting == 'off':
         return None
     if setting == 'host':
         return HostSharing()
     if setting == 'cuda':
-        return CudaSharing()
+        return CudaSharing(device)
     raise ConfigError(f'KVPS_IPC: {setting!r} is not one of off, cuda, host')

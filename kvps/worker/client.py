@@ -125,8 +125,8 @@ class DistClient:
         staging = self.io.staging
         return [None] * len(sizes) if staging is None else staging.stage(sizes, device)
 
-    def device_route(self):
-        return device_route(self.io, self.config)
+    def device_route(self, device=None):
+        return device_route(self.io, self.config, device)
 
     def push(self, items, priority=0):
         """Send each ``(key, flat, dtype)`` (``flat``: a kvps-owned contiguous copy, maybe in a

@@ -35,11 +35,12 @@ class DeviceStaging:
         self.refused = {}             # node name -> why it did not map the segment
 
     @classmethod
-    def create(cls, setting, nbytes, servers):
-        """A DeviceStaging for KVPS_IPC ``setting`` ('auto' and 'cuda': CUDA IPC), or None
-        where the route is off or the segment cannot be made (logged)."""
+    def create(cls, setting, nbytes, servers, device=None):
+        """A DeviceStaging for KVPS_IPC ``setting`` ('auto' and 'cuda': CUDA IPC, its segment
+        on CUDA ``device``), or None where the route is off or the segment cannot be made
+        (logged)."""
         try:
-            sharing = sharing_for('cuda' if setting == 'auto' else setting)
+            sharing = sharing_for('cuda' if setting == 'auto' else setting, device)
             return None if sharing is None else cls(DeviceSegment(sharing, nbytes), servers)
         except KVPSError as exc:
             log.info('no CUDA IPC for GPU values (%s); they take shared memory', exc)
@@ -92,7 +93,7 @@ class DeviceStaging:
         self.segment.close()
 
 
-def device_route(io, config):
+def device_route(io, config, device=None):
     """kvps.kvstore.backend.Backend.device_route of a worker (``io``: its WorkerIO): the ipc
     route where it applies, else its shared memory's route. The first call sets the ipc route
     up (unless KVPS_IPC=off): the device segment is made and every server asked to map it,
@@ -107,36 +108,37 @@ def device_route(io, config):
         with _SETTING_UP:
             if not staging.device_tried:
                 staging.device_tried = True
-                share(io, config)
-    device = staging.device
-    if device is not None and device.ready:
+                share(io, config, device)
+    shared = staging.device
+    if shared is not None and shared.ready:
         return True, f'{ROUTE}; {how}'
     return direct, how
 
 
-def share(io, config):
-    """Make the device segment and ask every server to map it; keep it if some did (the route
-    applies once all have: a restarted server maps it again), else free it."""
+def share(io, config, device=None):
+    """Make the device segment (on CUDA ``device``) and ask every server to map it; keep it if
+    some did (the route applies once all have: a restarted server maps it again), else free
+    it."""
     servers = [server_name(rank) for rank in range(io.welcome['num_servers'])]
     local = io.staging.attached
     if not all(node in local for node in servers):
         log.info('no CUDA IPC for GPU values: some servers are on other hosts; they take '
                  'shared memory and the socket')
         return
-    device = DeviceStaging.create(config.ipc, config.ipc_bytes, servers)
-    if device is None:
+    shared = DeviceStaging.create(config.ipc, config.ipc_bytes, servers, device)
+    if shared is None:
         return
-    io.staging.device = device
+    io.staging.device = shared
     ops = []
     for node in servers:
-        op = Attaching(f'attach the device buffer to {node}', device.answered, node)
-        io.submit(node, device.attach_header(), (), Request(op, node))
+        op = Attaching(f'attach the device buffer to {node}', shared.answered, node)
+        io.submit(node, shared.attach_header(), (), Request(op, node))
         ops.append(op)
     for op in ops:
         try:
             op.wait(config.timeout)
         except KVPSError:   # (logged by answered; the route then does not apply)
             pass
-    if not device.attached:
+    if not shared.attached:
         io.staging.device = None
-        device.close()
+        shared.close()

@@ -57,7 +57,7 @@ class ShmBackend(LocalBackend):
     def stage(self, sizes, device=False):
         return self.staging.stage(sizes, device)
 
-    def device_route(self):
+    def device_route(self, device=None):
         return self.staging.device_route()
 
     def push(self, items, priority=0):
