@@ -49,9 +49,10 @@ class Backend(Protocol):
     def device_route(self, device=None):
         """``(direct, how)``: ``direct`` when GPU values may go straight between a GPU and
         page-locked shared memory (kvps.pinning), or GPU memory the servers map (``device``:
-        the CUDA device the values are on): a push's GPU copies into blocks from ``stage``, and a pull's ``out`` may be a kvps.devices.Landing (written with
-        ``out[start:stop] = host array`` inside ``with out.writing():``, whose end waits for
-        the writes, before those host bytes are let go). ``how``: the route GPU values take,
+        the CUDA device the values are on): a push's GPU copies into blocks from ``stage``,
+        and a pull's ``out`` may be a kvps.devices.Landing (written with ``out[start:stop] =
+        host array`` or a device block inside ``with out.writing():``, whose end waits for
+        the writes, before those bytes are let go). ``how``: the route GPU values take,
         in words (logged). Cheap: asked at every push and pull of GPU values."""
 
     def push(self, items, priority=0):
