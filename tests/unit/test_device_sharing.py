@@ -1,12 +1,14 @@
 """Device memory shared between processes (kvps.wire.device_sharing) and a worker's device segment
 (kvps.wire.device_segments), through the host stand-in: export, open, close, the checks made on
-what a peer names, nothing left in /dev/shm. The CUDA implementation shares every check here;
-test_device_sharing_gpu.py runs it on a GPU."""
+what a peer names, nothing left in /dev/shm. The CUDA implementation shares every check here,
+and its calls into cupy are checked against a stand-in that records them;
+test_device_sharing_gpu.py runs it on a GPU, between two processes."""
 
 import gc
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -104,7 +106,8 @@ def test_a_killed_exporters_buffer_goes_with_it(tmp_path):
             f'b.array[:3] = 7; print(b.handle.hex(), flush=True); sys.stdin.read()')
     proc = subprocess.Popen([sys.executable, '-c', code], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, 'PYTHONPATH': os.getcwd()})
+                            env={**os.environ, 'PYTHONPATH': os.pathsep.join(
+                                filter(None, [os.getcwd(), os.environ.get('PYTHONPATH')]))})
     try:
         handle = bytes.fromhex(proc.stdout.readline())
         theirs = HostSharing(str(tmp_path)).open(handle, 4096)
@@ -174,3 +177,106 @@ def test_a_server_maps_only_a_segment_described_right(sharing, change, why):
         DeviceMapping(sharing, [1])
     assert sharing.open_buffers == 1   # the worker's own: nothing half-mapped stays open
     segment.close()
+
+
+# -- CUDA IPC, through a stand-in for cupy that records the runtime calls ----------------------
+class FakeCupy:
+    """What CudaSharing uses of cupy, recording each runtime call into ``calls``; handles the
+    'driver' does not know fail as cupy's CUDARuntimeError would."""
+
+    def __init__(self):
+        calls = self.calls = []
+        fake = self
+
+        class Memory:
+            def __init__(self, nbytes):
+                self.ptr, self.nbytes = 0x1000, nbytes
+                calls.append(('malloc', nbytes, fake.current))
+
+        class UnownedMemory:
+            def __init__(self, ptr, nbytes, owner):
+                self.ptr, self.nbytes, self.owner = ptr, nbytes, owner
+
+        class Device:
+            def __init__(self, index=None):
+                self.index = index
+
+            def __enter__(self):
+                fake.current = self.index
+
+            def __exit__(self, *exc):
+                fake.current = None
+
+        class Event:
+            def __init__(self, block, disable_timing, interprocess):
+                assert interprocess and disable_timing   # (CUDA refuses timing on IPC events)
+                self.ptr = 0x2000
+                calls.append(('event', fake.current))
+
+            def record(self):
+                calls.append(('record',))
+
+        def open_mem(handle):
+            if handle != b'm' * 64:
+                raise RuntimeError('cudaErrorInvalidResourceHandle')
+            calls.append(('open', handle))
+            return 0x3000
+
+        self.current = None
+        self.uint8 = np.uint8
+        self.ndarray = lambda shape, dtype, pointer: SimpleNamespace(
+            nbytes=shape[0], data=pointer, shape=shape)
+        runtime = SimpleNamespace(
+            ipcGetMemHandle=lambda ptr: b'm' * 64, ipcOpenMemHandle=open_mem,
+            ipcCloseMemHandle=lambda ptr: calls.append(('close', ptr)),
+            ipcGetEventHandle=lambda ptr: b'e' * 64,
+            ipcOpenEventHandle=lambda handle: 0x4000,
+            streamWaitEvent=lambda stream, event, flags: calls.append(('wait', stream, event)),
+            eventDestroy=lambda ptr: calls.append(('destroy', ptr)))
+        self.cuda = SimpleNamespace(
+            runtime=runtime, Memory=Memory, UnownedMemory=UnownedMemory, Device=Device,
+            Event=Event, MemoryPointer=lambda memory, offset: SimpleNamespace(
+                mem=memory, ptr=memory.ptr + offset),
+            get_current_stream=lambda: SimpleNamespace(ptr=0x5000))
+
+
+@pytest.fixture
+def cupy(monkeypatch):
+    fake = FakeCupy()
+    monkeypatch.setitem(sys.modules, 'cupy', fake)
+    return fake
+
+
+def test_cuda_buffers_are_allocations_of_their_own_on_the_values_device(cupy):
+    sharing = sharing_for('cuda', device=3)
+    mine = sharing.export(4096)
+    assert cupy.calls == [('malloc', 4096, 3)] and mine.handle == b'm' * 64
+    piece, anchor = sharing.piece(mine, 1024, 512)
+    assert piece.data.ptr == 0x1000 + 1024 and piece.data.mem.owner is anchor
+    assert sharing.address(piece) == 0x1000 + 1024
+    theirs = sharing.open(mine.handle, 4096)
+    theirs.close()
+    theirs.close()
+    assert cupy.calls[1:] == [('open', b'm' * 64), ('close', 0x3000)]   # closed once
+    with pytest.raises(ProtocolError, match='cannot open a device buffer handle'):
+        sharing.open(b'x' * 64, 4096)
+    mine.close()
+    assert sharing.open_buffers == 0
+
+
+def test_cuda_events_are_interprocess_and_waited_for_on_the_current_stream(cupy):
+    sharing = sharing_for('cuda', device=1)
+    event = sharing.event()
+    assert event.handle == b'e' * 64 and cupy.calls == [('event', 1)]
+    event.record()
+    peer = sharing.open_event(event.handle)
+    peer.wait()
+    peer.close()
+    peer.close()
+    assert cupy.calls[1:] == [('record',), ('wait', 0x5000, 0x4000), ('destroy', 0x4000)]
+
+
+def test_cuda_ipc_without_cupy_is_a_config_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, 'cupy', None)
+    with pytest.raises(ConfigError, match='CUDA IPC needs cupy'):
+        sharing_for('cuda')
