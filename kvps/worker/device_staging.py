@@ -33,6 +33,7 @@ class DeviceStaging:
         self.segment, self.servers = segment, frozenset(servers)
         self.attached = frozenset()
         self.refused = {}             # node name -> why it did not map the segment
+        self.used = False             # whether a block was ever taken (requests may name it)
 
     @classmethod
     def create(cls, setting, nbytes, servers, device=None):
@@ -78,7 +79,15 @@ class DeviceStaging:
     def take(self, nbytes):
         """``(wire offset, device block)`` of ``nbytes``, or None (no room, or the route does
         not apply)."""
-        return self.segment.take(nbytes) if self.attached == self.servers else None
+        if self.attached != self.servers:
+            return None
+        self.used = True
+        return self.segment.take(nbytes)
+
+    def readable_by(self, node):
+        """Whether ``node`` can read every request of this worker's as it is: it has mapped
+        the segment, or no request ever named it."""
+        return not self.used or node in self.attached
 
     def offset_in(self, node, array):
         """Where device ``array`` (part of a block) lies for ``node``, or None."""

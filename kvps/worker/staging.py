@@ -216,7 +216,7 @@ class Staging:
         one (a pull)."""
         op = header['op']
         if op not in (P.PUSH, P.PULL) or node in self.attached and (
-                self.device is None or node in self.device.attached):
+                self.device is None or self.device.readable_by(node)):
             return header, buffers
         frames, items, out = iter(buffers), [], []
         for item in header['keys']:

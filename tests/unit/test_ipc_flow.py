@@ -246,3 +246,37 @@ def test_attach_device_is_checked_on_the_wire():
     for field in ('kind', 'handle', 'size', 'event'):
         with pytest.raises(ProtocolError, match=f'field {field!r} missing'):
             P.decode(P.encode({k: v for k, v in header.items() if k != field}))
+
+
+class SpanRecorder:
+    """A recording.Recorder's span() only: the spans made, by name, with their args."""
+
+    def __init__(self):
+        self.spans = []
+
+    def span(self, name, cat, start, args=None, flows=None):
+        self.spans.append((name, args))
+
+
+def test_the_timeline_counts_the_device_segment_s_bytes_as_the_ipc_route(monkeypatch):
+    from kvps.timeline import recording
+    from kvps.worker.tracing import MessageTrace
+    recorder = SpanRecorder()
+    monkeypatch.setattr(recording, 'RECORDER', recorder)
+    trace = MessageTrace(0)
+    items = [PushItem('a', 0, 'float32', 1024, DEVICE_BASE, 0),
+             PushItem('b', 0, 'float32', 1024, 4096, 0), PushItem('c', 0, 'float32', 2, None, 0)]
+    keep = [np.zeros(1024, np.float32), np.zeros(1024, np.float32)]
+    trace.sent(0, 'server 0', {'op': P.PUSH, 'keys': items}, [np.zeros(2, np.float32)], keep)
+    trace.landed(0, 'server 0', [('a', SimpleNamespace(part=0), None, 'float32')], 0, 0, 4096)
+    (_, pushed), (_, landed) = recorder.spans
+    assert (pushed['ipc'], pushed['shm'], pushed['socket']) == (4096, 4096, 8)
+    assert (landed['ipc'], landed['shm'], landed['socket']) == (4096, 0, 0)
+
+
+def test_requests_go_as_they_are_while_no_block_of_the_device_segment_was_taken(staging):
+    staging.device.answered('server 0')   # server 1 refused: the route never applied
+    (block,) = staging.stage([4096])
+    push = {'op': P.PUSH, 'keys': [PushItem('a', 0, 'float32', 1024,
+                                            staging.offset_in('server 1', block), 0)]}
+    assert staging.readable('server 1', push, []) == (push, [])   # no copy made
