@@ -4,7 +4,7 @@ by a peer as a device array of its own, closed; and an interprocess event that o
 Two implementations behind one interface (a Sharing): CUDA IPC through cupy
 (``cudaIpcGetMemHandle`` / ``cudaIpcOpenMemHandle`` and interprocess events; cupy imported
 only when it is made), and a host stand-in on which the CPU suite runs the same protocol: a
-buffer is a 0600 file in /dev/shm named by the random bytes of its handle, an event a count.
+buffer is a 0600 shared-memory segment that its handle names (kvps.wire.shm), an event a count.
 What both share (handles checked before use, sizes, idempotent closes, the count of what is
 open) lives here once, so that the stand-in's tests cover it for CUDA too.
 
