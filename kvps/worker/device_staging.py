@@ -22,8 +22,8 @@ from .pending import Attaching, Request
 log = logging.getLogger('kvps.worker')
 
 _SETTING_UP = threading.Lock()   # API threads pushing at once set the route up once
-ROUTE = ('CUDA IPC: a device buffer the servers on this host map (a copy on the device each '
-         'way, no host copy)')
+ROUTE = ('CUDA IPC: a device buffer the servers on this host map (copies on the GPU only, '
+         'none through host memory)')
 
 
 class DeviceStaging:
