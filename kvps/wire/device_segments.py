@@ -56,8 +56,9 @@ class DeviceSegment:
         return DEVICE_BASE + offset, block
 
     def offset_of(self, array):
-        """The wire offset of device ``array`` if its bytes lie in this segment, else None."""
-        if self.buffer.closed:
+        """The wire offset of ``array`` if its bytes lie in this segment, else None (also for
+        an array of another kind: a host array, where the segment is a GPU's)."""
+        if self.buffer.closed or type(array) is not type(self.buffer.array):
             return None
         offset = self.sharing.address(array) - self.sharing.address(self.buffer.array)
         return DEVICE_BASE + offset if 0 <= offset and offset + array.nbytes <= \

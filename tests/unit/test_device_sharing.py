@@ -280,3 +280,11 @@ def test_cuda_ipc_without_cupy_is_a_config_error(monkeypatch):
     monkeypatch.setitem(sys.modules, 'cupy', None)
     with pytest.raises(ConfigError, match='CUDA IPC needs cupy'):
         sharing_for('cuda')
+
+
+def test_a_gpu_s_device_segment_finds_no_host_array_in_it(cupy):
+    segment = DeviceSegment(sharing_for('cuda'), 4096)
+    assert segment.offset_of(np.zeros(4)) is None   # (a host payload: never asked its .data)
+    at, block = segment.take(64)
+    assert segment.offset_of(block) == at
+    segment.close()
