@@ -113,6 +113,17 @@ VARS = (
         'when the first attaches); the pages of both are reserved 16 MiB at a time as blocks '
         'need them, and what finds no room goes the way it would without. auto: half of '
         '/dev/shm split among the job\'s processes on the host (none under 2 MiB).'),
+    Var('ipc', ('KVPS_IPC',), parse.ipc, 'auto',
+        'GPU values between a worker and GPU shards on its host: auto (through CUDA IPC, no '
+        'host copy, where every server of the job is on the host with GPU shards on a device '
+        'the worker\'s reaches; else through shared memory), off (always shared memory or the '
+        'socket), cuda (as auto), host (a stand-in on the host for tests without a GPU: '
+        'servers keep device-store keys in emulated GPU shards; '
+        '[shared-memory.md](shared-memory.md#cuda-ipc)).'),
+    Var('ipc_bytes', ('KVPS_IPC_BYTES',), parse.positive_int, 256 << 20,
+        'Size of each GPU worker\'s device buffer for the CUDA IPC route (made at its first '
+        'GPU push or pull where the route applies); what finds no room in it takes shared '
+        'memory.'),
     Var('malloc_trim_bytes', ('KVPS_MALLOC_TRIM_BYTES',), parse.nonneg_int, 1 << 30,
         'Servers and the workers of a distributed store ask glibc to keep up to this many '
         'freed bytes per heap (and to serve chunks up to 32 MiB from its heaps) instead of '
@@ -175,6 +186,8 @@ class Config:
     max_message_bytes: int = 1 << 31
     shm: bool = True
     shm_bytes: object = 'auto'
+    ipc: str = 'auto'
+    ipc_bytes: int = 256 << 20
     malloc_trim_bytes: int = 1 << 30
     timeline: str = None
     stats_seconds: float = 0.0

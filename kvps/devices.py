@@ -120,7 +120,11 @@ class PushCopies:
 
 def _into_block(flat, block):
     """``flat`` copied into ``block`` when it is page-locked (as numpy of its dtype), else
-    into a fresh pinned buffer; not waited for."""
+    into a fresh pinned buffer; not waited for. A cupy ``block`` is one of the worker's
+    device segment (the ipc route): copied on the device, and handed on as a cupy array."""
+    if is_cupy(block):
+        _torch().from_dlpack(block).view(flat.dtype).copy_(flat, non_blocking=True)
+        return block.view(DTYPES[arrays.dtype_name(flat)])
     spans = None if block is None else pinning.REGISTRY.spans(block.ctypes.data, block.nbytes)
     if spans is None:
         return _staged(flat)
@@ -147,7 +151,7 @@ def direct(backend):
     a DMA each way straight between it and the GPU; the route is logged at INFO the first
     time a GPU value moves."""
     _use_torch_locker()
-    ok, how = backend.device_route()
+    ok, how = backend.device_route(current_cuda_device())
     global _ROUTE_TOLD
     if not _ROUTE_TOLD:
         _ROUTE_TOLD = True
@@ -225,6 +229,10 @@ class Landing:
 
     def __setitem__(self, where, source):
         dst = self._flat[where]
+        if is_cupy(source):   # a block of the worker's device segment (the ipc route)
+            dst.copy_(_torch().from_dlpack(source.view('uint8')).view(dst.dtype),
+                      non_blocking=True)
+            return
         spans = pinning.REGISTRY.spans(source.ctypes.data, source.nbytes)
         _copy_spans(dst, _host_tensor(source, dst.dtype), spans or [(0, source.nbytes)])
 
@@ -373,6 +381,13 @@ def _checked(error, call):
     except RuntimeError:
         pass
     raise pinning.LockFailed(f'{call}: CUDA error {int(error)} ({error})')
+
+
+def current_cuda_device():
+    """torch's current CUDA device (the one a worker's GPU values are on, as DDP sets it), or
+    None without one."""
+    torch = _torch()
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
 
 
 def _use_torch_locker():

@@ -65,6 +65,13 @@ def device(text):
     return low
 
 
+def ipc(text):
+    low = text.strip().lower()
+    if low not in ('auto', 'off', 'cuda', 'host'):
+        raise ValueError('expected auto, off, cuda or host')
+    return low
+
+
 def count_or_auto(text):
     low = text.strip().lower()
     return 'auto' if low == 'auto' else positive_int(low)

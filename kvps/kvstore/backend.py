@@ -39,16 +39,20 @@ class Backend(Protocol):
         calls it, rank 0's values win. Blocks until the servers hold the keys. ``device``:
         keep them on the servers' GPUs where there are some."""
 
-    def stage(self, sizes):
+    def stage(self, sizes, device=False):
         """Where a push's copies of ``sizes`` bytes should be made: per size a writable
-        uint8 block the backend sends from (shared memory), or None (make it anywhere)."""
+        uint8 block the backend sends from (shared memory), or None (make it anywhere).
+        ``device``: blocks of GPU memory the servers map (the ipc route: a GPU value is
+        copied into one on the device, kvps.devices.PushCopies), None where there are none;
+        asked only where ``device_route`` is direct."""
 
-    def device_route(self):
+    def device_route(self, device=None):
         """``(direct, how)``: ``direct`` when GPU values may go straight between a GPU and
-        page-locked shared memory (kvps.pinning): a push's GPU copies into blocks from
-        ``stage``, and a pull's ``out`` may be a kvps.devices.Landing (written with
-        ``out[start:stop] = host array`` inside ``with out.writing():``, whose end waits for
-        the writes, before those host bytes are let go). ``how``: the route GPU values take,
+        page-locked shared memory (kvps.pinning), or GPU memory the servers map (``device``:
+        the CUDA device the values are on): a push's GPU copies into blocks from ``stage``,
+        and a pull's ``out`` may be a kvps.devices.Landing (written with ``out[start:stop] =
+        host array`` or a device block inside ``with out.writing():``, whose end waits for
+        the writes, before those bytes are let go). ``how``: the route GPU values take,
         in words (logged). Cheap: asked at every push and pull of GPU values."""
 
     def push(self, items, priority=0):

@@ -143,7 +143,7 @@ class StoreKeys:
         sizes = [[0] if on_gpu and not straight else [values[0].nbytes] if cut is None else
                  [(b - a) * values[0].itemsize for a, b in cut]
                  for on_gpu, cut, (_, values) in zip(gpu, cuts, pairs)]
-        blocks = iter(self._backend.stage([n for each in sizes for n in each]) if stage
+        blocks = iter(self._blocks(sizes, gpu if straight else None) if stage
                       else [None] * len(pairs))
         copies, from_gpu = [], devices.PushCopies() if straight else None
         for on_gpu, cut, (_, values) in zip(gpu, cuts, pairs):
@@ -160,6 +160,18 @@ class StoreKeys:
         if straight:
             from_gpu.wait()   # before the backend sends headers that point at the blocks
         return copies
+
+    def _blocks(self, sizes, gpu=None):
+        """A block of the backend's for each part's size in ``sizes`` (a list per value); where
+        ``gpu`` says a value is a GPU's, a block of its device memory, if it has some (the ipc
+        route: copied on the device), else of its shared memory."""
+        flat = [n for each in sizes for n in each]
+        if gpu is None or True not in gpu:
+            return self._backend.stage(flat)
+        on_device = self._backend.stage([n if g else 0 for g, each in zip(gpu, sizes)
+                                         for n in each], device=True)
+        host = self._backend.stage([0 if d is not None else n for d, n in zip(on_device, flat)])
+        return [h if d is None else d for d, h in zip(on_device, host)]
 
     def parts(self, key):
         """``[(server, part, start, stop)]`` of an initialized key, as its backend placed it."""

@@ -96,11 +96,11 @@ class LocalBackend:
         for key, flat, shape, dtype in items:
             self.shard.init(None, key, 0, dtype, shape, True, memoryview(flat).cast('B'))
 
-    def stage(self, sizes):
+    def stage(self, sizes, device=False):
         """Pushes are applied before push returns: a copy anywhere will do."""
         return [None] * len(sizes)
 
-    def device_route(self):
+    def device_route(self, device=None):
         return False, 'pinned host buffers <-> this process\'s own store'
 
     @_serialized

@@ -9,15 +9,22 @@ block the worker gave in its segment, or into a pinned buffer sent as the frame.
 the device's current stream, behind the updates, and ``settle`` waits for them: before the
 acknowledgements that free the workers' blocks, and before each answer that carries values.
 
+A push from a worker whose device segment this server maps (CUDA IPC, kvps.wire.device_sharing)
+is a device array already: it is copied once on the device, and a pull is copied into the
+worker's device segment the same way; no byte touches the host.
+
 The copying is a Transfers' (cupy's in CudaArrays); the choices (which buffer, locked or not)
-are DeviceArrays', so tests run them on the host with a stand-in.
+are DeviceArrays', so tests run them on the host with a stand-in (HostStandIn: also what a
+job with KVPS_IPC=host keeps device-store keys in).
 """
 
 import numpy as np
 
 from .. import pinning
 from ..errors import ConfigError
-from ..wire.protocol import as_array
+from ..optimizer.kernels import numpy_kernels
+from ..wire.device_sharing import CudaSharing, HostSharing
+from ..wire.protocol import DTYPES, as_array
 from .host_arrays import HostArrays
 
 # Bytes of socket payloads staged in pinned buffers before their copies are waited for (as a
@@ -31,17 +38,19 @@ class DeviceArrays(HostArrays):
     moved by ``transfers``: ``empty(shape, dtype)``, ``upload(device, host, spans)`` (from
     page-locked host memory), ``download(host, device, spans)`` (``spans``: kvps.pinning's
     pieces of a page-locked host range, or None: pageable memory, a copy waited for),
-    ``pinned(nbytes)`` (a uint8 host array, page-locked) and ``settle()`` (wait for every copy
-    issued)."""
+    ``pinned(nbytes)`` (a uint8 host array, page-locked), ``hold(array)`` (keep it until
+    ``settle``, which then waits: a copy on the device) and ``settle()`` (wait for every copy
+    issued). ``sharing``: the kvps.wire.device_sharing its workers' device segments are mapped
+    with (None: they are not)."""
 
     name = 'device'
     lends = True         # a pull reply holds the weight itself (copy-on-write) until settled
     on_device = True     # ... and copies it out: into the worker's segment or a pinned frame
     sums_in_update = ()
 
-    def __init__(self, xp, kernels, transfers):
+    def __init__(self, xp, kernels, transfers, sharing=None):
         super().__init__()
-        self.xp, self._kernels, self.transfers = xp, kernels, transfers
+        self.xp, self._kernels, self.transfers, self.sharing = xp, kernels, transfers, sharing
         self._staged = 0   # bytes in pinned staging buffers not yet waited for
 
     @property
@@ -56,7 +65,12 @@ class DeviceArrays(HostArrays):
     def received(self, data, dtype):
         """A new device array holding a received buffer (a push's, an init's): one DMA from
         a worker's page-locked segment; a socket frame (or memory that could not be locked)
-        is copied into a pinned buffer first."""
+        is copied into a pinned buffer first. A worker's device segment's bytes (a device
+        array) are copied on the device."""
+        if type(data) is self.xp.ndarray:
+            out = data.view(DTYPES[dtype]).copy()
+            self.transfers.hold(out)
+            return out
         host = as_array(data, dtype)
         spans = _spans(host)
         if spans is None:
@@ -74,7 +88,12 @@ class DeviceArrays(HostArrays):
 
     def copy_out(self, array, view):
         """Copy device ``array`` into ``view``, the block of a worker's segment it placed the
-        pull in: one DMA when that block is page-locked."""
+        pull in: one DMA when that block is page-locked; on the device when it is a block of
+        the worker's device segment."""
+        if type(view) is self.xp.ndarray:
+            view.view(array.dtype)[...] = array
+            self.transfers.hold(view)
+            return
         host = np.frombuffer(view, array.dtype)
         self.transfers.download(host, array, _spans(host))
 
@@ -110,7 +129,8 @@ class CudaArrays(DeviceArrays):
 
     name = 'cuda'
 
-    def __init__(self):
+    def __init__(self, ipc='auto'):
+        """``ipc``: KVPS_IPC (workers' device segments mapped through CUDA IPC, or not)."""
         try:
             import cupy
             count = cupy.cuda.runtime.getDeviceCount()
@@ -120,7 +140,8 @@ class CudaArrays(DeviceArrays):
         if count < 1:
             raise ConfigError('this server sees no CUDA GPU')
         from ..optimizer.kernels import cuda_kernels  # imports cupy: only now
-        super().__init__(cupy, cuda_kernels, CupyTransfers(cupy))
+        super().__init__(cupy, cuda_kernels, CupyTransfers(cupy),
+                         CudaSharing() if ipc in ('auto', 'cuda') else None)
         pinning.REGISTRY.use(CupyLocker(cupy.cuda.runtime))
 
     @property
@@ -138,6 +159,9 @@ class CupyTransfers:
 
     def empty(self, shape, dtype):
         return self.cupy.empty(shape, dtype)
+
+    def hold(self, array):
+        self._held.append(array)
 
     def upload(self, device, host, spans):
         self._copy(device.data.ptr, host.ctypes.data, spans, self.runtime.memcpyHostToDevice)
@@ -163,6 +187,43 @@ class CupyTransfers:
         if self._held:
             self.cupy.cuda.get_current_stream().synchronize()
             self._held.clear()
+
+
+class HostStandIn(DeviceArrays):
+    """GPU shards emulated on the host (KVPS_IPC=host: tests without a GPU): numpy arrays and
+    kernels, every copy a numpy copy, workers' device segments mapped through the host
+    stand-in of CUDA IPC."""
+
+    name = 'host stand-in'
+
+    def __init__(self):
+        super().__init__(np, numpy_kernels, HostCopies(), HostSharing())
+
+    @property
+    def route(self):
+        return f'{super().route} (emulated on the host: KVPS_IPC=host)'
+
+
+class HostCopies:
+    """A device's transfers, on the host: numpy copies, done when they return."""
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def upload(self, device, host, spans):
+        device[...] = host
+
+    def download(self, host, device, spans):
+        host[...] = device
+
+    def pinned(self, nbytes):
+        return np.empty(nbytes, np.uint8)
+
+    def hold(self, array):
+        pass
+
+    def settle(self):
+        pass
 
 
 class CupyLocker:

@@ -18,6 +18,7 @@ class HostArrays:
     name = 'cpu'
     lends = True        # a pull reply may send the stored weight itself, without a copy
     on_device = False   # a pull reply sends or lends the weight as it is (host memory)
+    sharing = None      # workers' device segments are not mapped (kvps.wire.device_sharing)
     route = ('kept in host memory (numpy kernels): read from and lent to local workers in '
              'shared memory')
     # An update may take a sync round's last pushes unsummed (the numpy kernels add them in

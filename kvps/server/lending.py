@@ -5,9 +5,9 @@ from typing import NamedTuple
 import numpy as np
 
 from ..compression.half import ROUNDED, pulled_dtype, round_pulled
-from ..errors import ProtocolError
+from ..errors import ConfigError, ProtocolError
 from ..wire import protocol as P
-from ..wire.identities import members_on
+from ..wire.identities import identity_label, members_on, worker_rank
 from ..wire.items import DataItem, new
 from ..wire.shm import segment_bytes
 from .regions import Regions
@@ -27,8 +27,10 @@ class Lending:
     """The workers' segments and the server's arena (Regions) as requests use them; new
     host arrays of ``storage`` come from the arena once there is one."""
 
-    def __init__(self, regions, storage):
-        self.regions, self._storage = regions, storage
+    def __init__(self, regions, storage, hosts=None):
+        """``hosts``: ``(this server's host, {worker rank: its host})`` as the job's welcome
+        lists them (None: unknown), which decides whose device handles it opens."""
+        self.regions, self._storage, self._hosts = regions, storage, hosts
 
     @classmethod
     def on_host(cls, host, config, welcome, storage):
@@ -38,7 +40,9 @@ class Lending:
         hold are copied into a worker's segment for every pull)."""
         workers = members_on(welcome, host, 'worker')
         size = segment_bytes(config.shm_bytes, workers + members_on(welcome, host, 'server'))
-        return cls(Regions(config.shm, arena_bytes=size, neighbours=workers), storage)
+        hosts = {n['rank']: n['host'] for n in welcome.get('nodes', ()) if n['role'] == 'worker'}
+        return cls(Regions(config.shm, arena_bytes=size, neighbours=workers), storage,
+                   (host, hosts))
 
     def attach(self, identity, header, now):
         """Map the segment an ATTACH names (releasing the one it replaces, once the copies
@@ -47,6 +51,20 @@ class Lending:
         arena = self.regions.attach(identity, header, now)
         self._storage.use_arena(self.regions.arena)
         return None if arena is None else {'arena': arena}
+
+    def attach_device(self, identity, header):
+        """Map the device segment an ATTACH_DEVICE names, for a worker on this host only (its
+        handles are capabilities); ConfigError or ProtocolError (the worker's payloads then
+        take shared memory)."""
+        if self._hosts is not None:
+            host, hosts = self._hosts
+            theirs = hosts.get(worker_rank(identity), host)   # (a joiner: its handle decides)
+            if theirs != host:
+                raise ConfigError(f'{identity_label(identity)} is on {theirs}, not on this '
+                                  f'server\'s host {host}: device handles are opened only '
+                                  f'from workers on it')
+        self._storage.settle()   # (copies from a segment it replaces are done)
+        self.regions.attach_device(identity, header, self._storage.sharing)
 
     def payloads(self, identity, items, frames):
         """Regions.payloads: a PUSH's payload per item, in a frame or the worker's segment."""

@@ -35,7 +35,8 @@ class Server:
 
     def __init__(self, config):
         self.config = config.require_cluster()
-        storage = for_device(config.server_device)   # before joining: a bad device fails alone
+        # before joining: a bad device fails alone
+        storage = for_device(config.server_device, config.ipc)
         use_update_threads(config.update_threads)
         self.ctx = new_context()
         self.link = SchedulerLink(self.ctx, config, 'server')
@@ -224,7 +225,7 @@ class Server:
         """Serve one request: now, or once this restarted server's workers have resumed."""
         if header['op'] == P.RESUME:
             self._on_resume(identity, header)
-        elif self.recovery is not None and header['op'] != P.ATTACH:
+        elif self.recovery is not None and header['op'] not in (P.ATTACH, P.ATTACH_DEVICE):
             # Counts are not settled until every worker resumed (ATTACH involves none).
             self.recovery.park(identity, header, buffers)
         else:

@@ -16,6 +16,7 @@ import weakref
 
 from ..errors import ConfigError, KVPSError, ProtocolError
 from ..wire import protocol as P
+from ..wire.device_segments import DEVICE_BASE, DeviceMapping
 from ..wire.shm import SHM_DIR, Heap, Mapping, Segment
 
 log = logging.getLogger('kvps.server')
@@ -50,6 +51,7 @@ class Regions:
         self.enabled, self.directory, self.arena_bytes = enabled, directory, arena_bytes
         self.neighbours = neighbours
         self._by_worker = {}
+        self._devices = {}    # worker identity -> its device segment (DeviceMapping), mapped
         self.arena = None
         self._unlink_at = None
         self._readers = {}
@@ -72,6 +74,20 @@ class Regions:
         self._readers[identity] = Reader()
         return None if self.arena is None or self.arena.name_gone else self.arena.describe()
 
+    def attach_device(self, identity, header, sharing):
+        """Map the device segment of ATTACH_DEVICE ``header`` for ``identity`` with
+        ``sharing`` (this server's GPU shards' kvps.wire.device_sharing; None: it has none),
+        replacing an older one. ConfigError or ProtocolError when it cannot."""
+        self._drop_device(identity)
+        if sharing is None:
+            raise ConfigError('this server keeps no GPU shards that could map a device segment')
+        self._devices[identity] = DeviceMapping(sharing, header)
+
+    def _drop_device(self, identity):
+        mapping = self._devices.pop(identity, None)
+        if mapping is not None:
+            mapping.close()
+
     def _new_arena(self):
         why = f'this server\'s share of {self.directory} is under 2 MiB'
         if self.arena_bytes:
@@ -91,6 +107,8 @@ class Regions:
         """Release every worker's segment and close the arena (the server is ending)."""
         for identity in list(self._by_worker):
             self._drop_mapping(identity)
+        for identity in list(self._devices):
+            self._drop_device(identity)
         if self.arena is not None:
             self.arena.close()
 
@@ -102,9 +120,10 @@ class Regions:
             mapping.release()
 
     def view(self, identity, at, nbytes):
-        """``nbytes`` of ``identity``'s segment at ``at``; ProtocolError when that worker has
-        no segment here or the range is outside it."""
-        mapping = self._by_worker.get(identity)
+        """``nbytes`` of ``identity``'s segment at ``at`` (its device segment's, a device array,
+        from DEVICE_BASE on); ProtocolError when that worker has no segment here or the range
+        is outside it."""
+        mapping = (self._by_worker if at < DEVICE_BASE else self._devices).get(identity)
         if mapping is None:
             raise ProtocolError('a shared-memory offset from a worker whose segment this server '
                                 'has not attached')
@@ -114,16 +133,24 @@ class Regions:
         """One payload per PUSH item, in order: its data frame, or its bytes in the segment.
         A range that fails its check becomes the ProtocolError itself, for that key alone."""
         frames = iter(frames)
-        out = []
+        out, waited = [], False
         for item in items:
-            if item.at is None:
+            at = item.at
+            if at is None:
                 out.append(next(frames))
                 continue
             try:   # read-only: an update must not clobber the worker's copy (it may resend it)
-                out.append(self.view(identity, item.at, P.nbytes(item.dtype, item.n))
-                           .toreadonly())
+                if at < DEVICE_BASE:
+                    out.append(self.view(identity, at, P.nbytes(item.dtype, item.n))
+                               .toreadonly())
+                    continue
+                out.append(self.view(identity, at, P.nbytes(item.dtype, item.n)))
             except ProtocolError as exc:
                 out.append(exc)
+                continue
+            if not waited:   # (a device array, only read) behind the worker's event, once
+                waited = True
+                self._devices[identity].event.wait()
         return out
 
     # -- the arena -----------------------------------------------------------------------------
@@ -167,6 +194,7 @@ class Regions:
         """The worker left: nothing it was lent needs keeping, and its segment is released."""
         self._forget_reader(identity)
         self._drop_mapping(identity)
+        self._drop_device(identity)
 
     def _forget_reader(self, identity):
         """Nothing ``identity`` was lent needs keeping (it left, or attached anew)."""

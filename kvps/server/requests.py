@@ -165,6 +165,10 @@ class Requests:
     def _attach(self, token, h, buffers):
         return [Reply(ACK, token, self.lending.attach(token[0], h, time.monotonic()))]
 
+    def _attach_device(self, token, h, buffers):
+        self.lending.attach_device(token[0], h)
+        return [Reply(ACK, token, None)]
+
     def _set_optimizer(self, token, h, buffers):
         # (a frame, not a header field: per-key options of many keys outgrow a header)
         spec = _map_in(buffers[0], 'set_optimizer: the spec')
@@ -200,7 +204,7 @@ class Requests:
                  P.PULL_ROWS: _pull_rows,
                  P.SET_OPTIMIZER: _set_optimizer, P.GET_STATES: _get_states,
                  P.SET_STATES: _set_states, P.COMMIT_STATES: _commit_states,
-                 P.ATTACH: _attach}
+                 P.ATTACH: _attach, P.ATTACH_DEVICE: _attach_device}
 
 
 def _map_in(buffer, what):

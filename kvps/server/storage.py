@@ -14,10 +14,10 @@ import os
 
 from ..errors import ConfigError
 from ..optimizer.kernels import numpy_kernels
-from .device_arrays import CudaArrays
+from .device_arrays import CudaArrays, HostStandIn
 from .host_arrays import HostArrays
 
-__all__ = ['CudaArrays', 'HostArrays', 'Storage', 'for_device', 'gpu_if_present',
+__all__ = ['CudaArrays', 'HostArrays', 'HostStandIn', 'Storage', 'for_device', 'gpu_if_present',
            'use_update_threads']
 
 log = logging.getLogger('kvps.server')
@@ -50,6 +50,13 @@ class Storage:
         return self._device
 
     @property
+    def sharing(self):
+        """The kvps.wire.device_sharing that workers' device segments are mapped with: the
+        device-store keys' arrays' (probed now, if not yet), None where they are on the host
+        or are not shared."""
+        return self.for_key(True).sharing
+
+    @property
     def on_device(self):
         """Whether some keys may live on a device (their pulls are copied out of it)."""
         return self._device is not None and self._device.on_device
@@ -63,25 +70,29 @@ class Storage:
             self._device.settle()
 
 
-def gpu_if_present():
+def gpu_if_present(ipc='auto'):
     """CUDA placement if this server can use a GPU, else None (logged once, not an error:
-    a device-side store's values are the same wherever a server keeps them)."""
+    a device-side store's values are the same wherever a server keeps them). ``ipc``:
+    KVPS_IPC."""
     try:
-        return CudaArrays()
+        return CudaArrays(ipc)
     except ConfigError as exc:
         log.info('a device-side store asked for the GPU; this server has none usable (a GPU '
                  'placement %s)', exc)
         return None
 
 
-def for_device(setting):
+def for_device(setting, ipc='auto'):
     """The storage for a KVPS_SERVER_DEVICE value: 'cpu' and 'cuda' put every key there
     (cuda fails at start without a GPU); 'auto' puts device-side stores' keys on a GPU when
-    this server has one, probing (importing cupy) only when such a key arrives."""
+    this server has one, probing (importing cupy) only when such a key arrives. KVPS_IPC
+    ``ipc`` 'host' (tests) puts them in GPU shards emulated on the host instead."""
+    if ipc == 'host':
+        return Storage(HostArrays(), HostStandIn())
     if setting == 'auto':
-        return Storage(HostArrays(), probe=gpu_if_present)
+        return Storage(HostArrays(), probe=lambda: gpu_if_present(ipc))
     try:
-        arrays = CudaArrays() if setting == 'cuda' else HostArrays()
+        arrays = CudaArrays(ipc) if setting == 'cuda' else HostArrays()
     except ConfigError as exc:
         raise ConfigError(f'KVPS_SERVER_DEVICE=cuda: {exc}') from None
     return Storage(arrays, arrays)

@@ -18,6 +18,8 @@ class WorkerCounts:
     pushed_socket: int = 0         # bytes pushed over the socket
     pulled_shm: int = 0            # bytes pulled through shared memory (the worker's or the
     pulled_socket: int = 0         # server's) and over the socket
+    pushed_ipc: int = 0            # bytes pushed and pulled through the worker's device
+    pulled_ipc: int = 0            # segment (the ipc route: CUDA IPC)
     messages: int = 0              # requests sent to servers
     answers: int = 0               # answers received from servers
     waits: int = 0                 # times a call blocked for answers
@@ -47,9 +49,11 @@ class WorkerCounts:
         counts = dataclasses.asdict(self)
         return {
             'pushed_bytes': {'shm': counts.pop('pushed_shm'),
-                             'socket': counts.pop('pushed_socket')},
+                             'socket': counts.pop('pushed_socket'),
+                             'ipc': counts.pop('pushed_ipc')},
             'pulled_bytes': {'shm': counts.pop('pulled_shm'),
-                             'socket': counts.pop('pulled_socket')},
+                             'socket': counts.pop('pulled_socket'),
+                             'ipc': counts.pop('pulled_ipc')},
             **counts, 'rounds': rounds, 'in_flight_requests': in_flight,
             'in_flight_push_bytes': in_flight_bytes}
 

@@ -10,7 +10,7 @@ the thread making them was in no kvps span: the model's forward and backward, th
 import collections
 import json
 
-ROUTES = ('shm', 'socket')   # how a message's bytes travel (spans' fields of those names)
+ROUTES = ('ipc', 'shm', 'socket')   # how a message's bytes travel (spans' fields of those names)
 SHOWN = {'worker': ('compute', 'phase', 'step', 'push', 'compress', 'backpressure', 'wait',
                     'pull', 'land', 'barrier'),
          'server': ('recv', 'merge', 'update', 'reply', 'checkpoint'),

@@ -15,7 +15,7 @@ from .codecs import GRADIENT_CODECS, ONE_BIT, PULL_CODECS, TOP_K, coded_nbytes
 from .items import CheckItem, DataItem, InitItem, Layout, PullItem, PushItem, ResumeItem
 
 # Node <-> scheduler.
-VERSION = 15                 # bumped on any change of the wire format; checked at REGISTER
+VERSION = 16                 # bumped on any change of the wire format; checked at REGISTER
 # node -> scheduler: {role, host, port, rank, pid, version, shared, rank_from (the setting
 # that gave the rank, for messages: 'DMLC_WORKER_ID=3')}
 REGISTER = 'register'
@@ -89,6 +89,11 @@ RESUME = 'resume'
 # /proc/<pid>/fd/<fd> once its name is gone (a restarted server); ERROR, or ACK with
 # {arena: {name, nonce, size, ...}} when the server keeps big weights in an arena of its own
 ATTACH = 'attach'
+# {kind, handle, size, event}: map this worker's device segment (kvps.wire.device_segments:
+# `kind` of memory, 'cuda' or the stand-in's 'host'; the buffer's and the event's handles,
+# HANDLE_BYTES each); ERROR, or ACK. From then on PUSH, PULL and DATA items may name offsets
+# in it (`at` >= DEVICE_BASE). Only a server on the worker's host with GPU shards maps it
+ATTACH_DEVICE = 'attach_device'
 
 # Replies.
 ACK = 'ack'
@@ -128,10 +133,12 @@ _FIELDS = {
     PULL_ROWS: {'key': (int, str), 'part': int},
     ROWS: {'epoch': int, 'count': int},
     ATTACH: {'name': str, 'nonce': bytes, 'size': int},
+    ATTACH_DEVICE: {'kind': str, 'handle': bytes, 'size': int, 'event': bytes},
 }
 OPS = frozenset([REGISTER, WELCOME, HEARTBEAT, HEARTBEAT_ACK, BARRIER, BARRIER_DONE, FINISH, ABORT,
                  SHUTDOWN, PEER_LOST, SERVER_LOST, SERVER_BACK, MEMBERS, INIT, CHECK, PUSH, PULL,
-                 SET_OPTIMIZER, GET_STATES, SET_STATES, COMMIT_STATES, RESUME, ATTACH, ACK,
+                 SET_OPTIMIZER, GET_STATES, SET_STATES, COMMIT_STATES, RESUME, ATTACH,
+                 ATTACH_DEVICE, ACK,
                  DATA, ERROR, STATES, PULL_ROWS, ROWS])
 
 # dtype names on the wire -> numpy storage dtype. bfloat16 travels as its raw 16-bit pattern.

@@ -16,12 +16,14 @@ from ..allocator import keep_freed_memory
 from ..timeline import recording
 from ..timeline.counters import WorkerCounts
 from ..wire import protocol as P
+from ..wire.device_segments import DEVICE_BASE
 from ..wire.items import PullItem, PushItem, new
 from .collectives import Collectives, refuse_updater
+from .device_staging import device_route
 from .joining import Members
 from .loop import SCHEDULER, WorkerIO
-from .messages import (copier, describe, fuse, live_collector, part_nbytes, payload, pull_targets,
-                       row_writer, server_name, waves)
+from .messages import (copier, describe, fuse, landing_on_gpu, live_collector, part_nbytes,
+                       payload, pull_targets, row_writer, server_name, waves)
 from .pending import Operation, PushWindow, Request
 from .sharding import Sharding
 
@@ -117,18 +119,14 @@ class DistClient:
         return None
 
     # -- data -----------------------------------------------------------------------------
-    def stage(self, sizes):
-        """Where a push's copies of values of ``sizes`` bytes should be made: blocks of this
-        worker's shared memory (servers read them in place), or None (make it anywhere)."""
+    def stage(self, sizes, device=False):
+        """Blocks of this worker's shared memory for a push's copies of ``sizes`` bytes (read
+        in place; ``device``: of its device segment, the ipc route), or None (anywhere)."""
         staging = self.io.staging
-        return [None] * len(sizes) if staging is None else staging.stage(sizes)
+        return [None] * len(sizes) if staging is None else staging.stage(sizes, device)
 
-    def device_route(self):
-        staging = self.io.staging
-        if staging is None:
-            return False, ('pinned host buffers <-> the socket (no shared memory with a '
-                           'server: none on this host, KVPS_SHM=0 or no room in /dev/shm)')
-        return staging.device_route()
+    def device_route(self, device=None):
+        return device_route(self.io, self.config, device)
 
     def push(self, items, priority=0):
         """Send each ``(key, flat, dtype)`` (``flat``: a kvps-owned contiguous copy, maybe in a
@@ -163,7 +161,7 @@ class DistClient:
                 node = server_name(server)
                 numbered = counts.of(node)
                 keys, frames, keep = [], [], []
-                socket = shm = 0   # (counted per message: this loop runs for every key part)
+                socket, shm = 0, [0, 0]   # (per message); shm[1]: the device segment's
                 for key, part, data, dtype, at in batch:
                     where = (key, part.part)
                     seq = numbered.get(where, 0)
@@ -175,9 +173,10 @@ class DistClient:
                         socket += data.nbytes
                     else:
                         keep.append(data)
-                        shm += data.nbytes
+                        shm[at >= DEVICE_BASE] += data.nbytes
                 self.counts.pushed_socket += socket
-                self.counts.pushed_shm += shm
+                self.counts.pushed_shm += shm[0]
+                self.counts.pushed_ipc += shm[1]
                 header = {'op': P.PUSH, 'sync': self.sync, 'keys': keys}
                 if step:
                     header['step'] = step
@@ -244,7 +243,8 @@ class DistClient:
         for server, batch in batches:
             node = server_name(server)
             blocks = [None] * len(batch) if staging is None else staging.blocks_for(
-                node, [(part_nbytes(item), (item[0], item[1].part)) for item in batch])
+                node, [(part_nbytes(item), (item[0], item[1].part)) for item in batch],
+                landing_on_gpu(batch, codec, staging))
             header = {'op': P.PULL, 'keys': [
                 new(PullItem, (key, part.part, None if block is None else block[0]))
                 for (key, part, _, _), block in zip(batch, blocks)]}

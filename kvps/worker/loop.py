@@ -22,7 +22,7 @@ from ..wire.link import SchedulerLink, decode_or_refusal
 from ..wire.ordering import PriorityOrder
 from ..wire.transport import Dealer, Poller, Waker, guard_from, new_context
 from .messages import server_name
-from .pending import Operation, PendingTable, PushCounts, Request
+from .pending import Attaching, PendingTable, PushCounts, Request
 from .staging import Staging
 from .tracing import MessageTrace
 
@@ -262,8 +262,13 @@ class WorkerIO(threading.Thread):
         the answer's handler maps ``node``'s arena if it offers one."""
         if self.staging is not None:
             self._queue.append((node, self.staging.attach_header(node), (), Request(
-                _Attaching(self.staging, node), node,
+                Attaching(f'attach to {node}', self.staging.answered, node), node,
                 lambda header, _: self.staging.map_arena(node, header))))
+            device = self.staging.device
+            if device is not None:   # (a restarted server: maps the device segment anew)
+                self._queue.append((node, device.attach_header(), (), Request(
+                    Attaching(f'attach the device buffer to {node}', device.answered, node),
+                    node)))
 
     def _from_scheduler(self):
         header = self._link.next_message()
@@ -373,19 +378,3 @@ def membership_of(message):
     if 'workers' not in message:
         return 0, list(range(message['num_workers']))
     return message['epoch'], [rank for rank, _ in message['workers']]
-
-
-class _Attaching(Operation):
-    """The answer to an ATTACH: tells the staging whether the server mapped the segment."""
-
-    def __init__(self, staging, node):
-        super().__init__(f'attach to {node}', 1)
-        self._staging, self._node = staging, node
-
-    def part_done(self):
-        super().part_done()
-        self._staging.answered(self._node)
-
-    def fail(self, exc):
-        super().fail(exc)
-        self._staging.answered(self._node, exc)

@@ -9,6 +9,7 @@ from ..compression import land_pulled, pulled_dtype
 from ..errors import ProtocolError
 from ..timeline import recording
 from ..wire import protocol as P
+from ..wire.device_segments import DEVICE_BASE
 
 FUSE_BYTES = 1 << 20   # socket bytes up to which parts share a message for the same server
 # Socket bytes a pushpull sends before the pull requests that follow them: small enough that
@@ -88,6 +89,15 @@ def payload(part, array):
     return array[part.part] if type(array) is list else array[part.start:part.stop]
 
 
+def landing_on_gpu(batch, codec, staging):
+    """Whether each part of a pull's ``batch`` lands on a GPU (its target a devices.Landing,
+    not a host array), where the worker has a device segment and the values are not
+    rounded (a rounded value is written on the host); else None."""
+    if staging is None or staging.device is None or codec is not None:
+        return None
+    return [type(item[2]) is not np.ndarray for item in batch]
+
+
 def copier(batch, blocks, staging, node, counts, trace=None, landings=()):
     """The reply handler that writes every pulled part into the caller's arrays, from its data
     frame, from the shared-memory block (offset, array) the server wrote it into, or from the
@@ -109,7 +119,7 @@ def copier(batch, blocks, staging, node, counts, trace=None, landings=()):
         _check_answers(node, batch, answers, buffers)
         frames = iter(buffers)
         arena = None if staging is None else staging.arenas.get(node)
-        socket = shm = 0
+        socket = shm = ipc = 0
         for asked, block, answer in zip(batch, blocks, answers):
             key, part, target, dtype = asked
             at, lent = answer.at, answer.lent   # (read once: this runs for every key part)
@@ -126,6 +136,10 @@ def copier(batch, blocks, staging, node, counts, trace=None, landings=()):
                 socket += source.nbytes
             elif block is not None and at == block[0]:
                 source = block[1]
+                if at >= DEVICE_BASE:   # a device array (the ipc route's): viewed, not read
+                    ipc += source.nbytes
+                    target[part.start:part.stop] = source.view(P.DTYPES[dtype])
+                    continue
                 shm += source.nbytes
             else:
                 raise ProtocolError(f'a pull answered at shared-memory offset {at}, which this '
@@ -137,8 +151,9 @@ def copier(batch, blocks, staging, node, counts, trace=None, landings=()):
                 land_pulled(target[part.start:part.stop], values)
         counts.pulled_socket += socket
         counts.pulled_shm += shm
+        counts.pulled_ipc += ipc
         if trace is not None:
-            trace.landed(start, node, batch, socket, shm)
+            trace.landed(start, node, batch, socket, shm, ipc)
     return on_data
 
 

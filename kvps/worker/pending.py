@@ -49,6 +49,23 @@ class Operation:
                               f'(KVPS_TIMEOUT){hint}')
 
 
+class Attaching(Operation):
+    """The answer to an ATTACH or ATTACH_DEVICE: tells ``answered(node, error=None)`` whether
+    ``node`` mapped the segment."""
+
+    def __init__(self, what, answered, node):
+        super().__init__(what, 1)
+        self._answered, self._node = answered, node
+
+    def part_done(self):
+        super().part_done()
+        self._answered(self._node)
+
+    def fail(self, exc):
+        super().fail(exc)
+        self._answered(self._node, exc)
+
+
 def waited(event, timeout, kind, what, counts=None):
     """``event.wait(timeout)``, counted in ``counts`` (WorkerCounts: ``kind`` 'wait' or
     'backpressure') when it blocks, and a span of that kind while the timeline records

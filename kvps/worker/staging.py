@@ -11,9 +11,12 @@ take blocks (never waiting: a payload that finds no room goes through the socket
 import logging
 import os
 
+import numpy as np
+
 from .. import pinning
 from ..errors import KVPSError, ProtocolError
 from ..wire import protocol as P
+from ..wire.device_segments import DEVICE_BASE
 from ..wire.shm import HEADER_BYTES, MIN_BYTES, SHM_DIR, Mapping, Segment, aligned, segment_bytes
 
 log = logging.getLogger('kvps.worker')
@@ -47,6 +50,10 @@ class Staging:
         self._asked = set()           # node names whose ATTACH is unanswered
         self.arenas = {}              # node name -> Arena this worker maps
         self._locks = None            # whether a GPU could page-lock the segment (tried once)
+        # the ipc route's kvps.worker.device_staging.DeviceStaging, once GPU values moved and
+        # KVPS_IPC allows it (set once, by the API thread that set it up)
+        self.device = None
+        self.device_tried = False     # whether that was tried (the first GPU push or pull)
 
     @classmethod
     def create(cls, config, sharers=1):
@@ -103,6 +110,8 @@ class Staging:
         mapped until they go)."""
         self.attached = self.attached - {node}
         self._drop_arena(node)
+        if self.device is not None:
+            self.device.detach(node)
 
     def _drop_arena(self, node):
         arena = self.arenas.pop(node, None)
@@ -115,6 +124,8 @@ class Staging:
         for node in list(self.arenas):
             self._drop_arena(node)
         self.segment.close()
+        if self.device is not None:
+            self.device.close()
 
     def map_arena(self, node, header):
         """Map the arena an ATTACH answer describes (if any): ``node`` may then lend pulled
@@ -140,22 +151,27 @@ class Staging:
         if arena is not None:
             arena.seen = max(arena.seen, lease)
 
-    def stage(self, sizes):
+    def stage(self, sizes, device=False):
         """Blocks for a push's copies of values of ``sizes`` bytes, None for each that is small
-        (or when no server has mapped the segment, or there is no room)."""
-        wanted = [n if n >= MIN_BYTES and self.attached else 0 for n in sizes]
-        return [None if taken is None else taken[1] for taken in self._take_all(wanted)]
+        (or when no server has mapped the segment, or there is no room). ``device``: blocks
+        of the device segment (None unless every server has mapped it)."""
+        source = self.device if device else self.segment
+        mapped = self.attached if not device else source is not None and source.ready
+        wanted = [n if n >= MIN_BYTES and mapped else 0 for n in sizes]
+        return [None if taken is None else taken[1] for taken in self._take_all(wanted, source)]
 
-    def _take_all(self, sizes):
+    def _take_all(self, sizes, source=None):
         """``(offset, block)`` for each of ``sizes`` (None for 0), cut from one allocation: a
         message of many keys takes the allocator once (taking and freeing a block of its own
         costs ~5 us, a slice half a microsecond). When that finds no room, each gets a block
-        of its own while they last. The allocation is reused once every slice is gone."""
+        of its own while they last. The allocation is reused once every slice is gone.
+        ``source``: what to take them from (the segment, or the device segment)."""
+        source = source or self.segment
         spans = [aligned(n) if n else 0 for n in sizes]
         total = sum(spans)
-        taken = self.segment.take(total) if total else None
+        taken = source.take(total) if total else None
         if taken is None:
-            return [self.segment.take(n) if n else None for n in sizes]
+            return [source.take(n) if n else None for n in sizes]
         (offset, block), out, at = taken, [], 0
         for n, span in zip(sizes, spans):
             out.append((offset + at, block[at:at + n]) if n else None)
@@ -164,18 +180,30 @@ class Staging:
 
     def offset_in(self, node, array):
         """Where ``array`` (part of a staged block) lies for ``node``, or None: send it as a
-        frame."""
-        return self.segment.offset_of(array) if node in self.attached else None
+        frame. A device array lies in the device segment (the stand-in's are numpy arrays)."""
+        if type(array) is np.ndarray:
+            at = self.segment.offset_of(array) if node in self.attached else None
+            if at is not None or self.device is None:
+                return at
+        return self.device.offset_in(node, array)
 
     def would_place(self, node, nbytes):
         """Whether a pulled part of ``nbytes`` from ``node`` asks for a block (it may still
         find no room)."""
         return nbytes >= MIN_BYTES and node in self.attached
 
-    def blocks_for(self, node, parts):
+    def blocks_for(self, node, parts, gpu=None):
         """``(offset, block)`` for ``node`` to write each pulled part of one message into,
         ``parts`` as ``(nbytes, key part)``, or None: also for a key part that ``node`` lent
-        in its arena last time (it will again, most likely)."""
+        in its arena last time (it will again, most likely). ``gpu``: whether each lands on
+        a GPU, which takes a block of the device segment where the ipc route applies."""
+        device = self.device
+        if gpu is not None and device is not None and device.ready and True in gpu:
+            on = self._take_all([n if wants and n >= MIN_BYTES else 0
+                                 for (n, _), wants in zip(parts, gpu)], device)
+            rest = self.blocks_for(node, [(0, part[1]) if block else part
+                                          for part, block in zip(parts, on)])
+            return [block or other for block, other in zip(on, rest)]
         arena = self.arenas.get(node)
         lent = arena.lent_keys if arena is not None else ()
         return self._take_all([nbytes if self.would_place(node, nbytes) and key_part not in lent
@@ -187,12 +215,20 @@ class Staging:
         shared-memory item becomes a frame (a push's bytes are viewed in place) or asks for
         one (a pull)."""
         op = header['op']
-        if node in self.attached or op not in (P.PUSH, P.PULL):
+        if op not in (P.PUSH, P.PULL) or node in self.attached and (
+                self.device is None or self.device.readable_by(node)):
             return header, buffers
         frames, items, out = iter(buffers), [], []
         for item in header['keys']:
             if op == P.PUSH:
-                out.append(next(frames) if item.at is None
-                           else self.segment.view(item.at, P.nbytes(item.dtype, item.n)))
+                out.append(next(frames) if item.at is None else self._bytes_at(item))
             items.append(item if item.at is None else item._replace(at=None))
         return {**header, 'keys': items}, out
+
+    def _bytes_at(self, item):
+        """A push item's payload, staged at ``item.at``: a view of the segment, or a host copy
+        of the device segment's bytes."""
+        nbytes = P.nbytes(item.dtype, item.n)
+        if item.at < DEVICE_BASE:
+            return self.segment.view(item.at, nbytes)
+        return self.device.host_copy(item.at, nbytes)

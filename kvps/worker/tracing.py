@@ -9,6 +9,7 @@ records (``WorkerIO.trace`` is None otherwise).
 
 from ..timeline import recording
 from ..wire import protocol as P
+from ..wire.device_segments import DEVICE_BASE
 
 
 class MessageTrace:
@@ -26,7 +27,10 @@ class MessageTrace:
                 'socket': sum(memoryview(b).nbytes for b in buffers)}
         flows = None
         if header['op'] == P.PUSH:
-            args['shm'] = sum(data.nbytes for data in keep)
+            on_device = [item.at >= DEVICE_BASE for item in items if item.at is not None]
+            args['shm'] = sum(data.nbytes for data, ipc in zip(keep, on_device) if not ipc)
+            if True in on_device:
+                args['ipc'] = sum(data.nbytes for data, ipc in zip(keep, on_device) if ipc)
             first = items[0]
             self._heads[node, first.key, first.part] = first.seq
             flows = [['r', self.rank, first.key, first.part, first.seq]]
@@ -34,15 +38,16 @@ class MessageTrace:
         if recorder is not None:
             recorder.span(f'send {header["op"]}', header['op'], start, args, flows)
 
-    def landed(self, start, node, batch, socket, shm):
+    def landed(self, start, node, batch, socket, shm, ipc=0):
         """The span of a DATA answer written into the caller's arrays (``batch``: the parts
-        asked; ``socket``, ``shm``: the bytes that came each way), with the arrows of the
-        rounds it brings back."""
+        asked; ``socket``, ``shm``, ``ipc``: the bytes that came each way, ``ipc`` through
+        the device segment), with the arrows of the rounds it brings back."""
         recorder = recording.RECORDER
         if recorder is not None:
-            recorder.span('land', 'pull', start, {'server': node, 'keys': len(batch),
-                                                  'socket': socket, 'shm': shm},
-                          self._arrows(node, batch))
+            args = {'server': node, 'keys': len(batch), 'socket': socket, 'shm': shm}
+            if ipc:
+                args['ipc'] = ipc
+            recorder.span('land', 'pull', start, args, self._arrows(node, batch))
 
     def _arrows(self, node, batch):
         """The arrows a pull of ``batch`` from ``node`` ends. A pull's parts for a server are

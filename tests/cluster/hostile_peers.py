@@ -139,10 +139,12 @@ def answers(signed, proc, probe, timeout=10.0):
     return False
 
 
-def lone_server(by_hand, ctx):
-    """A job of one server (INFO log) whose worker 0 is the test: (server, fake, signed)."""
+def lone_server(by_hand, ctx, extra=None):
+    """A job of one server (INFO log; ``extra``: more of its settings) whose worker 0 is the
+    test: (server, fake, signed)."""
     sched, env = by_hand.scheduler(1, 1, extra=CLUSTER_ENV)
-    server = Output(by_hand('server', {**env, 'KVPS_LOG_LEVEL': 'INFO'}, rank=0))
+    server = Output(by_hand('server', {**env, 'KVPS_LOG_LEVEL': 'INFO', **(extra or {})},
+                            rank=0))
     fake = FakeWorker(ctx, f'tcp://127.0.0.1:{env["DMLC_PS_ROOT_PORT"]}', SECRET, rank=0)
     host, port = server.wait_for(r'serving on (\S+):(\d+)', 60, fake.tick).groups()
     return server, fake, Signed(ctx, f'tcp://{host}:{port}', b'worker-0', SECRET)

@@ -58,6 +58,7 @@ kv.close()
 locked = sum(len(region.locked) for region in pinning.REGISTRY._regions)
 report(rank=r, values=got, allocated=[base, gone], locked=locked,
        shm=[stats['pushed_bytes']['shm'], stats['pulled_bytes']['shm']],
+       ipc=[stats['pushed_bytes']['ipc'], stats['pulled_bytes']['ipc']], pid=os.getpid(),
        counted=globals().get('COUNTED'))
 '''
 

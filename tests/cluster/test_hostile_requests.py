@@ -133,3 +133,55 @@ def test_pieces_of_a_state_load_that_a_restarted_server_never_began_are_refused(
         assert server.proc.poll() is None and 'Traceback' not in server.text
     finally:
         ctx.destroy(linger=0)
+
+
+def mapped_by(pid, name):
+    """Whether process ``pid`` maps the shared-memory file ``name`` (its name gone or not)."""
+    with open(f'/proc/{pid}/maps') as maps:
+        return name in maps.read()
+
+
+@pytest.mark.timeout(60)
+def test_device_handles_are_opened_only_from_the_job_s_workers_and_checked(by_hand):
+    """CUDA IPC's handles are capabilities: a server (its GPU shards emulated, KVPS_IPC=host)
+    opens none from a peer without the secret or from a stranger, refuses malformed ones
+    saying why, and serves a worker's device segment once it maps it, every offset checked."""
+    from kvps.wire.device_segments import DeviceSegment
+    from kvps.wire.device_sharing import HostSharing
+    ctx = zmq.Context()
+    segment = DeviceSegment(HostSharing(), 1 << 16)
+    name = segment.buffer.handle[:40].rstrip(b'\0').decode()
+    try:
+        server, fake, signed = lone_server(by_hand, ctx, {'KVPS_IPC': 'host'})
+        address = signed.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        attach = {'op': P.ATTACH_DEVICE, 'id': 1, **segment.describe()}
+        for peer in (Signed(ctx, address, b'worker-0x', 'not the secret'),
+                     Signed(ctx, address, b'stranger', SECRET)):
+            peer.send(P.encode(attach))
+            assert not peer.sock.poll(1000), 'a refused peer got an answer'
+        assert not mapped_by(server.proc.pid, name)
+        for i, bad in enumerate([{'kind': 'cuda'}, {'handle': b'\0' * 64},
+                                 {'size': (1 << 16) + 4096}, {'event': b'x' * 64}]):
+            answer = reply(signed, {**attach, 'id': 10 + i, **bad})
+            assert answer['op'] == P.ERROR and answer['type'] == 'ProtocolError', answer
+        assert not mapped_by(server.proc.pid, name)
+        assert reply(signed, {**attach, 'id': 20})['op'] == P.ACK
+        assert mapped_by(server.proc.pid, name)
+        init = {'op': P.INIT, 'id': 21, 'keys': [['k', 0, 'float32', 4, [4]]], 'sync': False,
+                'device': True}
+        assert reply(signed, init, buffers=[np.ones(4, np.float32)])['op'] == P.ACK
+        at, block = segment.take(16)
+        block.view(np.float32)[:] = 5
+        push = {'op': P.PUSH, 'id': 22, 'sync': False, 'keys': [['k', 0, 'float32', 4, at, 0]]}
+        assert reply(signed, push)['op'] == P.ACK
+        out_at, out = segment.take(16)
+        answer = reply(signed, {'op': P.PULL, 'id': 23, 'keys': [['k', 0, out_at]]})
+        assert answer['keys'] == [P.DataItem(out_at, None)]
+        assert out.view(np.float32).tolist() == [5.0] * 4
+        for i, bad_at in enumerate([at + (1 << 16), at + (1 << 16) - 8, 1 << 62]):
+            push['id'], push['keys'][0][4], push['keys'][0][5] = 30 + i, bad_at, 1 + i
+            assert 'outside the worker\'s device segment' in reply(signed, push)['message']
+        assert server.proc.poll() is None and 'Traceback' not in server.text
+    finally:
+        segment.close()
+        ctx.destroy(linger=0)

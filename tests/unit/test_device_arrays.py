@@ -35,7 +35,7 @@ N = 1024   # float32 elements: 4 KB, over MIN_BYTES
 class HostTransfers:
     """A device's copies made on the host, each written into ``log``: ``(what, host address,
     page-locked)`` for uploads and downloads, ``('pinned', nbytes)`` for pinned buffers made,
-    ``('settle',)`` for each wait."""
+    ``('hold',)`` for each copy on the device, ``('settle',)`` for each wait."""
 
     def __init__(self, log):
         self.log = log
@@ -54,6 +54,9 @@ class HostTransfers:
     def pinned(self, nbytes):
         self.log.append(('pinned', nbytes))
         return np.empty(nbytes, np.uint8)
+
+    def hold(self, array):
+        self.log.append(('hold',))
 
     def settle(self):
         self.log.append(('settle',))

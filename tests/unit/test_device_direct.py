@@ -20,8 +20,11 @@ from kvps import devices, pinning  # noqa: E402
 from kvps.kvstore import KVStore  # noqa: E402
 from kvps.kvstore.local import LocalBackend  # noqa: E402
 from kvps.timeline.counters import WorkerCounts  # noqa: E402
+from kvps.wire.device_segments import DeviceSegment  # noqa: E402
+from kvps.wire.device_sharing import HostSharing  # noqa: E402
 from kvps.wire.items import DataItem  # noqa: E402
 from kvps.wire.shm import Heap, Segment  # noqa: E402
+from kvps.worker.device_staging import ROUTE, DeviceStaging  # noqa: E402
 from kvps.worker.messages import copier  # noqa: E402
 from kvps.worker.sharding import Part  # noqa: E402
 from kvps.worker.staging import Staging  # noqa: E402
@@ -37,27 +40,36 @@ class ShmBackend(LocalBackend):
     (``arena``) or sent as frames (``frames``), and written into the targets by the worker's
     own copier. Keys named 'split*' lie in two parts."""
 
-    def __init__(self, directory, arena=False, frames=False):
+    def __init__(self, directory, arena=False, frames=False, ipc=False):
+        """``ipc``: the worker has a device segment (the host stand-in's) that the server
+        mapped: GPU values take it both ways (the ipc route)."""
         super().__init__()
         self.staging = Staging(Segment.create(1 << 22, directory=directory, grows=True))
         self.staging.attach_header(NODE)
         self.staging.answered(NODE)
+        if ipc:
+            self.staging.device = DeviceStaging(
+                DeviceSegment(HostSharing(str(directory)), 1 << 22), [NODE])
+            self.staging.device.answered(NODE)
         self.arena = None
         if arena:
             self.arena = Segment.create(1 << 22, directory=directory, allocator=Heap,
                                         grows=True)
             self.staging.map_arena(NODE, {'arena': self.arena.describe()})
         self.frames, self.held, self.messages = frames, [], 0
+        self.counts = WorkerCounts()
 
     def parts(self, key, size):
         if str(key).startswith('split'):
             return [(0, 0, 0, size // 2), (0, 1, size // 2, size)]
         return super().parts(key, size)
 
-    def stage(self, sizes):
-        return self.staging.stage(sizes)
+    def stage(self, sizes, device=False):
+        return self.staging.stage(sizes, device)
 
-    def device_route(self):
+    def device_route(self, device=None):
+        if self.staging.device is not None:
+            return True, ROUTE
         return self.staging.device_route()
 
     def push(self, items, priority=0):
@@ -78,7 +90,8 @@ class ShmBackend(LocalBackend):
     def _answer(self, key, out, dtype, value, landings):
         """As a server answers and the worker's I/O thread lands it: one message per key."""
         part, buffers = Part(0, 0, 0, out.size), []
-        (block,) = self.staging.blocks_for(NODE, [(value.nbytes, (key, 0))])
+        (block,) = self.staging.blocks_for(NODE, [(value.nbytes, (key, 0))],
+                                           [type(out) is not np.ndarray])
         if self.frames:
             answer, block = DataItem(None, None), None
             buffers = [memoryview(value.tobytes())]
@@ -89,7 +102,7 @@ class ShmBackend(LocalBackend):
         else:
             block[1].view(value.dtype)[...] = value
             answer = DataItem(block[0], None)
-        on_data = copier([(key, part, out, dtype)], [block], self.staging, NODE, WorkerCounts(),
+        on_data = copier([(key, part, out, dtype)], [block], self.staging, NODE, self.counts,
                          None, landings)
         self.messages += 1
         on_data({'keys': [answer]}, buffers)
@@ -109,6 +122,10 @@ def on_gpu(monkeypatch):
 
 def in_segment(backend, array):
     return backend.staging.segment.offset_of(array) is not None
+
+
+def in_device_segment(backend, array):
+    return backend.staging.device.segment.offset_of(array) is not None
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float64])
@@ -231,8 +248,10 @@ def test_a_landing_s_writes_are_made_and_waited_for_within_each_answer(tmp_path,
     assert events == ['enter', 'write', 'waited'] * 2    # a message a key here
 
 
+@pytest.mark.parametrize('ipc', [False, True])
 def test_the_trainer_through_page_locked_memory_matches_the_host_path(tmp_path, locker,
-                                                                      on_gpu, monkeypatch):
+                                                                      on_gpu, monkeypatch, ipc):
+    """(``ipc``: through the worker's device segment, the host stand-in of CUDA IPC.)"""
     def train(backend):
         gen = torch.Generator().manual_seed(0)
         w = torch.nn.Parameter(torch.randn(40, 70, generator=gen))
@@ -247,10 +266,12 @@ def test_the_trainer_through_page_locked_memory_matches_the_host_path(tmp_path, 
     monkeypatch.setattr(devices, 'on_gpu', lambda v: False)
     want = train(LocalBackend())
     monkeypatch.setattr(devices, 'on_gpu', kvps.arrays.is_torch)
-    backend = ShmBackend(tmp_path)
+    backend = ShmBackend(tmp_path, ipc=ipc)
     got = train(backend)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
-    assert backend.messages > 0 and any(in_segment(backend, h) for h in backend.held)
+    where = in_device_segment if ipc else in_segment
+    assert backend.messages > 0 and any(where(backend, h) for h in backend.held)
+    assert (backend.counts.pulled_ipc > 0) == ipc and (backend.counts.pulled_shm > 0) != ipc
 
 
 def test_the_route_is_logged_once_at_info(tmp_path, locker, on_gpu, caplog):

@@ -121,12 +121,14 @@ def test_torch_and_cupy_are_lazy():
 def test_shm_is_used_by_the_roles_and_the_launcher_only():
     """wire.shm (segments, the ring, offset checks) knows nothing of sockets, roles or
     config (only of errors, and of pinning, whose regions its mappings are): the worker's
-    staging and the server's regions build on it, and the launcher (or its sweeper, once it
-    is killed) removes what a killed worker left."""
+    staging and the server's regions build on it, as do its device twins in the wire (the
+    host stand-in of CUDA IPC, the device segment's ring), and the launcher (or its sweeper,
+    once it is killed) removes what a killed worker left."""
     mods = [m for m in imports_of(PKG / 'wire' / 'shm.py') if m.startswith('kvps.')]
     assert all(m.startswith(('kvps.errors', 'kvps.pinning')) for m in mods), mods
+    twins = {'shm.py', 'device_sharing.py', 'device_segments.py'}
     for path in sources():
-        if unit_of(path) not in ROLES | {'launch'} and path.name != 'shm.py':
+        if unit_of(path) not in ROLES | {'launch'} and path.name not in twins:
             assert not any(m.startswith('kvps.wire.shm') for m in imports_of(path)), path
 
 

@@ -155,7 +155,7 @@ def test_a_server_without_a_gpu_keeps_device_side_keys_in_host_memory():
 def test_auto_looks_for_a_gpu_only_when_a_device_side_key_arrives(monkeypatch):
     made = []
 
-    def no_gpu():
+    def no_gpu(ipc='auto'):
         made.append(1)
         raise ConfigError('this server sees no CUDA GPU')
     monkeypatch.setattr(placement, 'CudaArrays', no_gpu)

@@ -1,0 +1,112 @@
+"""A worker's device segment: one buffer of device memory it exports (kvps.wire.device_sharing)
+and cuts into blocks for the payloads of its pushes and pulls, and the servers on its host that
+map it; the device twin of a shared-memory segment (kvps.wire.shm).
+
+Offsets into a device segment travel in the same item fields as those into the worker's host
+segment (``at``), shifted by DEVICE_BASE: a host segment is at most 2**40 bytes, so an offset at
+or above 2**41 names the device segment, and a server tells the two apart by one comparison.
+Everything a peer names (handle, size, offsets, lengths) is checked before use
+(ProtocolError). Ordering: the worker records its event after the writes a message announces,
+and the server waits on it (on its own stream) before reading them.
+"""
+
+import weakref
+
+from ..errors import KVPSError, ProtocolError
+from .device_sharing import check_handle, check_size
+from .shm import MAX_SEGMENT_BYTES, Ring
+
+DEVICE_BASE = 2 * MAX_SEGMENT_BYTES
+
+
+def on_device(at):
+    """Whether wire offset ``at`` (not None) lies in a device segment."""
+    return at >= DEVICE_BASE
+
+
+class DeviceSegment:
+    """The worker's exported buffer (a kvps.wire.device_sharing.Shared) and its blocks; its
+    event, recorded after the writes of each message that names blocks of it."""
+
+    def __init__(self, sharing, nbytes):
+        self.sharing = sharing
+        self.buffer = sharing.export(nbytes)
+        try:
+            self.event = sharing.event()
+        except KVPSError:   # nothing half-made stays
+            self.buffer.close()
+            raise
+        self.blocks = Ring(0, nbytes)
+
+    def describe(self):
+        """What a server needs to map it (ATTACH's ``device``)."""
+        return {'kind': self.sharing.name, 'handle': self.buffer.handle,
+                'size': self.buffer.nbytes, 'event': self.event.handle}
+
+    def take(self, nbytes):
+        """``(wire offset, uint8 device array of nbytes)``, or None when there is no room. The
+        block is reused once it and every view of it are gone."""
+        if self.buffer.closed:
+            return None
+        offset = self.blocks.alloc(nbytes)
+        if offset is None:
+            return None
+        block, anchor = self.sharing.piece(self.buffer, offset, nbytes)
+        weakref.finalize(anchor, self.blocks.free, offset)
+        return DEVICE_BASE + offset, block
+
+    def offset_of(self, array):
+        """The wire offset of ``array`` if its bytes lie in this segment, else None (also for
+        an array of another kind: a host array, where the segment is a GPU's)."""
+        if self.buffer.closed or type(array) is not type(self.buffer.array):
+            return None
+        offset = self.sharing.address(array) - self.sharing.address(self.buffer.array)
+        return DEVICE_BASE + offset if 0 <= offset and offset + array.nbytes <= \
+            self.buffer.nbytes else None
+
+    def host_copy(self, at, nbytes):
+        """A host copy of the worker's own ``nbytes`` at wire offset ``at``."""
+        offset = at - DEVICE_BASE
+        return self.sharing.to_host(self.buffer.array[offset:offset + nbytes])
+
+    def close(self):
+        """Free the buffer and the event (this worker is leaving). Idempotent."""
+        self.buffer.close()
+        self.event.close()
+
+
+class DeviceMapping:
+    """A worker's device segment as a server maps it, and the worker's event."""
+
+    def __init__(self, sharing, description):
+        """Map ``description`` (ATTACH's ``device``) with ``sharing``; ProtocolError when it is
+        malformed, of another kind of memory, or cannot be opened here."""
+        if not isinstance(description, dict):
+            raise ProtocolError('attach: the device segment description is not a map')
+        kind = description.get('kind')
+        if kind != sharing.name:
+            raise ProtocolError(f'attach: a device segment of {kind!r} memory, this server '
+                                f'shares {sharing.name!r}')
+        handle = check_handle(description.get('handle'))
+        event = check_handle(description.get('event'), 'event')
+        self.buffer = sharing.open(handle, check_size(description.get('size')))
+        try:
+            self.event = sharing.open_event(event)
+        except ProtocolError:
+            self.buffer.close()
+            raise
+
+    def view(self, at, nbytes):
+        """The ``nbytes`` at wire offset ``at``, range checked: offsets come from the
+        network."""
+        offset = at - DEVICE_BASE
+        if self.buffer.closed or not (type(nbytes) is int and 0 <= offset
+                                      and 0 <= nbytes <= self.buffer.nbytes - offset):
+            raise ProtocolError(f'device range {at!r}+{nbytes!r} is outside the worker\'s '
+                                f'device segment')
+        return self.buffer.array[offset:offset + nbytes]
+
+    def close(self):
+        """Unmap the segment and close the event. Idempotent."""
+        self.buffer.close()
+        self.event.close()

@@ -1,0 +1,285 @@
+"""Device memory shared between the processes of one host: a buffer exported as a handle, opened
+by a peer as a device array of its own, closed; and an interprocess event that orders them.
+
+Two implementations behind one interface (a Sharing): CUDA IPC through cupy
+(``cudaIpcGetMemHandle`` / ``cudaIpcOpenMemHandle`` and interprocess events; cupy imported
+only when it is made), and a host stand-in on which the CPU suite runs the same protocol: a
+buffer is a 0600 shared-memory segment that its handle names (kvps.wire.shm), an event a count.
+What both share (handles checked before use, sizes, idempotent closes, the count of what is
+open) lives here once, so that the stand-in's tests cover it for CUDA too.
+
+A handle is a capability: whoever holds it may read and write the buffer. Handles travel only
+in requests of authenticated job members, and a server opens only those of workers on its own
+host (kvps.server.regions). A buffer stays valid while its exporter keeps it: the exporter
+closes it last, once it leaves the job; a killed exporter's buffers go with it.
+"""
+
+import os
+import secrets
+import struct
+
+import numpy as np
+
+from ..errors import ConfigError, KVPSError, ProtocolError
+from .shm import HEADER_BYTES, NONCE_BYTES, SHM_DIR, Mapping, Segment
+
+HANDLE_BYTES = 64          # cudaIpcMemHandle_t and cudaIpcEventHandle_t: 64 bytes each
+MAX_BUFFER_BYTES = 1 << 40
+# The stand-in's handle: a segment's name (NUL-padded), its nonce, the exporter's pid and fd.
+_HOLDER = '<II'
+_NAME_BYTES = HANDLE_BYTES - NONCE_BYTES - struct.calcsize(_HOLDER)
+_HOST_EVENT = b'kvps-host-event:'
+
+
+def check_handle(handle, what='buffer'):
+    """``handle`` if it is HANDLE_BYTES of bytes; else ProtocolError (it came from a peer)."""
+    if not isinstance(handle, bytes) or len(handle) != HANDLE_BYTES:
+        raise ProtocolError(f'a device {what} handle must be {HANDLE_BYTES} bytes')
+    return handle
+
+
+def check_size(nbytes):
+    if not (type(nbytes) is int and 0 < nbytes <= MAX_BUFFER_BYTES):
+        raise ProtocolError(f'a shared device buffer of {nbytes!r} bytes is out of range')
+    return nbytes
+
+
+class Shared:
+    """A buffer of shared device memory in this process: ``array`` (a flat uint8 device array,
+    or None once closed), its ``handle`` and ``nbytes``; ``exported`` when this process made
+    it. ``close`` frees it (exported) or unmaps it (opened); idempotent."""
+
+    def __init__(self, sharing, array, handle, release, exported):
+        self.array, self.handle, self.nbytes = array, handle, array.nbytes
+        self.exported, self._sharing, self._release = exported, sharing, release
+        sharing.open_buffers += 1
+
+    @property
+    def closed(self):
+        return self.array is None
+
+    def close(self):
+        if self.array is None:
+            return
+        self.array, release, self._release = None, self._release, None
+        self._sharing.open_buffers -= 1
+        release()
+
+
+class Event:
+    """An interprocess event: the exporter ``record``s it after its writes on its stream, a
+    peer that opened its ``handle`` ``wait``s on it before its reads (on its own stream: no
+    host-side wait). ``close``: idempotent."""
+
+    def __init__(self, handle, record, wait, release):
+        self.handle, self._record, self._wait, self._release = handle, record, wait, release
+        self.records = self.waits = 0
+
+    def record(self):
+        self.records += 1
+        self._record()
+
+    def wait(self):
+        self.waits += 1
+        self._wait()
+
+    def close(self):
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+class Sharing:
+    """What a kind of device memory shares between processes (subclasses give ``_alloc``,
+    ``_map``, ``_event``, ``_open_event``); ``open_buffers``: exported and opened buffers
+    not yet closed (tests check that it returns to 0)."""
+
+    name = ''
+
+    def __init__(self):
+        self.open_buffers = 0
+
+    def export(self, nbytes):
+        """A persistent buffer of ``nbytes`` in this process's device memory that peers may
+        open by its handle (a Shared); KVPSError when there is no room."""
+        array, handle, release = self._alloc(check_size(nbytes))
+        return Shared(self, array, handle, release, True)
+
+    def open(self, handle, nbytes):
+        """A peer's exported buffer mapped here (a Shared); ProtocolError for a handle that
+        is malformed, unknown here (another host, a buffer closed) or of another size."""
+        array, release = self._map(check_handle(handle), check_size(nbytes))
+        return Shared(self, array, handle, release, False)
+
+    def piece(self, shared, offset, nbytes):
+        """``(array, anchor)``: ``nbytes`` of ``shared`` at ``offset`` as a flat uint8 device
+        array, and an object that lives while that array or any view of it does (a
+        finalizer on it tells when the piece may be reused)."""
+        return self._piece(shared.array, offset, nbytes)
+
+    def event(self):
+        """A new interprocess Event of this process, to record."""
+        return self._event()
+
+    def open_event(self, handle):
+        """A peer's Event, to wait on; ProtocolError for a handle that is not one."""
+        return self._open_event(check_handle(handle, 'event'))
+
+
+class HostSharing(Sharing):
+    """The stand-in on the host: a buffer is a shared-memory segment of ``directory``
+    (kvps.wire.shm: 0600, a random name and nonce, pages reserved at once) whose name goes at
+    once; its handle names the segment, its nonce and the exporter's open file, through which
+    peers map it (/proc/<pid>/fd/<fd>, checked). As a CUDA allocation, it goes with its
+    exporter, even one killed: nothing is ever left in /dev/shm. An event only counts: host
+    writes are done when they return."""
+
+    name = 'host'
+
+    def __init__(self, directory=SHM_DIR):
+        super().__init__()
+        self.directory = directory
+
+    def _alloc(self, nbytes):
+        try:
+            segment = Segment.create(HEADER_BYTES + nbytes, self.directory)
+        except KVPSError as exc:
+            raise KVPSError(f'cannot export a device buffer (the stand-in\'s): {exc}') from None
+        segment.unlink()
+        handle = (segment.name.encode().ljust(_NAME_BYTES, b'\0') + segment.nonce
+                  + struct.pack(_HOLDER, os.getpid(), segment.fd))
+        return _data(segment.view(HEADER_BYTES, nbytes)), handle, segment.close
+
+    def _map(self, handle, nbytes):
+        name = handle[:_NAME_BYTES].rstrip(b'\0')
+        nonce = handle[_NAME_BYTES:_NAME_BYTES + NONCE_BYTES]
+        holder = struct.unpack(_HOLDER, handle[_NAME_BYTES + NONCE_BYTES:])
+        try:
+            name = name.decode('ascii')
+        except UnicodeDecodeError:
+            raise ProtocolError('not a device buffer handle of this host') from None
+        mapping = Mapping.open(name, nonce, HEADER_BYTES + nbytes, self.directory, holder=holder)
+        return _data(mapping.view(HEADER_BYTES, nbytes)), mapping.release
+
+    @staticmethod
+    def _piece(array, offset, nbytes):
+        piece = np.frombuffer(memoryview(array)[offset:offset + nbytes], np.uint8)
+        return piece, piece   # every numpy view of an array made from a buffer has it as .base
+
+    @staticmethod
+    def address(array):
+        """Where ``array``'s bytes start."""
+        return array.__array_interface__['data'][0]
+
+    @staticmethod
+    def to_host(array):
+        """A host copy of device ``array``."""
+        return array.copy()
+
+    def _event(self):
+        handle = (_HOST_EVENT + secrets.token_bytes(16)).ljust(HANDLE_BYTES, b'\0')
+        return Event(handle, _nothing, _nothing, _nothing)
+
+    def _open_event(self, handle):
+        if not handle.startswith(_HOST_EVENT):
+            raise ProtocolError('not a device event handle of this host')
+        return Event(handle, _nothing, _nothing, _nothing)
+
+
+def _data(view):
+    return np.frombuffer(view, np.uint8)
+
+
+def _nothing():
+    pass
+
+
+class CudaSharing(Sharing):
+    """CUDA IPC on the current device, through cupy's runtime: a buffer is an allocation of its
+    own (cudaMalloc, not cupy's pool: a handle names a whole allocation), opened with peer
+    access enabled lazily; events are interprocess, waited for on the current stream."""
+
+    name = 'cuda'
+
+    def __init__(self, device=None):
+        """``device``: the CUDA device its buffers and events are made on (None: cupy's
+        current one)."""
+        super().__init__()
+        try:
+            import cupy
+        except ImportError as exc:
+            raise ConfigError(f'CUDA IPC needs cupy (pip install "kvps[cuda]"): {exc}') from None
+        self.cupy, self.runtime = cupy, cupy.cuda.runtime
+        self.device = cupy.cuda.Device(device)
+
+    def _array(self, memory, nbytes):
+        cupy = self.cupy
+        return cupy.ndarray((nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
+
+    def _alloc(self, nbytes):
+        try:
+            with self.device:
+                memory = self.cupy.cuda.Memory(nbytes)
+            handle = bytes(self.runtime.ipcGetMemHandle(memory.ptr))
+        except Exception as exc:  # cupy's OutOfMemoryError, CUDARuntimeError
+            raise KVPSError(f'cannot export {nbytes} bytes of device memory: {exc}') from None
+        return self._array(memory, nbytes), handle, lambda: None   # freed as its views go
+
+    def _map(self, handle, nbytes):
+        try:
+            pointer = self.runtime.ipcOpenMemHandle(handle)
+        except Exception as exc:  # another host, a device without peer access, a stale one
+            raise ProtocolError(f'cannot open a device buffer handle: {exc}') from None
+        memory = self.cupy.cuda.UnownedMemory(pointer, nbytes, self)
+        return self._array(memory, nbytes), lambda: self.runtime.ipcCloseMemHandle(pointer)
+
+    def _piece(self, array, offset, nbytes):
+        # cupy's views share the memory object, not the array: the anchor is the memory's
+        # owner, which every view keeps through it
+        anchor = _Anchor()
+        memory = self.cupy.cuda.UnownedMemory(array.data.ptr + offset, nbytes, anchor)
+        return self._array(memory, nbytes), anchor
+
+    @staticmethod
+    def address(array):
+        return array.data.ptr
+
+    def to_host(self, array):
+        return self.cupy.asnumpy(array)
+
+    def _event(self):
+        try:
+            with self.device:
+                event = self.cupy.cuda.Event(block=False, disable_timing=True,
+                                             interprocess=True)
+            handle = bytes(self.runtime.ipcGetEventHandle(event.ptr))
+        except Exception as exc:  # cupy's CUDARuntimeError
+            raise KVPSError(f'cannot make an interprocess event: {exc}') from None
+        return Event(handle, lambda: event.record(), _nothing, _nothing)
+
+    def _open_event(self, handle):
+        try:
+            pointer = self.runtime.ipcOpenEventHandle(handle)
+        except Exception as exc:
+            raise ProtocolError(f'cannot open a device event handle: {exc}') from None
+
+        def wait():
+            stream = self.cupy.cuda.get_current_stream().ptr
+            self.runtime.streamWaitEvent(stream, pointer, 0)
+        return Event(handle, _nothing, wait, lambda: self.runtime.eventDestroy(pointer))
+
+
+class _Anchor:
+    """An object to hang a finalizer on (cupy's memory keeps its owner)."""
+
+
+def sharing_for(setting, device=None):
+    """The Sharing a KVPS_IPC value names: 'cuda' (CudaSharing on CUDA ``device``; ConfigError
+    without cupy), 'host' (the stand-in: tests without a GPU), or None for 'off'."""
+    if setting == 'off':
+        return None
+    if setting == 'host':
+        return HostSharing()
+    if setting == 'cuda':
+        return CudaSharing(device)
+    raise ConfigError(f'KVPS_IPC: {setting!r} is not one of off, cuda, host')

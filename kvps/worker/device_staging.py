@@ -1,0 +1,153 @@
+"""The ipc route on a worker: its device segment (kvps.wire.device_segments), the servers that
+mapped it, blocks of it for the GPU values of pushes and pulls, and the setup that shares it.
+
+The route applies once every server of the job has mapped the segment (each on this host, with
+GPU shards on a device that reaches the worker's): a push of GPU values is then copied on the
+device into blocks of it and a pull lands from them, and only headers travel. Until then, and
+for good where a server refuses (another host, host shards, no peer access), GPU values take
+shared memory or the socket as before. The I/O thread changes who has mapped it; API threads
+only read that (a frozenset replaced whole) and take blocks.
+"""
+
+import logging
+import threading
+
+from ..errors import KVPSError
+from ..wire import protocol as P
+from ..wire.device_segments import DeviceSegment
+from ..wire.device_sharing import sharing_for
+from .messages import server_name
+from .pending import Attaching, Request
+
+log = logging.getLogger('kvps.worker')
+
+_SETTING_UP = threading.Lock()   # API threads pushing at once set the route up once
+ROUTE = ('CUDA IPC: a device buffer the servers on this host map (copies on the GPU only, '
+         'none through host memory)')
+
+
+class DeviceStaging:
+    """A worker's device segment and which of the job's ``servers`` (node names) mapped it."""
+
+    def __init__(self, segment, servers):
+        self.segment, self.servers = segment, frozenset(servers)
+        self.attached = frozenset()
+        self.refused = {}             # node name -> why it did not map the segment
+        self.used = False             # whether a block was ever taken (requests may name it)
+
+    @classmethod
+    def create(cls, setting, nbytes, servers, device=None):
+        """A DeviceStaging for KVPS_IPC ``setting`` ('auto' and 'cuda': CUDA IPC, its segment
+        on CUDA ``device``), or None where the route is off or the segment cannot be made
+        (logged)."""
+        try:
+            sharing = sharing_for('cuda' if setting == 'auto' else setting, device)
+            return None if sharing is None else cls(DeviceSegment(sharing, nbytes), servers)
+        except KVPSError as exc:
+            log.info('no CUDA IPC for GPU values (%s); they take shared memory', exc)
+            return None
+
+    @property
+    def ready(self):
+        """Whether every server has mapped the segment: the route applies."""
+        return self.attached == self.servers
+
+    def attach_header(self):
+        """The ATTACH_DEVICE message that asks a server to map the segment."""
+        return {'op': P.ATTACH_DEVICE, **self.segment.describe()}
+
+    def answered(self, node, error=None):
+        """``node`` mapped the segment, or could not (``error``: logged once, at INFO)."""
+        if error is None:
+            self.attached = self.attached | {node}
+            self.refused.pop(node, None)
+        else:
+            self.refused[node] = error
+            log.info('%s does not map this worker\'s device buffer (%s); GPU values take '
+                     'shared memory', node, error)
+
+    def detach(self, node):
+        """``node`` is lost: its replacement maps the segment anew (a new ATTACH_DEVICE)."""
+        self.attached = self.attached - {node}
+
+    def why_not(self):
+        """Why the route does not apply, in words."""
+        if self.refused:
+            return '; '.join(f'{node}: {why}' for node, why in sorted(self.refused.items()))
+        return 'not every server has mapped this worker\'s device buffer yet'
+
+    def take(self, nbytes):
+        """``(wire offset, device block)`` of ``nbytes``, or None (no room, or the route does
+        not apply)."""
+        if self.attached != self.servers:
+            return None
+        self.used = True
+        return self.segment.take(nbytes)
+
+    def readable_by(self, node):
+        """Whether ``node`` can read every request of this worker's as it is: it has mapped
+        the segment, or no request ever named it."""
+        return not self.used or node in self.attached
+
+    def offset_in(self, node, array):
+        """Where device ``array`` (part of a block) lies for ``node``, or None."""
+        return self.segment.offset_of(array) if node in self.attached else None
+
+    def host_copy(self, at, nbytes):
+        """A host copy of the ``nbytes`` at wire offset ``at`` (for a server that has not
+        mapped the segment: a request sent again to a restarted server)."""
+        return self.segment.host_copy(at, nbytes)
+
+    def close(self):
+        self.segment.close()
+
+
+def device_route(io, config, device=None):
+    """kvps.kvstore.backend.Backend.device_route of a worker (``io``: its WorkerIO): the ipc
+    route where it applies, else its shared memory's route. The first call sets the ipc route
+    up (unless KVPS_IPC=off): the device segment is made and every server asked to map it,
+    and the answers are waited for (within KVPS_TIMEOUT), so that the route it names is the
+    one GPU values take from then on."""
+    staging = io.staging
+    if staging is None:
+        return False, ('pinned host buffers <-> the socket (no shared memory with a server: '
+                       'none on this host, KVPS_SHM=0 or no room in /dev/shm)')
+    direct, how = staging.device_route()
+    if config.ipc != 'off' and staging.device is None:
+        with _SETTING_UP:
+            if not staging.device_tried:
+                staging.device_tried = True
+                share(io, config, device)
+    shared = staging.device
+    if shared is not None and shared.ready:
+        return True, f'{ROUTE}; {how}'
+    return direct, how
+
+
+def share(io, config, device=None):
+    """Make the device segment (on CUDA ``device``) and ask every server to map it; keep it if
+    some did (the route applies once all have: a restarted server maps it again), else free
+    it."""
+    servers = [server_name(rank) for rank in range(io.welcome['num_servers'])]
+    local = io.staging.attached
+    if not all(node in local for node in servers):
+        log.info('no CUDA IPC for GPU values: some servers are on other hosts; they take '
+                 'shared memory and the socket')
+        return
+    shared = DeviceStaging.create(config.ipc, config.ipc_bytes, servers, device)
+    if shared is None:
+        return
+    io.staging.device = shared
+    ops = []
+    for node in servers:
+        op = Attaching(f'attach the device buffer to {node}', shared.answered, node)
+        io.submit(node, shared.attach_header(), (), Request(op, node))
+        ops.append(op)
+    for op in ops:
+        try:
+            op.wait(config.timeout)
+        except KVPSError:   # (logged by answered; the route then does not apply)
+            pass
+    if not shared.attached:
+        io.staging.device = None
+        shared.close()
