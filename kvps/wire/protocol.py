@@ -15,7 +15,7 @@ from .codecs import GRADIENT_CODECS, ONE_BIT, PULL_CODECS, TOP_K, coded_nbytes
 from .items import CheckItem, DataItem, InitItem, Layout, PullItem, PushItem, ResumeItem
 
 # Node <-> scheduler.
-VERSION = 15                 # bumped on any change of the wire format; checked at REGISTER
+VERSION = 16                 # bumped on any change of the wire format; checked at REGISTER
 # node -> scheduler: {role, host, port, rank, pid, version, shared, rank_from (the setting
 # that gave the rank, for messages: 'DMLC_WORKER_ID=3')}
 REGISTER = 'register'
@@ -89,6 +89,13 @@ RESUME = 'resume'
 # /proc/<pid>/fd/<fd> once its name is gone (a restarted server); ERROR, or ACK with
 # {arena: {name, nonce, size, ...}} when the server keeps big weights in an arena of its own
 ATTACH = 'attach'
+# {name, [piece, more]} + 1 buffer: a named blob of the job (an elastic Trainer's handover),
+# kept by this server until a later PUT_BLOB of the name replaces it; answered by ACK. A blob
+# bigger than STATE_CHUNK_BYTES comes in pieces, as SET_STATES's
+PUT_BLOB = 'put_blob'
+# {name}: answered by STATES, the blob (empty when there is none), in pieces as GET_STATES's
+GET_BLOB = 'get_blob'
+MAX_BLOB_NAME = 200
 
 # Replies.
 ACK = 'ack'
@@ -110,7 +117,7 @@ MAX_KEYS_PER_MESSAGE = 1 << 16
 MAX_DIMS = 32
 # How many raw buffers follow the header for each op; ops not listed carry none, and
 # multi-key ops carry one per item that is not in shared memory (PUSH, INIT; DATA: see it).
-_BUFFERS = {SET_OPTIMIZER: 1, SET_STATES: 1, STATES: 1, ROWS: 1}
+_BUFFERS = {SET_OPTIMIZER: 1, SET_STATES: 1, STATES: 1, ROWS: 1, PUT_BLOB: 1}
 # Header fields each op must carry (beyond op and id), with their accepted types.
 _FIELDS = {
     REGISTER: {'role': str, 'host': str, 'port': int},
@@ -128,11 +135,13 @@ _FIELDS = {
     PULL_ROWS: {'key': (int, str), 'part': int},
     ROWS: {'epoch': int, 'count': int},
     ATTACH: {'name': str, 'nonce': bytes, 'size': int},
+    PUT_BLOB: {'name': str},
+    GET_BLOB: {'name': str},
 }
 OPS = frozenset([REGISTER, WELCOME, HEARTBEAT, HEARTBEAT_ACK, BARRIER, BARRIER_DONE, FINISH, ABORT,
                  SHUTDOWN, PEER_LOST, SERVER_LOST, SERVER_BACK, MEMBERS, INIT, CHECK, PUSH, PULL,
                  SET_OPTIMIZER, GET_STATES, SET_STATES, COMMIT_STATES, RESUME, ATTACH, ACK,
-                 DATA, ERROR, STATES, PULL_ROWS, ROWS])
+                 DATA, ERROR, STATES, PULL_ROWS, ROWS, PUT_BLOB, GET_BLOB])
 
 # dtype names on the wire -> numpy storage dtype. bfloat16 travels as its raw 16-bit pattern.
 # dtype objects, not scalar types: numpy converts a type to a dtype on every call it is given to.
@@ -143,10 +152,12 @@ DTYPES = {name: np.dtype(t) for name, t in {
 }.items()}
 ITEMSIZE = {name: t.itemsize for name, t in DTYPES.items()}
 # Compressed gradients (kvps.wire.codecs) and some rows of a key (kvps.rows) are PUSH item
-# dtypes only; a 'rows' item's `n` counts bytes.
+# dtypes only; a 'rows' item's `n` counts bytes. A 'nothing' item (n 0, an empty frame) takes
+# part in a sync round without a gradient (kvps.server.members.abstain).
 ROW_SPARSE = 'rows'
-PUSH_CODECS = GRADIENT_CODECS + (ROW_SPARSE,)
-SIZED_IN_BYTES = (ONE_BIT, TOP_K, ROW_SPARSE)   # push kinds whose `n` counts bytes
+NOTHING = 'nothing'
+PUSH_CODECS = GRADIENT_CODECS + (ROW_SPARSE, NOTHING)
+SIZED_IN_BYTES = (ONE_BIT, TOP_K, ROW_SPARSE, NOTHING)   # push kinds whose `n` counts bytes
 MAX_HEADER_BYTES = 1 << 20   # headers are small maps; a bigger one is hostile or broken
 # The items of one multi-key message pack to at most this many bytes (its sender cuts a longer
 # list of keys into several messages): the header, and a DATA answer to a PULL, stay far
@@ -391,7 +402,7 @@ def nbytes(dtype_name, n):
     size = ITEMSIZE.get(dtype_name)
     if size is not None:
         return n * size
-    return n if dtype_name == ROW_SPARSE else coded_nbytes(dtype_name, n)
+    return n if dtype_name in (ROW_SPARSE, NOTHING) else coded_nbytes(dtype_name, n)
 
 
 def as_array(buffer, dtype_name):

@@ -1,5 +1,8 @@
-"""A worker's view of an elastic job's membership: changes told to a callback, and a joiner's
-catching up with the job's setup (docs/elastic.md)."""
+"""A worker's view of an elastic job's membership: changes told to a callback, a joiner's
+catching up with the job's setup, and what an elastic Trainer reads of the job (its notes)."""
+
+from ..wire import protocol as P
+from .messages import state_collector
 
 
 class Members:
@@ -17,7 +20,7 @@ class Members:
 
     def moved(self):
         """The membership changed since the last call: tell the callback, once per change."""
-        epoch, ranks = self.io.membership
+        epoch, ranks, _ = self.io.membership
         self.epoch = epoch
         if self.callback is not None:
             self.callback(len(ranks), list(ranks))
@@ -33,3 +36,38 @@ class Members:
                     push_counts.start(node, where, count)
                     self._pushes[where[0]] = max(self._pushes.get(where[0], 0), count)
         return self.catching_up
+
+
+class JobNotes:
+    """Made by a DistClient from its I/O thread ``io`` (the membership, the WELCOME),
+    ``request(server, what, header, buffers, on_data)`` (one message, an Operation),
+    ``rounds()`` (its sync push count: the most pushes of any key) and its ``config``."""
+
+    def __init__(self, io, request, rounds, config):
+        self._io, self._request, self.rounds, self._config = io, request, rounds, config
+        welcome = io.welcome
+        self.me = (welcome['rank'], welcome.get('incarnation', 0))
+
+    @property
+    def epoch(self):
+        """The membership's epoch: it moves at every change (a fixed job's stays 0)."""
+        return self._io.membership[0]
+
+    def members(self):
+        """The member workers, as ``(rank, incarnation)`` pairs."""
+        return self._io.membership[2]
+
+    def put(self, name, blob):
+        """Make ``blob`` (bytes) the job's blob ``name``; returns once server 0 holds it."""
+        pieces = P.state_pieces(blob, self._config.max_message_bytes)
+        headers = P.continued({'op': P.PUT_BLOB, 'name': name}, len(pieces))
+        for op in [self._request(0, f'put of blob {name!r}', header, (piece,))
+                   for header, piece in zip(headers, pieces)]:
+            op.wait(self._config.timeout)
+
+    def get(self, name):
+        """The job's blob ``name`` as server 0 holds it now (b'' when there is none)."""
+        got = []
+        self._request(0, f'get of blob {name!r}', {'op': P.GET_BLOB, 'name': name}, (),
+                      state_collector(got.append)).wait(self._config.timeout)
+        return bytes(got[0])

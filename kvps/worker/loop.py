@@ -58,7 +58,7 @@ class WorkerIO(threading.Thread):
         self._poller = Poller()
         self.staging = None         # this worker's shared-memory segment, if it has one
         # (epoch, ranks): the job's member workers, as the last WELCOME or MEMBERS told
-        self.membership = (0, [])
+        self.membership = (0, [], [])
         self.trace = None           # the messages' spans, while the timeline records
         self._ticker = Ticker(0, 'worker', None)   # --stats lines, from the welcome on
 
@@ -369,10 +369,13 @@ class WorkerIO(threading.Thread):
 
 
 def membership_of(message):
-    """``(epoch, member ranks)`` of a WELCOME or MEMBERS (a fixed job: epoch 0, every rank)."""
+    """``(epoch, member ranks, [(rank, incarnation)])`` of a WELCOME or MEMBERS (a fixed job:
+    epoch 0, every rank, incarnation 0)."""
     if 'workers' not in message:
-        return 0, list(range(message['num_workers']))
-    return message['epoch'], [rank for rank, _ in message['workers']]
+        ranks = list(range(message['num_workers']))
+        return 0, ranks, [(rank, 0) for rank in ranks]
+    workers = [tuple(pair) for pair in message['workers']]
+    return message['epoch'], [rank for rank, _ in workers], workers
 
 
 class _Attaching(Operation):

@@ -1,0 +1,126 @@
+"""A worker joins a running elastic job whose Trainer updates on the workers
+(update_on_kvstore=False): it takes a member's weights and optimizer state, abstains from its
+rounds meanwhile, and from then on every worker holds the same weights and state, bit for
+bit, as a replay of the rounds' recorded members does (docs/elastic.md)."""
+
+import json
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import kvps
+from kvps.optimizer import states
+
+N, TOTAL = 3, 12   # the job's -n; the rounds every worker makes
+OPTIMIZERS = {'sgd': {'learning_rate': 0.125, 'momentum': 0.5},
+              'adam': {'learning_rate': 0.01}}
+
+
+def grads(rank, round_index):
+    """Worker ``rank``'s data of a round, and so its gradients: the loss sum(c * model(x))
+    has gradients c^T x and sum(c) whatever the weights, in small integers, so a round's
+    sum is exact in any order and a replay can make it again."""
+    rng = np.random.default_rng([rank, round_index])
+    x = rng.integers(-2, 3, (2, 4)).astype(np.float32)
+    c = rng.integers(-1, 2, (2, 3)).astype(np.float32)
+    return x, c
+
+
+SCRIPT = '''
+import subprocess
+import torch
+from kvps.optimizer import states
+
+def grads(rank, round_index):
+    rng = np.random.default_rng([rank, round_index])
+    x = rng.integers(-2, 3, (2, 4)).astype(np.float32)
+    c = rng.integers(-1, 2, (2, 3)).astype(np.float32)
+    return x, c
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 3)
+kv = kvps.create('dist_sync')
+trainer = kvps.Trainer(model.parameters(), NAME, PARAMS, kvstore=kv, update_on_kvstore=False)
+joiner, pushed = None, []
+while kv.notes.rounds() < TOTAL:
+    round_index = kv.notes.rounds()
+    if round_index == 3 and kv.rank == 0 and not os.environ.get('JOINER'):
+        env = {k: v for k, v in os.environ.items() if k != 'KVPS_RANK'}
+        joiner = subprocess.Popen([sys.executable, sys.argv[0]], env={**env, 'JOINER': '1'})
+    if round_index == 4:   # the members wait for the joiner before round 4
+        while kv.num_workers < 4:
+            time.sleep(0.05)
+    x, c = grads(kv.rank, round_index)
+    (torch.from_numpy(c) * model(torch.from_numpy(x))).sum().backward()
+    if not trainer.joining:
+        pushed.append(round_index)
+    trainer.step(2 * kv.num_workers)
+    trainer.zero_grad()
+trainer.save_states(f'states-{kv.rank}.bin')
+weights = [p.detach().numpy().tobytes().hex() for p in model.parameters()]
+line = json.dumps({'rank': kv.rank, 'pushed': pushed, 'weights': weights,
+                   'replayed': trainer._handover.replayed})
+if os.environ.get('JOINER'):
+    print('JOINED', line, flush=True)
+else:
+    if joiner is not None:
+        joiner.wait(60)
+    report(**json.loads(line))
+'''
+
+
+@pytest.mark.parametrize('name', sorted(OPTIMIZERS))
+def test_a_joiner_takes_the_weights_and_optimizer_state_of_the_members(job, tmp_path, name):
+    script = (f'NAME, PARAMS, TOTAL = {name!r}, {OPTIMIZERS[name]!r}, {TOTAL}\n'
+              + textwrap.dedent(SCRIPT))
+    result = job(script, workers=N, servers=1,
+                 launcher_args=['--min-workers', '2', '--max-workers', '4'],
+                 ends_when=f'every worker has made {TOTAL} rounds')
+    assert result.returncode == 0, result.output
+    joined = json.loads(result.stdout.split('JOINED ', 1)[1].split('\n', 1)[0])
+    workers = {**result.results(), joined['rank']: joined}
+    assert sorted(workers) == [0, 1, 2, 3], result.output
+    for rank in range(N):
+        assert workers[rank]['pushed'] == list(range(TOTAL))
+        assert workers[rank]['replayed'] is None         # (members take no handover)
+    assert joined['replayed'] in (0, 1), joined          # the donor's last round, or one before
+    # the joiner abstained from its first round(s), and pushed from the next one on
+    assert 4 <= joined['pushed'][0] and joined['pushed'] == list(
+        range(joined['pushed'][0], TOTAL)), joined
+    weights, file_states = replay(name, workers, tmp_path / 'replayed.bin')
+    for rank, worker in workers.items():
+        assert worker['weights'] == weights, f'worker {rank}'
+        assert same_states(states.read_file(tmp_path / f'states-{rank}.bin'),
+                           file_states), f'worker {rank}'
+
+
+def replay(name, workers, path):
+    """The weights and optimizer state after every round, made again in this process from
+    who pushed into each round: its sum, scaled by N / (its pushers), applied by a Trainer
+    without a store on the batch of N workers (the rescale every worker uses)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    trainer = kvps.Trainer(model.parameters(), name, OPTIMIZERS[name], kvstore=None)
+    for round_index in range(TOTAL):
+        pushers = [rank for rank, w in workers.items() if round_index in w['pushed']]
+        total = [np.zeros((3, 4), np.float32), np.zeros(3, np.float32)]
+        for rank in pushers:
+            x, c = grads(rank, round_index)
+            total[0] += c.T @ x
+            total[1] += c.sum(0)
+        for p, summed in zip(model.parameters(), total):
+            if len(pushers) != N:
+                np.multiply(summed, N / len(pushers), out=summed)
+            p.grad = torch.from_numpy(summed)
+        trainer.step(2 * N)
+    trainer.save_states(path)
+    return ([p.detach().numpy().tobytes().hex() for p in model.parameters()],
+            states.read_file(path))
+
+
+def same_states(a, b):
+    """Whether two state files hold the same update count and per-parameter state, bit for
+    bit (their optimizers' specs may list keys differently: fused or not)."""
+    return a['num_update'] == b['num_update'] and sorted(a['keys']) == sorted(b['keys'])
