@@ -33,7 +33,8 @@ class Backend(Protocol):
     # ``me`` and ``members()``, (rank, incarnation) pairs; ``epoch``, moving at each change;
     # ``rounds()``, the most pushes this worker made of any key; the job's named blobs on
     # server 0, ``put(name, bytes)`` (replacing that name's, blocking) and ``get(name)`` (b''
-    # when there is none). A one-process job is its one member, its blobs its own.
+    # when there is none); ``claim(key, epoch, size, count)`` -> (positions, end), an elastic
+    # Sampler's (blocking). A one-process job is its one member, its blobs its own.
     notes: object
     # This process was forked from the one that made the backend, and cannot use it (a
     # distributed backend's sockets and I/O thread stay with its maker, ``pid``).

@@ -10,6 +10,7 @@ from .. import rows
 from ..arrays import flat_view
 from ..compression import land_pulled, pulled_dtype, round_pulled
 from ..errors import ConfigError
+from ..server import ledger
 from ..server.records import ReplyKind
 from ..server.row_store import LIVE
 from ..server.shard import Shard
@@ -68,6 +69,13 @@ class LocalNotes:
 
     def rounds(self):
         return max((entry.version for entry in self._shard.entries.values()), default=0)
+
+    def claim(self, key, epoch, size, count):
+        entry = self._shard.entries.get((key, 0))
+        header = {'key': key, 'part': 0, 'epoch': epoch, 'size': size, 'count': count,
+                  'round': 0 if entry is None else entry.version}
+        (reply,) = ledger.claim(self._shard, None, _ME, header)
+        return reply.payload['positions'], reply.payload['end']
 
     def members(self):
         return [self.me]

@@ -2,9 +2,9 @@
 weights and optimizer state): each put replaces the blob of its name, whole."""
 
 from ..errors import ConfigError
-from ..wire import protocol as P
 
 MAX_BLOBS = 4096   # names held at once: enough for a handover per worker of a big job
+MAX_NAME = 200
 
 
 class Blobs:
@@ -43,6 +43,6 @@ class Blobs:
 
 def _name(header):
     name = header['name']
-    if not 0 < len(name) <= P.MAX_BLOB_NAME:
-        raise ConfigError(f'a blob name has 1 to {P.MAX_BLOB_NAME} characters, got {len(name)}')
+    if not 0 < len(name) <= MAX_NAME:
+        raise ConfigError(f'a blob name has 1 to {MAX_NAME} characters, got {len(name)}')
     return name

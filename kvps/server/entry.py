@@ -87,6 +87,8 @@ class Entry:
     scale_to: int = 0
     # workers in the open round without a gradient (members.abstain)
     abstained: int = 0
+    # an elastic Sampler's claim ledgers tied to this key part's rounds (kvps.server.ledger)
+    claims: object = None
 
     @property
     def n(self):

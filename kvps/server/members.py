@@ -33,7 +33,7 @@ def check_round_possible(finished, entry, round_index):
                             f' {identity_label(worker)} finished after {made} pushes of it')
 
 
-def abstain(entry, sync):
+def abstain(entry, sync, worker):
     """What a push of NOTHING merges into ``entry``'s round: None, an abstention. The
     worker counts in the round (it closes with it, and the worker's pull after it waits for
     it) but adds nothing to its sum, nor to the workers its scale divides by: an elastic
@@ -43,6 +43,8 @@ def abstain(entry, sync):
     if not (sync and entry.sync):
         raise ConfigError(f'key {entry.key!r}: a push of nothing takes part in a sync round; '
                           'dist_async applies each push alone')
+    if entry.claims is not None:   # its samples of the round are not applied: they go back
+        entry.claims.abstained(worker, entry.pushed.get(worker, 0), entry.version)
     return None
 
 
@@ -98,6 +100,8 @@ def _leave(shard, entry, worker):
     entry.late.pop(worker, None)
     if not entry.sync:
         return []
+    # its claims of rounds not closed go back (its push to the open round is taken out)
+    replies = [] if entry.claims is None else entry.claims.lost(worker, entry.version)
     entry.queued = [q for q in entry.queued if q.worker != worker]
     if worker in entry.merged:
         kept = [(w, data) for w, data in entry.pushes if w != worker]
@@ -105,7 +109,7 @@ def _leave(shard, entry, worker):
         entry.abstained = 0
         for other, data in kept:
             shard.add_push(entry, other, data)
-    return shard.close_rounds(entry) if entry.merged else []
+    return replies + (shard.close_rounds(entry) if entry.merged else [])
 
 
 # -- rounds scaled to the job's size (the Trainer's keys in an elastic dist_sync job) --------

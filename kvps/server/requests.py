@@ -9,7 +9,7 @@ from ..errors import ConfigError, KVPSError, ProtocolError
 from ..timeline import recording
 from ..wire import protocol as P
 from ..wire.identities import identity_label
-from . import row_store
+from . import ledger, row_store
 from .batch import Batch
 from .blobs import Blobs
 from .records import PullAnswer, Reply, ReplyKind
@@ -199,6 +199,9 @@ class Requests:
         self.shard.commit_states()
         return [Reply(ACK, token, None)]
 
+    def _claim(self, token, h, buffers):
+        return ledger.claim(self.shard, token, token[0], h)
+
     def _put_blob(self, token, h, buffers):
         self.blobs.put(token[0], h, buffers[0])
         return [Reply(ACK, token, None)]
@@ -210,7 +213,8 @@ class Requests:
                  P.PULL_ROWS: _pull_rows,
                  P.SET_OPTIMIZER: _set_optimizer, P.GET_STATES: _get_states,
                  P.SET_STATES: _set_states, P.COMMIT_STATES: _commit_states,
-                 P.ATTACH: _attach, P.PUT_BLOB: _put_blob, P.GET_BLOB: _get_blob}
+                 P.ATTACH: _attach, P.PUT_BLOB: _put_blob, P.GET_BLOB: _get_blob,
+                 P.CLAIM: _claim}
 
 
 def _map_in(buffer, what):

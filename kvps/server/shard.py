@@ -115,7 +115,7 @@ class Shard:
         elif dtype == ROW_SPARSE:   # some rows: merged and applied as rows (row_store)
             data, dtype = row_store.decode_push(entry, data), entry.dtype
         elif dtype == NOTHING:   # in the round without a gradient (members.abstain)
-            data, dtype = members.abstain(entry, sync), entry.dtype
+            data, dtype = members.abstain(entry, sync, worker), entry.dtype
         self._check_push(entry, dtype, sync, data)
         count = entry.pushed.get(worker, 0)
         if seq is not None and seq < count:
@@ -234,6 +234,8 @@ class Shard:
         entry.held, entry.merged = [], set()
         if entry.pushes or entry.late or entry.abstained:   # (kvps.server.members)
             entry.next_round()
+        if entry.claims is not None:   # (an elastic Sampler's: kvps.server.ledger)
+            replies += entry.claims.closed(entry.version)
         if entry.deferred:
             replies += [self._answer(entry, pull.token, pull.rows)
                         for pull in entry.ready_pulls()]

@@ -138,6 +138,16 @@ class Trainer:
         return self._mode.on_servers
 
     @property
+    def round_key(self):
+        """A store key this Trainer pushes at every step (its first trainable parameter's,
+        or the fused key holding it): what kvps.elastic.Sampler ties its batches to."""
+        trainable = [p for p in self._params if p.trainable]
+        if self._store is None or not trainable:
+            raise ValueError('round_key: this Trainer pushes nothing (no distributed store, '
+                             'or no parameter requires grad)')
+        return self._layout.store_keys(trainable[:1])[0][1]
+
+    @property
     def joining(self):
         """Whether this Trainer joined a running elastic job, updates on the workers, and has
         not taken a member's weights and optimizer state yet (its steps abstain meanwhile)."""

@@ -89,13 +89,12 @@ RESUME = 'resume'
 # /proc/<pid>/fd/<fd> once its name is gone (a restarted server); ERROR, or ACK with
 # {arena: {name, nonce, size, ...}} when the server keeps big weights in an arena of its own
 ATTACH = 'attach'
-# {name, [piece, more]} + 1 buffer: a named blob of the job (an elastic Trainer's handover),
-# kept by this server until a later PUT_BLOB of the name replaces it; answered by ACK. A blob
-# bigger than STATE_CHUNK_BYTES comes in pieces, as SET_STATES's
-PUT_BLOB = 'put_blob'
-# {name}: answered by STATES, the blob (empty when there is none), in pieces as GET_STATES's
-GET_BLOB = 'get_blob'
-MAX_BLOB_NAME = 200
+# {name} + 1 buffer (in pieces as SET_STATES's): a blob of the job that a later PUT_BLOB of the
+# name replaces (kvps.server.blobs), answered by ACK; GET_BLOB {name}: STATES, b'' for none
+PUT_BLOB, GET_BLOB = 'put_blob', 'get_blob'
+# {key, part, epoch, size, count, round}: an elastic Sampler's claim (kvps.server.ledger),
+# answered by ACK {positions: [int], end: bool} (maybe once earlier rounds have closed)
+CLAIM = 'claim'
 
 # Replies.
 ACK = 'ack'
@@ -137,11 +136,13 @@ _FIELDS = {
     ATTACH: {'name': str, 'nonce': bytes, 'size': int},
     PUT_BLOB: {'name': str},
     GET_BLOB: {'name': str},
+    CLAIM: {'key': (int, str), 'part': int, 'epoch': int, 'size': int, 'count': int,
+            'round': int},
 }
 OPS = frozenset([REGISTER, WELCOME, HEARTBEAT, HEARTBEAT_ACK, BARRIER, BARRIER_DONE, FINISH, ABORT,
                  SHUTDOWN, PEER_LOST, SERVER_LOST, SERVER_BACK, MEMBERS, INIT, CHECK, PUSH, PULL,
                  SET_OPTIMIZER, GET_STATES, SET_STATES, COMMIT_STATES, RESUME, ATTACH, ACK,
-                 DATA, ERROR, STATES, PULL_ROWS, ROWS, PUT_BLOB, GET_BLOB])
+                 DATA, ERROR, STATES, PULL_ROWS, ROWS, PUT_BLOB, GET_BLOB, CLAIM])
 
 # dtype names on the wire -> numpy storage dtype. bfloat16 travels as its raw 16-bit pattern.
 # dtype objects, not scalar types: numpy converts a type to a dtype on every call it is given to.
@@ -242,7 +243,7 @@ def validate_header(header):
     if 'dtype' in header:
         _check_dtype(op, header['dtype'])
     for name in ('n', 'part', 'rank', 'port', 'size', 'seen', 'lease', 'pid', 'fd', 'step',
-                 'epoch', 'count', 'piece', 'clock'):
+                 'epoch', 'count', 'piece', 'clock', 'round'):
         value = header.get(name)
         if name in header and not _natural(value) and not (name == 'rank' and value is None):
             raise ProtocolError(f'{op}: {name} must be an int >= 0')

@@ -66,7 +66,7 @@ class DistClient:
                                         self._request, self.barrier, self.wait_pushes)
         self.members = Members(self.io, sync, self._pushes)
         self._collectives.joining = self.members.joining
-        self.notes = JobNotes(self.io, self._request, lambda: self._step, self.config)
+        self.notes = JobNotes(self.io, self._request, self.config, self.sharding, self._pushes)
 
     # The job's member workers now (an elastic job's change as workers leave and join)
     num_workers = property(lambda self: len(self.io.membership[1]))

@@ -40,13 +40,31 @@ class Members:
 
 class JobNotes:
     """Made by a DistClient from its I/O thread ``io`` (the membership, the WELCOME),
-    ``request(server, what, header, buffers, on_data)`` (one message, an Operation),
-    ``rounds()`` (its sync push count: the most pushes of any key) and its ``config``."""
+    ``request(server, what, header, buffers, on_data)`` (one message, an Operation), its
+    ``config``, ``sharding`` and ``pushes`` (key -> its sync pushes, counted from where the
+    servers count them for a joiner)."""
 
-    def __init__(self, io, request, rounds, config):
-        self._io, self._request, self.rounds, self._config = io, request, rounds, config
+    def __init__(self, io, request, config, sharding, pushes):
+        self._io, self._request, self._config = io, request, config
+        self._sharding, self._pushes = sharding, pushes
         welcome = io.welcome
         self.me = (welcome['rank'], welcome.get('incarnation', 0))
+
+    def rounds(self):
+        """The rounds this worker has pushed into: the most pushes of any key."""
+        return max(self._pushes.values(), default=0)
+
+    def claim(self, key, epoch, size, count):
+        """``(positions, end)``: up to ``count`` positions of ``epoch``'s order of ``size``
+        samples for this worker's next push of ``key`` (kvps.server.ledger), from the server
+        holding the key; ``end``: the epoch is over for every member."""
+        part = self._sharding.parts(key)[0]
+        header = {'op': P.CLAIM, 'key': key, 'part': part.part, 'epoch': epoch, 'size': size,
+                  'count': count, 'round': self._pushes.get(key, 0)}
+        got = []
+        self._request(part.server, f'claim of samples of epoch {epoch}', header, (),
+                      lambda answer, _: got.append(answer)).wait(self._config.timeout)
+        return got[0]['positions'], got[0]['end']
 
     @property
     def epoch(self):
