@@ -29,7 +29,7 @@ def grads(rank, round_index):
 
 
 SCRIPT = '''
-import subprocess
+import signal, subprocess
 import torch
 from kvps.optimizer import states
 
@@ -46,12 +46,14 @@ trainer = kvps.Trainer(model.parameters(), NAME, PARAMS, kvstore=kv, update_on_k
 joiner, pushed = None, []
 while kv.notes.rounds() < TOTAL:
     round_index = kv.notes.rounds()
-    if round_index == 3 and kv.rank == 0 and not os.environ.get('JOINER'):
+    if round_index == 3 and kv.rank == SPAWNER and not os.environ.get('JOINER'):
         env = {k: v for k, v in os.environ.items() if k != 'KVPS_RANK'}
         joiner = subprocess.Popen([sys.executable, sys.argv[0]], env={**env, 'JOINER': '1'})
-    if round_index == 4:   # the members wait for the joiner before round 4
-        while kv.num_workers < 4:
+    if round_index == 4:   # the members wait for the joiner (rank 3) before round 4
+        while 3 not in [rank for rank, _ in kv.notes.members()]:
             time.sleep(0.05)
+        if KILL_DONOR and kv.rank == 0 and not os.environ.get('JOINER'):
+            os.kill(os.getpid(), signal.SIGKILL)   # the donor, lost before it served
     x, c = grads(kv.rank, round_index)
     (torch.from_numpy(c).to(DEVICE) * model(torch.from_numpy(x).to(DEVICE))).sum().backward()
     if not trainer.joining:
@@ -81,23 +83,50 @@ def test_a_joiner_takes_the_weights_and_optimizer_state_of_the_members(job, tmp_
                                                                         device):
     """Parameters on a GPU (a device store, the CUDA kernels) are held to the same: every
     worker's weights and state bit for bit the same, and as the replay's to rounding."""
+    result, joined, workers = run(job, name, device)
+    for rank in range(N):
+        assert workers[rank]['pushed'] == list(range(TOTAL))
+        assert workers[rank]['replayed'] is None         # (members take no handover)
+    check(tmp_path, name, device, joined, workers)
+
+
+def test_when_the_donor_is_lost_before_it_served_the_next_member_serves(job, tmp_path):
+    """Rank 0, the donor, is killed when it sees the joiner (before its push of round 4):
+    rank 1 is then the lowest member, and serves."""
+    result, joined, workers = run(job, 'sgd', 'cpu', kill_donor=True)
+    assert 'worker 0' in result.stderr and 'goes on without it' in result.stderr
+    assert 'its pushes to 1 open round(s) were taken out' not in result.output
+    workers[0] = {'pushed': [0, 1, 2, 3]}   # (it made rounds 0 to 3, and died)
+    for rank in (1, 2):
+        assert workers[rank]['pushed'] == list(range(TOTAL))
+    check(tmp_path, 'sgd', 'cpu', joined, workers)
+
+
+def run(job, name, device, kill_donor=False):
+    """The job of N workers and a joiner: (result, the joiner's report, every report)."""
     script = (f'NAME, PARAMS, TOTAL, DEVICE = {name!r}, {OPTIMIZERS[name]!r}, {TOTAL}, '
-              f'{device!r}\n' + textwrap.dedent(SCRIPT))
+              f'{device!r}\nSPAWNER, KILL_DONOR = {2 if kill_donor else 0}, {kill_donor}\n'
+              + textwrap.dedent(SCRIPT))
     result = job(script, workers=N, servers=1,
                  launcher_args=['--min-workers', '2', '--max-workers', '4'],
                  ends_when=f'every worker has made {TOTAL} rounds')
     assert result.returncode == 0, result.output
     joined = json.loads(result.stdout.split('JOINED ', 1)[1].split('\n', 1)[0])
     workers = {**result.results(), joined['rank']: joined}
-    assert sorted(workers) == [0, 1, 2, 3], result.output
-    for rank in range(N):
-        assert workers[rank]['pushed'] == list(range(TOTAL))
-        assert workers[rank]['replayed'] is None         # (members take no handover)
+    assert joined['rank'] == 3, result.output
+    assert sorted(workers) == ([1, 2] if kill_donor else [0, 1, 2]) + [3], result.output
+    return result, joined, workers
+
+
+def check(tmp_path, name, device, joined, workers):
+    """The joiner abstained, then pushed; every live worker's weights and state are the
+    replay's of who pushed into each round."""
     assert joined['replayed'] in (0, 1), joined          # the donor's last round, or one before
     # the joiner abstained from its first round(s), and pushed from the next one on
     assert 4 <= joined['pushed'][0] and joined['pushed'] == list(
         range(joined['pushed'][0], TOTAL)), joined
     weights, file_states = replay(name, workers, tmp_path / 'replayed.bin')
+    workers = {rank: w for rank, w in workers.items() if 'weights' in w}
     if device != 'cpu':   # the CUDA kernels round as they do: the workers agree among them
         for ours, replayed in zip(workers[0]['weights'], weights):
             np.testing.assert_allclose(_floats(ours), _floats(replayed), rtol=1e-5)
