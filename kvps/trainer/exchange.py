@@ -61,6 +61,7 @@ class Exchange:
         # a sync round completes only when every worker has pushed into it.
         self.pushed.add(p.key)
         if self.abstaining:   # (its abstention leaves with the rest: _send_rest)
+            self._push_value(p, grad)   # (notes whether its sums come as rows, as pushed)
             return
         fused = self._layout.by_member.get(p.key)
         if fused is None:

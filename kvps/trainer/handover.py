@@ -106,14 +106,17 @@ class Handover:
 
     def _serve(self):
         """Read the pending joiners' records (dropping those that took a handover); if one
-        waits and this member is still the donor, put a handover of its state now."""
+        waits and this member is still the donor, put a handover of its state now. Once none
+        is pending, the handover's blob is emptied (server 0 need not keep a model)."""
         notes, wanting = self.notes, False
         for joiner in sorted(self.pending):
             record = notes.get(record_name(joiner))
             if record == HAVE:
                 self.pending.discard(joiner)
             wanting |= record == WANT
-        if wanting and self._donor() == notes.me:
+        if not self.pending:
+            notes.put(BLOB, b'')
+        elif wanting and self._donor() == notes.me:
             notes.put(BLOB, msgpack.packb({
                 'tag': notes.rounds(), 'members': sorted(self._known),
                 'pending': sorted(self.pending), 'weights': [_bytes(p) for p in self._params],

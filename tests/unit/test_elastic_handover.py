@@ -259,6 +259,7 @@ def test_the_lowest_member_not_waiting_serves_and_a_member_takes_over_when_it_is
     job.gets.clear()
     rank1.step_ended()
     assert rank1.pending == set() and job.gets == [((1, 0), record_name((2, 1)))]
+    assert job.blobs[BLOB] == b''                      # served: server 0 lets the model go
     job.gets.clear()
     rank1.step_ended()
     assert job.gets == []                              # nothing pending: no reads
