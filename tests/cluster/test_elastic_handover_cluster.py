@@ -41,7 +41,7 @@ def grads(rank, round_index):
 
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 3).to(DEVICE)
-kv = kvps.create('dist_sync' if DEVICE == 'cpu' else 'dist_sync_device')
+kv = kvps.create(STORE)
 trainer = kvps.Trainer(model.parameters(), NAME, PARAMS, kvstore=kv, update_on_kvstore=False)
 joiner, pushed = None, []
 while kv.notes.rounds() < TOTAL:
@@ -73,17 +73,18 @@ else:
 '''
 
 
-CUDA = pytest.param('cuda', marks=[pytest.mark.gpu, pytest.mark.skipif(
+CUDA = pytest.param('cuda', 'dist_sync_device', marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason='no CUDA device')])
 
 
-@pytest.mark.parametrize('device', ['cpu', CUDA])
+@pytest.mark.parametrize('device, store', [('cpu', 'dist_sync'), ('cpu', 'dist_sync_device'),
+                                           CUDA])
 @pytest.mark.parametrize('name', sorted(OPTIMIZERS))
 def test_a_joiner_takes_the_weights_and_optimizer_state_of_the_members(job, tmp_path, name,
-                                                                        device):
+                                                                        device, store):
     """Parameters on a GPU (a device store, the CUDA kernels) are held to the same: every
     worker's weights and state bit for bit the same, and as the replay's to rounding."""
-    result, joined, workers = run(job, name, device)
+    result, joined, workers = run(job, name, device, store)
     for rank in range(N):
         assert workers[rank]['pushed'] == list(range(TOTAL))
         assert workers[rank]['replayed'] is None         # (members take no handover)
@@ -93,7 +94,7 @@ def test_a_joiner_takes_the_weights_and_optimizer_state_of_the_members(job, tmp_
 def test_when_the_donor_is_lost_before_it_served_the_next_member_serves(job, tmp_path):
     """Rank 0, the donor, is killed when it sees the joiner (before its push of round 4):
     rank 1 is then the lowest member, and serves."""
-    result, joined, workers = run(job, 'sgd', 'cpu', kill_donor=True)
+    result, joined, workers = run(job, 'sgd', 'cpu', 'dist_sync', kill_donor=True)
     assert 'worker 0' in result.stderr and 'goes on without it' in result.stderr
     assert 'its pushes to 1 open round(s) were taken out' not in result.output
     workers[0] = {'pushed': [0, 1, 2, 3]}   # (it made rounds 0 to 3, and died)
@@ -102,10 +103,11 @@ def test_when_the_donor_is_lost_before_it_served_the_next_member_serves(job, tmp
     check(tmp_path, 'sgd', 'cpu', joined, workers)
 
 
-def run(job, name, device, kill_donor=False):
+def run(job, name, device, store, kill_donor=False):
     """The job of N workers and a joiner: (result, the joiner's report, every report)."""
-    script = (f'NAME, PARAMS, TOTAL, DEVICE = {name!r}, {OPTIMIZERS[name]!r}, {TOTAL}, '
-              f'{device!r}\nSPAWNER, KILL_DONOR = {2 if kill_donor else 0}, {kill_donor}\n'
+    script = (f'NAME, PARAMS, TOTAL, DEVICE, STORE = {name!r}, {OPTIMIZERS[name]!r}, '
+              f'{TOTAL}, {device!r}, {store!r}\n'
+              f'SPAWNER, KILL_DONOR = {2 if kill_donor else 0}, {kill_donor}\n'
               + textwrap.dedent(SCRIPT))
     result = job(script, workers=N, servers=1,
                  launcher_args=['--min-workers', '2', '--max-workers', '4'],
