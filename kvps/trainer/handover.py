@@ -68,6 +68,13 @@ class Handover:
         # close only with this joiner's abstentions, so it is never ahead of them)
         if not self._kept[0][0] - 1 <= tag <= self._kept[-1][0]:
             return False
+        self._took(handed, tag)
+        return True
+
+    def _took(self, handed, tag):
+        """Install the handover of round ``tag``, replay the kept rounds after it, say so in
+        this joiner's record, and count as waiting the joiners the donor did."""
+        notes = self.notes
         self._install(handed['weights'], handed['state'])
         later = [sums for rounds, sums in self._kept if rounds > tag]
         for sums in later:
@@ -82,7 +89,6 @@ class Handover:
         pending = {tuple(m) for m in handed['pending']} | (members - listed)
         self.pending = pending & members - {notes.me}
         self._epoch, self._known = notes.epoch, members
-        return True
 
     def _install(self, weights, state):
         import torch  # (lazily, as everywhere in kvps: a Trainer's parameters brought it)

@@ -1,5 +1,6 @@
 """kvps.elastic.Sampler through the launcher: a worker joins and another is killed mid-epoch,
-and every sample of the epoch has its gradient applied exactly once (docs/elastic.md)."""
+or a joiner's Trainer abstains while it waits for a member's state, and every sample of the
+epoch has its gradient applied exactly once (docs/elastic.md)."""
 
 import json
 import textwrap
@@ -63,3 +64,54 @@ def test_every_sample_is_applied_once_whoever_is_lost_or_joins(job):
     # the survivors' and the joiner's batches, and the lost worker's first 6, are the epoch
     dealt = [s for w in workers.values() for batch in w['batches'] for s in batch]
     assert len(dealt) == len(set(dealt)) and len(dealt) <= SIZE
+
+
+# A Trainer that updates on the workers: a joiner abstains from its first rounds (waiting for
+# a member's state), and the batches it claimed for them are dealt again.
+WITH_TRAINER = '''
+import subprocess, torch
+from kvps.elastic import Sampler
+
+JOINER = bool(os.environ.get('JOINER'))
+weights = torch.nn.Parameter(torch.zeros(SIZE))
+kv = kvps.create('dist_sync')
+trainer = kvps.Trainer([weights], 'sgd', {'learning_rate': 0.1}, kvstore=kv,
+                       update_on_kvstore=False)
+joiner, applied = None, []
+for step, batch in enumerate(Sampler(kv, SIZE, 0, BATCH, trainer.round_key)):
+    if not JOINER and step == 2 and kv.rank == 0:
+        env = {k: v for k, v in os.environ.items() if k != 'KVPS_RANK'}
+        joiner = subprocess.Popen([sys.executable, sys.argv[0]], env={**env, 'JOINER': '1'})
+    if not JOINER and step == 4:
+        while kv.num_workers < 4:
+            time.sleep(0.05)
+    weights[torch.from_numpy(batch)].sum().backward()
+    if not trainer.joining:
+        applied.append(batch.tolist())
+    trainer.step(BATCH * kv.num_workers)
+    trainer.zero_grad()
+    time.sleep(0.05)
+line = json.dumps({'rank': kv.rank, 'applied': applied, 'replayed': trainer._handover.replayed,
+                   'weights': weights.detach().numpy().tobytes().hex()})
+if JOINER:
+    print('JOINED', line, flush=True)
+else:
+    if joiner is not None:
+        joiner.wait(60)
+    report(**json.loads(line))
+'''
+
+
+def test_a_joiners_batches_of_the_rounds_it_abstains_from_are_dealt_again(job):
+    script = f'SIZE, BATCH = {SIZE}, {BATCH}\n' + textwrap.dedent(WITH_TRAINER)
+    result = job(script, workers=3, servers=1,
+                 launcher_args=['--min-workers', '2', '--max-workers', '4'],
+                 ends_when='the epoch is over for every member')
+    assert result.returncode == 0, result.output
+    joined = json.loads(result.stdout.split('JOINED ', 1)[1].split('\n', 1)[0])
+    workers = {**result.results(), joined['rank']: joined}
+    assert sorted(workers) == [0, 1, 2, 3], result.output
+    assert joined['replayed'] is not None and any(joined['applied']), joined
+    applied = sorted(s for w in workers.values() for batch in w['applied'] for s in batch)
+    assert applied == list(range(SIZE))
+    assert len({w['weights'] for w in workers.values()}) == 1
