@@ -29,6 +29,13 @@ class Backend(Protocol):
     # this worker joined a running elastic job and has not pushed yet: its setup calls (init,
     # set_optimizer, barriers) check the job's setup rather than make it
     joining: bool
+    # What an elastic job's Trainer reads of the job (a worker's JobNotes, kvps.worker.joining):
+    # ``me`` and ``members()``, (rank, incarnation) pairs; ``epoch``, moving at each change;
+    # ``rounds()``, the most pushes this worker made of any key; the job's named blobs on
+    # server 0, ``put(name, bytes)`` (replacing that name's, blocking) and ``get(name)`` (b''
+    # when there is none); ``claim(key, epoch, size, count)`` -> (positions, end), an elastic
+    # Sampler's (blocking). A one-process job is its one member, its blobs its own.
+    notes: object
     # This process was forked from the one that made the backend, and cannot use it (a
     # distributed backend's sockets and I/O thread stay with its maker, ``pid``).
     forked: bool
@@ -57,7 +64,8 @@ class Backend(Protocol):
 
     def push(self, items, priority=0):
         """Send ``items`` ([(key, flat copy | [copy per part], dtype name | codec name |
-        ROW_SPARSE)]) to be summed into the key's round; returns without waiting for the
+        ROW_SPARSE | NOTHING: an abstention, one empty payload per part, kvps.server.members
+        .abstain)]) to be summed into the key's round; returns without waiting for the
         servers (an in-process backend has applied it already). ``priority`` (an int in
         kvps.wire.protocol.PRIORITIES, checked), here and in every pull: requests of a higher
         one are sent and served ahead of those of a lower one still waiting, never ahead of

@@ -10,6 +10,7 @@ from .. import rows
 from ..arrays import flat_view
 from ..compression import land_pulled, pulled_dtype, round_pulled
 from ..errors import ConfigError
+from ..server import ledger
 from ..server.records import ReplyKind
 from ..server.row_store import LIVE
 from ..server.shard import Shard
@@ -57,6 +58,35 @@ class FunctionUpdater:
     set_states = checked_states = get_states
 
 
+class LocalNotes:
+    """Backend.notes of a job that is this one process: its one member, blobs in a dict."""
+
+    me = (0, 0)
+    epoch = 0
+
+    def __init__(self, shard):
+        self._shard, self._blobs = shard, {}
+
+    def rounds(self):
+        return max((entry.version for entry in self._shard.entries.values()), default=0)
+
+    def claim(self, key, epoch, size, count):
+        entry = self._shard.entries.get((key, 0))
+        header = {'key': key, 'part': 0, 'epoch': epoch, 'size': size, 'count': count,
+                  'round': 0 if entry is None else entry.version}
+        (reply,) = ledger.claim(self._shard, None, _ME, header)
+        return reply.payload['positions'], reply.payload['end']
+
+    def members(self):
+        return [self.me]
+
+    def put(self, name, blob):
+        self._blobs[name] = bytes(blob)
+
+    def get(self, name):
+        return self._blobs.get(name, b'')
+
+
 def _serialized(method):
     """One call at a time: the shard's rounds are not thread-safe, and a store may be shared
     by the threads of a process (MXNet's engine serializes calls too)."""
@@ -85,6 +115,7 @@ class LocalBackend:
         self.closed = False
         self.pid = os.getpid()
         self.counts = WorkerCounts()   # calls only: nothing travels
+        self.notes = LocalNotes(self.shard)
 
     def on_membership_change(self, callback):
         """One process is the whole job: its workers never change."""

@@ -3,16 +3,21 @@
 
 import os
 
+import numpy as np
+
 from .. import arrays, compression, rows
 from ..errors import ConfigError, DuplicateInitError, KeyNotInitializedError, StoreClosedError
 from ..optimizer import states
 from ..timeline.recording import traced
+from ..wire.protocol import NOTHING
 from . import pulls, row_calls
 from .base import KVStoreBase, registered
 from .job import dist_backend
 from .keys import StoreKeys, checked_priority
 from .local import LocalBackend
 from .types import CAPABILITIES, check_compression_type, parse_type
+
+_NOTHING = np.empty(0, np.uint8)   # the payload of an abstention (kvps.wire.protocol.NOTHING)
 
 
 class KVStore(KVStoreBase):
@@ -63,6 +68,11 @@ class KVStore(KVStoreBase):
         extension): its init checks the job's keys, and set_optimizer is the job's."""
         return self._backend.joining
 
+    @property
+    def notes(self):
+        """What an elastic job's Trainer reads of the job (Backend.notes; kvps's)."""
+        return self._backend.notes
+
     def is_capable(self, capability):
         """MXNet's capability query: kvps stores can all run optimizers on the servers. As in
         MXNet, a capability it does not know is a ValueError (not False: a misspelled name
@@ -106,6 +116,15 @@ class KVStore(KVStoreBase):
         # whose next pushes start sooner takes a late worker's link while its answers are due.
         self._backend.push([item for run in self._push_waves(key, value) for item in run],
                            priority)
+
+    def abstain(self, key, priority=0):
+        """Take part in each key's open sync round without a gradient (kvps's): the round
+        waits for this worker, whose pull after it sees the round's result, but neither its
+        sum nor the workers its scale divides by count it (an elastic joiner's Trainer)."""
+        self._open()
+        keys = [self._keys.check_key(k) for k in (key if isinstance(key, list) else [key])]
+        self._backend.push([(k, [_NOTHING] * len(self._keys.parts(k)), NOTHING) for k in keys],
+                           checked_priority(priority))
 
     def _push_waves(self, key, value):
         """What the backend sends for a push, in runs of items: every value checked before

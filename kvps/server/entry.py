@@ -85,10 +85,19 @@ class Entry:
     late: dict = dataclasses.field(default_factory=dict)
     # elastic jobs: each round's sum is scaled to this many workers (0: summed as pushed)
     scale_to: int = 0
+    # workers in the open round without a gradient (members.abstain)
+    abstained: int = 0
+    # an elastic Sampler's claim ledgers tied to this key part's rounds (kvps.server.ledger)
+    claims: object = None
 
     @property
     def n(self):
         return self.weight.size
+
+    @property
+    def pushers(self):
+        """The workers whose gradients the open round sums (its abstentions left out)."""
+        return len(self.merged) - self.abstained
 
     @property
     def whole_shape(self):
@@ -146,7 +155,7 @@ class Entry:
         if self.version >= made and self.merged:
             doomed += self.held
             self.held, self.merged, self.summed, self.rows = [], set(), None, []
-            self.pushes = []
+            self.pushes, self.abstained = [], 0
         doomed += [q.token for q in self.queued if q.round >= made]
         self.queued = [q for q in self.queued if q.round < made]
         doomed += [d.token for d in self.deferred if d.need > made]
@@ -154,8 +163,9 @@ class Entry:
         return doomed
 
     def next_round(self):
-        """A round is over: its kept pushes go, and joiners whose first round opens count."""
-        self.pushes = []
+        """A round is over: its kept pushes and abstentions go, and joiners whose first round
+        opens count."""
+        self.pushes, self.abstained = [], 0
         if self.late:
             self.late = {w: first for w, first in self.late.items() if first > self.version}
 
@@ -177,7 +187,9 @@ class Entry:
         """The round's gradient (a received buffer or the merge buffer), handed to the
         update; the next round starts afresh. A sync round of another size than the key's
         ``scale_to`` is scaled to it (members.scaled)."""
-        if self.scale_to and self.sync and len(self.merged) != self.scale_to:
-            return members.scaled(self, len(self.merged))
+        if self.abstained and self.summed is None:   # nobody pushed a gradient: zeros
+            self.summed = members.zeros(self)
+        if self.scale_to and self.sync and self.pushers not in (self.scale_to, 0):
+            return members.scaled(self, self.pushers)
         summed, self.summed = self.summed, None
         return summed

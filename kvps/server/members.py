@@ -1,7 +1,8 @@
 """Workers leaving and joining one server's Shard: a fixed job's finished worker fails the
 rounds it can never join; an elastic job's gone worker has its pushes to open rounds taken
-out (all or nothing), a joiner counts from the next round of each key, and rounds of
-another size than the job's are scaled to it where a key asks (the Trainer's)."""
+out (all or nothing), a joiner counts from the next round of each key (and may take part in
+rounds without a gradient while it waits for its state), and rounds of another size than
+the job's are scaled to it where a key asks (the Trainer's)."""
 
 from ..errors import ConfigError, KVPSError
 from ..wire.identities import identity_label, worker_identity
@@ -20,6 +21,38 @@ def worker_finished(shard, worker):
                             f'{identity_label(worker)} finished after {made} pushes of it')
             replies += [Reply(ReplyKind.ERROR, t, exc) for t in entry.drop_rounds_from(made)]
     return replies
+
+
+def check_round_possible(finished, entry, round_index):
+    """KVPSError unless round ``round_index`` of ``entry`` can complete: no worker of
+    ``finished`` (worker -> its pushes per key, frozen at its finish) left it open."""
+    for worker, counts in finished.items():
+        made = counts.get((entry.key, entry.part), 0)
+        if round_index >= made:
+            raise KVPSError(f'round {round_index + 1} of key {entry.key!r} can never complete:'
+                            f' {identity_label(worker)} finished after {made} pushes of it')
+
+
+def abstain(entry, sync, worker):
+    """What a push of NOTHING merges into ``entry``'s round: None, an abstention. The
+    worker counts in the round (it closes with it, and the worker's pull after it waits for
+    it) but adds nothing to its sum, nor to the workers its scale divides by: an elastic
+    joiner whose Trainer waits for the weights and optimizer state of a member
+    (docs/elastic.md). Sync rounds only: an async push is applied alone, and nothing is
+    nothing to apply (ConfigError)."""
+    if not (sync and entry.sync):
+        raise ConfigError(f'key {entry.key!r}: a push of nothing takes part in a sync round; '
+                          'dist_async applies each push alone')
+    if entry.claims is not None:   # its samples of the round are not applied: they go back
+        entry.claims.abstained(worker, entry.pushed.get(worker, 0), entry.version)
+    return None
+
+
+def zeros(entry):
+    """The sum of a round whose every member abstained: zeros in the merge buffer."""
+    merge = entry.writable_merge()
+    merge[...] = 0
+    return merge
 
 
 def identities(pairs):
@@ -67,13 +100,16 @@ def _leave(shard, entry, worker):
     entry.late.pop(worker, None)
     if not entry.sync:
         return []
+    # its claims of rounds not closed go back (its push to the open round is taken out)
+    replies = [] if entry.claims is None else entry.claims.lost(worker, entry.version)
     entry.queued = [q for q in entry.queued if q.worker != worker]
     if worker in entry.merged:
         kept = [(w, data) for w, data in entry.pushes if w != worker]
         entry.pushes, entry.merged, entry.summed, entry.rows = [], set(), None, []
+        entry.abstained = 0
         for other, data in kept:
             shard.add_push(entry, other, data)
-    return shard.close_rounds(entry) if entry.merged else []
+    return replies + (shard.close_rounds(entry) if entry.merged else [])
 
 
 # -- rounds scaled to the job's size (the Trainer's keys in an elastic dist_sync job) --------
@@ -88,7 +124,7 @@ def check_scale(key, dtype, scale_to):
 
 
 def scaled(entry, n):
-    """The closing round's sum of ``n`` members' pushes, times ``entry.scale_to / n``: the
+    """The closing round's sum of ``n`` members' gradients, times ``entry.scale_to / n``: the
     round weighs as a round of the job's ``scale_to`` workers (docs/elastic.md, "The
     Trainer"). Only rounds of another size than ``scale_to`` come here. The product is made
     in the merge buffer (the float32 one of a bfloat16 key), never in a received push."""

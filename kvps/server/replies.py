@@ -8,6 +8,7 @@ from ..timeline import recording
 from ..timeline.counters import ServerCounts
 from ..wire import protocol as P
 from ..wire.identities import identity_label
+from ..wire.pieces import continued, state_pieces
 from .batch import Batch
 from .records import ReplyKind
 
@@ -69,8 +70,8 @@ class Replies:
 
     def _states(self, identity, req_id, blob):
         """The packed state ``blob``, in as many STATES as a message may carry."""
-        pieces = P.state_pieces(blob, self._max_message_bytes)
-        for header, piece in zip(P.continued({'op': P.STATES, 'id': req_id}, len(pieces)),
+        pieces = state_pieces(blob, self._max_message_bytes)
+        for header, piece in zip(continued({'op': P.STATES, 'id': req_id}, len(pieces)),
                                  pieces):
             self._send(identity, P.encode(header, [piece]))
 

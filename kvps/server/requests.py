@@ -9,8 +9,10 @@ from ..errors import ConfigError, KVPSError, ProtocolError
 from ..timeline import recording
 from ..wire import protocol as P
 from ..wire.identities import identity_label
-from . import row_store
+from ..wire.pieces import joined
+from . import ledger, row_store
 from .batch import Batch
+from .blobs import Blobs
 from .records import PullAnswer, Reply, ReplyKind
 
 log = logging.getLogger('kvps.server')
@@ -37,6 +39,7 @@ class Requests:
         self.shard, self.lending, self.name = shard, lending, name
         self.resumed_from = resumed_from
         self._state_pieces = {}      # worker -> the pieces of a SET_STATES it is sending
+        self.blobs = Blobs()         # the job's named blobs (PUT_BLOB, GET_BLOB)
 
     def handle(self, identity, header, buffers):
         """The Replies to one request of worker ``identity``; a failure is its error reply."""
@@ -70,6 +73,7 @@ class Requests:
     def forget(self, worker):
         """The worker left: drop what it was sending."""
         self._state_pieces.pop(worker, None)
+        self.blobs.forget(worker)
 
     def _init(self, token, h, buffers):
         sync, device, scale_to = h['sync'], h.get('device', False), h.get('scale_to', 0)
@@ -192,7 +196,7 @@ class Requests:
         if h.get('more'):   # one piece of a state too big for one message: wait for the rest
             self._state_pieces[worker] = pieces
             return [Reply(ACK, token, None)]
-        states = _map_in(P.joined(pieces), 'set_states: the state')
+        states = _map_in(joined(pieces), 'set_states: the state')
         self.shard.set_states(states, stage=h.get('stage', False))
         return [Reply(ACK, token, None)]
 
@@ -200,11 +204,22 @@ class Requests:
         self.shard.commit_states()
         return [Reply(ACK, token, None)]
 
+    def _claim(self, token, h, buffers):
+        return ledger.claim(self.shard, token, token[0], h)
+
+    def _put_blob(self, token, h, buffers):
+        self.blobs.put(token[0], h, buffers[0])
+        return [Reply(ACK, token, None)]
+
+    def _get_blob(self, token, h, buffers):
+        return [Reply(STATES, token, self.blobs.get(h))]
+
     _HANDLERS = {P.INIT: _init, P.CHECK: _check, P.PUSH: _push, P.PULL: _pull,
                  P.PULL_ROWS: _pull_rows,
                  P.SET_OPTIMIZER: _set_optimizer, P.GET_STATES: _get_states,
                  P.SET_STATES: _set_states, P.COMMIT_STATES: _commit_states,
-                 P.ATTACH: _attach, P.ATTACH_DEVICE: _attach_device}
+                 P.ATTACH: _attach, P.ATTACH_DEVICE: _attach_device, P.PUT_BLOB: _put_blob,
+                 P.GET_BLOB: _get_blob, P.CLAIM: _claim}
 
 
 def _map_in(buffer, what):

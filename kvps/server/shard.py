@@ -15,11 +15,10 @@ import os
 
 from .. import compression
 from ..errors import (ConfigError, DTypeError, DuplicateInitError, KeyNotInitializedError,
-                      KVPSError, ShapeError)
+                      ShapeError)
 from ..timeline import recording
-from ..wire.identities import identity_label
 from ..wire.items import new
-from ..wire.protocol import GRADIENT_CODECS, ROW_SPARSE
+from ..wire.protocol import GRADIENT_CODECS, NOTHING, ROW_SPARSE
 from . import members, row_store
 from .entry import Deferred, Entry, Queued
 from .flows import FlowNotes
@@ -115,6 +114,8 @@ class Shard:
             dtype = entry.dtype
         elif dtype == ROW_SPARSE:   # some rows: merged and applied as rows (row_store)
             data, dtype = row_store.decode_push(entry, data), entry.dtype
+        elif dtype == NOTHING:   # in the round without a gradient (members.abstain)
+            data, dtype = members.abstain(entry, sync, worker), entry.dtype
         self._check_push(entry, dtype, sync, data)
         count = entry.pushed.get(worker, 0)
         if seq is not None and seq < count:
@@ -128,7 +129,7 @@ class Shard:
             return []
         round_index = count
         if self.finished:   # (some worker is done: rounds it left open can never complete)
-            self._check_round_possible(entry, round_index)
+            members.check_round_possible(self.finished, entry, round_index)
         entry.pushed[worker] = round_index + 1
         if round_index > entry.version:   # a fast worker is ahead: keep it for its round
             entry.queued.append(Queued(worker, round_index, data, token, step))
@@ -148,20 +149,13 @@ class Shard:
     def _check_push(self, entry, dtype, sync, data):
         if dtype != entry.dtype:
             raise DTypeError(f'key {entry.key!r}: pushed {dtype}, initialized as {entry.dtype}')
-        if type(data) is not RowGrad and len(data) != entry.weight.nbytes:
+        if type(data) is not RowGrad and data is not None and len(data) != entry.weight.nbytes:
             raise ShapeError(f'key {entry.key!r} part {entry.part}: pushed '
                              f'{len(data) // entry.weight.itemsize} elements, expected {entry.n}')
         if sync != entry.sync:
             mode = 'dist_sync' if entry.sync else 'dist_async'
             raise ConfigError(f'key {entry.key!r} was initialized by a {mode} store; every '
                               'worker must create the same kvstore type')
-
-    def _check_round_possible(self, entry, round_index):
-        for worker, counts in self.finished.items():
-            made = counts.get((entry.key, entry.part), 0)
-            if round_index >= made:
-                raise KVPSError(f'round {round_index + 1} of key {entry.key!r} can never complete:'
-                                f' {identity_label(worker)} finished after {made} pushes of it')
 
     def _merge(self, entry, worker, data, token, step=0):
         """Add one worker's push to the open round. The first is kept as received (the
@@ -179,6 +173,8 @@ class Shard:
         """Add ``worker``'s push ``data`` to ``entry``'s open round."""
         if type(data) is RowGrad:
             entry.rows.append(data)
+        elif data is None:   # an abstention: counted in the round, adding nothing to it
+            entry.abstained += 1
         else:
             self._add_to_round(entry, entry.arrays.received(data, entry.dtype),
                                len(entry.merged) + 1 == self.need(entry))
@@ -211,7 +207,7 @@ class Shard:
             return entry.take_summed()
         grad = row_store.summed(entry, pieces)
         if entry.summed is None:
-            return members.scaled_rows(entry, grad, len(entry.merged))
+            return members.scaled_rows(entry, grad, entry.pushers)
         if type(entry.summed) is tuple:
             first, second = entry.summed
             entry.summed = None
@@ -236,8 +232,10 @@ class Shard:
         kind, payload = (ACK, None) if failure is None else (ERROR, failure)
         replies = [new(Reply, (kind, token, payload)) for token in entry.held]
         entry.held, entry.merged = [], set()
-        if entry.pushes or entry.late:   # (elastic jobs: kvps.server.members)
+        if entry.pushes or entry.late or entry.abstained:   # (kvps.server.members)
             entry.next_round()
+        if entry.claims is not None:   # (an elastic Sampler's: kvps.server.ledger)
+            replies += entry.claims.closed(entry.version)
         if entry.deferred:
             replies += [self._answer(entry, pull.token, pull.rows)
                         for pull in entry.ready_pulls()]

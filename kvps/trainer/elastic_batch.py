@@ -1,8 +1,5 @@
 """The Trainer in an elastic job: the combined batch of the members the caller counted,
-restated as the batch of the job's fixed size that the servers scale rounds to; what a joiner
-can take over."""
-
-from ..errors import ConfigError
+restated as the batch of the job's fixed size that the servers scale rounds to."""
 
 
 class ElasticBatch:
@@ -13,21 +10,6 @@ class ElasticBatch:
     the same before and after a change, which is why a change needs no new optimizer on the
     servers (a collective that workers, learning of a change at different steps, could not
     meet)."""
-
-    @classmethod
-    def joined(cls, kv, reference, on_servers):
-        """The ElasticBatch of a Trainer on ``kv``. A joiner whose Trainer updates on the
-        workers is refused: the members' weights and optimizer state live in their own
-        processes (the servers hold the last round's gradient sum), and no member hands
-        them over yet (docs/elastic.md, "The Trainer")."""
-        if kv.joining and not on_servers:
-            raise ConfigError(
-                'this worker joined a running elastic job, and its Trainer updates on the '
-                'workers (update_on_kvstore=False): the weights and optimizer state are the '
-                "members' own, which kvps does not hand to a joiner; in an elastic job that "
-                'takes joiners, let the servers update (update_on_kvstore=True, the default '
-                'in dist_sync)')
-        return cls(kv, reference)
 
     def __init__(self, kv, reference):
         self.kv, self.reference = kv, reference

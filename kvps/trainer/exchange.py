@@ -28,6 +28,9 @@ class Exchange:
         self._bucket = PushBucket(store, bucket_bytes, self._pull_early)
         self._early = store.early_pulls(mode.on_servers,
                                         lambda p: self._pull_target(p, into_grads=False))
+        # an elastic joiner waiting for its state (trainer.handover): its rounds see no
+        # gradient of its own, only its abstentions
+        self.abstaining = False
 
     def push_from_backward(self, p):
         """Autograd has accumulated p's gradient: send it now (overlap)."""
@@ -49,10 +52,17 @@ class Exchange:
     def next_step(self):
         self.pushed.clear()
 
+    def sum_target(self, entry):
+        """Where step() pulls the summed gradient of ``entry`` (a parameter or FusedKey)."""
+        return self._pull_target(entry, into_grads=False)
+
     def _push(self, p, grad):
         # Every trainable parameter is pushed every step (zeros when it has no gradient):
         # a sync round completes only when every worker has pushed into it.
         self.pushed.add(p.key)
+        if self.abstaining:   # (its abstention leaves with the rest: _send_rest)
+            self._push_value(p, grad)   # (notes whether its sums come as rows, as pushed)
+            return
         fused = self._layout.by_member.get(p.key)
         if fused is None:
             self._bucket.add(p.key, self._push_value(p, grad), p)
@@ -130,7 +140,11 @@ class Exchange:
 
     def _send_rest(self, reduced):
         """Push the gradients of ``reduced`` that backward did not send, and the fused keys
-        some of whose members are frozen (zeros for them); then flush."""
+        some of whose members are frozen (zeros for them); then flush. Abstaining: an
+        abstention from the round of each of their keys."""
+        if self.abstaining:
+            self._store.abstain([key for _, key, _ in self._layout.store_keys(reduced)])
+            return
         for p in reduced:
             if p.key not in self.pushed:
                 self._push(p, p.tensor.grad)

@@ -4,7 +4,8 @@ from ..arrays import as_numpy
 from ..devices import kernel_view, put_rows
 from ..optimizer.updater import Updater
 from .grads import dense
-from .state_files import load_local_states, save_local_states, split_local_state
+from .state_files import (install_local_states, load_local_states, local_states, save_local_states,
+                          split_local_state)
 
 
 class LocalUpdates:
@@ -91,6 +92,15 @@ class LocalUpdates:
     def load(self, fname):
         """Restore what ``save`` (or servers) wrote, checked against the parameters."""
         load_local_states(self.updater, fname, self._sizes(), self._ranges(), self._weights())
+
+    def states(self):
+        """What ``save`` writes, as the map (kvps.optimizer.states' file format)."""
+        return local_states(self.updater, self._sizes(), self._ranges())
+
+    def install(self, merged, where):
+        """``load`` of the map ``states`` gave (``where``: its source, named in errors)."""
+        install_local_states(self.updater, merged, self._sizes(), self._ranges(),
+                             self._weights(), where)
 
     def _sizes(self):
         return {p.key: p.tensor.numel() for p in self._params}

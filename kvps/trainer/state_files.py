@@ -16,8 +16,13 @@ def save_local_states(updater, fname, sizes, fused):
     """A local Updater's state (flat per key, as servers keep it) in the store's file format,
     per parameter (``fused``: {fused key: its members' ranges} for state kept per fused key;
     ``sizes``: elements per parameter)."""
+    states.write_file(fname, local_states(updater, sizes, fused))
+
+
+def local_states(updater, sizes, fused):
+    """What save_local_states writes: the file's map."""
     merged = states.merge([updater.get_states(dump_optimizer=True)], _local_parts(sizes, fused))
-    states.write_file(fname, states.unfuse(merged, fused))
+    return states.unfuse(merged, fused)
 
 
 def _local_parts(sizes, fused):
@@ -31,7 +36,11 @@ def load_local_states(updater, fname, sizes, fused, weights=None):
     """Restore a local Updater from any optimizer-state file, checking it fits the params
     (``sizes``; ``weights``: {(key, 0): weight}, their dtypes), with the members of ``fused``
     keys joined (see save_local_states)."""
-    merged = states.read_file(fname)
+    install_local_states(updater, states.read_file(fname), sizes, fused, weights, fname)
+
+
+def install_local_states(updater, merged, sizes, fused, weights=None, fname='the state'):
+    """load_local_states of a file's map ``merged`` (read from ``fname``, named in errors)."""
     if not isinstance(merged, dict) or merged.get('format') != states.FILE_FORMAT:
         raise ValueError(f'{fname}: not a kvps optimizer-state file')
     for key, _, whole in merged.get('keys', ()):

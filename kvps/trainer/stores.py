@@ -257,6 +257,10 @@ class KvpsStore(_Surface):
         """An elastic dist_sync job's size, to which its rounds are scaled (else None)."""
         return self.kv.scale_rounds()
 
+    def abstain(self, keys):
+        """Take part in the rounds of ``keys`` without a gradient (an elastic joiner)."""
+        self.kv.abstain(keys)
+
     def set_compression(self, compression_params):
         self.kv.set_gradient_compression(compression_params)
 

@@ -13,6 +13,7 @@ from .elastic_batch import ElasticBatch
 from .exchange import Exchange
 from .fusion import Layout, check_bucket_bytes, scatter_fused, split_partly_frozen, weights_of
 from .grads import GradientLog
+from .handover import Handover
 from .local_updates import LocalUpdates
 from .mode import Mode
 from .params import check_devices, collect, merge_mults
@@ -85,6 +86,7 @@ class Trainer:
         self._reduced = False      # 'grads' or 'buffers': where this step's sums are
         self._exchange = None
         self._elastic = None       # an elastic job's ElasticBatch
+        self._handover = None      # an elastic job's when workers update: its Handover
         if self._store is not None:
             self._exchange = Exchange(self._store, self._mode, self._layout, bucket_bytes,
                                       self._grads)
@@ -134,6 +136,22 @@ class Trainer:
     def update_on_kvstore(self):
         """True when the servers run the optimizer; False when every worker updates itself."""
         return self._mode.on_servers
+
+    @property
+    def round_key(self):
+        """A store key this Trainer pushes at every step (its first trainable parameter's,
+        or the fused key holding it): what kvps.elastic.Sampler ties its batches to."""
+        trainable = [p for p in self._params if p.trainable]
+        if self._store is None or not trainable:
+            raise ValueError('round_key: this Trainer pushes nothing (no distributed store, '
+                             'or no parameter requires grad)')
+        return self._layout.store_keys(trainable[:1])[0][1]
+
+    @property
+    def joining(self):
+        """Whether this Trainer joined a running elastic job, updates on the workers, and has
+        not taken a member's weights and optimizer state yet (its steps abstain meanwhile)."""
+        return self._handover is not None and self._handover.waiting
 
     def set_learning_rate(self, lr):
         """Set the optimizer's learning rate; with update_on_kvstore the servers' copy follows
@@ -255,7 +273,11 @@ class Trainer:
                                  keep_whole=self._mode.on_servers and self._optimizer.whole_tensor)
         reference = self._store.scale_rounds()   # an elastic dist_sync job's size, or None
         if reference is not None:
-            self._elastic = ElasticBatch.joined(self._store.kv, reference, self._mode.on_servers)
+            kv = self._store.kv
+            self._elastic = ElasticBatch(kv, reference)
+            if not self._mode.on_servers:   # a joiner takes the weights and state of a member
+                self._handover = Handover(kv.notes, self._params, self._local, self._exchange,
+                                          self._layout, waiting=kv.joining)
         entries = self._layout.store_keys(self._params)
         keys = [key for _, key, _ in entries]
         try:   # refused alike on every worker (they hold the same key table), before sending
@@ -336,6 +358,10 @@ class Trainer:
         """Run the local optimizer on this step's gradients (workers update, or alone)."""
         summed, row_sums = ({}, {}) if self._exchange is None else (
             self._exchange.summed, self._exchange.take_row_sums())
+        if self._handover is not None and self._handover.waiting:   # kept, replayed later
+            self._handover.keep(self._trainable, self._reduced, self._optimizer.rescale_grad,
+                                row_sums)
+            return
         self._local.run(self._trainable, self._grads.takes_part, self._reduced, summed,
                         row_sums)
 
@@ -345,6 +371,8 @@ class Trainer:
             # an lr_scheduler (exact in sync mode; this worker's own updates in async mode).
             self._optimizer.num_update += 1
         self._armed = self._mode.overlap   # servers that update have the optimizer by now
+        if self._handover is not None and self._handover.step_ended():   # (took a handover)
+            self._optimizer = self._local.optimizer
         if self._exchange is not None:
             self._exchange.next_step()
         self._reduced = False

@@ -15,7 +15,7 @@ from .codecs import GRADIENT_CODECS, ONE_BIT, PULL_CODECS, TOP_K, coded_nbytes
 from .items import CheckItem, DataItem, InitItem, Layout, PullItem, PushItem, ResumeItem
 
 # Node <-> scheduler.
-VERSION = 16                 # bumped on any change of the wire format; checked at REGISTER
+VERSION = 17                 # bumped on any change of the wire format; checked at REGISTER
 # node -> scheduler: {role, host, port, rank, pid, version, shared, rank_from (the setting
 # that gave the rank, for messages: 'DMLC_WORKER_ID=3')}
 REGISTER = 'register'
@@ -94,6 +94,12 @@ ATTACH = 'attach'
 # HANDLE_BYTES each); ERROR, or ACK. From then on PUSH, PULL and DATA items may name offsets
 # in it (`at` >= DEVICE_BASE). Only a server on the worker's host with GPU shards maps it
 ATTACH_DEVICE = 'attach_device'
+# {name} + 1 buffer (in pieces as SET_STATES's): a blob of the job that a later PUT_BLOB of the
+# name replaces (kvps.server.blobs), answered by ACK; GET_BLOB {name}: STATES, b'' for none
+PUT_BLOB, GET_BLOB = 'put_blob', 'get_blob'
+# {key, part, epoch, size, count, round}: an elastic Sampler's claim (kvps.server.ledger),
+# answered by ACK {positions: [int], end: bool} (maybe once earlier rounds have closed)
+CLAIM = 'claim'
 
 # Replies.
 ACK = 'ack'
@@ -115,7 +121,7 @@ MAX_KEYS_PER_MESSAGE = 1 << 16
 MAX_DIMS = 32
 # How many raw buffers follow the header for each op; ops not listed carry none, and
 # multi-key ops carry one per item that is not in shared memory (PUSH, INIT; DATA: see it).
-_BUFFERS = {SET_OPTIMIZER: 1, SET_STATES: 1, STATES: 1, ROWS: 1}
+_BUFFERS = {SET_OPTIMIZER: 1, SET_STATES: 1, STATES: 1, ROWS: 1, PUT_BLOB: 1}
 # Header fields each op must carry (beyond op and id), with their accepted types.
 _FIELDS = {
     REGISTER: {'role': str, 'host': str, 'port': int},
@@ -134,12 +140,16 @@ _FIELDS = {
     ROWS: {'epoch': int, 'count': int},
     ATTACH: {'name': str, 'nonce': bytes, 'size': int},
     ATTACH_DEVICE: {'kind': str, 'handle': bytes, 'size': int, 'event': bytes},
+    PUT_BLOB: {'name': str},
+    GET_BLOB: {'name': str},
+    CLAIM: {'key': (int, str), 'part': int, 'epoch': int, 'size': int, 'count': int,
+            'round': int},
 }
 OPS = frozenset([REGISTER, WELCOME, HEARTBEAT, HEARTBEAT_ACK, BARRIER, BARRIER_DONE, FINISH, ABORT,
                  SHUTDOWN, PEER_LOST, SERVER_LOST, SERVER_BACK, MEMBERS, INIT, CHECK, PUSH, PULL,
                  SET_OPTIMIZER, GET_STATES, SET_STATES, COMMIT_STATES, RESUME, ATTACH,
-                 ATTACH_DEVICE, ACK,
-                 DATA, ERROR, STATES, PULL_ROWS, ROWS])
+                 ATTACH_DEVICE, ACK, DATA, ERROR, STATES, PULL_ROWS, ROWS, PUT_BLOB, GET_BLOB,
+                 CLAIM])
 
 # dtype names on the wire -> numpy storage dtype. bfloat16 travels as its raw 16-bit pattern.
 # dtype objects, not scalar types: numpy converts a type to a dtype on every call it is given to.
@@ -150,18 +160,17 @@ DTYPES = {name: np.dtype(t) for name, t in {
 }.items()}
 ITEMSIZE = {name: t.itemsize for name, t in DTYPES.items()}
 # Compressed gradients (kvps.wire.codecs) and some rows of a key (kvps.rows) are PUSH item
-# dtypes only; a 'rows' item's `n` counts bytes.
+# dtypes only; a 'rows' item's `n` counts bytes. A 'nothing' item (n 0, an empty frame) takes
+# part in a sync round without a gradient (kvps.server.members.abstain).
 ROW_SPARSE = 'rows'
-PUSH_CODECS = GRADIENT_CODECS + (ROW_SPARSE,)
-SIZED_IN_BYTES = (ONE_BIT, TOP_K, ROW_SPARSE)   # push kinds whose `n` counts bytes
+NOTHING = 'nothing'
+PUSH_CODECS = GRADIENT_CODECS + (ROW_SPARSE, NOTHING)
+SIZED_IN_BYTES = (ONE_BIT, TOP_K, ROW_SPARSE, NOTHING)   # push kinds whose `n` counts bytes
 MAX_HEADER_BYTES = 1 << 20   # headers are small maps; a bigger one is hostile or broken
 # The items of one multi-key message pack to at most this many bytes (its sender cuts a longer
 # list of keys into several messages): the header, and a DATA answer to a PULL, stay far
 # below MAX_HEADER_BYTES, and the keys below MAX_KEYS_PER_MESSAGE.
 ITEMS_BUDGET = MAX_HEADER_BYTES // 2
-# Optimizer states travel in pieces of at most this many bytes (or KVPS_MAX_MESSAGE_BYTES):
-# a server's state may outgrow what one message may carry.
-STATE_CHUNK_BYTES = 64 << 20
 INT_ITEM_BYTES = 64   # an item with an int key: its list, 5 fields and key, 1 + 6 * 9 bytes
 MAX_KEY_CHARS = 1024
 PRIORITIES = range(-2 ** 31, 2 ** 31)   # MXNet's priority is a C int
@@ -238,7 +247,7 @@ def validate_header(header):
     if 'dtype' in header:
         _check_dtype(op, header['dtype'])
     for name in ('n', 'part', 'rank', 'port', 'size', 'seen', 'lease', 'pid', 'fd', 'step',
-                 'epoch', 'count', 'piece', 'clock'):
+                 'epoch', 'count', 'piece', 'clock', 'round'):
         value = header.get(name)
         if name in header and not _natural(value) and not (name == 'rank' and value is None):
             raise ProtocolError(f'{op}: {name} must be an int >= 0')
@@ -342,27 +351,6 @@ def within_budget(items):
     return runs
 
 
-def state_pieces(blob, max_message_bytes=None):
-    """``blob`` (a packed state) cut into the pieces STATES and SET_STATES carry (views)."""
-    size = min(STATE_CHUNK_BYTES, max_message_bytes or STATE_CHUNK_BYTES)
-    view = memoryview(blob)
-    return [view[at:at + size] for at in range(0, len(view), size)] or [view]
-
-
-def continued(header, count):
-    """The headers of a message sent in ``count`` pieces (RESUME, STATES, SET_STATES): each
-    a copy of ``header`` numbered ``piece`` from 0, all but the last marked ``more``. (A
-    request resent to a restarted server is answered from piece 0 again, and a restarted
-    server meets the pieces of a SET_STATES from the one its predecessor did not answer.)"""
-    return [{**header, 'piece': i, 'more': True} for i in range(count - 1)] + [
-        {**header, 'piece': count - 1}]
-
-
-def joined(pieces):
-    """The payload a message sent in pieces carried (the only piece itself, uncopied)."""
-    return pieces[0] if len(pieces) == 1 else b''.join(pieces)
-
-
 def check_key(key):
     """Keys are ints or short strings; anything else is rejected."""
     if isinstance(key, bool) or not isinstance(key, (int, str)):
@@ -398,7 +386,7 @@ def nbytes(dtype_name, n):
     size = ITEMSIZE.get(dtype_name)
     if size is not None:
         return n * size
-    return n if dtype_name == ROW_SPARSE else coded_nbytes(dtype_name, n)
+    return n if dtype_name in (ROW_SPARSE, NOTHING) else coded_nbytes(dtype_name, n)
 
 
 def as_array(buffer, dtype_name):

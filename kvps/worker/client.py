@@ -20,7 +20,7 @@ from ..wire.device_segments import DEVICE_BASE
 from ..wire.items import PullItem, PushItem, new
 from .collectives import Collectives, refuse_updater
 from .device_staging import device_route
-from .joining import Members
+from .joining import JobNotes, Members
 from .loop import SCHEDULER, WorkerIO
 from .messages import (copier, describe, fuse, landing_on_gpu, live_collector, part_nbytes,
                        payload, pull_targets, row_writer, server_name, waves)
@@ -68,6 +68,7 @@ class DistClient:
                                         self._request, self.barrier, self.wait_pushes)
         self.members = Members(self.io, sync, self._pushes)
         self._collectives.joining = self.members.joining
+        self.notes = JobNotes(self.io, self._request, self.config, self.sharding, self._pushes)
 
     # The job's member workers now (an elastic job's change as workers leave and join)
     num_workers = property(lambda self: len(self.io.membership[1]))
@@ -78,8 +79,7 @@ class DistClient:
 
     @property
     def forked(self):
-        """Whether this is a process forked from the worker that made this client: it has
-        the client but not its I/O thread, so it cannot use it."""
+        """Whether this process is a fork of the worker that made the client (no I/O thread)."""
         return self.pid != os.getpid()
 
     def parts(self, key, size):

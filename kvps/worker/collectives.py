@@ -7,6 +7,7 @@ from ..errors import ConfigError, KVPSError, RemoteError
 from ..optimizer.optimizers import Optimizer, registered_class
 from ..wire import protocol as P
 from ..wire.items import CheckItem, InitItem
+from ..wire.pieces import continued, state_pieces
 from .messages import describe, fuse, server_name, state_collector
 
 _REFUSED = b'refused'   # rank 0's word at the barrier ending a collective the servers refused
@@ -118,9 +119,9 @@ class Collectives:
     def _send_state(self, server, states, what):
         """SET_STATES of ``states`` (staged) to ``server``, in pieces if it is big; returns
         the operations to wait on."""
-        pieces = P.state_pieces(msgpack.packb(states, use_bin_type=True),
+        pieces = state_pieces(msgpack.packb(states, use_bin_type=True),
                                 self.config.max_message_bytes)
-        headers = P.continued({'op': P.SET_STATES, 'stage': True}, len(pieces))
+        headers = continued({'op': P.SET_STATES, 'stage': True}, len(pieces))
         return [self._request(server, what, header, (piece,))
                 for header, piece in zip(headers, pieces)]
 

@@ -20,6 +20,7 @@ from ..wire.identities import members_on, worker_identity
 from ..wire.items import ResumeItem
 from ..wire.link import SchedulerLink, decode_or_refusal
 from ..wire.ordering import PriorityOrder
+from ..wire.pieces import continued
 from ..wire.transport import Dealer, Poller, Waker, guard_from, new_context
 from .messages import server_name
 from .pending import Attaching, PendingTable, PushCounts, Request
@@ -58,7 +59,7 @@ class WorkerIO(threading.Thread):
         self._poller = Poller()
         self.staging = None         # this worker's shared-memory segment, if it has one
         # (epoch, ranks): the job's member workers, as the last WELCOME or MEMBERS told
-        self.membership = (0, [])
+        self.membership = (0, [], [])
         self.trace = None           # the messages' spans, while the timeline records
         self._ticker = Ticker(0, 'worker', None)   # --stats lines, from the welcome on
 
@@ -345,7 +346,7 @@ class WorkerIO(threading.Thread):
         firsts = self.push_counts.firsts.get(name, {})
         runs = P.within_budget([ResumeItem(key, part, count, firsts.get((key, part), 0))
                                 for (key, part), count in acked.items()])
-        for header, run in zip(P.continued({'op': P.RESUME, 'id': 0}, len(runs)), runs):
+        for header, run in zip(continued({'op': P.RESUME, 'id': 0}, len(runs)), runs):
             self._servers[name].send(P.encode({**header, 'keys': run}))
 
     def _die(self, exc):
@@ -374,7 +375,10 @@ class WorkerIO(threading.Thread):
 
 
 def membership_of(message):
-    """``(epoch, member ranks)`` of a WELCOME or MEMBERS (a fixed job: epoch 0, every rank)."""
+    """``(epoch, member ranks, [(rank, incarnation)])`` of a WELCOME or MEMBERS (a fixed job:
+    epoch 0, every rank, incarnation 0)."""
     if 'workers' not in message:
-        return 0, list(range(message['num_workers']))
-    return message['epoch'], [rank for rank, _ in message['workers']]
+        ranks = list(range(message['num_workers']))
+        return 0, ranks, [(rank, 0) for rank in ranks]
+    workers = [tuple(pair) for pair in message['workers']]
+    return message['epoch'], [rank for rank, _ in workers], workers

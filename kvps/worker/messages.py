@@ -10,6 +10,7 @@ from ..errors import ProtocolError
 from ..timeline import recording
 from ..wire import protocol as P
 from ..wire.device_segments import DEVICE_BASE
+from ..wire.pieces import joined
 
 FUSE_BYTES = 1 << 20   # socket bytes up to which parts share a message for the same server
 # Socket bytes a pushpull sends before the pull requests that follow them: small enough that
@@ -182,7 +183,7 @@ def state_collector(done):
             pieces.clear()
         pieces.append(buffers[0])
         if not header.get('more'):
-            done(P.joined(pieces))
+            done(joined(pieces))
     return keep
 
 

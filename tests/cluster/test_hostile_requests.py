@@ -10,6 +10,7 @@ import zmq
 
 from hostile_peers import CLUSTER_ENV, SECRET, Output, Signed, answers, lone_server, reply
 from kvps.wire import protocol as P
+from kvps.wire.pieces import continued
 
 pytestmark = [pytest.mark.cluster]
 
@@ -119,7 +120,7 @@ def test_pieces_of_a_state_load_that_a_restarted_server_never_began_are_refused(
         server, fake, signed = lone_server(by_hand, ctx)
         blob = msgpack.packb(list(range(100)))   # a whole load, but not a state map
         halves = [blob[:50], blob[50:]]
-        first, last = P.continued({'op': P.SET_STATES, 'stage': True}, 2)
+        first, last = continued({'op': P.SET_STATES, 'stage': True}, 2)
         answer = reply(signed, {**last, 'id': 1}, buffers=[halves[1]])
         assert answer['type'] == 'ConfigError', answer
         assert 'piece 1 of the optimizer state came after 0' in answer['message']

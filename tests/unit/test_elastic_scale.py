@@ -111,8 +111,8 @@ def test_a_checkpoint_keeps_the_scale():
 
 
 class Members:
-    def __init__(self, n, joining=False):
-        self.num_workers, self.joining = n, joining
+    def __init__(self, n):
+        self.num_workers = n
 
 
 def test_the_trainers_batch_is_restated_for_the_jobs_size():
@@ -128,10 +128,3 @@ def test_the_trainers_batch_is_restated_for_the_jobs_size():
     assert batches.job_batch(80) == 64
     assert batches.job_batch(40) == 32                 # its own batch halved: a new rescale
 
-
-def test_a_joiners_trainer_that_updates_on_the_workers_is_refused():
-    with pytest.raises(ConfigError, match=r'joined a running elastic job.*update_on_kvstore='
-                                          r'False.*update_on_kvstore=True'):
-        ElasticBatch.joined(Members(5, joining=True), 4, on_servers=False)
-    assert ElasticBatch.joined(Members(5, joining=True), 4, on_servers=True).reference == 4
-    assert ElasticBatch.joined(Members(4), 4, on_servers=False).reference == 4   # a founder

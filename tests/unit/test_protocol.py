@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from kvps.wire import protocol as P
+from kvps.wire.pieces import STATE_CHUNK_BYTES, continued, joined, state_pieces
 from kvps.wire.items import CheckItem, DataItem, InitItem, PushItem
 from kvps.errors import ProtocolError
 
@@ -183,10 +184,10 @@ def test_a_states_answer_resent_from_a_restarted_server_starts_afresh():
     from kvps.worker.messages import state_collector
     got = []
     keep = state_collector(got.append)
-    old = P.continued({'op': P.STATES, 'id': 1}, 3)[:2]        # the lost server's first two
+    old = continued({'op': P.STATES, 'id': 1}, 3)[:2]        # the lost server's first two
     for header, piece in zip(old, [b'ol', b'd-']):
         keep(header, [piece])
-    for header, piece in zip(P.continued({'op': P.STATES, 'id': 1}, 3), [b'ne', b'w-', b'!']):
+    for header, piece in zip(continued({'op': P.STATES, 'id': 1}, 3), [b'ne', b'w-', b'!']):
         keep(header, [piece])
     assert got == [b'new-!']
     keep({'op': P.STATES, 'id': 2}, [b'one'])                  # a one-piece answer as before
@@ -229,16 +230,16 @@ def test_init_carries_one_frame_per_item_of_its_size():
 
 def test_a_state_travels_in_pieces_a_message_may_carry():
     blob = bytes(range(10))
-    pieces = P.state_pieces(blob, 4)
+    pieces = state_pieces(blob, 4)
     assert [len(p) for p in pieces] == [4, 4, 2] and b''.join(pieces) == blob
-    assert [bytes(p) for p in P.state_pieces(b'')] == [b'']   # one (empty) piece at least
-    assert len(P.state_pieces(bytes(P.STATE_CHUNK_BYTES + 1))) == 2
+    assert [bytes(p) for p in state_pieces(b'')] == [b'']   # one (empty) piece at least
+    assert len(state_pieces(bytes(STATE_CHUNK_BYTES + 1))) == 2
     header, buffers = P.decode(P.encode({'op': P.STATES, 'id': 3, 'more': True}, [pieces[0]]))
     assert header['more'] is True and bytes(buffers[0]) == blob[:4]
-    assert P.continued({'op': P.STATES, 'id': 3}, 3) == [
+    assert continued({'op': P.STATES, 'id': 3}, 3) == [
         {'op': P.STATES, 'id': 3, 'piece': 0, 'more': True},
         {'op': P.STATES, 'id': 3, 'piece': 1, 'more': True}, {'op': P.STATES, 'id': 3, 'piece': 2}]
-    assert P.continued({'op': P.STATES, 'id': 3}, 1) == [{'op': P.STATES, 'id': 3, 'piece': 0}]
+    assert continued({'op': P.STATES, 'id': 3}, 1) == [{'op': P.STATES, 'id': 3, 'piece': 0}]
     with pytest.raises(ProtocolError, match='piece'):
         P.validate_header({'op': P.STATES, 'id': 3, 'piece': -1})
-    assert P.joined(pieces) == blob and P.joined([pieces[0]]) is pieces[0]
+    assert joined(pieces) == blob and joined([pieces[0]]) is pieces[0]

@@ -41,3 +41,24 @@ def test_auto_puts_device_side_keys_on_this_gpu():
     shard.init('i', 'host', 0, 'float32', [3], True, one)
     assert isinstance(shard.entries[('dev', 0)].weight, cupy.ndarray)
     assert isinstance(shard.entries[('host', 0)].weight, np.ndarray)
+
+
+def test_an_abstention_on_a_gpu_shard_adds_to_neither_the_sum_nor_the_scale():
+    """As on the host (test_elastic_handover): 2 pushes and an abstention in a job of 4 are
+    the sum times 4/2; a round of abstentions alone is zeros."""
+    from kvps.server.shard import Shard
+    from kvps.server.storage import Storage
+    from kvps.wire import protocol as P
+    gpu = CudaArrays()
+    shard = Shard(3, storage=Storage(gpu, gpu), elastic=True)
+    shard.init('i', 'k', 0, 'float32', [2], True,
+               memoryview(np.zeros(2, np.float32)).cast('B'), scale_to=4)
+    nothing = memoryview(b'')
+    shard.push('j', b'worker-2.1', 'k', 0, P.NOTHING, True, nothing)
+    for token, worker, values in (('a', b'worker-0', [1, 2]), ('b', b'worker-1', [3, 5])):
+        shard.push(token, worker, 'k', 0, 'float32', True,
+                   memoryview(np.array(values, np.float32)).cast('B'))
+    assert cupy.asnumpy(shard.entries['k', 0].weight).tolist() == [8.0, 14.0]
+    for token, worker in (('c', b'worker-0'), ('d', b'worker-1'), ('e', b'worker-2.1')):
+        shard.push(token, worker, 'k', 0, P.NOTHING, True, nothing)
+    assert cupy.asnumpy(shard.entries['k', 0].weight).tolist() == [0.0, 0.0]
