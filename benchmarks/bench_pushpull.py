@@ -307,7 +307,9 @@ def timeline(args, out, cfg, opt):
     rounds = rounds_for(args, CONFIGS[cfg][3])
     steps, trace = {'off': [], 'on': []}, None
     for i in range(args.launches):
-        for state in ('off', 'on'):
+        # in turns, each setting first in every other pair: a launch that follows another
+        # runs slower or faster by a percent or two, which would otherwise fall on one side
+        for state in ('off', 'on') if i % 2 == 0 else ('on', 'off'):
             run_dir = args.out / cfg / f'timeline-{opt}' / f'{state}{i}'
             trace = run_dir / 'trace.json'
             extra = ('--timeline', str(trace)) if state == 'on' else ()
