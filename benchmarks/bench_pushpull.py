@@ -311,8 +311,10 @@ def timeline(args, out, cfg, opt):
         # runs slower or faster by a percent or two, which would otherwise fall on one side
         for state in ('off', 'on') if i % 2 == 0 else ('on', 'off'):
             run_dir = args.out / cfg / f'timeline-{opt}' / f'{state}{i}'
-            trace = run_dir / 'trace.json'
-            extra = ('--timeline', str(trace)) if state == 'on' else ()
+            extra = ()
+            if state == 'on':   # the summary below reads the last traced launch
+                trace = run_dir / 'trace.json'
+                extra = ('--timeline', str(trace))
             C.note(f'{cfg} optimizer={opt}: kvps, timeline {state}')
             steps[state].append(measure_kvps(args, cfg, opt, rounds, run_dir,
                                              launcher_args=extra).get('step_ms'))
