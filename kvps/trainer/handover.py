@@ -6,7 +6,7 @@ import logging
 
 import msgpack
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PeerLostError
 
 BLOB = 'kvps.handover'        # the last handover any member put (each put replaces it)
 WANT, HAVE = b'want', b'have'  # a joiner's record: it waits for a handover / it took one
@@ -60,6 +60,8 @@ class Handover:
         notes = self.notes
         notes.put(record_name(notes.me), WANT)   # each step: a restarted server 0 learns it
         blob = notes.get(BLOB)
+        if not blob:
+            self._check_someone_holds_the_state()
         if not blob or not self._kept:
             return False
         handed = msgpack.unpackb(blob, raw=False, strict_map_key=False)
@@ -70,6 +72,22 @@ class Handover:
             return False
         self._took(handed, tag)
         return True
+
+    def _check_someone_holds_the_state(self):
+        """PeerLostError once no other member holds the weights and state: none of the job's
+        first workers is left, and no joiner has taken a handover (this joiner would
+        otherwise wait, keeping every round's sums, for a handover nobody can make)."""
+        notes = self.notes
+        others = [m for m in notes.members() if m != notes.me]
+        if any(m[1] == 0 for m in others):   # (the job's first workers hold it)
+            return
+        if any(notes.get(record_name(m)) == HAVE for m in others):
+            return
+        raise PeerLostError(
+            'no member holds the weights and optimizer state any more: the workers that had '
+            'them have left the job, and with update_on_kvstore=False they live only on the '
+            f'workers (members now: {sorted(notes.members())}, as (rank, incarnation))',
+            'worker', None, None)
 
     def _took(self, handed, tag):
         """Install the handover of round ``tag``, replay the kept rounds after it, say so in

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvps
-from kvps.errors import ConfigError, KeyNotInitializedError
+from kvps.errors import ConfigError, KeyNotInitializedError, PeerLostError
 from kvps.server.blobs import Blobs
 from kvps.server.shard import Shard
 from kvps.trainer.handover import BLOB, HAVE, WANT, Handover, record_name
@@ -304,4 +304,23 @@ def test_a_handover_of_another_model_is_refused():
                                      'weights': [b'', b''], 'state': {}})
     with pytest.raises(ConfigError, match=r'parameter .*: the handover holds 0 bytes, this '
                                           r"worker's \(2, 3\) torch.float32 has 24"):
+        taker.step_ended()
+
+
+def test_a_joiner_that_no_member_can_serve_is_told_so_instead_of_waiting():
+    """Once the job's first workers are gone and no joiner has taken a handover, nobody holds
+    the state: a waiting joiner raises PeerLostError (it would wait forever, keeping every
+    round's sums); while a member that holds it is left, it waits."""
+    job = Job([(0, 0), (2, 1), (3, 2)])
+    _, joiner = local_trainer(1)
+    taker = handover_of(joiner, FakeNotes(job, (2, 1)), waiting=True)
+    taker.notes.count = 1
+    taker.keep(joiner._params, 'grads', 0.25, {})
+    assert taker.step_ended() is False                  # (0, 0) holds it
+    job.members = [(2, 1), (3, 2)]                      # the first worker is lost
+    job.blobs[record_name((3, 2))] = HAVE               # but (3, 2) took a handover
+    assert taker.step_ended() is False
+    job.blobs[record_name((3, 2))] = WANT               # (it had not, in this story)
+    with pytest.raises(PeerLostError, match=r'no member holds the weights and optimizer state '
+                                            r'.*members now: \[\(2, 1\), \(3, 2\)\]'):
         taker.step_ended()
