@@ -7,6 +7,25 @@ import textwrap
 
 SIZE, BATCH = 120, 3
 
+# How every script ends: the joiner prints its line (the launcher did not start it), the
+# others report theirs once the joiner they started has ended.
+REPORT = '''
+if JOINER:
+    print('JOINED', line, flush=True)
+    kv.close()
+else:
+    if joiner is not None:
+        joiner.wait(60)
+    report(**json.loads(line))
+'''
+
+
+def everyone(result):
+    """The joiner's payload, and {rank: payload} of every worker, the joiner included."""
+    joined = json.loads(result.stdout.split('JOINED ', 1)[1].split('\n', 1)[0])
+    return joined, {**result.results(), joined['rank']: joined}
+
+
 # Each worker pushes, per batch, a one at each of its samples into key 0; the servers'
 # optimizer 'test' adds each round's sum to the weight, so the weight counts, per sample, how
 # many times its gradient was applied.
@@ -37,14 +56,7 @@ for step, batch in enumerate(Sampler(kv, SIZE, epoch=0, batch_size=BATCH, key=0)
     time.sleep(0.05)
 line = json.dumps({'rank': kv.rank, 'counts': out.tolist(), 'batches': batches,
                    'rounds': kv.notes.rounds()})
-if JOINER:
-    print('JOINED', line, flush=True)
-    kv.close()
-else:
-    if joiner is not None:
-        joiner.wait(60)
-    report(**json.loads(line))
-'''
+''' + REPORT
 
 
 def test_every_sample_is_applied_once_whoever_is_lost_or_joins(job):
@@ -54,8 +66,7 @@ def test_every_sample_is_applied_once_whoever_is_lost_or_joins(job):
                  ends_when='the epoch is over for every member')
     assert result.returncode == 0, result.output
     assert 'worker 3' in result.stderr and 'goes on without it' in result.stderr
-    joined = json.loads(result.stdout.split('JOINED ', 1)[1].split('\n', 1)[0])
-    workers = {**result.results(), joined['rank']: joined}
+    joined, workers = everyone(result)
     assert sorted(workers) == [0, 1, 2, 4], result.output
     for rank, worker in workers.items():
         assert worker['counts'] == [1.0] * SIZE, f'worker {rank}: {worker["counts"]}'
@@ -93,13 +104,7 @@ for step, batch in enumerate(Sampler(kv, SIZE, 0, BATCH, trainer.round_key)):
     time.sleep(0.05)
 line = json.dumps({'rank': kv.rank, 'applied': applied, 'replayed': trainer._handover.replayed,
                    'weights': weights.detach().numpy().tobytes().hex()})
-if JOINER:
-    print('JOINED', line, flush=True)
-else:
-    if joiner is not None:
-        joiner.wait(60)
-    report(**json.loads(line))
-'''
+''' + REPORT
 
 
 def test_a_joiners_batches_of_the_rounds_it_abstains_from_are_dealt_again(job):
@@ -108,8 +113,7 @@ def test_a_joiners_batches_of_the_rounds_it_abstains_from_are_dealt_again(job):
                  launcher_args=['--min-workers', '2', '--max-workers', '4'],
                  ends_when='the epoch is over for every member')
     assert result.returncode == 0, result.output
-    joined = json.loads(result.stdout.split('JOINED ', 1)[1].split('\n', 1)[0])
-    workers = {**result.results(), joined['rank']: joined}
+    joined, workers = everyone(result)
     assert sorted(workers) == [0, 1, 2, 3], result.output
     assert joined['replayed'] is not None and any(joined['applied']), joined
     applied = sorted(s for w in workers.values() for batch in w['applied'] for s in batch)
