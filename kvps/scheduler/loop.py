@@ -26,15 +26,24 @@ log = logging.getLogger('kvps.scheduler')
 FINISH_GRACE = 3.0
 
 
+def _beat(header, config):
+    """The heartbeat interval a registering node keeps (this scheduler's if it did not say,
+    or said something that is not a positive number)."""
+    beat = header.get('beat')
+    ok = isinstance(beat, (int, float)) and not isinstance(beat, bool) and 0 < beat < 3600
+    return float(beat) if ok else config.heartbeat_interval
+
+
 class Scheduler:
     """Bootstraps the job, runs barriers, watches liveness and ends the job in order."""
 
     def __init__(self, config):
         self.config = config.require_cluster()
-        # a node waiting for the job to form beats every interval: three missed beats, and a
-        # process that claims its rank takes it (a cluster manager restarted it)
+        # a node waiting for the job to form beats every interval it says it keeps: three
+        # missed beats, and a process that claims its rank takes it (a cluster manager
+        # restarted it)
         self.members = Membership(config.num_workers, config.num_servers, bounds(config),
-                                  stale_after=3 * config.heartbeat_interval)
+                                  stale_after=3)
         self.elastic = Elastic(self)
         self.ctx = new_context()
         self.router = Router(self.ctx, guard_from(config))
@@ -116,7 +125,7 @@ class Scheduler:
         stale = self.members.register(identity, header['role'], header['host'], header['port'],
                                       header.get('rank'), header.get('pid', 0),
                                       time.monotonic(), header.get('shared', {}),
-                                      header.get('rank_from'))
+                                      header.get('rank_from'), _beat(header, self.config))
         if stale is not None:
             self._dropped(stale)
         recording.note('register', 'register', {'role': header['role'], 'host': header['host']})

@@ -21,6 +21,7 @@ class Node:
     rank_from: str = None        # the setting that asked for rank_hint ('DMLC_WORKER_ID=3')
     incarnation: int = 0         # elastic: the epoch this worker joined at (0: it formed the job)
     first_barrier: int = 1       # the first barrier this worker is counted at
+    beat: float = None           # the heartbeat interval it said it keeps (s), if it did
 
     def describe(self):
         rank = '?' if self.rank is None else self.rank
@@ -58,7 +59,8 @@ class Membership:
     def __init__(self, num_workers, num_servers, elastic=None, stale_after=None):
         self.want = {'worker': num_workers, 'server': num_servers}
         # a registered node that waits for the job to form heartbeats: one silent longer
-        # than this (s) gives up its rank to a new claim of it (None: never)
+        # than this many of its beats (or s, if it did not say its interval) gives up its
+        # rank to a new claim of it (None: never)
         self.stale_after = stale_after
         self.dropped = {}          # identity -> why it left before the job formed
         # (min, max) members of an elastic job, or None: a fixed job (a lost worker ends it)
@@ -78,7 +80,7 @@ class Membership:
 
     # -- registration ------------------------------------------------------------------
     def register(self, identity, role, host, port, rank_hint, pid, now, shared=None,
-                 rank_from=None):
+                 rank_from=None, beat=None):
         """Add a node; raise ConfigError for a bad role, a full role, a taken rank or a
         ``shared`` setting (name -> value) that differs from the first node's that sent it.
         ``rank_from`` names the setting that gave ``rank_hint`` (KVPS_RANK when None). A
@@ -86,7 +88,8 @@ class Membership:
         that held the rank asked for and has been silent past ``stale_after`` (it gave the
         rank up: a process restarted in its place, as a cluster manager restarts a pod),
         or None."""
-        node = Node(identity, role, host, port, pid, rank_hint, now, rank_from=rank_from)
+        node = Node(identity, role, host, port, pid, rank_hint, now, rank_from=rank_from,
+                    beat=beat)
         try:
             stale = self._admit(node, shared or {}, now)
         except ConfigError as exc:
@@ -120,7 +123,9 @@ class Membership:
         return holder
 
     def _stale(self, node, now):
-        return self.stale_after is not None and now - node.last_seen > self.stale_after
+        if self.stale_after is None:
+            return False
+        return now - node.last_seen > self.stale_after * (node.beat or 1.0)
 
     def drop(self, node, why):
         """Before the job forms: ``node`` leaves it (gone, or replaced), its place free."""

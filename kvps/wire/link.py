@@ -43,6 +43,7 @@ class SchedulerLink:
         self.send({'op': P.REGISTER, 'id': 0, 'role': self.role, 'host': self.host,
                    'port': port, 'rank': self.config.rank, 'pid': os.getpid(),
                    'rank_from': self.config.rank_from, 'version': P.VERSION,
+                   'beat': self.config.heartbeat_interval,
                    'shared': self.config.shared_settings(self.role)})
         # Wait a little past the scheduler's own bound: its verdict names the missing nodes.
         deadline = time.monotonic() + self.config.connect_timeout + max(

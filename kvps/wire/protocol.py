@@ -17,7 +17,7 @@ from .items import CheckItem, DataItem, InitItem, Layout, PullItem, PushItem, Re
 # Node <-> scheduler.
 VERSION = 17                 # bumped on any change of the wire format; checked at REGISTER
 # node -> scheduler: {role, host, port, rank, pid, version, shared, rank_from (the setting
-# that gave the rank, for messages: 'DMLC_WORKER_ID=3')}
+# that gave the rank, for messages: 'DMLC_WORKER_ID=3'), beat (its heartbeat interval, s)}
 REGISTER = 'register'
 # scheduler -> node: {rank, num_workers, num_servers, servers, nodes, recovery_timeout, job (a
 # token naming this run, kept in server checkpoints), clock (the scheduler's monotonic ns: a

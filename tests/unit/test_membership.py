@@ -79,8 +79,9 @@ def test_a_rank_whose_holder_fell_silent_before_the_job_formed_goes_to_its_new_c
     """A cluster manager restarts a pod that died while the job formed, with its index: the
     new process takes the rank once the old one has missed its beats (3 s here), not before;
     the job then forms with it, and the old one is told why if it ever speaks again."""
-    m = Membership(2, 1, stale_after=3.0)
-    m.register(b'w-old', 'worker', 'pod-1', 0, 1, 11, 0, rank_from='JOB_COMPLETION_INDEX=1')
+    m = Membership(2, 1, stale_after=3)
+    m.register(b'w-old', 'worker', 'pod-1', 0, 1, 11, 0, rank_from='JOB_COMPLETION_INDEX=1',
+               beat=1.0)
     m.register(b'w-0', 'worker', 'pod-0', 0, 0, 10, 0)
     m.seen(b'w-0', 3.5)
     with pytest.raises(ConfigError, match='worker rank 1 is claimed twice'):
@@ -97,8 +98,17 @@ def test_a_rank_whose_holder_fell_silent_before_the_job_formed_goes_to_its_new_c
     assert m.nodes[b'w-new'].rank == 1
 
 
+def test_a_holder_that_beats_slowly_keeps_its_rank_for_three_of_its_own_beats():
+    """Three missed beats of the holder's own interval, whatever the scheduler's."""
+    m = Membership(2, 1, stale_after=3)
+    m.register(b'w-slow', 'worker', 'h', 0, 1, 11, 0, beat=5.0)
+    with pytest.raises(ConfigError, match='claimed twice'):
+        m.register(b'w-new', 'worker', 'h', 0, 1, 12, 14.0)
+    assert m.register(b'w-new', 'worker', 'h', 0, 1, 12, 15.5).pid == 11
+
+
 def test_a_node_silent_past_the_heartbeat_timeout_leaves_the_forming_job():
-    m = Membership(2, 1, stale_after=3.0)
+    m = Membership(2, 1, stale_after=3)
     m.register(b'w-a', 'worker', 'h', 0, None, 11, 0)
     m.register(b's', 'server', 'h', 5000, None, 12, 0)
     m.seen(b's', 9.0)
@@ -278,3 +288,12 @@ def test_a_lost_server_is_awaited_not_lost_again_and_its_rank_is_taken_by_defaul
 def test_bad_rejoins_are_refused(role, hint, match):
     with pytest.raises(ConfigError, match=match):
         running().replace(b'x', role, 'h', 1, hint, 1, now=1)
+
+
+@pytest.mark.parametrize('said, kept', [(5.0, 5.0), (2, 2.0), (None, 0.5), ('1', 0.5),
+                                        (True, 0.5), (0, 0.5), (-1.0, 0.5), (1e9, 0.5)])
+def test_the_scheduler_takes_a_nodes_heartbeat_interval_only_when_it_is_a_sane_number(said, kept):
+    from types import SimpleNamespace
+
+    from kvps.scheduler.loop import _beat
+    assert _beat({'beat': said}, SimpleNamespace(heartbeat_interval=0.5)) == kept
