@@ -34,11 +34,13 @@ class Half(ErrorFeedback):
     def _quantize(self, residual, kind, out):
         # block by block: the temporaries stay small and warm (whole-part ones would cost a
         # page fault every 4 KiB)
+        # fp16 of a float32 or float16 key: the server decodes exactly the float16 values
+        # sent, so torch's passes (f16.round_off) may take them off the residual
+        in_torch = self.name == FP16 and kind in ('float32', 'float16')
         for start in range(0, residual.size, BLOCK):
             block, payload = residual[start:start + BLOCK], out[2 * start:2 * (start + BLOCK)]
-            if self.name == FP16 and kind in ('float32', 'float16') and \
-                    f16.round_off(block, payload.view('<f2'), FP16_MAX):
-                continue   # (the server decodes exactly these float16 values)
+            if in_torch and f16.round_off(block, payload.view('<f2'), FP16_MAX):
+                continue
             if self.name == FP16:
                 lo, hi = block.min(), block.max()
                 # (NaN compares false: it travels as NaN)

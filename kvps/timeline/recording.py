@@ -2,9 +2,9 @@
 
 `KVPS_TIMELINE=PATH` makes each node of a job record into a part file of its own,
 ``PATH.d/<role>-<host>-<pid>-<tag>.kvtl`` (a stream of msgpack items), which
-`kvps.timeline.merge` joins into one Chrome trace at ``PATH``. Off (the default), ``RECORDER`` is None and a
-recording site costs the one check ``if RECORDER is not None``; nothing else runs, no
-thread, no file.
+`kvps.timeline.merge` joins into one Chrome trace at ``PATH``. Off (the default),
+``RECORDER`` is None and a recording site costs the one check ``if RECORDER is not None``;
+nothing else runs, no thread, no file.
 
 On, a site appends one tuple to a deque (no formatting, no I/O): a writer thread drains it
 every FLUSH_SECONDS into the part file, so a node killed by SIGKILL leaves what it recorded
