@@ -225,7 +225,8 @@ class WorkerIO(threading.Thread):
             self._servers[node].send(P.encode(*request.message))
             self.counts.messages += 1
             if self.trace is not None and header['op'] in (P.PUSH, P.PULL):
-                self.trace.sent(start, node, *request.message, request.keep)
+                device = self.staging is not None and self.staging.device is not None
+                self.trace.sent(start, node, *request.message, request.keep, device)
 
     @property
     def in_flight(self):

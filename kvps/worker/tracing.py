@@ -19,18 +19,19 @@ class MessageTrace:
         self.rank = rank
         self._heads = {}    # (server, key, part) -> seq of the push a pull's arrow ends
 
-    def sent(self, start, node, header, buffers, keep):
+    def sent(self, start, node, header, buffers, keep, device=False):
         """The span of a PUSH or PULL sent to ``node``: encoding and handing it to ZeroMQ
-        (``keep``: the request's payloads in shared memory)."""
+        (``keep``: the request's payloads in shared memory, or in the worker's device segment
+        where it has one: ``device``)."""
         items = header['keys']
         args = {'server': node, 'keys': len(items),
                 'socket': sum(memoryview(b).nbytes for b in buffers)}
         flows = None
         if header['op'] == P.PUSH:
-            on_device = [item.at >= DEVICE_BASE for item in items if item.at is not None]
-            args['shm'] = sum(data.nbytes for data, ipc in zip(keep, on_device) if not ipc)
-            if True in on_device:
-                args['ipc'] = sum(data.nbytes for data, ipc in zip(keep, on_device) if ipc)
+            if not device:   # (the common case: no item of this worker's can be the ipc's)
+                args['shm'] = sum(data.nbytes for data in keep)
+            else:
+                _split_by_route(args, items, keep)
             first = items[0]
             self._heads[node, first.key, first.part] = first.seq
             flows = [['r', self.rank, first.key, first.part, first.seq]]
@@ -66,3 +67,11 @@ class MessageTrace:
             if seq is not None:
                 found.append(['r', self.rank, key, part.part, seq])
         return found or None
+
+
+def _split_by_route(args, items, keep):
+    """A push's ``keep`` bytes in ``args`` as 'shm' and, those in the device segment, 'ipc'."""
+    on_device = [item.at >= DEVICE_BASE for item in items if item.at is not None]
+    args['shm'] = sum(data.nbytes for data, ipc in zip(keep, on_device) if not ipc)
+    if True in on_device:
+        args['ipc'] = sum(data.nbytes for data, ipc in zip(keep, on_device) if ipc)

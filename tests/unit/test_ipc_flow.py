@@ -267,7 +267,8 @@ def test_the_timeline_counts_the_device_segment_s_bytes_as_the_ipc_route(monkeyp
     items = [PushItem('a', 0, 'float32', 1024, DEVICE_BASE, 0),
              PushItem('b', 0, 'float32', 1024, 4096, 0), PushItem('c', 0, 'float32', 2, None, 0)]
     keep = [np.zeros(1024, np.float32), np.zeros(1024, np.float32)]
-    trace.sent(0, 'server 0', {'op': P.PUSH, 'keys': items}, [np.zeros(2, np.float32)], keep)
+    trace.sent(0, 'server 0', {'op': P.PUSH, 'keys': items}, [np.zeros(2, np.float32)], keep,
+               device=True)   # (a worker with a device segment)
     trace.landed(0, 'server 0', [('a', SimpleNamespace(part=0), None, 'float32')], 0, 0, 4096)
     (_, pushed), (_, landed) = recorder.spans
     assert (pushed['ipc'], pushed['shm'], pushed['socket']) == (4096, 4096, 8)
