@@ -19,11 +19,6 @@ from .shm import MAX_SEGMENT_BYTES, Ring
 DEVICE_BASE = 2 * MAX_SEGMENT_BYTES
 
 
-def on_device(at):
-    """Whether wire offset ``at`` (not None) lies in a device segment."""
-    return at >= DEVICE_BASE
-
-
 class DeviceSegment:
     """The worker's exported buffer (a kvps.wire.device_sharing.Shared) and its blocks; its
     event, recorded after the writes of each message that names blocks of it."""
