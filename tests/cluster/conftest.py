@@ -219,3 +219,19 @@ def report(**values):
     print('RESULT', json.dumps(values), flush=True)
 
 '''
+
+
+# The start of the elastic jobs' scripts (test_elastic*.py): a dist_sync store with key 0, and
+# one round of it (push ``value``, pull the round's result).
+ELASTIC_ROUNDS = '''
+import signal
+
+def one_round(kv, value):
+    kv.push(0, np.full(1, value, np.float32))
+    out = np.zeros(1, np.float32)
+    kv.pull(0, out=out)
+    return float(out[0])
+
+kv = kvps.create('dist_sync')
+kv.init(0, np.zeros(1, np.float32))
+'''

@@ -5,19 +5,11 @@ falling below --min-workers ends the job naming the lost workers."""
 import json
 import textwrap
 
+from conftest import ELASTIC_ROUNDS
+
 # Every worker pushes rank + 1 to key 0 each round, with no optimizer: the value pulled after
 # a round is that round's sum over the workers counted in it.
-ROUNDS = '''
-import signal
-
-def one_round(kv, value):
-    kv.push(0, np.full(1, value, np.float32))
-    out = np.zeros(1, np.float32)
-    kv.pull(0, out=out)
-    return float(out[0])
-
-kv = kvps.create('dist_sync')
-kv.init(0, np.zeros(1, np.float32))
+ROUNDS = ELASTIC_ROUNDS + '''
 changes = []
 kv.on_membership_change(lambda n, ranks: changes.append([n, ranks]))
 '''

@@ -6,20 +6,12 @@ import json
 import textwrap
 from pathlib import Path
 
+from conftest import ELASTIC_ROUNDS
+
 # Every worker pushes a value to key 0 each round; the servers' optimizer 'test' adds each
 # round's sum to the weight (w += sum), so the pulled weights tell every round's sum.
-ROUNDS = '''
-import signal
+ROUNDS = ELASTIC_ROUNDS + '''
 from kvps.optimizer import create as optimizer
-
-def one_round(kv, value):
-    kv.push(0, np.full(1, value, np.float32))
-    out = np.zeros(1, np.float32)
-    kv.pull(0, out=out)
-    return float(out[0])
-
-kv = kvps.create('dist_sync')
-kv.init(0, np.zeros(1, np.float32))
 kv.set_optimizer(optimizer('test'))
 '''
 
