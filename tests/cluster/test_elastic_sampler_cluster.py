@@ -7,6 +7,24 @@ import textwrap
 
 SIZE, BATCH = 120, 3
 
+# How every script starts: rank 0 starts one more process at step 2, which joins the running job
+# with the same script (JOINER set), and every member waits at step 4 until it is in.
+JOINING = '''
+import subprocess
+
+JOINER = bool(os.environ.get('JOINER'))
+
+
+def join_midway(kv, step, members, joiner):
+    if not JOINER and step == 2 and kv.rank == 0:
+        env = {k: v for k, v in os.environ.items() if k != 'KVPS_RANK'}
+        return subprocess.Popen([sys.executable, sys.argv[0]], env={**env, 'JOINER': '1'})
+    if not JOINER and step == 4:
+        while kv.num_workers < members:
+            time.sleep(0.05)
+    return joiner
+'''
+
 # How every script ends: the joiner prints its line (the launcher did not start it), the
 # others report theirs once the joiner they started has ended.
 REPORT = '''
@@ -29,23 +47,17 @@ def everyone(result):
 # Each worker pushes, per batch, a one at each of its samples into key 0; the servers'
 # optimizer 'test' adds each round's sum to the weight, so the weight counts, per sample, how
 # many times its gradient was applied.
-SCRIPT = '''
-import signal, subprocess
+SCRIPT = JOINING + '''
+import signal
 from kvps.elastic import Sampler
 from kvps.optimizer import create as optimizer
 
-JOINER = bool(os.environ.get('JOINER'))
 kv = kvps.create('dist_sync')
 kv.init(0, np.zeros(SIZE, np.float32))
 kv.set_optimizer(optimizer('test'))
 joiner, batches, out = None, [], np.zeros(SIZE, np.float32)
 for step, batch in enumerate(Sampler(kv, SIZE, epoch=0, batch_size=BATCH, key=0)):
-    if not JOINER and step == 2 and kv.rank == 0:
-        env = {k: v for k, v in os.environ.items() if k != 'KVPS_RANK'}
-        joiner = subprocess.Popen([sys.executable, sys.argv[0]], env={**env, 'JOINER': '1'})
-    if not JOINER and step == 4:
-        while kv.num_workers < 5:
-            time.sleep(0.05)
+    joiner = join_midway(kv, step, 5, joiner)
     if not JOINER and step == 6 and kv.rank == 3:   # lost with a claim and no push
         os.kill(os.getpid(), signal.SIGKILL)
     grad = np.zeros(SIZE, np.float32)
@@ -79,23 +91,17 @@ def test_every_sample_is_applied_once_whoever_is_lost_or_joins(job):
 
 # A Trainer that updates on the workers: a joiner abstains from its first rounds (waiting for
 # a member's state), and the batches it claimed for them are dealt again.
-WITH_TRAINER = '''
-import subprocess, torch
+WITH_TRAINER = JOINING + '''
+import torch
 from kvps.elastic import Sampler
 
-JOINER = bool(os.environ.get('JOINER'))
 weights = torch.nn.Parameter(torch.zeros(SIZE))
 kv = kvps.create('dist_sync')
 trainer = kvps.Trainer([weights], 'sgd', {'learning_rate': 0.1}, kvstore=kv,
                        update_on_kvstore=False)
 joiner, applied = None, []
 for step, batch in enumerate(Sampler(kv, SIZE, 0, BATCH, trainer.round_key)):
-    if not JOINER and step == 2 and kv.rank == 0:
-        env = {k: v for k, v in os.environ.items() if k != 'KVPS_RANK'}
-        joiner = subprocess.Popen([sys.executable, sys.argv[0]], env={**env, 'JOINER': '1'})
-    if not JOINER and step == 4:
-        while kv.num_workers < 4:
-            time.sleep(0.05)
+    joiner = join_midway(kv, step, 4, joiner)
     weights[torch.from_numpy(batch)].sum().backward()
     if not trainer.joining:
         applied.append(batch.tolist())
