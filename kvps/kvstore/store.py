@@ -370,10 +370,10 @@ class KVStore(KVStoreBase):
 
     def stats(self):
         """Counts since this worker joined (a kvps extension of MXNet's API): push and pull
-        calls, rounds, bytes pushed and pulled by route (``'shm'``, ``'socket'``), messages
-        and answers, waits for answers and for room to push (and their seconds), requests
-        sent again to a restarted server, and what is in flight now. Any thread may call it;
-        counts are taken without stopping the others."""
+        calls, rounds, bytes pushed and pulled by route (``'shm'``, ``'socket'``, ``'ipc'``),
+        messages and answers, waits for answers and for room to push (and their seconds),
+        requests sent again to a restarted server, and what is in flight now. Any thread may
+        call it; counts are taken without stopping the others."""
         return self._backend.stats()
 
     def close(self):
