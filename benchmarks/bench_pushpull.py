@@ -73,8 +73,9 @@ def parse_args(argv=None):
                    help='kvps rounds as one kv.pushpull each (default: push then pull, as '
                         "MXNet's benchmark steps)")
     p.add_argument('--timeline', action='store_true',
-                   help='after measuring, run kvps for each config with the timeline on and '
-                        'off in turns (--launches each): its cost, and where a step goes')
+                   help='after measuring, run kvps for each config with its timeline recording '
+                        'and paused in blocks of rounds (--launches launches): its cost, and '
+                        'where a step goes')
     p.add_argument('--timeout', type=int, default=300, help='seconds allowed per cluster run')
     p.add_argument('--out', default=None, help='output directory (default /tmp/kvps-bench/...)')
     args = p.parse_args(argv)
@@ -133,13 +134,13 @@ def _median_of_launches(runs):
     return best
 
 
-def measure_kvps(args, cfg, opt, rounds, run_dir, wrap=(), launcher_args=()):
+def measure_kvps(args, cfg, opt, rounds, run_dir, wrap=(), launcher_args=(), worker_args=()):
     W, S, keys, total = CONFIGS[cfg]
     tag = uuid.uuid4().hex[:12]
     argv = [C.PY, str(WORKER), '--keys', str(keys), '--total-bytes', str(total),
             '--rounds', str(rounds), '--warmup', str(args.warmup), '--optimizer', opt,
             '--out', str(run_dir), '--tag', tag, '--check-rounds', '1' if args.quick else '2',
-            *(['--pushpull'] if args.pushpull else [])]
+            *(['--pushpull'] if args.pushpull else []), *worker_args]
     rc, log, wall, launcher = C.run_kvps_job(W, S, argv, run_dir, args.timeout, tag, wrap,
                                              launcher_args)
     records = C.read_worker_records(run_dir, W)
@@ -301,33 +302,52 @@ def profile(args, out, cfg, opt):
 
 
 def timeline(args, out, cfg, opt):
-    """The timeline's cost (step time on against off, launches in turns) and the summary of
-    where a step goes, from the last traced launch."""
+    """The timeline's cost and the summary of where a step goes (from the last launch).
+
+    Each launch records its timeline and pauses and resumes it on every node in blocks of
+    rounds (pushpull_worker --timeline-blocks): its rounds with and without recording ran in
+    the same processes, so the launch-to-launch spread (several percent on a small box) is
+    not in their ratio. The cost is the median of the launches' ratios."""
     from kvps.timeline import summary
-    rounds = rounds_for(args, CONFIGS[cfg][3])
-    steps, trace = {'off': [], 'on': []}, None
+    W, total = CONFIGS[cfg][0], CONFIGS[cfg][3]
+    rounds = args.rounds or (400 if total <= 8 * MiB else 100)
+    block = max(10, rounds // 10)
+    per_launch, trace = [], None
     for i in range(args.launches):
-        # in turns, each setting first in every other pair: a launch that follows another
-        # runs slower or faster by a percent or two, which would otherwise fall on one side
-        for state in ('off', 'on') if i % 2 == 0 else ('on', 'off'):
-            run_dir = args.out / cfg / f'timeline-{opt}' / f'{state}{i}'
-            extra = ()
-            if state == 'on':   # the summary below reads the last traced launch
-                trace = run_dir / 'trace.json'
-                extra = ('--timeline', str(trace))
-            C.note(f'{cfg} optimizer={opt}: kvps, timeline {state}')
-            steps[state].append(measure_kvps(args, cfg, opt, rounds, run_dir,
-                                             launcher_args=extra).get('step_ms'))
-    off, on = (C.median([s for s in steps[k] if s]) for k in ('off', 'on'))
-    record = {'kind': 'timeline', 'config': cfg, 'optimizer': opt, 'step_ms_off': off,
-              'step_ms_on': on, 'steps_off': steps['off'], 'steps_on': steps['on'],
-              'cost': round(on / off - 1, 4) if on and off else None, 'trace': str(trace)}
-    if trace.exists():
+        run_dir = args.out / cfg / f'timeline-{opt}' / f'launch{i}'
+        trace = run_dir / 'trace.json'
+        C.note(f'{cfg} optimizer={opt}: kvps, timeline on and paused in blocks of {block}')
+        measure_kvps(args, cfg, opt, rounds, run_dir, launcher_args=('--timeline', str(trace)),
+                     worker_args=('--timeline-blocks', str(block)))
+        root = next((r for r in C.read_worker_records(run_dir, W) if r.get('rank') == 0), None)
+        if root is not None and 'timeline_on' in root:
+            per_launch.append(_timeline_launch(root))
+    record = {'kind': 'timeline', 'config': cfg, 'optimizer': opt, 'rounds': rounds,
+              'block': block, 'launches': per_launch, 'trace': str(trace)}
+    if per_launch:
+        record.update({key: C.median([p[key] for p in per_launch]) for key in (
+            'step_ms_off', 'step_ms_on', 'cost', 'cpu_ms_per_round_off',
+            'cpu_ms_per_round_on')})
+        record['cpu_cost'] = round(record['cpu_ms_per_round_on']
+                                   / record['cpu_ms_per_round_off'] - 1, 4)
+    if trace is not None and trace.exists():
         view = summary.Timeline(summary.load(trace))
         record['ms_per_step'] = {f'{role} ({thread})': {cat: round(ms, 3)
                                                         for cat, ms in cats.items()}
                                  for (role, thread), cats in view.per_step().items()}
     out.emit(record)
+
+
+def _timeline_launch(record):
+    """One launch's rounds with the timeline on and paused: median steps, their ratio, and
+    the job's CPU per round in each state."""
+    steps = {state: C.median([t for t, on in zip(record['round_times_s'],
+                                                 record['timeline_on']) if on is state])
+             for state in (True, False)}
+    cpu = record['timeline_cpu_ms_per_round']
+    return {'step_ms_off': round(steps[False] * 1e3, 3), 'step_ms_on': round(steps[True] * 1e3, 3),
+            'cost': round(steps[True] / steps[False] - 1, 4),
+            'cpu_ms_per_round_off': cpu['off'], 'cpu_ms_per_round_on': cpu['on']}
 
 
 # -- main ------------------------------------------------------------------------------------

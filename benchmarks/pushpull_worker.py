@@ -21,6 +21,7 @@ copy kvps makes of every pushed value is inside the timed region (it is part of 
 """
 import argparse
 import os
+import signal
 import statistics
 import sys
 import time
@@ -48,10 +49,59 @@ def parse_args():
                         '(default 10 with --compress/--compress-pull, else 0): float16 casts '
                         'load torch in the background at a node\'s first one, a few seconds '
                         'that a job pays once and a timed round must not')
+    p.add_argument('--timeline-blocks', type=int, default=0, metavar='N',
+                   help='in a job that records its timeline (and has --tag): pause and resume '
+                        "every node's recording (SIGUSR2) every N timed rounds, so that one run "
+                        'times rounds with and without it')
     p.add_argument('--pushpull', action='store_true',
                    help='one kv.pushpull(keys, values, out=outs) per round instead of push '
                         'then pull (pull requests follow the pushes closely)')
     return p.parse_args()
+
+
+class TimelineBlocks:
+    """Rounds timed with the job's timeline recording and paused, in blocks, within one run.
+
+    At each switch rank 0 sends SIGUSR2 (kvps.timeline's pause/resume) to every node of the
+    job (found by its KVPS_BENCH_TAG) and reads their CPU counters; a barrier then lets the
+    signals land before the block's rounds. The first SETTLE rounds of a block are not
+    counted: a node may take its signal a moment late."""
+
+    SETTLE = 2
+
+    def __init__(self, kv, tag, rank):
+        import kvps.timeline
+        if not tag or not kvps.timeline.enabled():
+            raise SystemExit('--timeline-blocks needs --tag and a job that records its '
+                             'timeline (kvps.launch --timeline PATH)')
+        self.kv, self.tag, self.rank, self.timeline = kv, tag, rank, kvps.timeline
+        self.flags = []                          # per timed round: recorded, or None (settling)
+        self.cpu_s = {True: 0.0, False: 0.0}     # the job's CPU seconds in each state (rank 0)
+        self.rounds = {True: 0, False: 0}
+        self._cpu, self._on = None, True
+
+    def switch(self):
+        if self.rank == 0:
+            nodes = _common.job_thread_cpu(self.tag)
+            if self._cpu is not None:
+                spent = _common.cpu_delta(self._cpu, nodes)
+                self.cpu_s[self._on] += sum(v for c in spent.values()
+                                            for k, v in c.items() if k != 'pid')
+            self._cpu = nodes
+            for node in nodes.values():
+                os.kill(node['pid'], signal.SIGUSR2)
+        self.kv.barrier()
+        self._on = self.timeline.enabled()
+
+    def count(self, index_in_block):
+        self.flags.append(self._on if index_in_block >= self.SETTLE else None)
+        self.rounds[self._on] += 1
+
+    def record(self):
+        return {'timeline_on': self.flags,
+                'timeline_cpu_ms_per_round': {
+                    state: round(self.cpu_s[on] * 1e3 / max(1, self.rounds[on]), 3)
+                    for state, on in (('on', True), ('off', False))}}
 
 
 def main():
@@ -117,17 +167,25 @@ def main():
         one_round(push_vals)
         expect(1.0)
 
+    # (checked before the barrier: rank 0's first switch may pause this process after it)
+    blocks = TimelineBlocks(kv, args.tag, rank) if args.timeline_blocks else None
     kv.barrier()
     cpu0 = _common.job_thread_cpu(args.tag) if rank == 0 and args.tag else None
     w0_wall = time.perf_counter()
     times, push_t, pull_t = [], [], []
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
+        if blocks is not None and r % args.timeline_blocks == 0:
+            blocks.switch()
         tp, tl = one_round(push_vals)
         expect(1.0)
         push_t.append(tp)
         pull_t.append(tl)
         times.append(tp + tl)
+        if blocks is not None:
+            blocks.count(r % args.timeline_blocks)
     check(sum_ranks if args.optimizer == 'none' else state['w'], 'after timed rounds')
+    if blocks is not None:
+        blocks.switch()   # (the last block's CPU counted)
     kv.barrier()
     window = time.perf_counter() - w0_wall
     cpu = None
@@ -150,6 +208,8 @@ def main():
         'startup_s': t_connected - t_start, 'correct': not errors, 'errors': errors,
         'cpu_window_s': window, 'cpu_s': cpu,
     }
+    if blocks is not None:
+        rec.update(blocks.record())
     _common.write_worker_record(
         args.out, rank, rec, f'[kvps worker {rank}/{nworkers}] keys={args.keys} '
         f'bytes={actual_bytes} opt={args.optimizer} median_step={med * 1e3:.2f} ms '

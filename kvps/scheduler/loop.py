@@ -61,8 +61,7 @@ class Scheduler:
         self.ticker = Ticker(config.stats_seconds, 'scheduler', lambda: (
             {**dataclasses.asdict(self.counts), 'refused': REFUSALS.total},
             {'nodes': len(self.members.nodes)}))
-        if recording.RECORDER is not None:
-            recording.RECORDER.name_node(0, 'scheduler')
+        recording.name_node(0, 'scheduler')
         log.info('scheduler listening on %s:%d', host, self.port)
 
     def _publish_port(self, path):
@@ -202,9 +201,11 @@ class Scheduler:
         """Answer the workers of each completed barrier (Membership.releasable)."""
         for seq, workers, differs in barriers:
             self.counts.barriers += 1
-            if recording.RECORDER is not None:
-                recording.RECORDER.span('barrier', 'barrier', self._barrier_began.pop(
-                    seq, recording.now()), {'seq': seq, 'differs': differs})
+            began = self._barrier_began.pop(seq, None)
+            recorder = recording.RECORDER
+            if recorder is not None:
+                recorder.span('barrier', 'barrier', recording.now() if began is None else began,
+                              {'seq': seq, 'differs': differs})
             for worker in workers:
                 self.send(worker, {'op': P.BARRIER_DONE, 'id': seq, 'differs': differs})
 

@@ -55,8 +55,7 @@ class Server:
         """Take the rank and shard the WELCOME gives; resume from the checkpoint."""
         self.rank = welcome['rank']
         self.name = f'server {self.rank}'
-        if recording.RECORDER is not None:
-            recording.RECORDER.name_node(self.rank, self.name)
+        recording.name_node(self.rank, self.name)
         elastic = welcome.get('elastic', False)
         self.shard = Shard(welcome['num_workers'], storage=storage, elastic=elastic)
         # Only the job's workers may talk to a server; anyone else is refused and logged.

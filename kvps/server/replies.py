@@ -13,6 +13,7 @@ from .batch import Batch
 from .records import ReplyKind
 
 log = logging.getLogger('kvps.server')
+_SPAN_NAMES = {kind: f'reply {kind.value}' for kind in ReplyKind}   # made once, not per reply
 
 
 class Replies:
@@ -53,8 +54,7 @@ class Replies:
             return
         start = recording.now()
         self._senders[reply.kind](identity, req_id, reply.payload)
-        recorder.span(f'reply {reply.kind.value}', 'reply', start,
-                      {'to': identity_label(identity)})
+        recorder.span(_SPAN_NAMES[reply.kind], 'reply', start, {'to': identity_label(identity)})
 
     def _ack(self, identity, req_id, fields):
         self._send(identity, P.encode({'op': P.ACK, 'id': req_id, **(fields or {})}))

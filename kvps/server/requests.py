@@ -20,6 +20,7 @@ log = logging.getLogger('kvps.server')
 ACK, DATA, ERROR, STATES = ReplyKind.ACK, ReplyKind.DATA, ReplyKind.ERROR, ReplyKind.STATES
 # Requests whose acknowledgement waits for a checkpoint that holds what they changed.
 _DURABLE = (P.INIT, P.SET_OPTIMIZER, P.SET_STATES, P.COMMIT_STATES)
+_SPAN_NAMES = {op: f'recv {op}' for op in P.OPS}   # made once, not per request
 
 
 def durable(header):
@@ -52,7 +53,8 @@ class Requests:
         finally:
             # (a push's handling is its keys merged into their rounds: its optimizer updates,
             # nested, are spans of their own; rounds that only replaced values end here)
-            recorder.span(f'recv {header["op"]}', 'merge' if header['op'] == P.PUSH else 'recv',
+            op = header['op']
+            recorder.span(_SPAN_NAMES.get(op) or f'recv {op}', 'merge' if op == P.PUSH else 'recv',
                           start, {'from': identity_label(identity),
                                   'keys': len(header.get('keys', ()))},
                           self.shard.flows.closed())

@@ -6,15 +6,29 @@ phases of your own step so they show beside kvps's spans::
 
     with kvps.timeline.phase('forward'):
         loss = loss_fn(model(x), y)
+
+``pause()`` and ``resume()`` (or SIGUSR2 to a node) keep a long job's trace to the window
+that matters.
 """
 
 import contextlib
 
 from . import recording
 
-__all__ = ['phase', 'enabled']
+__all__ = ['phase', 'enabled', 'pause', 'resume']
 
 _OFF = contextlib.nullcontext()
+
+
+def pause():
+    """Stop recording in this process until ``resume()``: the timeline's sites cost what they
+    cost when it is off. Other processes go on recording (``kill -USR2 PID`` toggles one)."""
+    recording.pause()
+
+
+def resume():
+    """Record again in this process after ``pause()``."""
+    recording.resume()
 
 
 def enabled():

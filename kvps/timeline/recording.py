@@ -31,6 +31,7 @@ import contextlib
 import functools
 import os
 import secrets
+import signal
 import socket
 import threading
 import time
@@ -40,10 +41,12 @@ import msgpack
 from ..errors import ConfigError
 
 RECORDER = None            # this process's Recorder while KVPS_TIMELINE is set, else None
+_PAUSED = None             # the Recorder while it is paused (RECORDER is None then)
 FLUSH_SECONDS = 0.2        # how often the writer thread drains the buffer into the file
 CAPACITY = 1 << 18         # events held before the oldest unwritten ones are dropped
 SUFFIX = '.kvtl'
 now = time.monotonic_ns    # the one clock of every span
+get_ident = threading.get_ident
 
 
 def parts_dir(path):
@@ -87,7 +90,14 @@ class Recorder:
     def span(self, name, cat, start_ns, args=None, flows=None):
         """A span that started at ``start_ns`` (``now()``) and ends now."""
         end = now()
-        self._put(['X', name, cat, self._tid(), start_ns, end - start_ns, args, flows])
+        # (written out, not through _tid and _put: this runs for every message)
+        tid = self._threads.get(get_ident())
+        if tid is None:
+            tid = self._new_thread()
+        events = self._events
+        if len(events) == self._capacity:   # the oldest goes (racy: a count, not a lock)
+            self._dropped += 1
+        events.append(('X', name, cat, tid, start_ns, end - start_ns, args, flows))
 
     @contextlib.contextmanager
     def timed(self, name, cat, args=None, flows=None):
@@ -114,12 +124,14 @@ class Recorder:
                    'host': socket.gethostname()})
 
     def _tid(self):
-        ident = threading.get_ident()
-        tid = self._threads.get(ident)
-        if tid is None:
-            with self._lock:
-                tid = self._threads.setdefault(ident, len(self._threads))
-            self._events.append(['thread', tid, threading.current_thread().name])
+        tid = self._threads.get(get_ident())
+        return self._new_thread() if tid is None else tid
+
+    def _new_thread(self):
+        """The calling thread's small id, given (and its name recorded) at its first event."""
+        with self._lock:
+            tid = self._threads.setdefault(get_ident(), len(self._threads))
+        self._events.append(['thread', tid, threading.current_thread().name])
         return tid
 
     def _put(self, event):
@@ -137,10 +149,9 @@ class Recorder:
         with self._lock:
             if self._file is None:
                 return
-            chunk, pack = [], msgpack.Packer(use_bin_type=True).pack
-            events = self._events
-            while events:
-                chunk.append(pack(events.popleft()))
+            pack, take = msgpack.Packer(use_bin_type=True).pack, self._events.popleft
+            # (as many as are there now: other threads append while this packs)
+            chunk = list(map(pack, [take() for _ in range(len(self._events))]))
             dropped = self._dropped
             if dropped > self._reported:
                 chunk.append(pack(['dropped', dropped - self._reported]))
@@ -163,22 +174,67 @@ class Recorder:
 
 def start(path, role):
     """Record this process's timeline into ``path``'s part directory (None: off); returns
-    the Recorder. A process records once: a second call returns the first Recorder."""
+    the Recorder. A process records once: a second call returns the first Recorder. In the
+    main thread, SIGUSR2 then pauses and resumes the recording (``toggle``), unless the
+    program handles that signal itself."""
     global RECORDER
     if not path:
         return None
-    if RECORDER is None:
+    if RECORDER is None and _PAUSED is None:
         RECORDER = Recorder(path, role)
         atexit.register(RECORDER.close)
-    return RECORDER
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL):
+            signal.signal(signal.SIGUSR2, toggle)
+    return recorder_kept()
 
 
 def stop():
     """Write and close this process's timeline (a failing node calls it before it exits)."""
-    global RECORDER
-    recorder, RECORDER = RECORDER, None
+    global RECORDER, _PAUSED
+    recorder, RECORDER, _PAUSED = recorder_kept(), None, None
     if recorder is not None:
         recorder.close()
+
+
+def pause():
+    """Stop recording until ``resume()``: every site costs its one check again, as when the
+    timeline is off; what was recorded stays, and is written. Only this process pauses."""
+    global RECORDER, _PAUSED
+    recorder = RECORDER
+    if recorder is not None:
+        recorder.instant('pause', 'timeline')
+        RECORDER, _PAUSED = None, recorder
+
+
+def resume():
+    """Record again after ``pause()``."""
+    global RECORDER, _PAUSED
+    recorder = _PAUSED
+    if recorder is not None:
+        RECORDER, _PAUSED = recorder, None
+        recorder.instant('resume', 'timeline')
+
+
+def toggle(signum=None, frame=None):
+    """Pause a recording process, or resume a paused one (SIGUSR2's handler)."""
+    if RECORDER is not None:
+        pause()
+    else:
+        resume()
+
+
+def recorder_kept():
+    """This process's Recorder, recording or paused (None when the timeline is off): for
+    what a trace needs whatever it records, the node's name and its clock readings."""
+    return RECORDER or _PAUSED
+
+
+def name_node(rank, name):
+    """Name this process's node in its timeline (its rank once registration gave it)."""
+    recorder = recorder_kept()
+    if recorder is not None:
+        recorder.name_node(rank, name)
 
 
 def traced(name, cat):

@@ -44,6 +44,8 @@ class Timeline:
                         if e.get('ph') == 'M' and e['name'] == 'thread_name'}
         self.spans = [e for e in events if e.get('ph') == 'X']
         self.flows = [e for e in events if e.get('ph') in ('s', 't', 'f')]
+        self.pauses = [e for e in events if e.get('ph') == 'i' and e['name'] == 'pause'
+                       and e.get('cat') == 'timeline']
         self.by_thread = collections.defaultdict(list)
         for span in self.spans:
             self.by_thread[span['pid'], span['tid']].append(span)
@@ -62,7 +64,11 @@ class Timeline:
         for span in self.spans:
             if span['cat'] == cat and span['name'] == cat and self.role(span['pid']) == 'worker':
                 marks[span['pid'], span['tid']].append(span['ts'])
-        return {where: list(zip(starts, starts[1:]))
+        paused = collections.defaultdict(list)   # a paused recording's gap is no step
+        for event in self.pauses:
+            paused[event['pid']].append(event['ts'])
+        return {where: [(a, b) for a, b in zip(starts, starts[1:])
+                        if not any(a <= t < b for t in paused[where[0]])]
                 for where, starts in marks.items() if len(starts) > 1}
 
     def header(self):

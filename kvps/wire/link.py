@@ -65,8 +65,10 @@ class SchedulerLink:
             if header is None:
                 continue
             if header['op'] == P.WELCOME:
-                if recording.RECORDER is not None:   # a first reading of the scheduler's clock
-                    self._heartbeat()                # from a quiet moment (not the welcome's)
+                # a first reading of the scheduler's clock, from a quiet moment (not the
+                # welcome's)
+                if recording.recorder_kept() is not None:
+                    self._heartbeat()
                 return header
             self.raise_if_fatal(header)
 
@@ -90,7 +92,7 @@ class SchedulerLink:
         if decoded is None:
             return None
         header = decoded[0]
-        if 'clock' in header and recording.RECORDER is not None:
+        if 'clock' in header and recording.recorder_kept() is not None:
             self._read_clock(header)
         return header
 
@@ -100,7 +102,9 @@ class SchedulerLink:
         sent = self._beats.pop(header['id'] if header['op'] == P.HEARTBEAT_ACK else 0, None)
         if sent is not None:
             received = recording.now()
-            recording.RECORDER.clock(*recording.clock_sample(sent, header['clock'], received))
+            recorder = recording.recorder_kept()   # (paused too: spans recorded later need it)
+            if recorder is not None:
+                recorder.clock(*recording.clock_sample(sent, header['clock'], received))
 
     def raise_if_fatal(self, header):
         """Turn the scheduler's ERROR / SHUTDOWN / PEER_LOST into the matching exception."""
@@ -129,7 +133,7 @@ class SchedulerLink:
     def tick(self, now):
         """Heartbeat when due; raise PeerLostError if the scheduler has gone silent."""
         interval = self.config.heartbeat_interval
-        if recording.RECORDER is not None and self._beat < CLOCK_READINGS:
+        if recording.recorder_kept() is not None and self._beat < CLOCK_READINGS:
             interval = min(interval, 0.05)   # read the scheduler's clock a few times at first
         if now - self._last_sent >= interval:
             self._heartbeat()

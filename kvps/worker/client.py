@@ -49,8 +49,7 @@ class DistClient:
             raise self.io.fatal or RuntimeError('worker I/O thread did not start')
         welcome = self.io.welcome
         self.rank = welcome['rank']
-        if recording.RECORDER is not None:
-            recording.RECORDER.name_node(self.rank, f'worker {self.rank}')
+        recording.name_node(self.rank, f'worker {self.rank}')
         self.num_servers = welcome['num_servers']
         self.sharding = Sharding(self.num_servers, config.bigarray_bound,
                                    config.partition_bytes)

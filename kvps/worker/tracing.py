@@ -11,6 +11,8 @@ from ..timeline import recording
 from ..wire import protocol as P
 from ..wire.device_segments import DEVICE_BASE
 
+SENT = {op: f'send {op}' for op in (P.PUSH, P.PULL)}   # span names, made once
+
 
 class MessageTrace:
     """The I/O thread's record of messages, and the rounds whose arrows await their pull."""
@@ -23,6 +25,9 @@ class MessageTrace:
         """The span of a PUSH or PULL sent to ``node``: encoding and handing it to ZeroMQ
         (``keep``: the request's payloads in shared memory, or in the worker's device segment
         where it has one: ``device``)."""
+        recorder = recording.RECORDER
+        if recorder is None:   # (paused: kvps.timeline.pause)
+            return
         items = header['keys']
         args = {'server': node, 'keys': len(items),
                 'socket': sum(memoryview(b).nbytes for b in buffers)}
@@ -35,9 +40,7 @@ class MessageTrace:
             first = items[0]
             self._heads[node, first.key, first.part] = first.seq
             flows = [['r', self.rank, first.key, first.part, first.seq]]
-        recorder = recording.RECORDER
-        if recorder is not None:
-            recorder.span(f'send {header["op"]}', header['op'], start, args, flows)
+        recorder.span(SENT[header['op']], header['op'], start, args, flows)
 
     def landed(self, start, node, batch, socket, shm, ipc=0):
         """The span of a DATA answer written into the caller's arrays (``batch``: the parts

@@ -82,6 +82,61 @@ kv.barrier()
     assert len(pushes) == 5
 
 
+PAUSING = ROUNDS + """
+import signal
+
+def nodes_of_this_job(role):
+    launcher = os.getppid()
+    for pid in filter(str.isdigit, os.listdir('/proc')):
+        try:
+            stat = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()
+            environ = open(f'/proc/{pid}/environ', 'rb').read().split(b'\\0')
+        except (OSError, ValueError):
+            continue
+        if int(stat[1]) == launcher and f'DMLC_ROLE={role}'.encode() in environ:
+            yield int(pid)
+
+def switch(to):
+    if kv.rank == 0:   # one SIGUSR2 per node pauses, the next resumes
+        for pid in [*nodes_of_this_job('server'), *nodes_of_this_job('worker')]:
+            os.kill(pid, signal.SIGUSR2)
+    while kvps.timeline.enabled() is not to:   # (each worker waits for its own)
+        time.sleep(0.01)
+    kv.barrier()
+
+switch(False)
+for step in range(4):   # not recorded
+    kv.push(['small', 'big'], [np.ones(10, np.float32), np.ones(3000, np.float32)])
+    kv.pull(['small', 'big'], out=out)
+switch(True)
+kv.push(['small', 'big'], [np.ones(10, np.float32), np.ones(3000, np.float32)])
+kv.pull(['small', 'big'], out=out)
+report(total=float(out[1][0]))
+"""
+
+
+def test_sigusr2_pauses_and_resumes_the_nodes_recording(job, tmp_path):
+    result, path = traced(job, tmp_path, PAUSING)
+    assert result.returncode == 0, result.output
+    assert all(got['total'] == 2.0 for got in result.results().values())
+    trace = json.loads(path.read_text())
+    timeline = summary.Timeline(trace)
+    by_name = {name: pid for pid, name in timeline.names.items()}
+    for name in ('worker 0', 'worker 1'):   # 5 rounds before the pause and 1 after it
+        pushes = [s for s in timeline.spans if s['pid'] == by_name[name] and s['name'] == 'push']
+        assert len(pushes) == 6, (name, len(pushes))
+    for name in ('server 0', 'server 1', 'worker 0', 'worker 1'):
+        marks = [e['name'] for e in trace['traceEvents'] if e.get('ph') == 'i'
+                 and e.get('cat') == 'timeline' and e['pid'] == by_name[name]]
+        assert marks == ['pause', 'resume'], (name, marks)
+    # a server pauses when its signal lands: it recorded fewer of the 20 pushes it handled
+    handled = [s for s in timeline.spans if s['pid'] == by_name['server 0']
+               and s['name'] == 'recv push']
+    assert 0 < len(handled) < 20, len(handled)
+    # the summary's steps (push to push) leave out the one with the paused gap
+    assert sorted(len(periods) for periods in timeline.steps.values()) == [4, 4]
+
+
 def test_a_path_that_cannot_be_written_is_refused_before_anything_starts(job, tmp_path):
     blocker = tmp_path / 'a-file'
     blocker.write_text('')

@@ -162,7 +162,7 @@ PUBLIC = {
                        'CosineScheduler', 'PolyScheduler', 'create_scheduler'},
     'kvps.trainer': {'Trainer'},
     'kvps.launch': {'main'},
-    'kvps.timeline': {'phase', 'enabled'},
+    'kvps.timeline': {'phase', 'enabled', 'pause', 'resume'},
     # the codecs' package: set_gradient_compression's parameters, the codecs, the servers'
     # decoding and the 16-bit pulls
     'kvps.compression': {'parse', 'Settings', 'OFF', 'TYPES', 'CODECS', 'decode', 'nbytes',

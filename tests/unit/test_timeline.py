@@ -1,11 +1,15 @@
 """The timeline's own pieces: recording into part files, merging with aligned clocks, the summary, the CLI."""
 
 import json
+import os
+import signal
 import threading
+import time
 
 import msgpack
 import pytest
 
+from kvps import timeline
 from kvps.errors import ConfigError
 from kvps.timeline import __main__ as cli, merge, phase, recording, summary
 from kvps.timeline.recording import Recorder, clock_sample
@@ -159,6 +163,81 @@ def test_summary_and_cli_read_a_merged_trace(path, capsys):
     assert 'compute 4.00 (40%)' in text and 'wait 1.50' in text and 'update 2.00' in text
     assert 'push/push' in text and 'update/update' in text and 'pull/pull' in text
     assert 'shm      push 12.0 MB' in text and 'socket   pull 12.0 MB' in text   # whole job
+
+
+def test_a_paused_gap_is_no_step_of_the_summary(path):
+    nodes = job(path, {'scheduler': 0, 'server 0': 0, 'worker 0': 0})
+    worker = nodes['worker 0']
+    for start in (0, 10_000_000, 20_000_000, 500_000_000, 510_000_000):
+        put(worker, 'push', 'push', start, 1_000_000)
+    worker._put(['i', 'pause', 'timeline', worker._tid(), 25_000_000, 0, None, None])
+    for recorder in nodes.values():
+        recorder.close()
+    merge.merge([path], path)
+    view = summary.Timeline(summary.load(path))
+    assert sorted(b - a for periods in view.steps.values() for a, b in periods) == [
+        10_000.0, 10_000.0, 10_000.0]   # us: the 480 ms while paused is not a step
+
+
+@pytest.fixture
+def started(path):
+    """This process recording into ``path`` as a worker does (kvps.timeline's functions),
+    and off again afterwards, SIGUSR2 as it was."""
+    handler = signal.getsignal(signal.SIGUSR2)
+    yield recording.start(path, 'worker')
+    recording.stop()
+    signal.signal(signal.SIGUSR2, handler)
+
+
+def recorded(path):
+    """Names of the spans and instants of the one part file at ``path``, and its node."""
+    part = merge.read_part(merge.part_files([path])[0])
+    return [e[1] for e in part.events], part.info
+
+
+def test_pause_and_resume_keep_the_trace_to_a_window(path, started):
+    with phase('before'):
+        pass
+    timeline.pause()
+    assert not timeline.enabled() and recording.RECORDER is None
+    with phase('while paused'):
+        pass
+    recording.name_node(3, 'worker 3')   # a node is named whenever it learns its rank
+    timeline.pause()                     # (twice is once)
+    timeline.resume()
+    assert timeline.enabled()
+    with phase('after'):
+        pass
+    recording.stop()   # a paused recorder is written and closed as well
+    names, info = recorded(path)
+    assert names == ['before', 'pause', 'resume', 'after']
+    assert info['name'] == 'worker 3' and info['rank'] == 3
+
+
+def test_sigusr2_toggles_a_nodes_recording(path, started):
+    def toggled_to(state):
+        os.kill(os.getpid(), signal.SIGUSR2)
+        for _ in range(500):   # (the handler runs in this, the main thread, between bytecodes)
+            if timeline.enabled() is state:
+                return True
+            time.sleep(0.01)
+        return False
+    assert toggled_to(False)
+    assert toggled_to(True)
+    recording.stop()
+    assert recorded(path)[0] == ['pause', 'resume']
+
+
+def test_a_programs_own_sigusr2_handler_is_kept(path):
+    def mine(signum, frame):
+        pass
+    before = signal.signal(signal.SIGUSR2, mine)
+    try:
+        recording.start(path, 'worker')
+        assert signal.getsignal(signal.SIGUSR2) is mine
+    finally:
+        recording.stop()
+        signal.signal(signal.SIGUSR2, before)
 
 
 def test_merge_of_nothing_says_so(tmp_path, capsys):
