@@ -199,6 +199,7 @@ def run_kvps(hosts, job, cfg, worker_argv):
               'DMLC_NUM_SERVER': str(servers), 'KVPS_SECRET': os.urandom(16).hex()}
     node = [C.PY, '-m', 'kvps.node']
     port_file = job.out_dir / 'scheduler.port'
+    port_file.unlink(missing_ok=True)   # an earlier run's in the same directory names a dead port
     sched = job.start('scheduler', 0, node, **common, DMLC_ROLE='scheduler',
                       DMLC_PS_ROOT_PORT='0', KVPS_PORT_FILE=str(port_file),
                       DMLC_NODE_HOST=hosts.address(0))
