@@ -1,7 +1,8 @@
 """Read a merged timeline: where an average step's time goes per role, the slowest step's critical path, bytes by route.
 
 A step is the time from one Trainer step (a ``step`` span) to the next on a worker; a job
-that uses the store without the Trainer has its steps cut at each ``push`` call instead.
+that uses the store without the Trainer has its steps cut at each ``push`` (or ``pushpull``)
+call instead.
 Time is counted exclusively: a span's own time leaves out the spans inside it (a pull's wait
 is ``wait``, not also ``pull``). A worker's ``compute`` is the part of its steps in which
 the thread making them was in no kvps span: the model's forward and backward, the data.
@@ -10,6 +11,7 @@ the thread making them was in no kvps span: the model's forward and backward, th
 import collections
 import json
 
+STEP_NAMES = {'step': ('step',), 'push': ('push', 'pushpull')}   # spans that start a step
 ROUTES = ('ipc', 'shm', 'socket')   # how a message's bytes travel (spans' fields of those names)
 SHOWN = {'worker': ('compute', 'phase', 'step', 'push', 'compress', 'backpressure', 'wait',
                     'pull', 'land', 'barrier'),
@@ -62,7 +64,8 @@ class Timeline:
         marks = collections.defaultdict(list)
         cat = 'step' if any(s['cat'] == 'step' for s in self.spans) else 'push'
         for span in self.spans:
-            if span['cat'] == cat and span['name'] == cat and self.role(span['pid']) == 'worker':
+            if (span['cat'] == cat and span['name'] in STEP_NAMES[cat]
+                    and self.role(span['pid']) == 'worker'):
                 marks[span['pid'], span['tid']].append(span['ts'])
         paused = collections.defaultdict(list)   # a paused recording's gap is no step
         for event in self.pauses:
