@@ -20,11 +20,18 @@ class Members:
         self.catching_up = io.welcome.get('incarnation', 0) > 0
 
     def moved(self):
-        """The membership changed since the last call: tell the callback, once per change."""
-        epoch, ranks, _ = self.io.membership
-        self.epoch = epoch
-        if self.callback is not None:
-            self.callback(len(ranks), list(ranks))
+        """The membership changed since the last call: tell the callback, once per change
+        and in order (the I/O thread keeps each change until an API thread takes it)."""
+        changes = self.io.membership_changes
+        while True:
+            try:
+                epoch, ranks, _ = changes.popleft()
+            except IndexError:   # (another API thread may have taken the last one)
+                break
+            if epoch > self.epoch:
+                self.epoch = epoch
+                if self.callback is not None:
+                    self.callback(len(ranks), list(ranks))
 
     def joining(self, counts=None):
         """Whether this worker is catching up. ``counts``: its CHECKs' answer, (server node,

@@ -31,6 +31,8 @@ log = logging.getLogger('kvps.worker')
 
 SCHEDULER = 'scheduler'
 
+MEMBERSHIP_CHANGES_KEPT = 1024   # changes not yet told to the API threads (the oldest go)
+
 
 class WorkerIO(threading.Thread):
     """Registers with the scheduler, connects to every server and moves messages."""
@@ -60,6 +62,9 @@ class WorkerIO(threading.Thread):
         self.staging = None         # this worker's shared-memory segment, if it has one
         # (epoch, ranks): the job's member workers, as the last WELCOME or MEMBERS told
         self.membership = (0, [], [])
+        # every MEMBERS since the API threads last looked, in order: two changes between two
+        # store calls (a join and a leave) are still two calls of on_membership_change
+        self.membership_changes = collections.deque(maxlen=MEMBERSHIP_CHANGES_KEPT)
         self.trace = None           # the messages' spans, while the timeline records
         self._ticker = Ticker(0, 'worker', None)   # --stats lines, from the welcome on
 
@@ -296,6 +301,7 @@ class WorkerIO(threading.Thread):
         elif op == P.MEMBERS:   # (an elastic job's: read by the API threads' next call)
             if header['epoch'] > self.membership[0]:
                 self.membership = membership_of(header)
+                self.membership_changes.append(self.membership)
         elif op == P.SERVER_BACK:
             self._rejoin(header['rank'], header['host'], header['port'])
         elif op in (P.PEER_LOST, P.SHUTDOWN, P.ERROR):

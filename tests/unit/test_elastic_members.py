@@ -1,6 +1,8 @@
 """Elastic jobs' pure parts: the scheduler's membership (leave, join, barriers counting
 members) and a server's rounds as workers leave and join (kvps.server.members)."""
 
+import collections
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,7 @@ from kvps.scheduler.elastic import bounds
 from kvps.scheduler.membership import Membership
 from kvps.server import members
 from kvps.server.shard import Shard
+from kvps.worker.joining import Members as WorkerMembers
 
 W0, W1, W2, J = b'worker-0', b'worker-1', b'worker-2', b'worker-3.1'
 
@@ -220,3 +223,32 @@ def test_a_restarted_server_learns_a_joiners_first_round_from_its_resume():
     assert acks(restarted.push('e', J, 'k', 0, 'float32', True, buf(4, 4), seq=1)) == [
         'c', 'd', 'e']
     assert value(restarted) == [7.0, 7.0]
+
+
+class IOStub:
+    """What a worker's Members reads of its I/O thread."""
+
+    def __init__(self, epoch=1, ranks=(0, 1)):
+        self.membership = (epoch, list(ranks), [(r, 0) for r in ranks])
+        self.membership_changes = collections.deque()
+        self.welcome = {}
+
+    def told(self, epoch, ranks):   # a MEMBERS, as the I/O thread takes it
+        self.membership = (epoch, list(ranks), [(r, 0) for r in ranks])
+        self.membership_changes.append(self.membership)
+
+
+def test_each_membership_change_is_told_once_and_in_order():
+    io = IOStub()
+    seen = []
+    worker = WorkerMembers(io, True, {})
+    worker.callback = lambda n, ranks: seen.append((n, ranks))
+    io.told(2, [0, 1, 2])   # a joiner came and went between two store calls:
+    io.told(3, [0, 1])      # both are told, in order
+    worker.moved()
+    assert seen == [(3, [0, 1, 2]), (2, [0, 1])] and worker.epoch == 3
+    worker.moved()          # nothing new: nothing told
+    assert len(seen) == 2
+    io.membership_changes.append((1, [0], [(0, 0)]))   # (not newer than what was told)
+    worker.moved()
+    assert len(seen) == 2 and worker.epoch == 3
