@@ -143,12 +143,14 @@ class StoreKeys:
         sizes = [[0] if on_gpu and not straight else [values[0].nbytes] if cut is None else
                  [(b - a) * values[0].itemsize for a, b in cut]
                  for on_gpu, cut, (_, values) in zip(gpu, cuts, pairs)]
-        blocks = iter(self._blocks(sizes, gpu if straight else None) if stage
-                      else [None] * len(pairs))
+        blocks, mapped = self._blocks(sizes, gpu if straight else None) if stage else \
+            ([None] * len(pairs), ())
+        blocks = iter(blocks)
         copies, from_gpu = [], devices.PushCopies() if straight else None
         for on_gpu, cut, (_, values) in zip(gpu, cuts, pairs):
             if on_gpu and straight:
-                copies.append(from_gpu.copy(values, [next(blocks) for _ in cut or [0]], cut))
+                copies.append(from_gpu.copy(values, [next(blocks) for _ in cut or [0]], cut,
+                                            mapped))
             elif on_gpu:
                 next(blocks)
                 copies.append(devices.host_sum(values))
@@ -157,21 +159,23 @@ class StoreKeys:
             else:
                 flats = [v.reshape(-1) for v in values]   # torch or numpy: dtypes kept
                 copies.append([_summed([f[a:b] for f in flats], next(blocks)) for a, b in cut])
-        if straight:
-            from_gpu.wait()   # before the backend sends headers that point at the blocks
+        if straight:   # before the backend sends headers that point at the blocks
+            from_gpu.finish(self._backend.device_written)
         return copies
 
     def _blocks(self, sizes, gpu=None):
-        """A block of the backend's for each part's size in ``sizes`` (a list per value); where
-        ``gpu`` says a value is a GPU's, a block of its device memory, if it has some (the ipc
-        route: copied on the device), else of its shared memory."""
+        """A block of the backend's for each part's size in ``sizes`` (a list per value), and
+        the ids of those of GPU memory its servers map: where ``gpu`` says a value is a GPU's,
+        a block of that memory if it has some (the ipc route: copied on the device), else of
+        its shared memory."""
         flat = [n for each in sizes for n in each]
         if gpu is None or True not in gpu:
-            return self._backend.stage(flat)
+            return self._backend.stage(flat), ()
         on_device = self._backend.stage([n if g else 0 for g, each in zip(gpu, sizes)
                                          for n in each], device=True)
         host = self._backend.stage([0 if d is not None else n for d, n in zip(on_device, flat)])
-        return [h if d is None else d for d, h in zip(on_device, host)]
+        return [h if d is None else d for d, h in zip(on_device, host)], \
+            {id(d) for d in on_device if d is not None}
 
     def parts(self, key):
         """``[(server, part, start, stop)]`` of an initialized key, as its backend placed it."""

@@ -144,7 +144,7 @@ class Regions:
                     out.append(self.view(identity, at, P.nbytes(item.dtype, item.n))
                                .toreadonly())
                     continue
-                out.append(self.view(identity, at, P.nbytes(item.dtype, item.n)))
+                out.append(self._device_read(identity, at, P.nbytes(item.dtype, item.n)))
             except ProtocolError as exc:
                 out.append(exc)
                 continue
@@ -152,6 +152,14 @@ class Regions:
                 waited = True
                 self._devices[identity].event.wait()
         return out
+
+    def _device_read(self, identity, at, nbytes):
+        """A push's ``nbytes`` at ``at`` in ``identity``'s device segment (DeviceMapping.read)."""
+        mapping = self._devices.get(identity)
+        if mapping is None:
+            raise ProtocolError('a device segment offset from a worker whose device segment '
+                                'this server has not attached')
+        return mapping.read(at, nbytes)
 
     # -- the arena -----------------------------------------------------------------------------
     def saw(self, identity, header):

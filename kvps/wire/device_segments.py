@@ -6,10 +6,13 @@ Offsets into a device segment travel in the same item fields as those into the w
 segment (``at``), shifted by DEVICE_BASE: a host segment is at most 2**40 bytes, so an offset at
 or above 2**41 names the device segment, and a server tells the two apart by one comparison.
 Everything a peer names (handle, size, offsets, lengths) is checked before use
-(ProtocolError). Ordering: the worker records its event after the writes a message announces,
-and the server waits on it (on its own stream) before reading them.
+(ProtocolError). Ordering: the worker records its event on the stream of the writes a message
+announces, before it sends the message (it does not wait for them), and the server makes its
+stream wait on the event before it reads them; it answers only once those reads are done, and
+the worker reuses a block only once its request is answered.
 """
 
+import threading
 import weakref
 
 from ..errors import KVPSError, ProtocolError
@@ -32,6 +35,14 @@ class DeviceSegment:
             self.buffer.close()
             raise
         self.blocks = Ring(0, nbytes)
+        self._recording = threading.Lock()   # API threads record in turn (chained records)
+
+    def record(self, stream=None):
+        """The writes issued on CUDA ``stream`` (None: the default one) so far are those the
+        next messages announce: record the event behind them."""
+        with self._recording:
+            if not self.buffer.closed:
+                self.event.record(stream)
 
     def describe(self):
         """What a server needs to map it (ATTACH's ``device``)."""
@@ -84,6 +95,7 @@ class DeviceMapping:
                                 f'shares {sharing.name!r}')
         handle = check_handle(description.get('handle'))
         event = check_handle(description.get('event'), 'event')
+        self.sharing = sharing
         self.buffer = sharing.open(handle, check_size(description.get('size')))
         try:
             self.event = sharing.open_event(event)
@@ -100,6 +112,15 @@ class DeviceMapping:
             raise ProtocolError(f'device range {at!r}+{nbytes!r} is outside the worker\'s '
                                 f'device segment')
         return self.buffer.array[offset:offset + nbytes]
+
+    def read(self, at, nbytes):
+        """``view`` of a push's bytes, which the worker's event orders after its writes (the
+        stand-in checks it: ProtocolError for a block no record followed)."""
+        view = self.view(at, nbytes)
+        if not self.sharing.ordered(self.buffer, self.event, at - DEVICE_BASE):
+            raise ProtocolError(f'device range {at!r}+{nbytes!r} was not recorded by the '
+                                f'worker\'s event after it was written')
+        return view
 
     def close(self):
         """Unmap the segment and close the event. Idempotent."""

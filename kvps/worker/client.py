@@ -107,8 +107,7 @@ class DistClient:
         self.sharding.balance(total)
 
     def keep_keys_whole(self):
-        """Keys initialized from now on go to one server each (an optimizer that reads each
-        weight whole is coming)."""
+        """Keys initialized from now on go to one server each (Backend.keep_keys_whole)."""
         self.sharding.keep_whole = True
 
     def scale_rounds(self):
@@ -120,10 +119,12 @@ class DistClient:
 
     # -- data -----------------------------------------------------------------------------
     def stage(self, sizes, device=False):
-        """Blocks of this worker's shared memory for a push's copies of ``sizes`` bytes (read
-        in place; ``device``: of its device segment, the ipc route), or None (anywhere)."""
+        """Staging.stage (``device``: blocks of its device segment), or None each (anywhere)."""
         staging = self.io.staging
         return [None] * len(sizes) if staging is None else staging.stage(sizes, device)
+
+    def device_written(self, stream=None):
+        self.io.staging.device.record(stream)   # (asked only where it gave device blocks)
 
     def device_route(self, device=None):
         return device_route(self.io, self.config, device)
@@ -213,10 +214,9 @@ class DistClient:
         return lambda: self._finish_pull(*sent)
 
     def pushpull(self, pushes, pulls, priority=0, codec=None):
-        """``push(pushes)`` then ``pull(pulls)`` (the same keys, in the same order), with each
-        wave's pull requests sent right behind its pushes rather than behind all of them: a
-        server answers a key's pull as soon as its round is complete, so results flow back
-        while later keys are still being pushed (both directions of a link busy at once)."""
+        """``push(pushes)`` then ``pull(pulls)`` (the same keys, in order), each wave's pulls
+        sent right behind its pushes: a server answers a key's pull once its round completes,
+        so results flow back while later keys are pushed (both directions of a link busy)."""
         self._raise_pending_errors()
         waits = []
         for start, stop in waves(pulls, self.sharding, self.io.staging):

@@ -76,6 +76,11 @@ class DeviceStaging:
             return '; '.join(f'{node}: {why}' for node, why in sorted(self.refused.items()))
         return 'not every server has mapped this worker\'s device buffer yet'
 
+    def record(self, stream=None):
+        """The copies into blocks taken so far were issued on CUDA ``stream``: record the
+        segment's event behind them (DeviceSegment.record), for the servers to wait on."""
+        self.segment.record(stream)
+
     def take(self, nbytes):
         """``(wire offset, device block)`` of ``nbytes``, or None (no room, or the route does
         not apply)."""

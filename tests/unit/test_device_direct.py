@@ -67,6 +67,10 @@ class ShmBackend(LocalBackend):
     def stage(self, sizes, device=False):
         return self.staging.stage(sizes, device)
 
+    def device_written(self, stream=None):
+        if self.staging.device is not None:
+            self.staging.device.record(stream)
+
     def device_route(self, device=None):
         if self.staging.device is not None:
             return True, ROUTE
@@ -135,14 +139,14 @@ def test_a_push_is_copied_from_the_gpu_into_the_segment_with_no_staging_buffer(
     kv = KVStore('dist_sync_device', backend)
     kv.init(['a', 'split'], [torch.zeros(N, dtype=dtype), torch.zeros(2 * N, dtype=dtype)])
     on_gpu.clear()                                        # (init's copies: staged, as before)
-    waits, wait = [], devices.PushCopies.wait
-    devices.PushCopies.wait = lambda self: waits.append(1) or wait(self)
+    waits, finish = [], devices.PushCopies.finish
+    devices.PushCopies.finish = lambda self, recorded: waits.append(1) or finish(self, recorded)
     try:
         values = [[torch.full((N,), 1.5, dtype=dtype), torch.full((N,), 0.25, dtype=dtype)],
                   torch.arange(2 * N, dtype=dtype)]
         kv.push(['a', 'split'], values)
     finally:
-        devices.PushCopies.wait = wait
+        devices.PushCopies.finish = finish
     a, (split0, split1) = backend.held
     assert on_gpu == [] and waits == [1]                  # one wait for the whole push
     assert in_segment(backend, a) and in_segment(backend, split0) and in_segment(backend, split1)
@@ -154,6 +158,25 @@ def test_a_push_is_copied_from_the_gpu_into_the_segment_with_no_staging_buffer(
     out = [torch.zeros(N, dtype=dtype), torch.zeros(2 * N, dtype=dtype)]
     kv.pull(['a', 'split'], out=out)
     assert out[1].tolist() == values[1].tolist()
+
+
+def test_a_push_into_the_device_segment_records_its_event_and_waits_for_nothing(
+        tmp_path, locker, on_gpu, monkeypatch):
+    backend = ShmBackend(tmp_path, ipc=True)
+    kv = KVStore('dist_sync_device', backend)
+    kv.init(['a', 'split', 'host'], [torch.zeros(N), torch.zeros(2 * N), np.zeros(N)])
+    synchronized, recorded = [], []
+    monkeypatch.setattr(devices, '_synchronize', lambda d: synchronized.append(set(d)))
+    monkeypatch.setattr(backend, 'device_written', recorded.append)
+    push = backend.push
+    monkeypatch.setattr(backend, 'push', lambda *a: recorded.append('push') or push(*a))
+    kv.push(['a', 'split', 'host'], [torch.ones(N), torch.arange(2 * N) * 1.0, np.ones(N)])
+    a, (split0, split1), host = backend.held
+    assert all(in_device_segment(backend, v) for v in (a, split0, split1))
+    assert in_segment(backend, host)
+    # one record for the push (on the stand-in's no stream), before the backend has it; no
+    # copy waited for (the host value's sum is numpy's)
+    assert recorded == [None, 'push'] and synchronized == [set()]
 
 
 def test_small_values_and_values_that_find_no_room_are_staged_as_before(tmp_path, locker,

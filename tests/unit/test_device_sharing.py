@@ -60,7 +60,7 @@ def test_closing_twice_is_harmless_and_a_closed_buffer_is_gone(sharing, tmp_path
     (b'kvps-1-0123456789abcdef'.ljust(64, b'\0'), 4096, 'is gone'),
     ('another nonce', 4096, 'nonce differs'),   # the same name in another /dev/shm
     (None, 0, 'out of range'),
-    (None, 8192, 'not a segment of 12288 bytes'),
+    (None, 8192, 'not a segment of 12800 bytes'),   # (its stamps after it)
     (None, True, 'out of range'),
 ])
 def test_a_handle_or_size_a_peer_got_wrong_is_refused(sharing, handle, nbytes, why):
@@ -75,10 +75,12 @@ def test_a_handle_or_size_a_peer_got_wrong_is_refused(sharing, handle, nbytes, w
 
 def test_events_are_recorded_by_the_exporter_and_waited_on_by_the_peer(sharing):
     event = sharing.event()
-    peer = sharing.open_event(event.handle)
+    peer = HostSharing(sharing.directory).open_event(event.handle)   # (another process's)
+    assert peer.recorded() == 0
     event.record()
     peer.wait()
-    assert (event.records, peer.waits) == (1, 1)
+    assert (event.records, peer.waits, peer.recorded()) == (1, 1, 1)   # the count is shared
+    event.close()
     with pytest.raises(ProtocolError, match='not a device event handle'):
         sharing.open_event(b'\0' * HANDLE_BYTES)
     with pytest.raises(ProtocolError, match='event handle must be 64 bytes'):
@@ -121,6 +123,25 @@ def test_a_killed_exporters_buffer_goes_with_it(tmp_path):
     with pytest.raises(ProtocolError, match='is gone'):
         HostSharing(str(tmp_path)).open(handle, 4096)
     assert files(tmp_path) == []
+
+
+def test_the_stand_in_orders_a_block_only_behind_a_record_made_after_it_was_taken(sharing):
+    # (a CUDA read before the writes land: what a push header sent before its record gets)
+    mine, event = sharing.export(4096), sharing.event()
+    peer_sharing = HostSharing(sharing.directory)
+    theirs = peer_sharing.open(mine.handle, 4096)
+    peer = peer_sharing.open_event(event.handle)
+    sharing.piece(mine, 0, 1000)
+    assert not peer_sharing.ordered(theirs, peer, 0)
+    event.record()
+    sharing.piece(mine, 1024, 1000)   # taken after that record: not ordered by it
+    assert peer_sharing.ordered(theirs, peer, 0)
+    assert not peer_sharing.ordered(theirs, peer, 1024)
+    event.record()
+    assert peer_sharing.ordered(theirs, peer, 1024)
+    for closing in (theirs, peer, mine, event):
+        closing.close()
+    assert files(sharing.directory) == []
 
 
 # -- the device segment ------------------------------------------------------------------------
@@ -214,8 +235,6 @@ class FakeCupy:
                 self.ptr = 0x2000
                 calls.append(('event', fake.current))
 
-            def record(self):
-                calls.append(('record',))
 
         def open_mem(handle):
             if handle != b'm' * 64:
@@ -233,6 +252,7 @@ class FakeCupy:
             ipcGetEventHandle=lambda ptr: b'e' * 64,
             ipcOpenEventHandle=lambda handle: 0x4000,
             streamWaitEvent=lambda stream, event, flags: calls.append(('wait', stream, event)),
+            eventRecord=lambda event, stream: calls.append(('record', event, stream)),
             eventDestroy=lambda ptr: calls.append(('destroy', ptr)))
         self.cuda = SimpleNamespace(
             runtime=runtime, Memory=Memory, UnownedMemory=UnownedMemory, Device=Device,
@@ -269,12 +289,17 @@ def test_cuda_events_are_interprocess_and_waited_for_on_the_current_stream(cupy)
     sharing = sharing_for('cuda', device=1)
     event = sharing.event()
     assert event.handle == b'e' * 64 and cupy.calls == [('event', 1)]
-    event.record()
+    event.record(0x7000)   # on the stream of the copies (torch's current one)
+    event.record(0x8000)   # another stream: it waits for the record before, then records
+    event.record()         # (no stream: the legacy default one)
     peer = sharing.open_event(event.handle)
     peer.wait()
     peer.close()
     peer.close()
-    assert cupy.calls[1:] == [('record',), ('wait', 0x5000, 0x4000), ('destroy', 0x4000)]
+    assert cupy.calls[1:] == [('record', 0x2000, 0x7000),
+                              ('wait', 0x8000, 0x2000), ('record', 0x2000, 0x8000),
+                              ('wait', 0, 0x2000), ('record', 0x2000, 0),
+                              ('wait', 0x5000, 0x4000), ('destroy', 0x4000)]
 
 
 def test_cuda_ipc_without_cupy_is_a_config_error(monkeypatch):

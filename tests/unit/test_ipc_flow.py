@@ -68,10 +68,13 @@ def device_segment(tmp_path, nbytes=1 << 20):
     return DeviceSegment(HostSharing(str(tmp_path)), nbytes)
 
 
-def staged(segment, value):
-    """A block of ``segment`` holding ``value`` (float32): ``(wire offset, block)``."""
+def staged(segment, value, record=True):
+    """A block of ``segment`` holding ``value`` (float32): ``(wire offset, block)``; the
+    worker's event recorded behind the write, as a push does before its header goes."""
     at, block = segment.take(value.nbytes)
     block.view(np.float32)[...] = value
+    if record:
+        segment.record()
     return at, block
 
 
@@ -91,6 +94,21 @@ def test_a_push_in_the_device_segment_is_copied_on_the_device_behind_the_worker_
     assert server.shard.entries[('b', 0)].weight.tolist() == [3.0] * N
     assert server.log == [('hold',), ('hold',)]         # copies on the device, no host copy
     assert server.mapping(W0).event.waits == 1           # once per message, before its reads
+
+
+def test_a_push_whose_blocks_no_record_followed_fails_its_key_alone(tmp_path):
+    # (on a GPU the server would read the blocks before the worker's copies land)
+    server, segment = Server(tmp_path), device_segment(tmp_path)
+    server.attach(W0, segment)
+    server.init('a', np.zeros(N, np.float32))
+    server.init('b', np.zeros(N, np.float32))
+    at_a, _ = staged(segment, np.full(N, 2.0, np.float32))
+    at_b, _ = staged(segment, np.full(N, 3.0, np.float32), record=False)
+    items = [PushItem('a', 0, 'float32', N, at_a, 0), PushItem('b', 0, 'float32', N, at_b, 0)]
+    replies = server.handle(W0, {'op': P.PUSH, 'sync': False, 'keys': items})
+    assert replies[0].kind == ReplyKind.ACK and type(replies[1].payload) is ProtocolError
+    assert 'not recorded by the worker\'s event after it was written' in str(replies[1].payload)
+    assert server.shard.entries[('b', 0)].weight.tolist() == [0.0] * N
 
 
 def test_a_pull_into_the_device_segment_is_copied_on_the_device_and_waited_for(tmp_path):
