@@ -14,6 +14,7 @@ from kvps.errors import ConfigError, KVPSError, ProtocolError
 from kvps.optimizer.kernels import numpy_kernels
 from kvps.server.device_arrays import DeviceArrays
 from kvps.server.lending import Lending
+from kvps.server import members
 from kvps.server.records import ReplyKind
 from kvps.server.regions import Regions
 from kvps.server.requests import Requests
@@ -38,7 +39,7 @@ class Server:
     """One server's shard, lending and request handling, with GPU shards on the host (copies
     written into ``log``); its workers 0 and 1 live on hosts ``hosts``."""
 
-    def __init__(self, tmp_path, gpu=True, hosts=('a', 'a')):
+    def __init__(self, tmp_path, gpu=True, hosts=('a', 'a'), elastic=False):
         self.log = []
         self.sharing = HostSharing(str(tmp_path))
         device = DeviceArrays(np, numpy_kernels, HostTransfers(self.log), self.sharing) \
@@ -46,7 +47,7 @@ class Server:
         self.storage = Storage(HostArrays(), device)
         self.lending = Lending(Regions(directory=tmp_path), self.storage,
                                ('a', dict(enumerate(hosts))))
-        self.shard = Shard(2, storage=self.storage)
+        self.shard = Shard(len(hosts), storage=self.storage, elastic=elastic)
         self.requests = Requests(self.shard, self.lending, 'server 0')
 
     def handle(self, worker, header, frames=()):
@@ -56,8 +57,8 @@ class Server:
         (reply,) = self.handle(worker, {'op': P.ATTACH_DEVICE, **segment.describe()})
         return reply
 
-    def init(self, key, value):
-        self.shard.init('i', key, 0, 'float32', [value.size], False,
+    def init(self, key, value, sync=False):
+        self.shard.init('i', key, 0, 'float32', [value.size], sync,
                         memoryview(value).cast('B'), device=True)
 
     def mapping(self, worker):
@@ -94,6 +95,52 @@ def test_a_push_in_the_device_segment_is_copied_on_the_device_behind_the_worker_
     assert server.shard.entries[('b', 0)].weight.tolist() == [3.0] * N
     assert server.log == [('hold',), ('hold',)]         # copies on the device, no host copy
     assert server.mapping(W0).event.waits == 1           # once per message, before its reads
+
+
+def push(server, worker, segment, value, sync=True):
+    """``worker`` pushes ``value`` of key 'a' through a block of its ``segment``; the block
+    and the replies."""
+    at, block = staged(segment, value)
+    item = PushItem('a', 0, 'float32', N, at, None)
+    return block, server.handle(worker, {'op': P.PUSH, 'sync': sync, 'keys': [item]})
+
+
+def test_a_sync_round_sums_the_workers_mapped_blocks_in_place(tmp_path):
+    server = Server(tmp_path)
+    segments = [device_segment(tmp_path) for _ in range(2)]
+    for worker, segment in zip((W0, W1), segments):
+        server.attach(worker, segment)
+    server.init('a', np.zeros(N, np.float32), sync=True)
+    server.shard.set_optimizer({'name': 'sgd', 'params': {'learning_rate': 0.5}})
+    server.log.clear()
+    entry = server.shard.entries[('a', 0)]
+    first, replies = push(server, W0, segments[0], np.full(N, 1.25, np.float32))
+    # kept by reference, read-only: the round's sum so far is the worker's block itself
+    assert replies == [] and np.shares_memory(entry.summed, server.mapping(W0).buffer.array)
+    assert not entry.summed.flags.writeable
+    second, replies = push(server, W1, segments[1], np.full(N, 2.5, np.float32))
+    assert [r.kind for r in replies] == [ReplyKind.ACK] * 2   # both answered at the round's end
+    assert entry.weight.tolist() == [-0.5 * 3.75] * N
+    assert first.view(np.float32).tolist() == [1.25] * N      # the workers' blocks unchanged
+    assert second.view(np.float32).tolist() == [2.5] * N
+    # nothing copied to the device, every read waited for before the answers
+    assert server.log == [('hold',), ('hold',)]
+
+
+def test_a_worker_lost_mid_round_leaves_the_others_kept_blocks_to_sum(tmp_path):
+    server = Server(tmp_path, hosts=('a', 'a', 'a'), elastic=True)
+    W2 = worker_identity(2)
+    segments = [device_segment(tmp_path) for _ in range(3)]
+    for worker, segment in zip((W0, W1, W2), segments):
+        server.attach(worker, segment)
+    server.init('a', np.zeros(N, np.float32), sync=True)
+    push(server, W0, segments[0], np.full(N, 1.0, np.float32))
+    push(server, W1, segments[1], np.full(N, 4.0, np.float32))
+    server.lending.forget(W1)   # (as the loop does first: its segment is unmapped)
+    assert members.change(server.shard, [W1], []) == ([], {W1: 1})
+    _, replies = push(server, W2, segments[2], np.full(N, 0.5, np.float32))
+    assert {r.kind for r in replies} == {ReplyKind.ACK}
+    assert server.shard.entries[('a', 0)].weight.tolist() == [1.5] * N   # W0's and W2's
 
 
 def test_a_push_whose_blocks_no_record_followed_fails_its_key_alone(tmp_path):
