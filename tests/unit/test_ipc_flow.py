@@ -12,9 +12,9 @@ from test_device_arrays import HostTransfers
 
 from kvps.errors import ConfigError, KVPSError, ProtocolError
 from kvps.optimizer.kernels import numpy_kernels
+from kvps.server import members
 from kvps.server.device_arrays import DeviceArrays
 from kvps.server.lending import Lending
-from kvps.server import members
 from kvps.server.records import ReplyKind
 from kvps.server.regions import Regions
 from kvps.server.requests import Requests
