@@ -76,11 +76,9 @@ class Regions:
 
     def attach_device(self, identity, header, sharing):
         """Map the device segment of ATTACH_DEVICE ``header`` for ``identity`` with
-        ``sharing`` (this server's GPU shards' kvps.wire.device_sharing; None: it has none),
-        replacing an older one. ConfigError or ProtocolError when it cannot."""
+        ``sharing`` (this server's GPU shards' kvps.wire.device_sharing: the caller checked
+        that it has some), replacing an older one. ProtocolError when it cannot."""
         self._drop_device(identity)
-        if sharing is None:
-            raise ConfigError('this server keeps no GPU shards that could map a device segment')
         self._devices[identity] = DeviceMapping(sharing, header)
 
     def _drop_device(self, identity):

@@ -36,13 +36,11 @@ class DeviceStaging:
         self.used = False             # whether a block was ever taken (requests may name it)
 
     @classmethod
-    def create(cls, setting, nbytes, servers, device=None):
-        """A DeviceStaging for KVPS_IPC ``setting`` ('auto' and 'cuda': CUDA IPC, its segment
-        on CUDA ``device``), or None where the route is off or the segment cannot be made
-        (logged)."""
+    def create(cls, sharing, nbytes, servers):
+        """A DeviceStaging whose segment of ``nbytes`` is made with ``sharing``, or None where
+        it cannot be (logged)."""
         try:
-            sharing = sharing_for('cuda' if setting == 'auto' else setting, device)
-            return None if sharing is None else cls(DeviceSegment(sharing, nbytes), servers)
+            return cls(DeviceSegment(sharing, nbytes), servers)
         except KVPSError as exc:
             log.info('no CUDA IPC for GPU values (%s); they take shared memory', exc)
             return None
@@ -130,29 +128,51 @@ def device_route(io, config, device=None):
 
 
 def share(io, config, device=None):
-    """Make the device segment (on CUDA ``device``) and ask every server to map it; keep it if
-    some did (the route applies once all have: a restarted server maps it again), else free
-    it."""
+    """Ask every server whether it would map a device segment of this worker's; only if all
+    would, make it (on CUDA ``device``: KVPS_IPC_BYTES of GPU memory) and ask them to map it;
+    keep it if some did (the route applies once all have: a restarted server maps it again),
+    else free it."""
     servers = [server_name(rank) for rank in range(io.welcome['num_servers'])]
     local = io.staging.attached
     if not all(node in local for node in servers):
         log.info('no CUDA IPC for GPU values: some servers are on other hosts; they take '
                  'shared memory and the socket')
         return
-    shared = DeviceStaging.create(config.ipc, config.ipc_bytes, servers, device)
+    try:
+        sharing = sharing_for('cuda' if config.ipc == 'auto' else config.ipc, device)
+    except KVPSError as exc:
+        log.info('no CUDA IPC for GPU values (%s); they take shared memory', exc)
+        return
+    refused = {}   # node -> why it would not map it
+
+    def told(node, error=None):
+        if error is not None:
+            refused[node] = error
+    ask_all(io, config, servers, lambda node: {'op': P.ASK_DEVICE, 'kind': sharing.name}, told)
+    if refused:   # (host shards, another kind of memory): no GPU memory is taken for it
+        log.info('no CUDA IPC for GPU values (%s); they take shared memory',
+                 '; '.join(f'{node}: {why}' for node, why in sorted(refused.items())))
+        return
+    shared = DeviceStaging.create(sharing, config.ipc_bytes, servers)
     if shared is None:
         return
     io.staging.device = shared
+    ask_all(io, config, servers, lambda node: shared.attach_header(), shared.answered)
+    if not shared.attached:
+        io.staging.device = None
+        shared.close()
+
+
+def ask_all(io, config, servers, header_for, answered):
+    """Send ``header_for(node)`` to every one of ``servers`` and wait for their answers
+    (within KVPS_TIMEOUT), each told to ``answered(node, error=None)``."""
     ops = []
     for node in servers:
-        op = Attaching(f'attach the device buffer to {node}', shared.answered, node)
-        io.submit(node, shared.attach_header(), (), Request(op, node))
+        op = Attaching(f'{header_for(node)["op"]} to {node}', answered, node)
+        io.submit(node, header_for(node), (), Request(op, node))
         ops.append(op)
     for op in ops:
         try:
             op.wait(config.timeout)
-        except KVPSError:   # (logged by answered; the route then does not apply)
+        except KVPSError:   # (told to ``answered``: the route then does not apply)
             pass
-    if not shared.attached:
-        io.staging.device = None
-        shared.close()

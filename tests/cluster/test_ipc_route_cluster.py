@@ -41,6 +41,41 @@ def test_the_ipc_route_gives_what_shared_memory_gives(job, store):
         assert not left_by(report['pid'])
 
 
+# Host shards (KVPS_SERVER_DEVICE=cpu): the servers say they would not map a device segment,
+# so the workers never make one (no export of the stand-in's device memory), and their GPU
+# values take page-locked shared memory, as the INFO lines say.
+COUNT_EXPORTS = """
+from kvps.wire.device_sharing import HostSharing
+EXPORTS, export = [], HostSharing.export
+HostSharing.export = lambda self, nbytes: EXPORTS.append(nbytes) or export(self, nbytes)
+"""
+ON_HOST_SHARDS = """
+kv = kvps.create('dist_sync_device')
+kv.init(0, ON_GPU(torch.zeros(5000)))
+for step in range(3):
+    kv.push(0, ON_GPU(torch.full((5000,), float(kv.rank + 1))))
+    out = ON_GPU(torch.zeros(5000))
+    kv.pull(0, out=out)
+stats = kv.stats()
+report(value=out[0].item(), exports=len(EXPORTS), ipc=stats['pushed_bytes']['ipc'],
+       shm=stats['pushed_bytes']['shm'])
+kv.close()
+"""
+
+
+def test_a_job_on_host_shards_makes_no_device_segment(job):
+    result = job(EMULATED + COUNT_EXPORTS + ON_HOST_SHARDS, 2, 2,
+                 env={**IPC, 'KVPS_SERVER_DEVICE': 'cpu'})
+    assert result.returncode == 0, result.output[-4000:]
+    for report in result.results().values():
+        assert report == {'value': 3.0, 'exports': 0, 'ipc': 0, 'shm': report['shm']}
+        assert report['shm'] > 0
+    assert result.output.count('no CUDA IPC for GPU values (server 0: this server keeps no '
+                               'GPU shards that could map a device segment (on server 0); '
+                               'server 1: ') == 2
+    assert result.output.count('device values: GPU <-> page-locked shared memory') == 2
+
+
 # A worker dies by SIGKILL mid-round (key 0 pushed, key 1 not) on the ipc route: the other
 # worker's next call raises PeerLostError naming it, as on every route.
 KILLED = '''

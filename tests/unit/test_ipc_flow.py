@@ -4,6 +4,7 @@ and pulls written in it by copies on the device, every offset checked, handles o
 from workers on the server's host, the segment unmapped when its worker leaves or the server
 ends, and requests to a server that has not mapped it sent as frames."""
 
+import logging
 from types import SimpleNamespace
 
 import numpy as np
@@ -187,6 +188,24 @@ def test_a_server_without_gpu_shards_does_not_map_a_device_segment(tmp_path):
     assert 'keeps no GPU shards' in str(reply.payload)
 
 
+@pytest.mark.parametrize('gpu, hosts, kind, why', [
+    (True, ('a', 'a'), 'host', None),
+    (True, ('a', 'b'), 'host', 'worker-1 is on b, not on this server\'s host a'),
+    (False, ('a', 'a'), 'host', 'keeps no GPU shards that could map a device segment'),
+    (True, ('a', 'a'), 'cuda', 'GPU shards share \'host\' memory, not \'cuda\''),
+])
+def test_a_server_says_whether_it_would_map_a_device_segment_before_one_is_made(
+        tmp_path, gpu, hosts, kind, why):
+    server = Server(tmp_path, gpu=gpu, hosts=hosts)
+    (reply,) = server.handle(W1, {'op': P.ASK_DEVICE, 'kind': kind})
+    if why is None:
+        assert reply.kind == ReplyKind.ACK
+    else:
+        assert reply.kind == ReplyKind.ERROR and type(reply.payload) is ConfigError
+        assert why in str(reply.payload)
+    assert server.sharing.open_buffers == 0   # nothing mapped, nothing made
+
+
 def test_device_offsets_outside_the_segment_fail_their_key_alone(tmp_path):
     server, segment = Server(tmp_path), device_segment(tmp_path, 1 << 16)
     server.init('a', np.zeros(N, np.float32))
@@ -287,21 +306,57 @@ class FakeIO:
 
 
 @pytest.mark.parametrize('refuse', [(), ('server 1',), tuple(NODES)])
-def test_the_first_gpu_values_set_the_route_up_once(tmp_path, refuse):
+def test_the_first_gpu_values_set_the_route_up_once(tmp_path, refuse, monkeypatch, caplog):
     staging = Staging(Segment.create(1 << 22, directory=tmp_path, grows=True))
     for node in NODES:
         staging.attach_header(node)
         staging.answered(node)
     io = FakeIO(staging, refuse)
+    exports, export = [], HostSharing.export
+    monkeypatch.setattr(HostSharing, 'export', lambda self, n: exports.append(n) or
+                        export(self, n))
     config = SimpleNamespace(ipc='host', ipc_bytes=1 << 16, timeout=5.0)
-    _, how = device_staging.device_route(io, config)
-    assert io.sent == [('server 0', P.ATTACH_DEVICE), ('server 1', P.ATTACH_DEVICE)]
+    with caplog.at_level(logging.INFO, logger='kvps.worker'):
+        _, how = device_staging.device_route(io, config)
+    asked = [('server 0', P.ASK_DEVICE), ('server 1', P.ASK_DEVICE)]
+    attached = [('server 0', P.ATTACH_DEVICE), ('server 1', P.ATTACH_DEVICE)]
+    # asked first: the segment (its device memory) is made only when every server would map it
+    assert io.sent == asked + (attached if not refuse else [])
+    assert exports == ([1 << 16] if not refuse else [])
     assert how.startswith('CUDA IPC') == (not refuse)
-    # kept while some server maps it (a restarted one may map it again); else freed at once
-    assert (staging.device is not None) == (len(refuse) < 2)
+    assert (staging.device is not None) == (not refuse)
+    if refuse:
+        assert f'no CUDA IPC for GPU values ({refuse[0]}: no GPU shards here' in caplog.text
     device_staging.device_route(io, config)
-    assert len(io.sent) == 2   # asked once
+    assert len(io.sent) == len(asked + (attached if not refuse else []))   # asked once
     staging.close()
+
+
+def test_a_segment_no_server_maps_after_all_is_freed(tmp_path):
+    # (every server said it would, and then could not open it: no peer access, say)
+    staging = Staging(Segment.create(1 << 22, directory=tmp_path, grows=True))
+    for node in NODES:
+        staging.attach_header(node)
+        staging.answered(node)
+    io = FakeIO(staging)
+    submit = io.submit
+
+    def failing_attach(node, header, buffers, request):
+        if header['op'] == P.ATTACH_DEVICE:
+            io.refuse = NODES
+        submit(node, header, buffers, request)
+    io.submit = failing_attach
+    _, how = device_staging.device_route(io, SimpleNamespace(ipc='host', ipc_bytes=1 << 16,
+                                                             timeout=5.0))
+    assert not how.startswith('CUDA IPC') and staging.device is None
+    staging.close()
+
+
+def test_ask_device_is_checked_on_the_wire():
+    header = {'op': P.ASK_DEVICE, 'id': 1, 'kind': 'cuda'}
+    assert P.decode(P.encode(header))[0] == header
+    with pytest.raises(ProtocolError, match="field 'kind' missing"):
+        P.decode(P.encode({'op': P.ASK_DEVICE, 'id': 1}))
 
 
 def test_attach_device_is_checked_on_the_wire():
