@@ -45,9 +45,9 @@ def test_the_ipc_route_gives_what_shared_memory_gives(job, store):
 # so the workers never make one (no export of the stand-in's device memory), and their GPU
 # values take page-locked shared memory, as the INFO lines say.
 COUNT_EXPORTS = """
-from kvps.wire.device_sharing import HostSharing
-EXPORTS, export = [], HostSharing.export
-HostSharing.export = lambda self, nbytes: EXPORTS.append(nbytes) or export(self, nbytes)
+from kvps.wire.device_sharing import Sharing
+EXPORTS, export = [], Sharing.export
+Sharing.export = lambda self, nbytes: EXPORTS.append(nbytes) or export(self, nbytes)
 """
 ON_HOST_SHARDS = """
 kv = kvps.create('dist_sync_device')
@@ -63,9 +63,10 @@ kv.close()
 """
 
 
-def test_a_job_on_host_shards_makes_no_device_segment(job):
-    result = job(EMULATED + COUNT_EXPORTS + ON_HOST_SHARDS, 2, 2,
-                 env={**IPC, 'KVPS_SERVER_DEVICE': 'cpu'})
+def on_host_shards_makes_no_device_segment(job, prelude, env):
+    """ON_HOST_SHARDS with ``prelude`` (ON_GPU) and settings ``env``, checked."""
+    result = job(prelude + COUNT_EXPORTS + ON_HOST_SHARDS, 2, 2,
+                 env={**env, 'KVPS_SERVER_DEVICE': 'cpu', 'KVPS_LOG_LEVEL': 'INFO'})
     assert result.returncode == 0, result.output[-4000:]
     for report in result.results().values():
         assert report == {'value': 3.0, 'exports': 0, 'ipc': 0, 'shm': report['shm']}
@@ -74,6 +75,10 @@ def test_a_job_on_host_shards_makes_no_device_segment(job):
                                'GPU shards that could map a device segment (on server 0); '
                                'server 1: ') == 2
     assert result.output.count('device values: GPU <-> page-locked shared memory') == 2
+
+
+def test_a_job_on_host_shards_makes_no_device_segment(job):
+    on_host_shards_makes_no_device_segment(job, EMULATED, IPC)
 
 
 # A worker dies by SIGKILL mid-round (key 0 pushed, key 1 not) on the ipc route: the other
