@@ -71,8 +71,10 @@ class DeviceSegment:
             self.buffer.nbytes else None
 
     def host_copy(self, at, nbytes):
-        """A host copy of the worker's own ``nbytes`` at wire offset ``at``."""
+        """A host copy of the worker's own ``nbytes`` at wire offset ``at``, once the writes
+        recorded so far have landed (they are on the streams of their writers)."""
         offset = at - DEVICE_BASE
+        self.event.synchronize()
         return self.sharing.to_host(self.buffer.array[offset:offset + nbytes])
 
     def close(self):

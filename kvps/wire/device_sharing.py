@@ -71,11 +71,13 @@ class Event:
     """An interprocess event: the exporter ``record``s it on the stream of its writes, a peer
     that opened its ``handle`` ``wait``s on it before its reads (on its own stream: no
     host-side wait). ``recorded()``: the records made so far as this process sees them (the
-    stand-in's; None where that cannot be known). ``close``: idempotent."""
+    stand-in's; None where that cannot be known); ``synchronize()``: the exporter waits on
+    the host for the latest record. ``close``: idempotent."""
 
-    def __init__(self, handle, record, wait, release, recorded=lambda: None):
+    def __init__(self, handle, record, wait, release, recorded=lambda: None,
+                 synchronize=lambda: None):
         self.handle, self._record, self._wait, self._release = handle, record, wait, release
-        self.recorded = recorded
+        self.recorded, self.synchronize = recorded, synchronize
         self.records = self.waits = 0
 
     def record(self, stream=None):
@@ -327,7 +329,8 @@ class CudaSharing(Sharing):
                 runtime.streamWaitEvent(stream, event.ptr, 0)
             runtime.eventRecord(event.ptr, stream)
             recorded[0] = True
-        return Event(handle, record, _nothing, _nothing)
+        return Event(handle, record, _nothing, _nothing,
+                     synchronize=lambda: runtime.eventSynchronize(event.ptr))
 
     def _open_event(self, handle):
         try:

@@ -253,6 +253,7 @@ class FakeCupy:
             ipcOpenEventHandle=lambda handle: 0x4000,
             streamWaitEvent=lambda stream, event, flags: calls.append(('wait', stream, event)),
             eventRecord=lambda event, stream: calls.append(('record', event, stream)),
+            eventSynchronize=lambda event: calls.append(('synchronize', event)),
             eventDestroy=lambda ptr: calls.append(('destroy', ptr)))
         self.cuda = SimpleNamespace(
             runtime=runtime, Memory=Memory, UnownedMemory=UnownedMemory, Device=Device,
@@ -306,6 +307,21 @@ def test_cuda_ipc_without_cupy_is_a_config_error(monkeypatch):
     monkeypatch.setitem(sys.modules, 'cupy', None)
     with pytest.raises(ConfigError, match='CUDA IPC needs cupy'):
         sharing_for('cuda')
+
+
+def test_a_host_copy_of_a_block_waits_for_the_writes_recorded_so_far(cupy):
+    # (a push sent again to a restarted server as a frame: its copy into the block may still
+    # be running on the writer's stream)
+    segment = DeviceSegment(sharing_for('cuda'), 4096)
+    at, _ = segment.take(64)
+    segment.record(0x7000)
+    copies = []
+    cupy.asnumpy = lambda array: copies.append(cupy.calls[-1]) or len(array)
+    segment.buffer.array = list(range(4096))   # (slices of the fake's arrays: lists)
+    assert segment.host_copy(at + 64, 32) == 32 and copies == [('synchronize', 0x2000)]
+    assert cupy.calls[-2:] == [('record', 0x2000, 0x7000), ('synchronize', 0x2000)]
+    segment.buffer.array = None   # (closed: nothing to free in the fake)
+    segment.close()
 
 
 def test_a_gpu_s_device_segment_finds_no_host_array_in_it(cupy):
