@@ -120,6 +120,12 @@ class PushCopies:
             out.append(_into_block(flat, block))
         return out[0] if cuts is None else out
 
+    def held(self, flat, cuts=None):
+        """What a push sends of a value lying in GPU memory the servers map (``flat``, its
+        wire view): itself, or its parts at ``cuts``; its writes are recorded as copies are."""
+        self._streams.add(_stream_of(flat))
+        return flat if cuts is None else [flat[a:b] for a, b in cuts]
+
     def finish(self, recorded):
         """Wait for the copies into host memory (their streams synchronised); for those into
         mapped GPU memory, call ``recorded(stream)`` per stream they were issued on (the

@@ -134,6 +134,9 @@ class LocalBackend:
     def device_written(self, stream=None):
         """No device blocks are ever given here."""
 
+    def device_buffer(self, nbytes):
+        return None
+
     def device_route(self, device=None):
         return False, 'pinned host buffers <-> this process\'s own store'
 

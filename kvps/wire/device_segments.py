@@ -17,7 +17,7 @@ import weakref
 
 from ..errors import KVPSError, ProtocolError
 from .device_sharing import check_handle, check_size
-from .shm import MAX_SEGMENT_BYTES, Ring
+from .shm import MAX_SEGMENT_BYTES, Ring, aligned
 
 DEVICE_BASE = 2 * MAX_SEGMENT_BYTES
 
@@ -36,6 +36,7 @@ class DeviceSegment:
             raise
         self.blocks = Ring(0, nbytes)
         self._recording = threading.Lock()   # API threads record in turn (chained records)
+        self._cutting = threading.Lock()     # a held block is cut where no block is out
 
     def record(self, stream=None):
         """The writes issued on CUDA ``stream`` (None: the default one) so far are those the
@@ -52,14 +53,25 @@ class DeviceSegment:
     def take(self, nbytes):
         """``(wire offset, uint8 device array of nbytes)``, or None when there is no room. The
         block is reused once it and every view of it are gone."""
-        if self.buffer.closed:
-            return None
-        offset = self.blocks.alloc(nbytes)
+        with self._cutting:
+            blocks = self.blocks
+            offset = None if self.buffer.closed else blocks.alloc(nbytes)
         if offset is None:
             return None
         block, anchor = self.sharing.piece(self.buffer, offset, nbytes)
-        weakref.finalize(anchor, self.blocks.free, offset)
+        weakref.finalize(anchor, blocks.free, offset)
         return DEVICE_BASE + offset, block
+
+    def hold(self, nbytes):
+        """``(wire offset, uint8 device array of nbytes)`` kept as long as the segment lives
+        (a buffer its owner writes pushes into, and sends from where they lie), or None: no
+        room, or blocks are out (held ones are cut before any other is taken)."""
+        with self._cutting:
+            offset, end = self.blocks.start, self.blocks.start + aligned(nbytes)
+            if self.buffer.closed or len(self.blocks) or end >= self.blocks.stop:
+                return None
+            self.blocks = Ring(end, self.blocks.stop)   # (the others go round it)
+        return DEVICE_BASE + offset, self.sharing.piece(self.buffer, offset, nbytes)[0]
 
     def offset_of(self, array):
         """The wire offset of ``array`` if its bytes lie in this segment, else None (also for

@@ -126,6 +126,10 @@ class DistClient:
     def device_written(self, stream=None):
         self.io.staging.device.record(stream)   # (asked only where it gave device blocks)
 
+    def device_buffer(self, nbytes):
+        device = self.io.staging.device   # (asked only where device_route is direct)
+        return None if device is None else device.hold(nbytes)
+
     def device_route(self, device=None):
         return device_route(self.io, self.config, device)
 
@@ -186,10 +190,9 @@ class DistClient:
                 self._submit(server, header, frames, Request(op, node, keep=keep))
 
     def _count_pushes(self, items):
-        """The step a sync push carries (None in async): servers each hold some of the keys,
-        and without it a server whose keys are pushed less often than others would count
-        fewer updates, and run an lr schedule behind the rest (split keys would even get
-        two learning rates)."""
+        """The step a sync push carries (None in async): without it a server whose keys are
+        pushed less often than others' would count fewer updates, and run its lr schedule
+        behind the rest (split keys would even get two learning rates)."""
         if not self.sync:
             return None
         pushes = self._pushes
@@ -266,10 +269,8 @@ class DistClient:
         self._raise_pending_errors()
 
     def pull_rows(self, items, priority=0):
-        """Fill some rows of each ``(key, table, ids, marks)``: ``table`` a writable 2-D
-        (rows x width) numpy view of the key, ``ids`` sorted unique row ids, or None for the
-        rows changed since ``marks`` (a dict, part -> [epoch, count], updated from the
-        answers; empty: every row). Answered after this worker's pushes, as a pull is."""
+        """Backend.pull_rows_begin's requests, waited for (``marks``: part -> [epoch, count],
+        updated from the answers; empty: every row)."""
         self.pull_rows_begin(items, priority)()
 
     def pull_rows_begin(self, items, priority=0):
@@ -297,10 +298,9 @@ class DistClient:
         return self._waiter(ops)
 
     def pull_live_begin(self, items, priority=0):
-        """Send, for each ``(key, width, storage dtype, sink)``, a request for the rows of its
-        value that a push of rows made (servers without an optimizer: the round's summed
-        rows; every row where the value is dense); the answers append ``(ids, rows)`` per
-        part to ``sink`` (a list) in part order. Returns the wait for them."""
+        """Backend.pull_live_begin: per ``(key, width, storage dtype, sink)``, the rows of
+        its value a push of rows made (every row where it is dense) appended to ``sink``
+        as ``(ids, rows)`` per part, in part order. Returns the wait for them."""
         self._raise_pending_errors()
         ops = []
         for key, width, dtype, sink in items:

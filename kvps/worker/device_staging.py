@@ -87,14 +87,25 @@ class DeviceStaging:
         self.used = True
         return self.segment.take(nbytes)
 
+    def hold(self, nbytes):
+        """A block of ``nbytes`` kept for the job (DeviceSegment.hold), or None (no room, or
+        the route does not apply)."""
+        if self.attached != self.servers:
+            return None
+        self.used = True
+        taken = self.segment.hold(nbytes)
+        return None if taken is None else taken[1]
+
     def readable_by(self, node):
         """Whether ``node`` can read every request of this worker's as it is: it has mapped
         the segment, or no request ever named it."""
         return not self.used or node in self.attached
 
     def offset_in(self, node, array):
-        """Where device ``array`` (part of a block) lies for ``node``, or None."""
-        return self.segment.offset_of(array) if node in self.attached else None
+        """Where device ``array`` (part of a block) lies, or None. Also for a ``node`` that
+        has not mapped the segment (a restarted server, before it has): a request is made
+        readable for it as it is sent (kvps.worker.staging.Staging.readable)."""
+        return self.segment.offset_of(array)
 
     def host_copy(self, at, nbytes):
         """A host copy of the ``nbytes`` at wire offset ``at`` (for a server that has not

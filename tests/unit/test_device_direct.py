@@ -71,6 +71,9 @@ class ShmBackend(LocalBackend):
         if self.staging.device is not None:
             self.staging.device.record(stream)
 
+    def device_buffer(self, nbytes):
+        return None if self.staging.device is None else self.staging.device.hold(nbytes)
+
     def device_route(self, device=None):
         if self.staging.device is not None:
             return True, ROUTE
@@ -274,7 +277,8 @@ def test_a_landing_s_writes_are_made_and_waited_for_within_each_answer(tmp_path,
 @pytest.mark.parametrize('ipc', [False, True])
 def test_the_trainer_through_page_locked_memory_matches_the_host_path(tmp_path, locker,
                                                                       on_gpu, monkeypatch, ipc):
-    """(``ipc``: through the worker's device segment, the host stand-in of CUDA IPC.)"""
+    """(``ipc``: through the worker's device segment, the host stand-in of CUDA IPC, where
+    the fused key of w and b gathers its gradients, pushed from there.)"""
     def train(backend):
         gen = torch.Generator().manual_seed(0)
         w = torch.nn.Parameter(torch.randn(40, 70, generator=gen))
@@ -285,16 +289,28 @@ def test_the_trainer_through_page_locked_memory_matches_the_host_path(tmp_path, 
             trainer.zero_grad()
             ((w * torch.randn(40, 70, generator=gen)).sum() + b.sum()).backward()
             trainer.step(4)
-        return w.detach().clone(), b.detach().clone()
+        return trainer, (w.detach().clone(), b.detach().clone())
     monkeypatch.setattr(devices, 'on_gpu', lambda v: False)
-    want = train(LocalBackend())
+    _, want = train(LocalBackend())
     monkeypatch.setattr(devices, 'on_gpu', kvps.arrays.is_torch)
+    copies, into_block = [], devices._into_block
+    monkeypatch.setattr(devices, '_into_block', lambda *a: copies.append(1) or into_block(*a))
     backend = ShmBackend(tmp_path, ipc=ipc)
-    got = train(backend)
+    recorded, written = [], backend.device_written
+    backend.device_written = lambda stream=None: recorded.append(stream) or written(stream)
+    trainer, got = train(backend)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     where = in_device_segment if ipc else in_segment
     assert backend.messages > 0 and any(where(backend, h) for h in backend.held)
     assert (backend.counts.pulled_ipc > 0) == ipc and (backend.counts.pulled_shm > 0) != ipc
+    (fused,) = trainer._layout.fused
+    bucket = fused.grad.numpy()
+    if ipc:   # every push handed over the bucket itself, recorded, never copied
+        assert in_device_segment(backend, bucket)
+        assert len(backend.held) == len(recorded) == 3 and copies == []
+        assert all(np.shares_memory(h, bucket) for h in backend.held)
+    else:
+        assert len(copies) == 3 and recorded == []
 
 
 def test_the_route_is_logged_once_at_info(tmp_path, locker, on_gpu, caplog):

@@ -171,6 +171,24 @@ def test_a_device_block_returns_once_its_array_is_gone(sharing):
     assert segment.take(64) is None   # closed: nothing more is handed out
 
 
+def test_a_held_device_block_is_cut_before_any_other_and_never_returns(sharing):
+    segment = DeviceSegment(sharing, 1 << 16)
+    at, held = segment.hold(1000)
+    assert at == DEVICE_BASE and segment.offset_of(held) == at and len(held) == 1000
+    taken = segment.take(1 << 14)
+    assert taken[0] == at + 1024 and segment.hold(64) is None   # blocks out: none cut
+    del taken
+    gc.collect()
+    taken = segment.take((1 << 16) - 1024)                     # the ring goes round it
+    assert taken[0] == at + 1024
+    del taken
+    gc.collect()
+    assert segment.hold(1 << 16) is None                         # no room
+    assert segment.hold(1024)[0] == at + 1024                    # the next one after it
+    segment.close()
+    assert segment.hold(64) is None
+
+
 @pytest.mark.parametrize('at, nbytes', [(0, 4), (DEVICE_BASE - 1, 4), (DEVICE_BASE, 4097),
                                         (DEVICE_BASE + 4096, 1), (DEVICE_BASE, -1),
                                         (DEVICE_BASE, 1.5)])
