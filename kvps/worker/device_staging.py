@@ -3,10 +3,12 @@ mapped it, blocks of it for the GPU values of pushes and pulls, and the setup th
 
 The route applies once every server of the job has mapped the segment (each on this host, with
 GPU shards on a device that reaches the worker's): a push of GPU values is then copied on the
-device into blocks of it and a pull lands from them, and only headers travel. Until then, and
-for good where a server refuses (another host, host shards, no peer access), GPU values take
-shared memory or the socket as before. The I/O thread changes who has mapped it; API threads
-only read that (a frozenset replaced whole) and take blocks.
+device into blocks of it (or gathered in blocks held for the job: the Trainer's fused keys) and
+a pull lands from them, and only headers travel. Until then, and for good where a server
+refuses (another host, host shards, no peer access), GPU values take shared memory or the
+socket as before; the segment is made only once every server has said it would map it. The
+I/O thread changes who has mapped it; API threads only read that (a frozenset replaced whole)
+and take blocks.
 """
 
 import logging
@@ -119,9 +121,8 @@ class DeviceStaging:
 def device_route(io, config, device=None):
     """kvps.kvstore.backend.Backend.device_route of a worker (``io``: its WorkerIO): the ipc
     route where it applies, else its shared memory's route. The first call sets the ipc route
-    up (unless KVPS_IPC=off): the device segment is made and every server asked to map it,
-    and the answers are waited for (within KVPS_TIMEOUT), so that the route it names is the
-    one GPU values take from then on."""
+    up (unless KVPS_IPC=off, see ``share``), its answers waited for (within KVPS_TIMEOUT), so
+    that the route it names is the one GPU values take from then on."""
     staging = io.staging
     if staging is None:
         return False, ('pinned host buffers <-> the socket (no shared memory with a server: '
@@ -179,8 +180,9 @@ def ask_all(io, config, servers, header_for, answered):
     (within KVPS_TIMEOUT), each told to ``answered(node, error=None)``."""
     ops = []
     for node in servers:
-        op = Attaching(f'{header_for(node)["op"]} to {node}', answered, node)
-        io.submit(node, header_for(node), (), Request(op, node))
+        header = header_for(node)
+        op = Attaching(f'{header["op"]} to {node}', answered, node)
+        io.submit(node, header, (), Request(op, node))
         ops.append(op)
     for op in ops:
         try:
