@@ -122,8 +122,9 @@ VARS = (
         '[shared-memory.md](shared-memory.md#cuda-ipc)).'),
     Var('ipc_bytes', ('KVPS_IPC_BYTES',), parse.positive_int, 256 << 20,
         'Size of each GPU worker\'s device buffer for the CUDA IPC route (made at its first '
-        'GPU push or pull where the route applies); what finds no room in it takes shared '
-        'memory.'),
+        'GPU push or pull, and only once every server has said it would map it: host shards '
+        'and servers on other hosts cost no GPU memory); what finds no room in it takes '
+        'shared memory.'),
     Var('malloc_trim_bytes', ('KVPS_MALLOC_TRIM_BYTES',), parse.nonneg_int, 1 << 30,
         'Servers and the workers of a distributed store ask glibc to keep up to this many '
         'freed bytes per heap (and to serve chunks up to 32 MiB from its heaps) instead of '

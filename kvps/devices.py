@@ -95,27 +95,53 @@ def _staged(flat):
 
 
 class PushCopies:
-    """The host copies of one push's GPU values, made straight into the blocks of page-locked
-    shared memory the backend gave (one DMA per block, on the caller's stream, behind the
-    kernels that made the values); ``wait`` before the push is handed to the backend."""
+    """The copies of one push's GPU values into the blocks the backend gave: page-locked
+    shared memory (one DMA per block, on the caller's stream, behind the kernels that made
+    the values), or GPU memory its servers map (the ipc route: a copy on the device).
+    ``finish`` before the push is handed to the backend."""
 
     def __init__(self):
-        self._devices = set()
+        self._devices = set()   # devices whose copies into host memory are waited for
+        self._streams = set()   # streams of the copies into mapped GPU memory
 
-    def copy(self, values, blocks, cuts=None):
-        """The flat sum of ``values`` in host memory (a list of one copy per part for a key in
-        parts, ``cuts``: their ``(start, stop)``), each in its block (a uint8 array of its
-        bytes) or, where it has none or the block cannot be page-locked, in a fresh pinned
-        buffer."""
+    def copy(self, values, blocks, cuts=None, mapped=()):
+        """The flat sum of ``values`` (a list of one copy per part for a key in parts,
+        ``cuts``: their ``(start, stop)``), each in its block (a uint8 array of its bytes)
+        or, where it has none or the block cannot be page-locked, in a fresh pinned buffer.
+        ``mapped``: the ids of the blocks of GPU memory the servers map (the ipc route)."""
         total = _device_sum(values)
-        self._devices.add(total.device)
-        if cuts is None:
-            return _into_block(total, blocks[0])
-        return [_into_block(total[a:b], block) for (a, b), block in zip(cuts, blocks)]
+        flats = [total] if cuts is None else [total[a:b] for a, b in cuts]
+        out = []
+        for flat, block in zip(flats, blocks):
+            if id(block) in mapped:
+                self._streams.add(_stream_of(block))
+            else:
+                self._devices.add(total.device)
+            out.append(_into_block(flat, block))
+        return out[0] if cuts is None else out
 
-    def wait(self):
-        """Wait for every copy (their streams synchronised): the blocks hold the values."""
+    def held(self, flat, cuts=None):
+        """What a push sends of a value lying in GPU memory the servers map (``flat``, its
+        wire view): itself, or its parts at ``cuts``; its writes are recorded as copies are."""
+        self._streams.add(_stream_of(flat))
+        return flat if cuts is None else [flat[a:b] for a, b in cuts]
+
+    def finish(self, recorded):
+        """Wait for the copies into host memory (their streams synchronised); for those into
+        mapped GPU memory, call ``recorded(stream)`` per stream they were issued on (the
+        backend records its event there, which its servers' reads wait for): not waited
+        for."""
         _synchronize(self._devices)
+        for stream in self._streams:
+            recorded(stream)
+
+
+def _stream_of(block):
+    """The stream a copy into device ``block`` runs on: torch's current one of its device (a
+    handle), or None for the host stand-in's blocks (numpy)."""
+    if not is_cupy(block):
+        return None
+    return _torch().cuda.current_stream(block.device.id).cuda_stream
 
 
 def _into_block(flat, block):
@@ -356,33 +382,6 @@ def kernel_view(tensor, read_only=False):
     return cupy.from_dlpack(flat)
 
 
-class TorchLocker:
-    """kvps.pinning's Locker on a worker: cudaHostRegister through torch's CUDA runtime."""
-
-    def lock(self, address, nbytes, writable):
-        cudart = _torch().cuda.cudart()
-        flags = pinning.PORTABLE if writable else pinning.PORTABLE | pinning.READ_ONLY
-        _checked(cudart.cudaHostRegister(address, nbytes, flags), 'cudaHostRegister')
-
-    def unlock(self, address):
-        _checked(_torch().cuda.cudart().cudaHostUnregister(address), 'cudaHostUnregister')
-
-
-def _checked(error, call):
-    """Raise LockFailed for a CUDA runtime error. The error would also wait for the next
-    kernel launch's check (torch's cudaGetLastError) and fail unrelated code: one is
-    launched here to take it."""
-    if int(error) == 0:
-        return
-    torch = _torch()
-    try:
-        torch.ones(1, device='cuda').add_(1)
-        torch.cuda.synchronize()
-    except RuntimeError:
-        pass
-    raise pinning.LockFailed(f'{call}: CUDA error {int(error)} ({error})')
-
-
 def current_cuda_device():
     """torch's current CUDA device (the one a worker's GPU values are on, as DDP sets it), or
     None without one."""
@@ -394,7 +393,7 @@ def _use_torch_locker():
     """Page-lock with torch from now on (kvps.pinning), where there is a CUDA device."""
     registry = pinning.REGISTRY
     if registry.locker is None and _torch().cuda.is_available():
-        registry.use(TorchLocker())
+        registry.use(pinning.TorchLocker())
 
 
 def require_cupy():

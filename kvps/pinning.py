@@ -10,9 +10,9 @@ the region is removed. Only pages already reserved are ever locked: a block lies
 the steps line up with the reservations.
 
 The locking itself is a Locker's (``lock(address, nbytes, writable)``, ``unlock(address)``):
-torch's cudart on a worker, cupy's runtime on a server, installed by whichever side moves GPU
-values (``use``); without one nothing is locked and neither library is imported. Tests give a
-host stand-in.
+torch's cudart on a worker (TorchLocker, below), cupy's runtime on a server, installed by
+whichever side moves GPU values (``use``); without one nothing is locked and neither library
+is imported. Tests give a host stand-in.
 
 - A region keeps its memory object while any step is locked, so a mapping is never unmapped
   while registered; ``remove`` unlocks every step (then the owner may unmap).
@@ -172,3 +172,33 @@ def _cut(offset, nbytes, step):
 
 
 REGISTRY = Registry()
+
+
+class TorchLocker:
+    """A Locker on a worker: cudaHostRegister through torch's CUDA runtime (torch imported
+    only when it locks: the worker moves GPU values, kvps.devices)."""
+
+    def lock(self, address, nbytes, writable):
+        import torch
+        cudart = torch.cuda.cudart()
+        flags = PORTABLE if writable else PORTABLE | READ_ONLY
+        _checked(cudart.cudaHostRegister(address, nbytes, flags), 'cudaHostRegister')
+
+    def unlock(self, address):
+        import torch
+        _checked(torch.cuda.cudart().cudaHostUnregister(address), 'cudaHostUnregister')
+
+
+def _checked(error, call):
+    """Raise LockFailed for a CUDA runtime error. The error would also wait for the next
+    kernel launch's check (torch's cudaGetLastError) and fail unrelated code: one is
+    launched here to take it."""
+    if int(error) == 0:
+        return
+    import torch
+    try:
+        torch.ones(1, device='cuda').add_(1)
+        torch.cuda.synchronize()
+    except RuntimeError:
+        pass
+    raise LockFailed(f'{call}: CUDA error {int(error)} ({error})')

@@ -53,6 +53,19 @@ class Backend(Protocol):
         copied into one on the device, kvps.devices.PushCopies), None where there are none;
         asked only where ``device_route`` is direct."""
 
+    def device_written(self, stream=None):
+        """The copies into device blocks from ``stage`` were issued on CUDA ``stream`` (its
+        handle; None: no stream, the host stand-in's): the servers' reads of them are to wait
+        for them (an event recorded there), not this caller. Before the push that names
+        them; returns at once."""
+
+    def device_buffer(self, nbytes):
+        """A uint8 block of ``nbytes`` of GPU memory the servers map, kept for the job (a
+        buffer the caller gathers pushes into: a push of a value lying in it goes from
+        where it lies, no copy; the caller writes it again only once a pull of that key,
+        sent after the push, has returned), or None (no such memory, or no room). Asked
+        only where ``device_route`` is direct."""
+
     def device_route(self, device=None):
         """``(direct, how)``: ``direct`` when GPU values may go straight between a GPU and
         page-locked shared memory (kvps.pinning), or GPU memory the servers map (``device``:

@@ -10,7 +10,7 @@ import numpy as np
 from .. import arrays, devices, rows
 from ..errors import KeyNotInitializedError, KeyTypeError
 from ..timeline.recording import traced
-from ..wire.protocol import MAX_KEY_CHARS, PRIORITIES
+from ..wire.protocol import DTYPES, MAX_KEY_CHARS, PRIORITIES
 
 # Keys travel as msgpack ints: 64 bits, signed or unsigned.
 _KEY_MIN, _KEY_END = -2 ** 63, 2 ** 64
@@ -35,6 +35,9 @@ class StoreKeys:
         # key -> its parts' bounds (None: one part); a key is placed once, at init, and asked
         # for at every push
         self._cut_cache = {}
+        # id(tensor) -> (tensor, flat wire view of its memory) of the buffers gradient_buffer
+        # gave: GPU memory the servers map, pushed from where it lies
+        self._held = {}
 
     def pairs(self, key, value):
         """Normalize (key, value) into [(key, [values...])] as MXNet does: a key given
@@ -138,17 +141,25 @@ class StoreKeys:
         else staged through pinned memory."""
         gpu = [self.on_gpu(key, values) for key, values in pairs]
         straight = stage and True in gpu and devices.direct(self._backend)
+        held = self._held_flats(pairs) if straight and self._held else None
         cuts = [self.cuts(key) if stage and (straight or not on_gpu) else None
                 for on_gpu, (key, _) in zip(gpu, pairs)]
         sizes = [[0] if on_gpu and not straight else [values[0].nbytes] if cut is None else
                  [(b - a) * values[0].itemsize for a, b in cut]
                  for on_gpu, cut, (_, values) in zip(gpu, cuts, pairs)]
-        blocks = iter(self._blocks(sizes, gpu if straight else None) if stage
-                      else [None] * len(pairs))
+        if held is not None:   # (sent from where they lie: no block)
+            sizes = [size if flat is None else [0] * len(size)
+                     for size, flat in zip(sizes, held)]
+        blocks, mapped = self._blocks(sizes, gpu if straight else None) if stage else \
+            ([None] * len(pairs), ())
+        blocks = iter(blocks)
         copies, from_gpu = [], devices.PushCopies() if straight else None
-        for on_gpu, cut, (_, values) in zip(gpu, cuts, pairs):
-            if on_gpu and straight:
-                copies.append(from_gpu.copy(values, [next(blocks) for _ in cut or [0]], cut))
+        for index, (on_gpu, cut, (_, values)) in enumerate(zip(gpu, cuts, pairs)):
+            taken = [next(blocks) for _ in cut or [0]] if on_gpu and straight else None
+            if held is not None and held[index] is not None:
+                copies.append(from_gpu.held(held[index], cut))
+            elif taken is not None:
+                copies.append(from_gpu.copy(values, taken, cut, mapped))
             elif on_gpu:
                 next(blocks)
                 copies.append(devices.host_sum(values))
@@ -157,21 +168,43 @@ class StoreKeys:
             else:
                 flats = [v.reshape(-1) for v in values]   # torch or numpy: dtypes kept
                 copies.append([_summed([f[a:b] for f in flats], next(blocks)) for a, b in cut])
-        if straight:
-            from_gpu.wait()   # before the backend sends headers that point at the blocks
+        if straight:   # before the backend sends headers that point at the blocks
+            from_gpu.finish(self._backend.device_written)
         return copies
 
+    def gradient_buffer(self, like):
+        """A tensor like GPU tensor ``like`` (flat, contiguous) in GPU memory the servers
+        map (Backend.device_buffer), whose pushes go from where they lie; None where there
+        is none (not a device store, not a GPU value, no ipc route, no room)."""
+        if not (self.device and devices.on_gpu(like) and devices.direct(self._backend)):
+            return None
+        block = self._backend.device_buffer(like.numel() * like.element_size())
+        if block is None:
+            return None
+        tensor = devices.as_torch(block).view(like.dtype)
+        self._held[id(tensor)] = (tensor, block.view(DTYPES[arrays.dtype_name(like)]))
+        return tensor
+
+    def _held_flats(self, pairs):
+        """Per pair, the wire view of a buffer of gradient_buffer's that is its one value
+        (sent from where it lies), or None."""
+        held = self._held
+        return [held[id(values[0])][1] if len(values) == 1 and id(values[0]) in held else None
+                for _, values in pairs]
+
     def _blocks(self, sizes, gpu=None):
-        """A block of the backend's for each part's size in ``sizes`` (a list per value); where
-        ``gpu`` says a value is a GPU's, a block of its device memory, if it has some (the ipc
-        route: copied on the device), else of its shared memory."""
+        """A block of the backend's for each part's size in ``sizes`` (a list per value), and
+        the ids of those of GPU memory its servers map: where ``gpu`` says a value is a GPU's,
+        a block of that memory if it has some (the ipc route: copied on the device), else of
+        its shared memory."""
         flat = [n for each in sizes for n in each]
         if gpu is None or True not in gpu:
-            return self._backend.stage(flat)
+            return self._backend.stage(flat), ()
         on_device = self._backend.stage([n if g else 0 for g, each in zip(gpu, sizes)
                                          for n in each], device=True)
         host = self._backend.stage([0 if d is not None else n for d, n in zip(on_device, flat)])
-        return [h if d is None else d for d, h in zip(on_device, host)]
+        return [h if d is None else d for d, h in zip(on_device, host)], \
+            {id(d) for d in on_device if d is not None}
 
     def parts(self, key):
         """``[(server, part, start, stop)]`` of an initialized key, as its backend placed it."""

@@ -131,6 +131,12 @@ class LocalBackend:
         """Pushes are applied before push returns: a copy anywhere will do."""
         return [None] * len(sizes)
 
+    def device_written(self, stream=None):
+        """No device blocks are ever given here."""
+
+    def device_buffer(self, nbytes):
+        return None
+
     def device_route(self, device=None):
         return False, 'pinned host buffers <-> this process\'s own store'
 

@@ -35,7 +35,7 @@ class KVStore(KVStoreBase):
 
     Besides MXNet's calls it has a few of kvps's own, which kvps.Trainer uses: pull_begin,
     pull_changed_rows_begin, pull_pushed_rows_begin, get/set_optimizer_states, agree,
-    balance_keys and keep_keys_whole."""
+    balance_keys, keep_keys_whole and gradient_buffer."""
 
     OPTIMIZER = 'optimizer'    # MXNet's name of the one capability (is_capable)
 
@@ -348,16 +348,22 @@ class KVStore(KVStoreBase):
                                               self._keys.parts))
 
     def balance_keys(self, total):
-        """A placement hint (a kvps extension of MXNet's API): a model of ``total`` elements
-        is about to be initialized (the Trainer's), so split its keys finely enough that
-        every server carries about the same bytes."""
+        """A placement hint (a kvps extension, the Trainer's): a model of ``total`` elements
+        is about to be initialized; split its keys so that servers carry about equal bytes."""
         self._backend.balance_keys(total)
 
     def keep_keys_whole(self):
-        """A placement hint (a kvps extension of MXNet's API): place keys initialized from
-        now on on one server each, whatever their size, for an optimizer that reads each
-        weight whole (LAMB) and will be set after init."""
+        """A placement hint (a kvps extension): keys initialized from now on on one server
+        each, whatever their size, for an optimizer reading weights whole (LAMB), set later."""
         self._backend.keep_keys_whole()
+
+    def gradient_buffer(self, like):
+        """A flat tensor like GPU tensor ``like``, in GPU memory this worker's servers map,
+        kept for the job (a kvps extension, the Trainer's fused gradients): a push of it goes
+        from where it lies, no copy; write it again only once a pull of its key, made after
+        that push, has returned. None where there is none (docs/shared-memory.md)."""
+        self._open()
+        return self._keys.gradient_buffer(like)
 
     def scale_rounds(self):
         """An elastic dist_sync job's rounds as a fixed job's (a kvps extension of MXNet's
@@ -369,11 +375,10 @@ class KVStore(KVStoreBase):
         return self._backend.scale_rounds()
 
     def stats(self):
-        """Counts since this worker joined (a kvps extension of MXNet's API): push and pull
-        calls, rounds, bytes pushed and pulled by route (``'shm'``, ``'socket'``, ``'ipc'``),
-        messages and answers, waits for answers and for room to push (and their seconds),
-        requests sent again to a restarted server, and what is in flight now. Any thread may
-        call it; counts are taken without stopping the others."""
+        """Counts since this worker joined (a kvps extension): push and pull calls, rounds,
+        bytes pushed and pulled by route (``'shm'``, ``'socket'``, ``'ipc'``), messages and
+        answers, waits for answers and for room to push (and their seconds), requests sent
+        again to a restarted server, what is in flight now. Any thread may call it."""
         return self._backend.stats()
 
     def close(self):

@@ -10,8 +10,11 @@ the device's current stream, behind the updates, and ``settle`` waits for them: 
 acknowledgements that free the workers' blocks, and before each answer that carries values.
 
 A push from a worker whose device segment this server maps (CUDA IPC, kvps.wire.device_sharing)
-is a device array already: it is copied once on the device, and a pull is copied into the
-worker's device segment the same way; no byte touches the host.
+is a device array already: it is read where it is, kept by reference as a shared-memory push
+on a host shard is (a sync round's first push is the round's sum until the second is added to
+it, into the merge buffer), and a pull is copied into the worker's device segment on the
+device; no byte touches the host. The worker reuses a block only once its push is answered,
+and ``settle`` waits for the reads of it before that.
 
 The copying is a Transfers' (cupy's in CudaArrays); the choices (which buffer, locked or not)
 are DeviceArrays', so tests run them on the host with a stand-in (HostStandIn: also what a
@@ -63,10 +66,20 @@ class DeviceArrays(HostArrays):
                 'shared memory (one DMA each way), socket payloads through pinned buffers')
 
     def received(self, data, dtype):
-        """A new device array holding a received buffer (a push's, an init's): one DMA from
-        a worker's page-locked segment; a socket frame (or memory that could not be locked)
-        is copied into a pinned buffer first. A worker's device segment's bytes (a device
-        array) are copied on the device."""
+        """A device array holding a received buffer (a push's): a worker's device segment's
+        bytes (a device array) as they are, read in place and never written; else a new
+        one, by one DMA from a worker's page-locked segment, or through a pinned buffer from
+        a socket frame (or memory that could not be locked)."""
+        if type(data) is self.xp.ndarray:
+            view = data.view(DTYPES[dtype])
+            if type(view) is np.ndarray:   # (the stand-in's: kernels may scribble on a
+                view.flags.writeable = False   # writable grad, and the worker may resend it)
+            self.transfers.hold(view)          # the reads of it are waited for by settle
+            return view
+        return self.owned(data, dtype)
+
+    def owned(self, data, dtype):
+        """A new device array holding a copy of a received buffer (an init's, a push's)."""
         if type(data) is self.xp.ndarray:
             out = data.view(DTYPES[dtype]).copy()
             self.transfers.hold(out)
@@ -83,8 +96,6 @@ class DeviceArrays(HostArrays):
         if self._staged > STAGING_BYTES:
             self.settle()
         return out
-
-    owned = received      # the copy to the device is already a copy
 
     def copy_out(self, array, view):
         """Copy device ``array`` into ``view``, the block of a worker's segment it placed the

@@ -56,6 +56,15 @@ class Lending:
         """Map the device segment an ATTACH_DEVICE names, for a worker on this host only (its
         handles are capabilities); ConfigError or ProtocolError (the worker's payloads then
         take shared memory)."""
+        self.ask_device(identity, {'kind': header.get('kind')}, mapped=False)
+        self._storage.settle()   # (copies from a segment it replaces are done)
+        self.regions.attach_device(identity, header, self._storage.sharing)
+
+    def ask_device(self, identity, header, mapped=True):
+        """Whether this server would map a device segment of ``identity``'s (ASK_DEVICE's
+        ``kind`` of memory): ConfigError unless the worker is on this host and the device
+        store's keys are in GPU shards that share that kind (``mapped``: checked here;
+        else the mapping checks it)."""
         if self._hosts is not None:
             host, hosts = self._hosts
             theirs = hosts.get(worker_rank(identity), host)   # (a joiner: its handle decides)
@@ -63,8 +72,12 @@ class Lending:
                 raise ConfigError(f'{identity_label(identity)} is on {theirs}, not on this '
                                   f'server\'s host {host}: device handles are opened only '
                                   f'from workers on it')
-        self._storage.settle()   # (copies from a segment it replaces are done)
-        self.regions.attach_device(identity, header, self._storage.sharing)
+        sharing = self._storage.sharing
+        if sharing is None:
+            raise ConfigError('this server keeps no GPU shards that could map a device segment')
+        if mapped and sharing.name != header['kind']:
+            raise ConfigError(f'this server\'s GPU shards share {sharing.name!r} memory, not '
+                              f'{header["kind"]!r}')
 
     def payloads(self, identity, items, frames):
         """Regions.payloads: a PUSH's payload per item, in a frame or the worker's segment."""

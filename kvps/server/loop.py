@@ -25,6 +25,8 @@ from .storage import for_device, use_update_threads
 log = logging.getLogger('kvps.server')
 
 BURST = 64   # requests handled between two checkpoint decisions / reply flushes
+# Requests a restarted server serves before its workers have resumed (they involve no counts)
+_SHARING = frozenset([P.ATTACH, P.ATTACH_DEVICE, P.ASK_DEVICE])
 
 
 class Server:
@@ -224,7 +226,7 @@ class Server:
         """Serve one request: now, or once this restarted server's workers have resumed."""
         if header['op'] == P.RESUME:
             self._on_resume(identity, header)
-        elif self.recovery is not None and header['op'] not in (P.ATTACH, P.ATTACH_DEVICE):
+        elif self.recovery is not None and header['op'] not in _SHARING:
             # Counts are not settled until every worker resumed (ATTACH involves none).
             self.recovery.park(identity, header, buffers)
         else:

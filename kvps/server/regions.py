@@ -76,11 +76,9 @@ class Regions:
 
     def attach_device(self, identity, header, sharing):
         """Map the device segment of ATTACH_DEVICE ``header`` for ``identity`` with
-        ``sharing`` (this server's GPU shards' kvps.wire.device_sharing; None: it has none),
-        replacing an older one. ConfigError or ProtocolError when it cannot."""
+        ``sharing`` (this server's GPU shards' kvps.wire.device_sharing: the caller checked
+        that it has some), replacing an older one. ProtocolError when it cannot."""
         self._drop_device(identity)
-        if sharing is None:
-            raise ConfigError('this server keeps no GPU shards that could map a device segment')
         self._devices[identity] = DeviceMapping(sharing, header)
 
     def _drop_device(self, identity):
@@ -144,7 +142,7 @@ class Regions:
                     out.append(self.view(identity, at, P.nbytes(item.dtype, item.n))
                                .toreadonly())
                     continue
-                out.append(self.view(identity, at, P.nbytes(item.dtype, item.n)))
+                out.append(self._device_read(identity, at, P.nbytes(item.dtype, item.n)))
             except ProtocolError as exc:
                 out.append(exc)
                 continue
@@ -152,6 +150,14 @@ class Regions:
                 waited = True
                 self._devices[identity].event.wait()
         return out
+
+    def _device_read(self, identity, at, nbytes):
+        """A push's ``nbytes`` at ``at`` in ``identity``'s device segment (DeviceMapping.read)."""
+        mapping = self._devices.get(identity)
+        if mapping is None:
+            raise ProtocolError('a device segment offset from a worker whose device segment '
+                                'this server has not attached')
+        return mapping.read(at, nbytes)
 
     # -- the arena -----------------------------------------------------------------------------
     def saw(self, identity, header):

@@ -175,6 +175,10 @@ class Requests:
         self.lending.attach_device(token[0], h)
         return [Reply(ACK, token, None)]
 
+    def _ask_device(self, token, h, buffers):
+        self.lending.ask_device(token[0], h)
+        return [Reply(ACK, token, None)]
+
     def _set_optimizer(self, token, h, buffers):
         # (a frame, not a header field: per-key options of many keys outgrow a header)
         spec = _map_in(buffers[0], 'set_optimizer: the spec')
@@ -220,7 +224,8 @@ class Requests:
                  P.PULL_ROWS: _pull_rows,
                  P.SET_OPTIMIZER: _set_optimizer, P.GET_STATES: _get_states,
                  P.SET_STATES: _set_states, P.COMMIT_STATES: _commit_states,
-                 P.ATTACH: _attach, P.ATTACH_DEVICE: _attach_device, P.PUT_BLOB: _put_blob,
+                 P.ATTACH: _attach, P.ATTACH_DEVICE: _attach_device,
+                 P.ASK_DEVICE: _ask_device, P.PUT_BLOB: _put_blob,
                  P.GET_BLOB: _get_blob, P.CLAIM: _claim}
 
 

@@ -86,8 +86,9 @@ def for_device(setting, ipc='auto'):
     """The storage for a KVPS_SERVER_DEVICE value: 'cpu' and 'cuda' put every key there
     (cuda fails at start without a GPU); 'auto' puts device-side stores' keys on a GPU when
     this server has one, probing (importing cupy) only when such a key arrives. KVPS_IPC
-    ``ipc`` 'host' (tests) puts them in GPU shards emulated on the host instead."""
-    if ipc == 'host':
+    ``ipc`` 'host' (tests) puts them in GPU shards emulated on the host instead, unless the
+    setting is 'cpu'."""
+    if ipc == 'host' and setting != 'cpu':
         return Storage(HostArrays(), HostStandIn())
     if setting == 'auto':
         return Storage(HostArrays(), probe=lambda: gpu_if_present(ipc))

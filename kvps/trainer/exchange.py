@@ -19,7 +19,7 @@ class Exchange:
         self.pushed = set()    # keys of the parameters whose gradients left this step
         self.summed = {}       # key -> where step() pulls a summed gradient (workers update)
         for fused in layout.fused:   # workers update members on views of the sum
-            self.summed.update((p.key, view) for p, view in zip(fused.members, fused.grad_views))
+            self._sums_in(fused)
         # Parameters whose gradients come sparse (nn.Embedding(sparse=True)) push their rows
         # alone; when the servers update, they pull back only the rows changed since
         # (``_row_marks``: what each one saw last).
@@ -31,6 +31,20 @@ class Exchange:
         # an elastic joiner waiting for its state (trainer.handover): its rounds see no
         # gradient of its own, only its abstentions
         self.abstaining = False
+
+    def export_buckets(self):
+        """Gather each fused key's gradients where its pushes need no copy (GPU memory the
+        servers map, the ipc route) where the store has room: once its keys are placed."""
+        for fused in self._layout.fused:
+            flat = self._store.gradient_buffer(fused.grad)
+            if flat is not None:
+                fused.use_grad(flat)
+                self._sums_in(fused)
+
+    def _sums_in(self, fused):
+        """Workers updating pull ``fused``'s sum into its gradient buffer, and update its
+        members on views of it."""
+        self.summed.update((p.key, view) for p, view in zip(fused.members, fused.grad_views))
 
     def push_from_backward(self, p):
         """Autograd has accumulated p's gradient: send it now (overlap)."""

@@ -36,6 +36,13 @@ class FusedKey:
         self.grad_views = self._views(self.grad)
         self.arrived = {}      # member key -> its gradient (None: none), this step
 
+    def use_grad(self, flat):
+        """Gather gradients in ``flat`` (like ``grad``) from now on: GPU memory the servers
+        map (KVStore.gradient_buffer), pushed from where it lies. It is written each step
+        after the step's pull of the key returned, by which the servers have read it."""
+        self.grad = flat
+        self.grad_views = self._views(flat)
+
     def _views(self, flat):
         return [view.view(p.tensor.shape) for view, p in zip(flat.split(self.sizes), self.members)]
 

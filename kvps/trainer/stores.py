@@ -104,6 +104,10 @@ class _Surface:
     def init(self, keys, values):
         self.kv.init(keys, values)
 
+    def gradient_buffer(self, like):
+        """Where a fused key's gradients are gathered: None, a tensor of the Trainer's own."""
+        return None
+
     def push(self, keys, values, priority=0):
         self.kv.push(keys, values, priority=priority)
 
@@ -230,6 +234,10 @@ class KvpsStore(_Surface):
     def early_pulls(self, weights, gradient_buffer):
         """Each pushed key's pull sent right behind its push (see early_pulls)."""
         return EarlyPulls(self.kv, weights, gradient_buffer)
+
+    def gradient_buffer(self, like):
+        """GPU memory the servers map, where the store has some (KVStore.gradient_buffer)."""
+        return self.kv.gradient_buffer(like)
 
     def sends_rows(self, param):
         """A host parameter's sparse gradient is pushed as its rows alone."""

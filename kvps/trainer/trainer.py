@@ -292,6 +292,7 @@ class Trainer:
                 'requires_grad_(False), and lr_mult/wd_mult attributes on parameters set their '
                 'own rates') from None
         scatter_fused(entries)
+        self._exchange.export_buckets()
 
     # -- internals: one step ---------------------------------------------------------------
     def _rescale(self, batch_size):

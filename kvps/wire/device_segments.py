@@ -6,15 +6,18 @@ Offsets into a device segment travel in the same item fields as those into the w
 segment (``at``), shifted by DEVICE_BASE: a host segment is at most 2**40 bytes, so an offset at
 or above 2**41 names the device segment, and a server tells the two apart by one comparison.
 Everything a peer names (handle, size, offsets, lengths) is checked before use
-(ProtocolError). Ordering: the worker records its event after the writes a message announces,
-and the server waits on it (on its own stream) before reading them.
+(ProtocolError). Ordering: the worker records its event on the stream of the writes a message
+announces, before it sends the message (it does not wait for them), and the server makes its
+stream wait on the event before it reads them; it answers only once those reads are done, and
+the worker reuses a block only once its request is answered.
 """
 
+import threading
 import weakref
 
 from ..errors import KVPSError, ProtocolError
 from .device_sharing import check_handle, check_size
-from .shm import MAX_SEGMENT_BYTES, Ring
+from .shm import MAX_SEGMENT_BYTES, Ring, aligned
 
 DEVICE_BASE = 2 * MAX_SEGMENT_BYTES
 
@@ -32,6 +35,15 @@ class DeviceSegment:
             self.buffer.close()
             raise
         self.blocks = Ring(0, nbytes)
+        self._recording = threading.Lock()   # API threads record in turn (chained records)
+        self._cutting = threading.Lock()     # a held block is cut where no block is out
+
+    def record(self, stream=None):
+        """The writes issued on CUDA ``stream`` (None: the default one) so far are those the
+        next messages announce: record the event behind them."""
+        with self._recording:
+            if not self.buffer.closed:
+                self.event.record(stream)
 
     def describe(self):
         """What a server needs to map it (ATTACH's ``device``)."""
@@ -41,14 +53,25 @@ class DeviceSegment:
     def take(self, nbytes):
         """``(wire offset, uint8 device array of nbytes)``, or None when there is no room. The
         block is reused once it and every view of it are gone."""
-        if self.buffer.closed:
-            return None
-        offset = self.blocks.alloc(nbytes)
+        with self._cutting:
+            blocks = self.blocks
+            offset = None if self.buffer.closed else blocks.alloc(nbytes)
         if offset is None:
             return None
         block, anchor = self.sharing.piece(self.buffer, offset, nbytes)
-        weakref.finalize(anchor, self.blocks.free, offset)
+        weakref.finalize(anchor, blocks.free, offset)
         return DEVICE_BASE + offset, block
+
+    def hold(self, nbytes):
+        """``(wire offset, uint8 device array of nbytes)`` kept as long as the segment lives
+        (a buffer its owner writes pushes into, and sends from where they lie), or None: no
+        room, or blocks are out (held ones are cut before any other is taken)."""
+        with self._cutting:
+            offset, end = self.blocks.start, self.blocks.start + aligned(nbytes)
+            if self.buffer.closed or len(self.blocks) or end >= self.blocks.stop:
+                return None
+            self.blocks = Ring(end, self.blocks.stop)   # (the others go round it)
+        return DEVICE_BASE + offset, self.sharing.piece(self.buffer, offset, nbytes)[0]
 
     def offset_of(self, array):
         """The wire offset of ``array`` if its bytes lie in this segment, else None (also for
@@ -60,8 +83,10 @@ class DeviceSegment:
             self.buffer.nbytes else None
 
     def host_copy(self, at, nbytes):
-        """A host copy of the worker's own ``nbytes`` at wire offset ``at``."""
+        """A host copy of the worker's own ``nbytes`` at wire offset ``at``, once the writes
+        recorded so far have landed (they are on the streams of their writers)."""
         offset = at - DEVICE_BASE
+        self.event.synchronize()
         return self.sharing.to_host(self.buffer.array[offset:offset + nbytes])
 
     def close(self):
@@ -84,6 +109,7 @@ class DeviceMapping:
                                 f'shares {sharing.name!r}')
         handle = check_handle(description.get('handle'))
         event = check_handle(description.get('event'), 'event')
+        self.sharing = sharing
         self.buffer = sharing.open(handle, check_size(description.get('size')))
         try:
             self.event = sharing.open_event(event)
@@ -100,6 +126,15 @@ class DeviceMapping:
             raise ProtocolError(f'device range {at!r}+{nbytes!r} is outside the worker\'s '
                                 f'device segment')
         return self.buffer.array[offset:offset + nbytes]
+
+    def read(self, at, nbytes):
+        """``view`` of a push's bytes, which the worker's event orders after its writes (the
+        stand-in checks it: ProtocolError for a block no record followed)."""
+        view = self.view(at, nbytes)
+        if not self.sharing.ordered(self.buffer, self.event, at - DEVICE_BASE):
+            raise ProtocolError(f'device range {at!r}+{nbytes!r} was not recorded by the '
+                                f'worker\'s event after it was written')
+        return view
 
     def close(self):
         """Unmap the segment and close the event. Idempotent."""

@@ -6,7 +6,9 @@ Two implementations behind one interface (a Sharing): CUDA IPC through cupy
 only when it is made), and a host stand-in on which the CPU suite runs the same protocol: a
 buffer is a 0600 shared-memory segment that its handle names (kvps.wire.shm), an event a count.
 What both share (handles checked before use, sizes, idempotent closes, the count of what is
-open) lives here once, so that the stand-in's tests cover it for CUDA too.
+open) lives here once, so that the stand-in's tests cover it for CUDA too. The stand-in also
+models the ordering CUDA gives through events, so that a missing record fails a test: its
+event's count is shared, and a server finds a block taken after the latest record unwritten.
 
 A handle is a capability: whoever holds it may read and write the buffer. Handles travel only
 in requests of authenticated job members, and a server opens only those of workers on its own
@@ -15,20 +17,19 @@ closes it last, once it leaves the job; a killed exporter's buffers go with it.
 """
 
 import os
-import secrets
 import struct
 
 import numpy as np
 
 from ..errors import ConfigError, KVPSError, ProtocolError
-from .shm import HEADER_BYTES, NONCE_BYTES, SHM_DIR, Mapping, Segment
+from .shm import ALIGN, HEADER_BYTES, NONCE_BYTES, SHM_DIR, Mapping, Segment
 
 HANDLE_BYTES = 64          # cudaIpcMemHandle_t and cudaIpcEventHandle_t: 64 bytes each
 MAX_BUFFER_BYTES = 1 << 40
 # The stand-in's handle: a segment's name (NUL-padded), its nonce, the exporter's pid and fd.
 _HOLDER = '<II'
 _NAME_BYTES = HANDLE_BYTES - NONCE_BYTES - struct.calcsize(_HOLDER)
-_HOST_EVENT = b'kvps-host-event:'
+_COUNT_BYTES = ALIGN       # the stand-in event's shared memory: its count of records first
 
 
 def check_handle(handle, what='buffer'):
@@ -67,17 +68,24 @@ class Shared:
 
 
 class Event:
-    """An interprocess event: the exporter ``record``s it after its writes on its stream, a
-    peer that opened its ``handle`` ``wait``s on it before its reads (on its own stream: no
-    host-side wait). ``close``: idempotent."""
+    """An interprocess event: the exporter ``record``s it on the stream of its writes, a peer
+    that opened its ``handle`` ``wait``s on it before its reads (on its own stream: no
+    host-side wait). ``recorded()``: the records made so far as this process sees them (the
+    stand-in's; None where that cannot be known); ``synchronize()``: the exporter waits on
+    the host for the latest record. ``close``: idempotent."""
 
-    def __init__(self, handle, record, wait, release):
+    def __init__(self, handle, record, wait, release, recorded=lambda: None,
+                 synchronize=lambda: None):
         self.handle, self._record, self._wait, self._release = handle, record, wait, release
+        self.recorded, self.synchronize = recorded, synchronize
         self.records = self.waits = 0
 
-    def record(self):
+    def record(self, stream=None):
+        """Record it on CUDA ``stream`` (a handle; None: the legacy default stream) behind
+        the work issued there so far, and behind the previous record (on whatever stream):
+        a wait on it then covers every write recorded before too. Callers serialise."""
         self.records += 1
-        self._record()
+        self._record(stream or 0)
 
     def wait(self):
         self.waits += 1
@@ -117,6 +125,13 @@ class Sharing:
         finalizer on it tells when the piece may be reused)."""
         return self._piece(shared.array, offset, nbytes)
 
+    def ordered(self, shared, event, offset):
+        """Whether a peer's read of the block at ``offset`` of ``shared`` (opened) is ordered
+        after its exporter's writes to it by ``event``: True where a wait on the event is
+        what orders them (CUDA); the stand-in checks that a record came after the block was
+        taken."""
+        return True
+
     def event(self):
         """A new interprocess Event of this process, to record."""
         return self._event()
@@ -131,16 +146,22 @@ class HostSharing(Sharing):
     (kvps.wire.shm: 0600, a random name and nonce, pages reserved at once) whose name goes at
     once; its handle names the segment, its nonce and the exporter's open file, through which
     peers map it (/proc/<pid>/fd/<fd>, checked). As a CUDA allocation, it goes with its
-    exporter, even one killed: nothing is ever left in /dev/shm. An event only counts: host
-    writes are done when they return."""
+    exporter, even one killed: nothing is ever left in /dev/shm. Host writes are done when
+    they return, so an event only counts its records, in shared memory of its own that a
+    peer maps; and a buffer stamps each cache line of a piece taken with the count of its
+    exporter's last event then (in a table after its bytes), so that a peer can tell a block
+    that no record followed (``ordered``): what CUDA would read before the writes land."""
 
     name = 'host'
 
     def __init__(self, directory=SHM_DIR):
         super().__init__()
         self.directory = directory
+        self._count = None    # the count of the last event made here (pieces stamp it)
+        self._stamps = {}     # id(Shared's array) -> its stamp table, while it is open
 
-    def _alloc(self, nbytes):
+    def _segment(self, nbytes):
+        """``(data, handle, segment)``: a fresh segment of ``nbytes`` past its header."""
         try:
             segment = Segment.create(HEADER_BYTES + nbytes, self.directory)
         except KVPSError as exc:
@@ -148,9 +169,30 @@ class HostSharing(Sharing):
         segment.unlink()
         handle = (segment.name.encode().ljust(_NAME_BYTES, b'\0') + segment.nonce
                   + struct.pack(_HOLDER, os.getpid(), segment.fd))
-        return _data(segment.view(HEADER_BYTES, nbytes)), handle, segment.close
+        return _data(segment.view(HEADER_BYTES, nbytes)), handle, segment
+
+    def _alloc(self, nbytes):
+        data, handle, segment = self._segment(nbytes + _stamp_bytes(nbytes))
+        array, release = self._stamped(data, nbytes, segment.close)
+        return array, handle, release
+
+    def _stamped(self, data, nbytes, release):
+        """``(the buffer's array, release)`` of a mapping ``data`` of a buffer of ``nbytes``
+        and its stamp table."""
+        array = data[:nbytes]
+        self._stamps[id(array)] = data[nbytes:].view(np.uint32)
+
+        def released():
+            self._stamps.pop(id(array), None)
+            release()
+        return array, released
 
     def _map(self, handle, nbytes):
+        mapping = self._mapping(handle, nbytes + _stamp_bytes(nbytes))
+        return self._stamped(_data(mapping.view(HEADER_BYTES, nbytes + _stamp_bytes(nbytes))),
+                             nbytes, mapping.release)
+
+    def _mapping(self, handle, nbytes):
         name = handle[:_NAME_BYTES].rstrip(b'\0')
         nonce = handle[_NAME_BYTES:_NAME_BYTES + NONCE_BYTES]
         holder = struct.unpack(_HOLDER, handle[_NAME_BYTES + NONCE_BYTES:])
@@ -158,8 +200,16 @@ class HostSharing(Sharing):
             name = name.decode('ascii')
         except UnicodeDecodeError:
             raise ProtocolError('not a device buffer handle of this host') from None
-        mapping = Mapping.open(name, nonce, HEADER_BYTES + nbytes, self.directory, holder=holder)
-        return _data(mapping.view(HEADER_BYTES, nbytes)), mapping.release
+        return Mapping.open(name, nonce, HEADER_BYTES + nbytes, self.directory, holder=holder)
+
+    def piece(self, shared, offset, nbytes):
+        stamps = self._stamps[id(shared.array)]
+        stamps[offset // ALIGN:-(-(offset + nbytes) // ALIGN)] = \
+            0 if self._count is None else self._count[0]
+        return super().piece(shared, offset, nbytes)
+
+    def ordered(self, shared, event, offset):
+        return int(self._stamps[id(shared.array)][offset // ALIGN]) < event.recorded()
 
     @staticmethod
     def _piece(array, offset, nbytes):
@@ -177,13 +227,25 @@ class HostSharing(Sharing):
         return array.copy()
 
     def _event(self):
-        handle = (_HOST_EVENT + secrets.token_bytes(16)).ljust(HANDLE_BYTES, b'\0')
-        return Event(handle, _nothing, _nothing, _nothing)
+        data, handle, segment = self._segment(_COUNT_BYTES)
+        count = self._count = data[:8].view(np.uint64)
+
+        def record(stream):
+            count[0] += 1
+        return Event(handle, record, _nothing, segment.close, lambda: int(count[0]))
 
     def _open_event(self, handle):
-        if not handle.startswith(_HOST_EVENT):
-            raise ProtocolError('not a device event handle of this host')
-        return Event(handle, _nothing, _nothing, _nothing)
+        try:
+            mapping = self._mapping(handle, _COUNT_BYTES)
+        except ProtocolError as exc:
+            raise ProtocolError(f'not a device event handle of this host ({exc})') from None
+        count = _data(mapping.view(HEADER_BYTES, 8)).view(np.uint64)
+        return Event(handle, _nothing, _nothing, mapping.release, lambda: int(count[0]))
+
+
+def _stamp_bytes(nbytes):
+    """The stand-in's stamp table of a buffer of ``nbytes``: a uint32 per cache line."""
+    return 4 * -(-nbytes // ALIGN)
 
 
 def _data(view):
@@ -255,7 +317,20 @@ class CudaSharing(Sharing):
             handle = bytes(self.runtime.ipcGetEventHandle(event.ptr))
         except Exception as exc:  # cupy's CUDARuntimeError
             raise KVPSError(f'cannot make an interprocess event: {exc}') from None
-        return Event(handle, lambda: event.record(), _nothing, _nothing)
+        runtime, recorded = self.runtime, [False]
+
+        def record(stream):
+            # One event per worker, recorded again for each push: a server's wait sees the
+            # latest record when it is made, never an earlier one, so it may wait longer than
+            # its push needs, never too little, on one stream. Pushes from other streams (API
+            # threads of their own, values on another device) are chained: each record waits
+            # for the one before, so the latest covers every write recorded so far.
+            if recorded[0]:
+                runtime.streamWaitEvent(stream, event.ptr, 0)
+            runtime.eventRecord(event.ptr, stream)
+            recorded[0] = True
+        return Event(handle, record, _nothing, _nothing,
+                     synchronize=lambda: runtime.eventSynchronize(event.ptr))
 
     def _open_event(self, handle):
         try:

@@ -15,7 +15,7 @@ from .codecs import GRADIENT_CODECS, ONE_BIT, PULL_CODECS, TOP_K, coded_nbytes
 from .items import CheckItem, DataItem, InitItem, Layout, PullItem, PushItem, ResumeItem
 
 # Node <-> scheduler.
-VERSION = 17                 # bumped on any change of the wire format; checked at REGISTER
+VERSION = 18                 # bumped on any change of the wire format; checked at REGISTER
 # node -> scheduler: {role, host, port, rank, pid, version, shared, rank_from (the setting
 # that gave the rank, for messages: 'DMLC_WORKER_ID=3'), beat (its heartbeat interval, s)}
 REGISTER = 'register'
@@ -94,6 +94,10 @@ ATTACH = 'attach'
 # HANDLE_BYTES each); ERROR, or ACK. From then on PUSH, PULL and DATA items may name offsets
 # in it (`at` >= DEVICE_BASE). Only a server on the worker's host with GPU shards maps it
 ATTACH_DEVICE = 'attach_device'
+# {kind}: would the server map a device segment of `kind` memory from this worker (it is on
+# the worker's host and keeps GPU shards of that kind)? ACK or ERROR; asked before the worker
+# allocates one, which it then does only when every server would
+ASK_DEVICE = 'ask_device'
 # {name} + 1 buffer (in pieces as SET_STATES's): a blob of the job that a later PUT_BLOB of the
 # name replaces (kvps.server.blobs), answered by ACK; GET_BLOB {name}: STATES, b'' for none
 PUT_BLOB, GET_BLOB = 'put_blob', 'get_blob'
@@ -140,6 +144,7 @@ _FIELDS = {
     ROWS: {'epoch': int, 'count': int},
     ATTACH: {'name': str, 'nonce': bytes, 'size': int},
     ATTACH_DEVICE: {'kind': str, 'handle': bytes, 'size': int, 'event': bytes},
+    ASK_DEVICE: {'kind': str},
     PUT_BLOB: {'name': str},
     GET_BLOB: {'name': str},
     CLAIM: {'key': (int, str), 'part': int, 'epoch': int, 'size': int, 'count': int,
@@ -148,8 +153,8 @@ _FIELDS = {
 OPS = frozenset([REGISTER, WELCOME, HEARTBEAT, HEARTBEAT_ACK, BARRIER, BARRIER_DONE, FINISH, ABORT,
                  SHUTDOWN, PEER_LOST, SERVER_LOST, SERVER_BACK, MEMBERS, INIT, CHECK, PUSH, PULL,
                  SET_OPTIMIZER, GET_STATES, SET_STATES, COMMIT_STATES, RESUME, ATTACH,
-                 ATTACH_DEVICE, ACK, DATA, ERROR, STATES, PULL_ROWS, ROWS, PUT_BLOB, GET_BLOB,
-                 CLAIM])
+                 ATTACH_DEVICE, ASK_DEVICE, ACK, DATA, ERROR, STATES, PULL_ROWS, ROWS, PUT_BLOB,
+                 GET_BLOB, CLAIM])
 
 # dtype names on the wire -> numpy storage dtype. bfloat16 travels as its raw 16-bit pattern.
 # dtype objects, not scalar types: numpy converts a type to a dtype on every call it is given to.

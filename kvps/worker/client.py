@@ -106,8 +106,7 @@ class DistClient:
         self.sharding.balance(total)
 
     def keep_keys_whole(self):
-        """Keys initialized from now on go to one server each (an optimizer that reads each
-        weight whole is coming)."""
+        """Keys initialized from now on go to one server each (Backend.keep_keys_whole)."""
         self.sharding.keep_whole = True
 
     def scale_rounds(self):
@@ -119,10 +118,16 @@ class DistClient:
 
     # -- data -----------------------------------------------------------------------------
     def stage(self, sizes, device=False):
-        """Blocks of this worker's shared memory for a push's copies of ``sizes`` bytes (read
-        in place; ``device``: of its device segment, the ipc route), or None (anywhere)."""
+        """Staging.stage (``device``: blocks of its device segment), or None each (anywhere)."""
         staging = self.io.staging
         return [None] * len(sizes) if staging is None else staging.stage(sizes, device)
+
+    def device_written(self, stream=None):
+        self.io.staging.device.record(stream)   # (asked only where it gave device blocks)
+
+    def device_buffer(self, nbytes):
+        device = self.io.staging.device   # (asked only where device_route is direct)
+        return None if device is None else device.hold(nbytes)
 
     def device_route(self, device=None):
         return device_route(self.io, self.config, device)
@@ -184,10 +189,9 @@ class DistClient:
                 self._submit(server, header, frames, Request(op, node, keep=keep))
 
     def _count_pushes(self, items):
-        """The step a sync push carries (None in async): servers each hold some of the keys,
-        and without it a server whose keys are pushed less often than others would count
-        fewer updates, and run an lr schedule behind the rest (split keys would even get
-        two learning rates)."""
+        """The step a sync push carries (None in async): without it a server whose keys are
+        pushed less often than others' would count fewer updates, and run its lr schedule
+        behind the rest (split keys would even get two learning rates)."""
         if not self.sync:
             return None
         pushes = self._pushes
@@ -212,10 +216,9 @@ class DistClient:
         return lambda: self._finish_pull(*sent)
 
     def pushpull(self, pushes, pulls, priority=0, codec=None):
-        """``push(pushes)`` then ``pull(pulls)`` (the same keys, in the same order), with each
-        wave's pull requests sent right behind its pushes rather than behind all of them: a
-        server answers a key's pull as soon as its round is complete, so results flow back
-        while later keys are still being pushed (both directions of a link busy at once)."""
+        """``push(pushes)`` then ``pull(pulls)`` (the same keys, in order), each wave's pulls
+        sent right behind its pushes: a server answers a key's pull once its round completes,
+        so results flow back while later keys are pushed (both directions of a link busy)."""
         self._raise_pending_errors()
         waits = []
         for start, stop in waves(pulls, self.sharding, self.io.staging):
@@ -265,10 +268,8 @@ class DistClient:
         self._raise_pending_errors()
 
     def pull_rows(self, items, priority=0):
-        """Fill some rows of each ``(key, table, ids, marks)``: ``table`` a writable 2-D
-        (rows x width) numpy view of the key, ``ids`` sorted unique row ids, or None for the
-        rows changed since ``marks`` (a dict, part -> [epoch, count], updated from the
-        answers; empty: every row). Answered after this worker's pushes, as a pull is."""
+        """Backend.pull_rows_begin's requests, waited for (``marks``: part -> [epoch, count],
+        updated from the answers; empty: every row)."""
         self.pull_rows_begin(items, priority)()
 
     def pull_rows_begin(self, items, priority=0):
@@ -296,10 +297,9 @@ class DistClient:
         return self._waiter(ops)
 
     def pull_live_begin(self, items, priority=0):
-        """Send, for each ``(key, width, storage dtype, sink)``, a request for the rows of its
-        value that a push of rows made (servers without an optimizer: the round's summed
-        rows; every row where the value is dense); the answers append ``(ids, rows)`` per
-        part to ``sink`` (a list) in part order. Returns the wait for them."""
+        """Backend.pull_live_begin: per ``(key, width, storage dtype, sink)``, the rows of
+        its value a push of rows made (every row where it is dense) appended to ``sink``
+        as ``(ids, rows)`` per part, in part order. Returns the wait for them."""
         self._raise_pending_errors()
         ops = []
         for key, width, dtype, sink in items:

@@ -3,10 +3,12 @@ mapped it, blocks of it for the GPU values of pushes and pulls, and the setup th
 
 The route applies once every server of the job has mapped the segment (each on this host, with
 GPU shards on a device that reaches the worker's): a push of GPU values is then copied on the
-device into blocks of it and a pull lands from them, and only headers travel. Until then, and
-for good where a server refuses (another host, host shards, no peer access), GPU values take
-shared memory or the socket as before. The I/O thread changes who has mapped it; API threads
-only read that (a frozenset replaced whole) and take blocks.
+device into blocks of it (or gathered in blocks held for the job: the Trainer's fused keys) and
+a pull lands from them, and only headers travel. Until then, and for good where a server
+refuses (another host, host shards, no peer access), GPU values take shared memory or the
+socket as before; the segment is made only once every server has said it would map it. The
+I/O thread changes who has mapped it; API threads only read that (a frozenset replaced whole)
+and take blocks.
 """
 
 import logging
@@ -36,13 +38,11 @@ class DeviceStaging:
         self.used = False             # whether a block was ever taken (requests may name it)
 
     @classmethod
-    def create(cls, setting, nbytes, servers, device=None):
-        """A DeviceStaging for KVPS_IPC ``setting`` ('auto' and 'cuda': CUDA IPC, its segment
-        on CUDA ``device``), or None where the route is off or the segment cannot be made
-        (logged)."""
+    def create(cls, sharing, nbytes, servers):
+        """A DeviceStaging whose segment of ``nbytes`` is made with ``sharing``, or None where
+        it cannot be (logged)."""
         try:
-            sharing = sharing_for('cuda' if setting == 'auto' else setting, device)
-            return None if sharing is None else cls(DeviceSegment(sharing, nbytes), servers)
+            return cls(DeviceSegment(sharing, nbytes), servers)
         except KVPSError as exc:
             log.info('no CUDA IPC for GPU values (%s); they take shared memory', exc)
             return None
@@ -76,6 +76,11 @@ class DeviceStaging:
             return '; '.join(f'{node}: {why}' for node, why in sorted(self.refused.items()))
         return 'not every server has mapped this worker\'s device buffer yet'
 
+    def record(self, stream=None):
+        """The copies into blocks taken so far were issued on CUDA ``stream``: record the
+        segment's event behind them (DeviceSegment.record), for the servers to wait on."""
+        self.segment.record(stream)
+
     def take(self, nbytes):
         """``(wire offset, device block)`` of ``nbytes``, or None (no room, or the route does
         not apply)."""
@@ -84,14 +89,25 @@ class DeviceStaging:
         self.used = True
         return self.segment.take(nbytes)
 
+    def hold(self, nbytes):
+        """A block of ``nbytes`` kept for the job (DeviceSegment.hold), or None (no room, or
+        the route does not apply)."""
+        if self.attached != self.servers:
+            return None
+        self.used = True
+        taken = self.segment.hold(nbytes)
+        return None if taken is None else taken[1]
+
     def readable_by(self, node):
         """Whether ``node`` can read every request of this worker's as it is: it has mapped
         the segment, or no request ever named it."""
         return not self.used or node in self.attached
 
     def offset_in(self, node, array):
-        """Where device ``array`` (part of a block) lies for ``node``, or None."""
-        return self.segment.offset_of(array) if node in self.attached else None
+        """Where device ``array`` (part of a block) lies, or None. Also for a ``node`` that
+        has not mapped the segment (a restarted server, before it has): a request is made
+        readable for it as it is sent (kvps.worker.staging.Staging.readable)."""
+        return self.segment.offset_of(array)
 
     def host_copy(self, at, nbytes):
         """A host copy of the ``nbytes`` at wire offset ``at`` (for a server that has not
@@ -105,9 +121,8 @@ class DeviceStaging:
 def device_route(io, config, device=None):
     """kvps.kvstore.backend.Backend.device_route of a worker (``io``: its WorkerIO): the ipc
     route where it applies, else its shared memory's route. The first call sets the ipc route
-    up (unless KVPS_IPC=off): the device segment is made and every server asked to map it,
-    and the answers are waited for (within KVPS_TIMEOUT), so that the route it names is the
-    one GPU values take from then on."""
+    up (unless KVPS_IPC=off, see ``share``), its answers waited for (within KVPS_TIMEOUT), so
+    that the route it names is the one GPU values take from then on."""
     staging = io.staging
     if staging is None:
         return False, ('pinned host buffers <-> the socket (no shared memory with a server: '
@@ -125,29 +140,52 @@ def device_route(io, config, device=None):
 
 
 def share(io, config, device=None):
-    """Make the device segment (on CUDA ``device``) and ask every server to map it; keep it if
-    some did (the route applies once all have: a restarted server maps it again), else free
-    it."""
+    """Ask every server whether it would map a device segment of this worker's; only if all
+    would, make it (on CUDA ``device``: KVPS_IPC_BYTES of GPU memory) and ask them to map it;
+    keep it if some did (the route applies once all have: a restarted server maps it again),
+    else free it."""
     servers = [server_name(rank) for rank in range(io.welcome['num_servers'])]
     local = io.staging.attached
     if not all(node in local for node in servers):
         log.info('no CUDA IPC for GPU values: some servers are on other hosts; they take '
                  'shared memory and the socket')
         return
-    shared = DeviceStaging.create(config.ipc, config.ipc_bytes, servers, device)
+    try:
+        sharing = sharing_for('cuda' if config.ipc == 'auto' else config.ipc, device)
+    except KVPSError as exc:
+        log.info('no CUDA IPC for GPU values (%s); they take shared memory', exc)
+        return
+    refused = {}   # node -> why it would not map it
+
+    def told(node, error=None):
+        if error is not None:
+            refused[node] = error
+    ask_all(io, config, servers, lambda node: {'op': P.ASK_DEVICE, 'kind': sharing.name}, told)
+    if refused:   # (host shards, another kind of memory): no GPU memory is taken for it
+        log.info('no CUDA IPC for GPU values (%s); they take shared memory',
+                 '; '.join(f'{node}: {why}' for node, why in sorted(refused.items())))
+        return
+    shared = DeviceStaging.create(sharing, config.ipc_bytes, servers)
     if shared is None:
         return
     io.staging.device = shared
+    ask_all(io, config, servers, lambda node: shared.attach_header(), shared.answered)
+    if not shared.attached:
+        io.staging.device = None
+        shared.close()
+
+
+def ask_all(io, config, servers, header_for, answered):
+    """Send ``header_for(node)`` to every one of ``servers`` and wait for their answers
+    (within KVPS_TIMEOUT), each told to ``answered(node, error=None)``."""
     ops = []
     for node in servers:
-        op = Attaching(f'attach the device buffer to {node}', shared.answered, node)
-        io.submit(node, shared.attach_header(), (), Request(op, node))
+        header = header_for(node)
+        op = Attaching(f'{header["op"]} to {node}', answered, node)
+        io.submit(node, header, (), Request(op, node))
         ops.append(op)
     for op in ops:
         try:
             op.wait(config.timeout)
-        except KVPSError:   # (logged by answered; the route then does not apply)
+        except KVPSError:   # (told to ``answered``: the route then does not apply)
             pass
-    if not shared.attached:
-        io.staging.device = None
-        shared.close()

@@ -4,13 +4,17 @@ shards) and through page-locked shared memory (KVPS_IPC=off) give exactly what h
 give on the same GPU shards, in dist_sync_device and dist_async_device (bit for bit with SGD,
 within 1e-6 with Adam); GPU memory and page-locked memory are all given back, after a job and
 after a worker's death; a worker killed mid-round is a PeerLostError on the others; a
-restarted server maps the workers' device buffers again. Skipped without a CUDA device. The
+restarted server maps the workers' device buffers again; a job on host shards takes no GPU
+memory for CUDA IPC (its workers ask first); a Trainer's fused keys are pushed from the
+device buffers themselves. Skipped without a CUDA device. The
 same jobs run on the host, with stand-ins, in test_device_route_cluster.py and
 test_ipc_route_cluster.py."""
 
 import pytest
 from test_device_route_cluster import SCRIPT, check_reports
-from test_ipc_route_cluster import AS_GPU_VALUES, ROUTE, killed_mid_round
+from test_ipc_route_cluster import (AS_GPU_VALUES, ROUTE, killed_mid_round,
+                                    on_host_shards_makes_no_device_segment,
+                                    trainer_pushes_from_the_device_segment)
 from test_server_restart import RECOVERY, TRAIN
 
 pytestmark = [pytest.mark.cluster, pytest.mark.gpu, pytest.mark.timeout(240)]
@@ -69,3 +73,15 @@ def test_a_restarted_server_maps_the_device_buffers_again(job, tmp_path, mode):
     for report in reports.values():
         assert report['exact'] and report['device_remapped'], report
     assert gpu_memory_used() <= before + SLACK
+
+
+def test_a_job_on_host_shards_exports_no_gpu_memory(job):
+    on_host_shards_makes_no_device_segment(job, CUDA, {'KVPS_BIGARRAY_BOUND': '1000'})
+
+
+def test_the_trainer_s_fused_gradients_are_pushed_from_the_device_buffer(job):
+    trainer_pushes_from_the_device_segment(job, CUDA + """
+import cupy
+DEV = 'cuda'
+AS_ARRAY = cupy.from_dlpack
+""", {'KVPS_BIGARRAY_BOUND': '1000'})

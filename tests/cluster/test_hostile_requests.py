@@ -173,6 +173,7 @@ def test_device_handles_are_opened_only_from_the_job_s_workers_and_checked(by_ha
         assert reply(signed, init, buffers=[np.ones(4, np.float32)])['op'] == P.ACK
         at, block = segment.take(16)
         block.view(np.float32)[:] = 5
+        segment.record()   # (as a worker does before the header goes)
         push = {'op': P.PUSH, 'id': 22, 'sync': False, 'keys': [['k', 0, 'float32', 4, at, 0]]}
         assert reply(signed, push)['op'] == P.ACK
         out_at, out = segment.take(16)

@@ -41,6 +41,104 @@ def test_the_ipc_route_gives_what_shared_memory_gives(job, store):
         assert not left_by(report['pid'])
 
 
+# Host shards (KVPS_SERVER_DEVICE=cpu): the servers say they would not map a device segment,
+# so the workers never make one (no export of the stand-in's device memory), and their GPU
+# values take page-locked shared memory, as the INFO lines say.
+COUNT_EXPORTS = """
+from kvps.wire.device_sharing import Sharing
+EXPORTS, export = [], Sharing.export
+Sharing.export = lambda self, nbytes: EXPORTS.append(nbytes) or export(self, nbytes)
+"""
+ON_HOST_SHARDS = """
+kv = kvps.create('dist_sync_device')
+kv.init(0, ON_GPU(torch.zeros(5000)))
+for step in range(3):
+    kv.push(0, ON_GPU(torch.full((5000,), float(kv.rank + 1))))
+    out = ON_GPU(torch.zeros(5000))
+    kv.pull(0, out=out)
+stats = kv.stats()
+report(value=out[0].item(), exports=len(EXPORTS), ipc=stats['pushed_bytes']['ipc'],
+       shm=stats['pushed_bytes']['shm'])
+kv.close()
+"""
+
+
+def on_host_shards_makes_no_device_segment(job, prelude, env):
+    """ON_HOST_SHARDS with ``prelude`` (ON_GPU) and settings ``env``, checked."""
+    result = job(prelude + COUNT_EXPORTS + ON_HOST_SHARDS, 2, 2,
+                 env={**env, 'KVPS_SERVER_DEVICE': 'cpu', 'KVPS_LOG_LEVEL': 'INFO'})
+    assert result.returncode == 0, result.output[-4000:]
+    for report in result.results().values():
+        assert report == {'value': 3.0, 'exports': 0, 'ipc': 0, 'shm': report['shm']}
+        assert report['shm'] > 0
+    assert result.output.count('no CUDA IPC for GPU values (server 0: this server keeps no '
+                               'GPU shards that could map a device segment (on server 0); '
+                               'server 1: ') == 2
+    assert result.output.count('device values: GPU <-> page-locked shared memory') == 2
+
+
+def test_a_job_on_host_shards_makes_no_device_segment(job):
+    on_host_shards_makes_no_device_segment(job, EMULATED, IPC)
+
+
+# The Trainer on the ipc route (DEV: where the model is; on the host every torch tensor is
+# taken for a GPU value): its fused gradients are gathered in the worker's device segment and
+# pushed from there, never copied into a block, and the model trains as plain torch does on the
+# combined batch.
+TRAINER = """
+import copy
+into_block, COPIES = kvps.devices._into_block, []
+kvps.devices._into_block = lambda *args: COPIES.append(1) or into_block(*args)
+kv = kvps.create('dist_sync_device')
+rank, nw = kv.rank, kv.num_workers
+torch.manual_seed(rank)   # (the Trainer broadcasts rank 0's weights)
+model = torch.nn.Sequential(torch.nn.Linear(60, 50), torch.nn.Tanh(), torch.nn.Linear(50, 3))
+model = model.to(DEV)
+trainer = kvps.Trainer(model.parameters(), 'sgd', {'learning_rate': 0.1, 'momentum': 0.9},
+                       kvstore=kv)
+ref = copy.deepcopy(model)
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+loss_fn = torch.nn.CrossEntropyLoss(reduction='sum')
+for step in range(5):
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(8, 60, generator=g).to(DEV), torch.randint(0, 3, (8,), generator=g)
+    y = y.to(DEV)
+    trainer.zero_grad()
+    loss_fn(model(x[rank::nw]), y[rank::nw]).backward()
+    trainer.step(len(x))
+    ref_opt.zero_grad()
+    (loss_fn(ref(x), y) / len(x)).backward()
+    ref_opt.step()
+diff = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), ref.parameters()))
+(fused,) = trainer._layout.fused
+segment = kv._backend.io.staging.device.segment
+report(diff=diff, in_segment=segment.offset_of(AS_ARRAY(fused.grad)) is not None,
+       into_blocks=len(COPIES), ipc=kv.stats()['pushed_bytes']['ipc'])
+kv.close()
+"""
+ON_HOST = """
+DEV = 'cpu'
+kvps.devices.on_gpu = kvps.arrays.is_torch
+AS_ARRAY = lambda t: t.numpy()
+"""
+
+
+def trainer_pushes_from_the_device_segment(job, prelude, env):
+    """TRAINER with ``prelude`` (DEV, AS_ARRAY) and settings ``env``, checked."""
+    result = job(prelude + TRAINER, 2, 2, env=env)
+    assert result.returncode == 0, result.output[-4000:]
+    reports = result.results()
+    assert sorted(reports) == [0, 1], result.output[-4000:]
+    for report in reports.values():
+        assert report['diff'] < 1e-5 and report['in_segment'], report
+        # 5 pushes of the fused key's 12,812 bytes, none copied into a block
+        assert report['into_blocks'] == 0 and report['ipc'] == 5 * 3203 * 4, report
+
+
+def test_the_trainer_s_fused_gradients_are_pushed_from_the_device_segment(job):
+    trainer_pushes_from_the_device_segment(job, EMULATED + ON_HOST, IPC)
+
+
 # A worker dies by SIGKILL mid-round (key 0 pushed, key 1 not) on the ipc route: the other
 # worker's next call raises PeerLostError naming it, as on every route.
 KILLED = '''

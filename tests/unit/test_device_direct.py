@@ -67,6 +67,13 @@ class ShmBackend(LocalBackend):
     def stage(self, sizes, device=False):
         return self.staging.stage(sizes, device)
 
+    def device_written(self, stream=None):
+        if self.staging.device is not None:
+            self.staging.device.record(stream)
+
+    def device_buffer(self, nbytes):
+        return None if self.staging.device is None else self.staging.device.hold(nbytes)
+
     def device_route(self, device=None):
         if self.staging.device is not None:
             return True, ROUTE
@@ -135,14 +142,14 @@ def test_a_push_is_copied_from_the_gpu_into_the_segment_with_no_staging_buffer(
     kv = KVStore('dist_sync_device', backend)
     kv.init(['a', 'split'], [torch.zeros(N, dtype=dtype), torch.zeros(2 * N, dtype=dtype)])
     on_gpu.clear()                                        # (init's copies: staged, as before)
-    waits, wait = [], devices.PushCopies.wait
-    devices.PushCopies.wait = lambda self: waits.append(1) or wait(self)
+    waits, finish = [], devices.PushCopies.finish
+    devices.PushCopies.finish = lambda self, recorded: waits.append(1) or finish(self, recorded)
     try:
         values = [[torch.full((N,), 1.5, dtype=dtype), torch.full((N,), 0.25, dtype=dtype)],
                   torch.arange(2 * N, dtype=dtype)]
         kv.push(['a', 'split'], values)
     finally:
-        devices.PushCopies.wait = wait
+        devices.PushCopies.finish = finish
     a, (split0, split1) = backend.held
     assert on_gpu == [] and waits == [1]                  # one wait for the whole push
     assert in_segment(backend, a) and in_segment(backend, split0) and in_segment(backend, split1)
@@ -154,6 +161,25 @@ def test_a_push_is_copied_from_the_gpu_into_the_segment_with_no_staging_buffer(
     out = [torch.zeros(N, dtype=dtype), torch.zeros(2 * N, dtype=dtype)]
     kv.pull(['a', 'split'], out=out)
     assert out[1].tolist() == values[1].tolist()
+
+
+def test_a_push_into_the_device_segment_records_its_event_and_waits_for_nothing(
+        tmp_path, locker, on_gpu, monkeypatch):
+    backend = ShmBackend(tmp_path, ipc=True)
+    kv = KVStore('dist_sync_device', backend)
+    kv.init(['a', 'split', 'host'], [torch.zeros(N), torch.zeros(2 * N), np.zeros(N)])
+    synchronized, recorded = [], []
+    monkeypatch.setattr(devices, '_synchronize', lambda d: synchronized.append(set(d)))
+    monkeypatch.setattr(backend, 'device_written', recorded.append)
+    push = backend.push
+    monkeypatch.setattr(backend, 'push', lambda *a: recorded.append('push') or push(*a))
+    kv.push(['a', 'split', 'host'], [torch.ones(N), torch.arange(2 * N) * 1.0, np.ones(N)])
+    a, (split0, split1), host = backend.held
+    assert all(in_device_segment(backend, v) for v in (a, split0, split1))
+    assert in_segment(backend, host)
+    # one record for the push (on the stand-in's no stream), before the backend has it; no
+    # copy waited for (the host value's sum is numpy's)
+    assert recorded == [None, 'push'] and synchronized == [set()]
 
 
 def test_small_values_and_values_that_find_no_room_are_staged_as_before(tmp_path, locker,
@@ -251,7 +277,8 @@ def test_a_landing_s_writes_are_made_and_waited_for_within_each_answer(tmp_path,
 @pytest.mark.parametrize('ipc', [False, True])
 def test_the_trainer_through_page_locked_memory_matches_the_host_path(tmp_path, locker,
                                                                       on_gpu, monkeypatch, ipc):
-    """(``ipc``: through the worker's device segment, the host stand-in of CUDA IPC.)"""
+    """(``ipc``: through the worker's device segment, the host stand-in of CUDA IPC, where
+    the fused key of w and b gathers its gradients, pushed from there.)"""
     def train(backend):
         gen = torch.Generator().manual_seed(0)
         w = torch.nn.Parameter(torch.randn(40, 70, generator=gen))
@@ -262,16 +289,28 @@ def test_the_trainer_through_page_locked_memory_matches_the_host_path(tmp_path, 
             trainer.zero_grad()
             ((w * torch.randn(40, 70, generator=gen)).sum() + b.sum()).backward()
             trainer.step(4)
-        return w.detach().clone(), b.detach().clone()
+        return trainer, (w.detach().clone(), b.detach().clone())
     monkeypatch.setattr(devices, 'on_gpu', lambda v: False)
-    want = train(LocalBackend())
+    _, want = train(LocalBackend())
     monkeypatch.setattr(devices, 'on_gpu', kvps.arrays.is_torch)
+    copies, into_block = [], devices._into_block
+    monkeypatch.setattr(devices, '_into_block', lambda *a: copies.append(1) or into_block(*a))
     backend = ShmBackend(tmp_path, ipc=ipc)
-    got = train(backend)
+    recorded, written = [], backend.device_written
+    backend.device_written = lambda stream=None: recorded.append(stream) or written(stream)
+    trainer, got = train(backend)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     where = in_device_segment if ipc else in_segment
     assert backend.messages > 0 and any(where(backend, h) for h in backend.held)
     assert (backend.counts.pulled_ipc > 0) == ipc and (backend.counts.pulled_shm > 0) != ipc
+    (fused,) = trainer._layout.fused
+    bucket = fused.grad.numpy()
+    if ipc:   # every push handed over the bucket itself, recorded, never copied
+        assert in_device_segment(backend, bucket)
+        assert len(backend.held) == len(recorded) == 3 and copies == []
+        assert all(np.shares_memory(h, bucket) for h in backend.held)
+    else:
+        assert len(copies) == 3 and recorded == []
 
 
 def test_the_route_is_logged_once_at_info(tmp_path, locker, on_gpu, caplog):

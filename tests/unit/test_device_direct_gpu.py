@@ -56,7 +56,7 @@ def test_torch_locks_and_unlocks_a_dev_shm_mapping(registry):
 
 
 def test_a_refused_lock_is_a_lock_failed_and_torch_goes_on(registry):
-    locker = devices.TorchLocker()
+    locker = pinning.TorchLocker()
     with pytest.raises(pinning.LockFailed, match='cudaHostRegister'):
         locker.lock(0, 4096, True)                      # no memory there: CUDA refuses
     assert (torch.ones(4, device=GPU) * 2).sum().item() == 8.0   # no stale error raised

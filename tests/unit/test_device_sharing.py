@@ -60,7 +60,7 @@ def test_closing_twice_is_harmless_and_a_closed_buffer_is_gone(sharing, tmp_path
     (b'kvps-1-0123456789abcdef'.ljust(64, b'\0'), 4096, 'is gone'),
     ('another nonce', 4096, 'nonce differs'),   # the same name in another /dev/shm
     (None, 0, 'out of range'),
-    (None, 8192, 'not a segment of 12288 bytes'),
+    (None, 8192, 'not a segment of 12800 bytes'),   # (its stamps after it)
     (None, True, 'out of range'),
 ])
 def test_a_handle_or_size_a_peer_got_wrong_is_refused(sharing, handle, nbytes, why):
@@ -75,10 +75,12 @@ def test_a_handle_or_size_a_peer_got_wrong_is_refused(sharing, handle, nbytes, w
 
 def test_events_are_recorded_by_the_exporter_and_waited_on_by_the_peer(sharing):
     event = sharing.event()
-    peer = sharing.open_event(event.handle)
+    peer = HostSharing(sharing.directory).open_event(event.handle)   # (another process's)
+    assert peer.recorded() == 0
     event.record()
     peer.wait()
-    assert (event.records, peer.waits) == (1, 1)
+    assert (event.records, peer.waits, peer.recorded()) == (1, 1, 1)   # the count is shared
+    event.close()
     with pytest.raises(ProtocolError, match='not a device event handle'):
         sharing.open_event(b'\0' * HANDLE_BYTES)
     with pytest.raises(ProtocolError, match='event handle must be 64 bytes'):
@@ -123,6 +125,25 @@ def test_a_killed_exporters_buffer_goes_with_it(tmp_path):
     assert files(tmp_path) == []
 
 
+def test_the_stand_in_orders_a_block_only_behind_a_record_made_after_it_was_taken(sharing):
+    # (a CUDA read before the writes land: what a push header sent before its record gets)
+    mine, event = sharing.export(4096), sharing.event()
+    peer_sharing = HostSharing(sharing.directory)
+    theirs = peer_sharing.open(mine.handle, 4096)
+    peer = peer_sharing.open_event(event.handle)
+    sharing.piece(mine, 0, 1000)
+    assert not peer_sharing.ordered(theirs, peer, 0)
+    event.record()
+    sharing.piece(mine, 1024, 1000)   # taken after that record: not ordered by it
+    assert peer_sharing.ordered(theirs, peer, 0)
+    assert not peer_sharing.ordered(theirs, peer, 1024)
+    event.record()
+    assert peer_sharing.ordered(theirs, peer, 1024)
+    for closing in (theirs, peer, mine, event):
+        closing.close()
+    assert files(sharing.directory) == []
+
+
 # -- the device segment ------------------------------------------------------------------------
 def test_device_segment_blocks_are_named_above_every_host_offset(sharing):
     segment = DeviceSegment(sharing, 1 << 16)
@@ -148,6 +169,24 @@ def test_a_device_block_returns_once_its_array_is_gone(sharing):
     assert segment.take(4096)[0] == DEVICE_BASE
     segment.close()
     assert segment.take(64) is None   # closed: nothing more is handed out
+
+
+def test_a_held_device_block_is_cut_before_any_other_and_never_returns(sharing):
+    segment = DeviceSegment(sharing, 1 << 16)
+    at, held = segment.hold(1000)
+    assert at == DEVICE_BASE and segment.offset_of(held) == at and len(held) == 1000
+    taken = segment.take(1 << 14)
+    assert taken[0] == at + 1024 and segment.hold(64) is None   # blocks out: none cut
+    del taken
+    gc.collect()
+    taken = segment.take((1 << 16) - 1024)                     # the ring goes round it
+    assert taken[0] == at + 1024
+    del taken
+    gc.collect()
+    assert segment.hold(1 << 16) is None                         # no room
+    assert segment.hold(1024)[0] == at + 1024                    # the next one after it
+    segment.close()
+    assert segment.hold(64) is None
 
 
 @pytest.mark.parametrize('at, nbytes', [(0, 4), (DEVICE_BASE - 1, 4), (DEVICE_BASE, 4097),
@@ -214,8 +253,6 @@ class FakeCupy:
                 self.ptr = 0x2000
                 calls.append(('event', fake.current))
 
-            def record(self):
-                calls.append(('record',))
 
         def open_mem(handle):
             if handle != b'm' * 64:
@@ -233,6 +270,8 @@ class FakeCupy:
             ipcGetEventHandle=lambda ptr: b'e' * 64,
             ipcOpenEventHandle=lambda handle: 0x4000,
             streamWaitEvent=lambda stream, event, flags: calls.append(('wait', stream, event)),
+            eventRecord=lambda event, stream: calls.append(('record', event, stream)),
+            eventSynchronize=lambda event: calls.append(('synchronize', event)),
             eventDestroy=lambda ptr: calls.append(('destroy', ptr)))
         self.cuda = SimpleNamespace(
             runtime=runtime, Memory=Memory, UnownedMemory=UnownedMemory, Device=Device,
@@ -269,18 +308,38 @@ def test_cuda_events_are_interprocess_and_waited_for_on_the_current_stream(cupy)
     sharing = sharing_for('cuda', device=1)
     event = sharing.event()
     assert event.handle == b'e' * 64 and cupy.calls == [('event', 1)]
-    event.record()
+    event.record(0x7000)   # on the stream of the copies (torch's current one)
+    event.record(0x8000)   # another stream: it waits for the record before, then records
+    event.record()         # (no stream: the legacy default one)
     peer = sharing.open_event(event.handle)
     peer.wait()
     peer.close()
     peer.close()
-    assert cupy.calls[1:] == [('record',), ('wait', 0x5000, 0x4000), ('destroy', 0x4000)]
+    assert cupy.calls[1:] == [('record', 0x2000, 0x7000),
+                              ('wait', 0x8000, 0x2000), ('record', 0x2000, 0x8000),
+                              ('wait', 0, 0x2000), ('record', 0x2000, 0),
+                              ('wait', 0x5000, 0x4000), ('destroy', 0x4000)]
 
 
 def test_cuda_ipc_without_cupy_is_a_config_error(monkeypatch):
     monkeypatch.setitem(sys.modules, 'cupy', None)
     with pytest.raises(ConfigError, match='CUDA IPC needs cupy'):
         sharing_for('cuda')
+
+
+def test_a_host_copy_of_a_block_waits_for_the_writes_recorded_so_far(cupy):
+    # (a push sent again to a restarted server as a frame: its copy into the block may still
+    # be running on the writer's stream)
+    segment = DeviceSegment(sharing_for('cuda'), 4096)
+    at, _ = segment.take(64)
+    segment.record(0x7000)
+    copies = []
+    cupy.asnumpy = lambda array: copies.append(cupy.calls[-1]) or len(array)
+    segment.buffer.array = list(range(4096))   # (slices of the fake's arrays: lists)
+    assert segment.host_copy(at + 64, 32) == 32 and copies == [('synchronize', 0x2000)]
+    assert cupy.calls[-2:] == [('record', 0x2000, 0x7000), ('synchronize', 0x2000)]
+    segment.buffer.array = None   # (closed: nothing to free in the fake)
+    segment.close()
 
 
 def test_a_gpu_s_device_segment_finds_no_host_array_in_it(cupy):

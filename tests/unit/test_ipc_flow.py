@@ -4,6 +4,7 @@ and pulls written in it by copies on the device, every offset checked, handles o
 from workers on the server's host, the segment unmapped when its worker leaves or the server
 ends, and requests to a server that has not mapped it sent as frames."""
 
+import logging
 from types import SimpleNamespace
 
 import numpy as np
@@ -12,6 +13,7 @@ from test_device_arrays import HostTransfers
 
 from kvps.errors import ConfigError, KVPSError, ProtocolError
 from kvps.optimizer.kernels import numpy_kernels
+from kvps.server import members
 from kvps.server.device_arrays import DeviceArrays
 from kvps.server.lending import Lending
 from kvps.server.records import ReplyKind
@@ -38,7 +40,7 @@ class Server:
     """One server's shard, lending and request handling, with GPU shards on the host (copies
     written into ``log``); its workers 0 and 1 live on hosts ``hosts``."""
 
-    def __init__(self, tmp_path, gpu=True, hosts=('a', 'a')):
+    def __init__(self, tmp_path, gpu=True, hosts=('a', 'a'), elastic=False):
         self.log = []
         self.sharing = HostSharing(str(tmp_path))
         device = DeviceArrays(np, numpy_kernels, HostTransfers(self.log), self.sharing) \
@@ -46,7 +48,7 @@ class Server:
         self.storage = Storage(HostArrays(), device)
         self.lending = Lending(Regions(directory=tmp_path), self.storage,
                                ('a', dict(enumerate(hosts))))
-        self.shard = Shard(2, storage=self.storage)
+        self.shard = Shard(len(hosts), storage=self.storage, elastic=elastic)
         self.requests = Requests(self.shard, self.lending, 'server 0')
 
     def handle(self, worker, header, frames=()):
@@ -56,8 +58,8 @@ class Server:
         (reply,) = self.handle(worker, {'op': P.ATTACH_DEVICE, **segment.describe()})
         return reply
 
-    def init(self, key, value):
-        self.shard.init('i', key, 0, 'float32', [value.size], False,
+    def init(self, key, value, sync=False):
+        self.shard.init('i', key, 0, 'float32', [value.size], sync,
                         memoryview(value).cast('B'), device=True)
 
     def mapping(self, worker):
@@ -68,10 +70,13 @@ def device_segment(tmp_path, nbytes=1 << 20):
     return DeviceSegment(HostSharing(str(tmp_path)), nbytes)
 
 
-def staged(segment, value):
-    """A block of ``segment`` holding ``value`` (float32): ``(wire offset, block)``."""
+def staged(segment, value, record=True):
+    """A block of ``segment`` holding ``value`` (float32): ``(wire offset, block)``; the
+    worker's event recorded behind the write, as a push does before its header goes."""
     at, block = segment.take(value.nbytes)
     block.view(np.float32)[...] = value
+    if record:
+        segment.record()
     return at, block
 
 
@@ -91,6 +96,67 @@ def test_a_push_in_the_device_segment_is_copied_on_the_device_behind_the_worker_
     assert server.shard.entries[('b', 0)].weight.tolist() == [3.0] * N
     assert server.log == [('hold',), ('hold',)]         # copies on the device, no host copy
     assert server.mapping(W0).event.waits == 1           # once per message, before its reads
+
+
+def push(server, worker, segment, value, sync=True):
+    """``worker`` pushes ``value`` of key 'a' through a block of its ``segment``; the block
+    and the replies."""
+    at, block = staged(segment, value)
+    item = PushItem('a', 0, 'float32', N, at, None)
+    return block, server.handle(worker, {'op': P.PUSH, 'sync': sync, 'keys': [item]})
+
+
+def test_a_sync_round_sums_the_workers_mapped_blocks_in_place(tmp_path):
+    server = Server(tmp_path)
+    segments = [device_segment(tmp_path) for _ in range(2)]
+    for worker, segment in zip((W0, W1), segments):
+        server.attach(worker, segment)
+    server.init('a', np.zeros(N, np.float32), sync=True)
+    server.shard.set_optimizer({'name': 'sgd', 'params': {'learning_rate': 0.5}})
+    server.log.clear()
+    entry = server.shard.entries[('a', 0)]
+    first, replies = push(server, W0, segments[0], np.full(N, 1.25, np.float32))
+    # kept by reference, read-only: the round's sum so far is the worker's block itself
+    assert replies == [] and np.shares_memory(entry.summed, server.mapping(W0).buffer.array)
+    assert not entry.summed.flags.writeable
+    second, replies = push(server, W1, segments[1], np.full(N, 2.5, np.float32))
+    assert [r.kind for r in replies] == [ReplyKind.ACK] * 2   # both answered at the round's end
+    assert entry.weight.tolist() == [-0.5 * 3.75] * N
+    assert first.view(np.float32).tolist() == [1.25] * N      # the workers' blocks unchanged
+    assert second.view(np.float32).tolist() == [2.5] * N
+    # nothing copied to the device, every read waited for before the answers
+    assert server.log == [('hold',), ('hold',)]
+
+
+def test_a_worker_lost_mid_round_leaves_the_others_kept_blocks_to_sum(tmp_path):
+    server = Server(tmp_path, hosts=('a', 'a', 'a'), elastic=True)
+    W2 = worker_identity(2)
+    segments = [device_segment(tmp_path) for _ in range(3)]
+    for worker, segment in zip((W0, W1, W2), segments):
+        server.attach(worker, segment)
+    server.init('a', np.zeros(N, np.float32), sync=True)
+    push(server, W0, segments[0], np.full(N, 1.0, np.float32))
+    push(server, W1, segments[1], np.full(N, 4.0, np.float32))
+    server.lending.forget(W1)   # (as the loop does first: its segment is unmapped)
+    assert members.change(server.shard, [W1], []) == ([], {W1: 1})
+    _, replies = push(server, W2, segments[2], np.full(N, 0.5, np.float32))
+    assert {r.kind for r in replies} == {ReplyKind.ACK}
+    assert server.shard.entries[('a', 0)].weight.tolist() == [1.5] * N   # W0's and W2's
+
+
+def test_a_push_whose_blocks_no_record_followed_fails_its_key_alone(tmp_path):
+    # (on a GPU the server would read the blocks before the worker's copies land)
+    server, segment = Server(tmp_path), device_segment(tmp_path)
+    server.attach(W0, segment)
+    server.init('a', np.zeros(N, np.float32))
+    server.init('b', np.zeros(N, np.float32))
+    at_a, _ = staged(segment, np.full(N, 2.0, np.float32))
+    at_b, _ = staged(segment, np.full(N, 3.0, np.float32), record=False)
+    items = [PushItem('a', 0, 'float32', N, at_a, 0), PushItem('b', 0, 'float32', N, at_b, 0)]
+    replies = server.handle(W0, {'op': P.PUSH, 'sync': False, 'keys': items})
+    assert replies[0].kind == ReplyKind.ACK and type(replies[1].payload) is ProtocolError
+    assert 'not recorded by the worker\'s event after it was written' in str(replies[1].payload)
+    assert server.shard.entries[('b', 0)].weight.tolist() == [0.0] * N
 
 
 def test_a_pull_into_the_device_segment_is_copied_on_the_device_and_waited_for(tmp_path):
@@ -120,6 +186,24 @@ def test_a_server_without_gpu_shards_does_not_map_a_device_segment(tmp_path):
     reply = server.attach(W0, segment)
     assert reply.kind == ReplyKind.ERROR
     assert 'keeps no GPU shards' in str(reply.payload)
+
+
+@pytest.mark.parametrize('gpu, hosts, kind, why', [
+    (True, ('a', 'a'), 'host', None),
+    (True, ('a', 'b'), 'host', 'worker-1 is on b, not on this server\'s host a'),
+    (False, ('a', 'a'), 'host', 'keeps no GPU shards that could map a device segment'),
+    (True, ('a', 'a'), 'cuda', 'GPU shards share \'host\' memory, not \'cuda\''),
+])
+def test_a_server_says_whether_it_would_map_a_device_segment_before_one_is_made(
+        tmp_path, gpu, hosts, kind, why):
+    server = Server(tmp_path, gpu=gpu, hosts=hosts)
+    (reply,) = server.handle(W1, {'op': P.ASK_DEVICE, 'kind': kind})
+    if why is None:
+        assert reply.kind == ReplyKind.ACK
+    else:
+        assert reply.kind == ReplyKind.ERROR and type(reply.payload) is ConfigError
+        assert why in str(reply.payload)
+    assert server.sharing.open_buffers == 0   # nothing mapped, nothing made
 
 
 def test_device_offsets_outside_the_segment_fail_their_key_alone(tmp_path):
@@ -222,21 +306,57 @@ class FakeIO:
 
 
 @pytest.mark.parametrize('refuse', [(), ('server 1',), tuple(NODES)])
-def test_the_first_gpu_values_set_the_route_up_once(tmp_path, refuse):
+def test_the_first_gpu_values_set_the_route_up_once(tmp_path, refuse, monkeypatch, caplog):
     staging = Staging(Segment.create(1 << 22, directory=tmp_path, grows=True))
     for node in NODES:
         staging.attach_header(node)
         staging.answered(node)
     io = FakeIO(staging, refuse)
+    exports, export = [], HostSharing.export
+    monkeypatch.setattr(HostSharing, 'export', lambda self, n: exports.append(n) or
+                        export(self, n))
     config = SimpleNamespace(ipc='host', ipc_bytes=1 << 16, timeout=5.0)
-    _, how = device_staging.device_route(io, config)
-    assert io.sent == [('server 0', P.ATTACH_DEVICE), ('server 1', P.ATTACH_DEVICE)]
+    with caplog.at_level(logging.INFO, logger='kvps.worker'):
+        _, how = device_staging.device_route(io, config)
+    asked = [('server 0', P.ASK_DEVICE), ('server 1', P.ASK_DEVICE)]
+    attached = [('server 0', P.ATTACH_DEVICE), ('server 1', P.ATTACH_DEVICE)]
+    # asked first: the segment (its device memory) is made only when every server would map it
+    assert io.sent == asked + (attached if not refuse else [])
+    assert exports == ([1 << 16] if not refuse else [])
     assert how.startswith('CUDA IPC') == (not refuse)
-    # kept while some server maps it (a restarted one may map it again); else freed at once
-    assert (staging.device is not None) == (len(refuse) < 2)
+    assert (staging.device is not None) == (not refuse)
+    if refuse:
+        assert f'no CUDA IPC for GPU values ({refuse[0]}: no GPU shards here' in caplog.text
     device_staging.device_route(io, config)
-    assert len(io.sent) == 2   # asked once
+    assert len(io.sent) == len(asked + (attached if not refuse else []))   # asked once
     staging.close()
+
+
+def test_a_segment_no_server_maps_after_all_is_freed(tmp_path):
+    # (every server said it would, and then could not open it: no peer access, say)
+    staging = Staging(Segment.create(1 << 22, directory=tmp_path, grows=True))
+    for node in NODES:
+        staging.attach_header(node)
+        staging.answered(node)
+    io = FakeIO(staging)
+    submit = io.submit
+
+    def failing_attach(node, header, buffers, request):
+        if header['op'] == P.ATTACH_DEVICE:
+            io.refuse = NODES
+        submit(node, header, buffers, request)
+    io.submit = failing_attach
+    _, how = device_staging.device_route(io, SimpleNamespace(ipc='host', ipc_bytes=1 << 16,
+                                                             timeout=5.0))
+    assert not how.startswith('CUDA IPC') and staging.device is None
+    staging.close()
+
+
+def test_ask_device_is_checked_on_the_wire():
+    header = {'op': P.ASK_DEVICE, 'id': 1, 'kind': 'cuda'}
+    assert P.decode(P.encode(header))[0] == header
+    with pytest.raises(ProtocolError, match="field 'kind' missing"):
+        P.decode(P.encode({'op': P.ASK_DEVICE, 'id': 1}))
 
 
 def test_attach_device_is_checked_on_the_wire():
