@@ -310,8 +310,9 @@ def timeline(args, out, cfg, opt):
     not in their ratio. The cost is the median of the launches' ratios."""
     from kvps.timeline import summary
     W, total = CONFIGS[cfg][0], CONFIGS[cfg][3]
-    rounds = args.rounds or (400 if total <= 8 * MiB else 100)
-    block = max(10, rounds // 10)
+    # short blocks, many of them: the box's pace drifts over seconds, and each state gets
+    # its share of every stretch (the first rounds of a block are not counted)
+    rounds, block = args.rounds or (2000 if total <= 8 * MiB else 200), 10
     per_launch, trace = [], None
     for i in range(args.launches):
         run_dir = args.out / cfg / f'timeline-{opt}' / f'launch{i}'

@@ -8,6 +8,7 @@ is ``wait``, not also ``pull``). A worker's ``compute`` is the part of its steps
 the thread making them was in no kvps span: the model's forward and backward, the data.
 """
 
+import bisect
 import collections
 import json
 
@@ -86,16 +87,14 @@ class Timeline:
 
     def per_step(self):
         """{(role, thread): {kind of span: ms per step and node}} (spans that start within
-        the workers' steps; time before the first and after the last is left out); without
-        steps, ms over the whole job. Threads are apart: a worker's I/O thread sends while
+        the workers' steps; time before the first, after the last and in a gap a pause left
+        out is not counted); without steps, ms over the whole job. Threads are apart: a worker's I/O thread sends while
         its calling thread waits."""
         steps = max((len(p) for p in self.steps.values()), default=0) or 1
-        periods = [p for periods in self.steps.values() for p in periods]
-        first = min((a for a, _ in periods), default=float('-inf'))
-        last = max((b for _, b in periods), default=float('inf'))
+        within = _union(p for periods in self.steps.values() for p in periods)
         totals = collections.defaultdict(lambda: collections.defaultdict(float))
         for span, own in self.own:
-            if first <= span['ts'] < last:
+            if within(span['ts']):
                 totals[self._row(span['pid'], span['tid'])][span['cat']] += own
         for (pid, tid), periods in self.steps.items():
             totals[self._row(pid, tid)]['compute'] += sum(
@@ -221,3 +220,21 @@ def _describe(args):
 
 def _mean(values):
     return sum(values) / len(values) if values else 0.0
+
+
+def _union(periods):
+    """Whether a time falls in any of ``periods`` ((start, end) pairs; none: every time)."""
+    merged = []
+    for a, b in sorted(periods):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    if not merged:
+        return lambda t: True
+    starts = [a for a, _ in merged]
+
+    def within(t):
+        i = bisect.bisect_right(starts, t) - 1
+        return i >= 0 and t < merged[i][1]
+    return within

@@ -171,12 +171,16 @@ def test_a_paused_gap_is_no_step_of_the_summary(path):
     for start in (0, 10_000_000, 20_000_000, 500_000_000, 510_000_000):
         put(worker, 'push', 'push', start, 1_000_000)
     worker._put(['i', 'pause', 'timeline', worker._tid(), 25_000_000, 0, None, None])
+    put(worker, 'wait', 'wait', 2_000_000, 3_000_000)     # in a step
+    put(worker, 'wait', 'wait', 30_000_000, 50_000_000)   # in the gap (a barrier's, say)
     for recorder in nodes.values():
         recorder.close()
     merge.merge([path], path)
     view = summary.Timeline(summary.load(path))
     assert sorted(b - a for periods in view.steps.values() for a, b in periods) == [
         10_000.0, 10_000.0, 10_000.0]   # us: the 480 ms while paused is not a step
+    (row, each), = [(r, e) for r, e in view.per_step().items() if r[0] == 'worker']
+    assert each['wait'] == pytest.approx(1.0)   # ms per step: 3 ms over 3 steps, not 53
 
 
 @pytest.fixture
