@@ -10,7 +10,8 @@ On, a site appends one tuple to a deque (no formatting, no I/O): a writer thread
 every FLUSH_SECONDS into the part file, so a node killed by SIGKILL leaves what it recorded
 up to the last flush, and a node that exits, or fails, leaves everything (atexit, close).
 The deque is bounded: a writer that falls behind loses the oldest events, counted in the
-file, never the node's memory.
+file, never the node's memory. ``pause()`` makes RECORDER None again (the sites cost their
+check, as when off) until ``resume()``; SIGUSR2 does one or the other.
 
 Items of a part file, each a msgpack list whose first field says what it is:
 - ``['node', {role, rank, name, pid, host}]``: who wrote it (again once the rank is known);
