@@ -38,10 +38,17 @@ else:
 '''
 
 
-def everyone(result):
-    """The joiner's payload, and {rank: payload} of every worker, the joiner included."""
+def one_epoch(job, script, workers):
+    """Run ``script`` (SIZE and BATCH set) with ``workers`` workers and room for a joiner
+    until the epoch is over; returns the job's result, the joiner's payload, and {rank:
+    payload} of every worker, the joiner included."""
+    result = job(f'SIZE, BATCH = {SIZE}, {BATCH}\n' + textwrap.dedent(script), workers=workers,
+                 servers=1, launcher_args=['--min-workers', '2', '--max-workers',
+                                           str(workers + 1)],
+                 ends_when='the epoch is over for every member')
+    assert result.returncode == 0, result.output
     joined = json.loads(result.stdout.split('JOINED ', 1)[1].split('\n', 1)[0])
-    return joined, {**result.results(), joined['rank']: joined}
+    return result, joined, {**result.results(), joined['rank']: joined}
 
 
 # Each worker pushes, per batch, a one at each of its samples into key 0; the servers'
@@ -72,13 +79,8 @@ line = json.dumps({'rank': kv.rank, 'counts': out.tolist(), 'batches': batches,
 
 
 def test_every_sample_is_applied_once_whoever_is_lost_or_joins(job):
-    script = f'SIZE, BATCH = {SIZE}, {BATCH}\n' + textwrap.dedent(SCRIPT)
-    result = job(script, workers=4, servers=1,
-                 launcher_args=['--min-workers', '2', '--max-workers', '5'],
-                 ends_when='the epoch is over for every member')
-    assert result.returncode == 0, result.output
+    result, joined, workers = one_epoch(job, SCRIPT, 4)
     assert 'worker 3' in result.stderr and 'goes on without it' in result.stderr
-    joined, workers = everyone(result)
     assert sorted(workers) == [0, 1, 2, 4], result.output
     for rank, worker in workers.items():
         assert worker['counts'] == [1.0] * SIZE, f'worker {rank}: {worker["counts"]}'
@@ -114,12 +116,7 @@ line = json.dumps({'rank': kv.rank, 'applied': applied, 'replayed': trainer._han
 
 
 def test_a_joiners_batches_of_the_rounds_it_abstains_from_are_dealt_again(job):
-    script = f'SIZE, BATCH = {SIZE}, {BATCH}\n' + textwrap.dedent(WITH_TRAINER)
-    result = job(script, workers=3, servers=1,
-                 launcher_args=['--min-workers', '2', '--max-workers', '4'],
-                 ends_when='the epoch is over for every member')
-    assert result.returncode == 0, result.output
-    joined, workers = everyone(result)
+    result, joined, workers = one_epoch(job, WITH_TRAINER, 3)
     assert sorted(workers) == [0, 1, 2, 3], result.output
     assert joined['replayed'] is not None and any(joined['applied']), joined
     applied = sorted(s for w in workers.values() for batch in w['applied'] for s in batch)
