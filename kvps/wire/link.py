@@ -92,19 +92,19 @@ class SchedulerLink:
         if decoded is None:
             return None
         header = decoded[0]
-        if 'clock' in header and recording.recorder_kept() is not None:
-            self._read_clock(header)
+        if 'clock' in header:
+            recorder = recording.recorder_kept()   # (paused too: spans recorded later need it)
+            if recorder is not None:
+                self._read_clock(header, recorder)
         return header
 
-    def _read_clock(self, header):
+    def _read_clock(self, header, recorder):
         """The scheduler's clock, as a WELCOME or HEARTBEAT_ACK read it: the timeline's
         offset onto the scheduler's time (nodes' spans are aligned with it)."""
         sent = self._beats.pop(header['id'] if header['op'] == P.HEARTBEAT_ACK else 0, None)
         if sent is not None:
             received = recording.now()
-            recorder = recording.recorder_kept()   # (paused too: spans recorded later need it)
-            if recorder is not None:
-                recorder.clock(*recording.clock_sample(sent, header['clock'], received))
+            recorder.clock(*recording.clock_sample(sent, header['clock'], received))
 
     def raise_if_fatal(self, header):
         """Turn the scheduler's ERROR / SHUTDOWN / PEER_LOST into the matching exception."""
