@@ -313,6 +313,11 @@ def _threads_cpu(pid, tck):
 THREAD_CLASSES = ('main', 'py_threads', 'zmq_io', 'other')
 
 
+def cpu_seconds(delta):
+    """The CPU seconds of every thread of every node in a cpu_delta."""
+    return sum(v for u in delta.values() for k, v in u.items() if k != 'pid')
+
+
 def cpu_delta(before, after):
     """CPU seconds spent between two job_thread_cpu snapshots, per process and thread class
     (threads present in both; a thread that ended in between is left out), plus the pid."""

@@ -153,7 +153,7 @@ def measure_kvps(args, cfg, opt, rounds, run_dir, wrap=(), launcher_args=(), wor
             extra['cpu_ms_per_step'] = {
                 label: {k: round(v * 1e3 / rounds, 2) for k, v in u.items() if k != 'pid'}
                 for label, u in sorted(root['cpu_s'].items()) if label != 'scheduler'}
-            busy = sum(v for u in root['cpu_s'].values() for k, v in u.items() if k != 'pid')
+            busy = C.cpu_seconds(root['cpu_s'])
             extra['cpu_busy_fraction'] = round(busy / root['cpu_window_s'] / os.cpu_count(), 3)
     if rc != 0 or len(records) < W:
         extra['error'] = log[-1500:]

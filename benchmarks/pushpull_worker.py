@@ -84,9 +84,7 @@ class TimelineBlocks:
         if self.rank == 0:
             nodes = _common.job_thread_cpu(self.tag)
             if self._cpu is not None:
-                spent = _common.cpu_delta(self._cpu, nodes)
-                self.cpu_s[self._on] += sum(v for c in spent.values()
-                                            for k, v in c.items() if k != 'pid')
+                self.cpu_s[self._on] += _common.cpu_seconds(_common.cpu_delta(self._cpu, nodes))
             self._cpu = nodes
             for node in nodes.values():
                 os.kill(node['pid'], signal.SIGUSR2)
