@@ -91,7 +91,7 @@ def test_cuda_values_go_straight_between_the_gpu_and_the_segment(tmp_path, regis
 @pytest.mark.skipif(not HAS_CUPY, reason='needs cupy (GPU shards)')
 def test_a_gpu_shard_copies_straight_between_the_device_and_a_worker_s_segment(tmp_path,
                                                                                monkeypatch):
-    from test_device_arrays import Server1
+    from test_device_arrays import N, Server1   # its own size: what its pulls take
 
     from kvps.server.device_arrays import CudaArrays
     server = Server1('/dev/shm', monkeypatch, gpu=CudaArrays)   # cupy's locker, for real

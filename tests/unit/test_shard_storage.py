@@ -61,7 +61,7 @@ def train(arrays, sync, optimizer):
                        seq=step)
         for key in ('a', 'b', 'c'):
             (_, _, (_, value, lease)), = shard.pull('q', W0, key, 0)
-            pulled.append(np.array(value))
+            pulled.append(np.array(arrays.to_host(value)))   # a device value too (a copy)
             lease.released = True
     return pulled, snapshot(shard)
 
