@@ -52,7 +52,8 @@ class Daemon:
                     proc.communicate(stdin, timeout=timeout)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-                    proc.wait()
+                    with contextlib.suppress(subprocess.TimeoutExpired):   # (stuck in the
+                        proc.wait(STOP_S)                                  # kernel: go on)
                     return f'no answer within {timeout:g} s'
         except OSError as exc:
             return str(exc)
@@ -125,9 +126,9 @@ def running(on, environ, say, started=None):
     yields the variables its processes are to be given ({} when off or given already).
     ``started(daemon)``: told of a daemon this started (the launcher's sweeper)."""
     daemon = start(environ, say) if on else None
-    if daemon is not None and started is not None:
-        started(daemon)
     try:
+        if daemon is not None and started is not None:
+            started(daemon)
         yield daemon.variables if daemon is not None else {}
     finally:
         if daemon is not None:
