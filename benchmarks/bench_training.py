@@ -22,6 +22,7 @@ process runs torch with one thread, but alone on the CPU, which runs W.
     python benchmarks/bench_training.py --workers 4 --servers 2 --models wide
     python benchmarks/bench_training.py --device cuda     # models and batches on the GPU
     python benchmarks/bench_training.py --device cuda --models resnet,gpt
+    python benchmarks/bench_training.py --device cuda --mps   # every job under a CUDA MPS daemon
 """
 import argparse
 import os
@@ -33,6 +34,9 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402  (benchmarks/ is not a package)
 import training_worker  # noqa: E402  (its tables; torch is imported by the worker only)
+
+from kvps.errors import ConfigError  # noqa: E402
+from kvps.launch import mps  # noqa: E402
 
 SYSTEMS = training_worker.SYSTEMS
 WORKER = str(Path(__file__).resolve().parent / 'training_worker.py')
@@ -54,6 +58,9 @@ def parse_args():
     p.add_argument('--timeout', type=float, default=300.0)
     p.add_argument('--out', default=None, help='directory for results.jsonl')
     p.add_argument('--device', default='cpu', help='where the workers train: cpu or cuda')
+    p.add_argument('--mps', action='store_true',
+                   help='every job under a private CUDA MPS daemon: kvps through kvps.launch '
+                        '--mps, ddp and alone through the same start and stop')
     p.add_argument('--timeline', action='store_true',
                    help='run each kvps system once more with the timeline on: where its step '
                         'goes, per role and thread (python -m kvps.timeline summary)')
@@ -62,16 +69,25 @@ def parse_args():
     return args
 
 
-def run_torch_job(ranks, argv, out_dir, timeout, name):
-    """``ranks`` torch processes (DDP's meet through a FileStore in ``out_dir``; alone is one);
+def run_torch_job(ranks, argv, out_dir, timeout, name, use_mps=False):
+    """``ranks`` torch processes (DDP's meet through a FileStore in ``out_dir``; alone is one),
+    clients of a private MPS daemon when ``use_mps``, as kvps.launch --mps makes a kvps job's;
     returns (rc, log)."""
+    try:
+        with mps.running(use_mps, os.environ, _common.note) as variables:
+            return _torch_processes(ranks, argv, out_dir, timeout, name, variables)
+    except ConfigError as exc:   # no daemon: nothing started (the launcher's exit code)
+        return 2, str(exc)
+
+
+def _torch_processes(ranks, argv, out_dir, timeout, name, variables):
     rendezvous = Path(out_dir) / 'rendezvous'
     rendezvous.unlink(missing_ok=True)
     log_path = Path(out_dir) / f'{name}.log'
     procs = []
     with open(log_path, 'w') as log:
         for rank in range(ranks):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks),
+            env = dict(os.environ, **variables, RANK=str(rank), WORLD_SIZE=str(ranks),
                        KVPS_BENCH_RENDEZVOUS=str(rendezvous), GLOO_SOCKET_IFNAME='lo',
                        OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
             procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -98,11 +114,11 @@ def run_one(args, model, system, out_dir, launcher_args=()):
             '--device', args.device, *(['--batch', str(args.batch)] if args.batch else [])]
     ranks = 1 if system == 'alone' else args.workers
     if system in ('ddp', 'alone'):
-        rc, log = run_torch_job(ranks, argv, out_dir, args.timeout, system)
+        rc, log = run_torch_job(ranks, argv, out_dir, args.timeout, system, args.mps)
     else:
-        rc, log, _, _ = _common.run_kvps_job(args.workers, args.servers, argv, out_dir,
-                                             args.timeout, tag=f'training-{system}',
-                                             launcher_args=launcher_args)
+        rc, log, _, _ = _common.run_kvps_job(
+            args.workers, args.servers, argv, out_dir, args.timeout, tag=f'training-{system}',
+            launcher_args=(*launcher_args, *(['--mps'] if args.mps else [])))
     records = _common.read_worker_records(out_dir, ranks)
     if rc != 0 or len(records) != ranks:
         _common.note(f'{model}/{system} failed (rc {rc}):\n{log[-2000:]}')
@@ -156,15 +172,18 @@ def main():
     args = parse_args()
     out = Path(args.out or _common.default_out_dir('training'))
     lines = _common.JsonLines(out, 'training')
+
+    def emit(record):   # every line says whether its jobs ran under MPS
+        return lines.emit({**record, 'mps': args.mps})
     for model in args.models.split(','):
         ms = {}
         for system in args.systems.split(','):
-            ms[system] = lines.emit(measure(args, model, system, out))['ms_step']
+            ms[system] = emit(measure(args, model, system, out))['ms_step']
         for system in args.systems.split(',') if args.timeline else ():
             if system.startswith('kvps'):
-                lines.emit(traced(args, model, system, out / f'{model}-{system}-traced'))
+                emit(traced(args, model, system, out / f'{model}-{system}-traced'))
         for line in ratios(model, ms):
-            lines.emit(line)
+            emit(line)
     _common.note(f'results in {lines.path}')
 
 

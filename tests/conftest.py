@@ -18,6 +18,7 @@ PLUGINS = str(REPO / 'tests' / 'plugins')   # optimizer plugins, as servers impo
 NODE_MODULES = ('kvps.launch', 'kvps.node')
 JOB_FOLDERS = (REPO / 'launch', REPO / 'examples')
 IMPORTS_KVPS = re.compile(r'^\s*(import|from)\s+kvps\b', re.M)
+pytest_plugins = ['mps_standin']   # the mps_control fixture, for unit and cluster tests
 
 
 def kvps_process(args, env=None, cwd=None):

@@ -202,6 +202,10 @@ def build_parser():
     p.add_argument('--stats', dest='stats_seconds', type=_checked('stats_seconds'),
                    metavar='SEC', help='every node prints a line of counters every SEC '
                                        'seconds (KVPS_STATS)')
+    p.add_argument('--mps', action='store_true',
+                   help='run a private CUDA MPS control daemon for the job, so that the '
+                        'kernels of its processes sharing a GPU run side by side (local only; '
+                        'an MPS daemon named by CUDA_MPS_PIPE_DIRECTORY is used instead)')
     p.add_argument('--grace', type=_grace, default=DEFAULT_GRACE, metavar='SEC',
                    help='seconds between SIGTERM and SIGKILL when stopping (default 5)')
     p.add_argument('command', nargs=argparse.REMAINDER,
@@ -217,6 +221,10 @@ def _problem(opts):
             flag = {'hostfile': '-H/--hostfile', 'identity': '-i/--identity'}.get(
                 dest, '--' + dest)
             return f'{flag} is for --launcher {" or ".join(launchers)}, not {opts.launcher}'
+    if opts.mps and opts.launcher != 'local':
+        return ('--mps starts an MPS daemon on this host only (--launcher local); with '
+                f'--launcher {opts.launcher} run MPS on each host, as cluster admins do '
+                '(docs/launching.md#cuda-mps-several-processes-on-one-gpu)')
     if opts.launcher == 'ssh' and opts.hostfile is None:
         return '--launcher ssh needs -H/--hostfile FILE (the hosts to start processes on)'
     if opts.min_workers is None and (opts.max_workers or opts.restart_workers):

@@ -11,7 +11,7 @@ from ..errors import ConfigError
 from ..scheduler.elastic import bounds as elastic_bounds
 from ..timeline import merge as timeline_merge, recording as timeline_recording
 from ..wire.auth import new_secret
-from . import clusters
+from . import clusters, mps
 from .plan import kvps_node, plan_nodes, plan_scheduler
 from .processes import Sweeper
 from .supervise import Supervisor, forwarding_signals
@@ -53,20 +53,36 @@ def run(opts, environ=None, node_argv=None, out=None, err=None):
                                 formed_file=config.formed_file, blame_file=config.blame_file,
                                 sweeper=Sweeper(), mirror_to=port_file if not local else None,
                                 blame_wait=0.0 if local else REMOTE_BLAME_WAIT)
+        # from here a signal is an event of the supervisor's: one that comes while the MPS
+        # daemon starts or stops (each bounded) is acted on after that
         with forwarding_signals(supervisor):
             try:
-                if opts.launcher in clusters.BATCH:
-                    return _run_batch(supervisor, opts, environ, port_file, config, node_argv)
-                return _run_job(supervisor, opts, environ, port_file, config, node_argv)
-            except ConfigError as exc:   # --env NAME of a variable the launcher lacks
+                with mps.running(opts.mps, environ, supervisor.say,
+                                 started=supervisor.sweeper.watch_mps) as variables:
+                    environ.update(variables)   # every process, restarted ones too
+                    return _supervised(supervisor, opts, environ, port_file, config, node_argv)
+            except ConfigError as exc:   # --mps, and no daemon: no process has started
                 say(exc)
                 return supervisor.stop(2)
-            finally:  # whatever happened (even a bug here), leave no process behind
+            finally:
                 supervisor.stop(1 if supervisor.stopped is None else supervisor.stopped)
                 if opts.launcher in clusters.BATCH:
                     clusters.remove_rendezvous(port_file[:-len('.port')])
                 if opts.timeline:   # every node has exited: their part files are whole
                     _merge_timeline(opts.timeline, supervisor.say)
+
+
+def _supervised(supervisor, opts, environ, port_file, config, node_argv):
+    """Run the job with its launcher; every process has exited when this returns."""
+    try:
+        if opts.launcher in clusters.BATCH:
+            return _run_batch(supervisor, opts, environ, port_file, config, node_argv)
+        return _run_job(supervisor, opts, environ, port_file, config, node_argv)
+    except ConfigError as exc:   # --env NAME of a variable the launcher lacks
+        supervisor.say(exc)
+        return supervisor.stop(2)
+    finally:  # whatever happened (even a bug here), leave no process behind
+        supervisor.stop(1 if supervisor.stopped is None else supervisor.stopped)
 
 
 def _timeline_problem(path):

@@ -5,6 +5,7 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -41,13 +42,18 @@ class Sweeper:
     def __init__(self):
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, '-m', 'kvps.launch.sweeper'], stdin=subprocess.PIPE,
+                [sys.executable, '-m', 'kvps.launch.sweeper', str(os.getpid())],
+                stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         except OSError:   # the launcher still sweeps when it stops; only a SIGKILL escapes
             self.proc = None
 
     def watch(self, pid):
         self._write(f'{pid}\n'.encode())
+
+    def watch_mps(self, daemon):
+        """An MPS daemon (kvps.launch.mps.Daemon) to stop should the launcher die first."""
+        self._write(f'mps {json.dumps([daemon.binary, daemon.root])}\n'.encode())
 
     def _write(self, data):
         try:
