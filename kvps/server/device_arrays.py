@@ -6,19 +6,20 @@ range is page-locked (kvps.pinning) and copied to the device by one asynchronous
 that came through the socket (or from memory that could not be locked) is copied once into a
 pinned buffer and from there to the device. A pull is copied from the device straight into the
 block the worker gave in its segment, or into a pinned buffer sent as the frame. Copies run on
-the device's current stream, behind the updates, and ``settle`` waits for them: before the
+the device's current stream, behind the updates, and are waited for before the
 acknowledgements that free the workers' blocks, and before each answer that carries values.
 
 A push from a worker whose device segment this server maps (CUDA IPC, kvps.wire.device_sharing)
 is a device array already: it is read where it is, kept by reference as a shared-memory push
 on a host shard is (a sync round's first push is the round's sum until the second is added to
 it, into the merge buffer), and a pull is copied into the worker's device segment on the
-device; no byte touches the host. The worker reuses a block only once its push is answered,
-and ``settle`` waits for the reads of it before that.
+device; no byte touches the host. The server does not wait for that work: ``order`` records
+its interprocess event behind it before the answers go, and the worker waits for the record
+before it reuses or reads the blocks (kvps.server.transfers).
 
-The copying is a Transfers' (cupy's in CudaArrays); the choices (which buffer, locked or not)
-are DeviceArrays', so tests run them on the host with a stand-in (HostStandIn: also what a
-job with KVPS_IPC=host keeps device-store keys in).
+The copying is a Transfers' (kvps.server.transfers; cupy's in CudaArrays); the choices (which
+buffer, locked or not) are DeviceArrays', so tests run them on the host with a stand-in
+(HostStandIn: also what a job with KVPS_IPC=host keeps device-store keys in).
 """
 
 import numpy as np
@@ -29,6 +30,7 @@ from ..optimizer.kernels import numpy_kernels
 from ..wire.device_sharing import CudaSharing, HostSharing
 from ..wire.protocol import DTYPES, as_array
 from .host_arrays import HostArrays
+from .transfers import CupyLocker, CupyTransfers, HostCopies
 
 # Bytes of socket payloads staged in pinned buffers before their copies are waited for (as a
 # burst of requests usually is, at its end): an init of a whole model, or a restore, would
@@ -41,10 +43,11 @@ class DeviceArrays(HostArrays):
     moved by ``transfers``: ``empty(shape, dtype)``, ``upload(device, host, spans)`` (from
     page-locked host memory), ``download(host, device, spans)`` (``spans``: kvps.pinning's
     pieces of a page-locked host range, or None: pageable memory, a copy waited for),
-    ``pinned(nbytes)`` (a uint8 host array, page-locked), ``hold(array)`` (keep it until
-    ``settle``, which then waits: a copy on the device) and ``settle()`` (wait for every copy
-    issued). ``sharing``: the kvps.wire.device_sharing its workers' device segments are mapped
-    with (None: they are not)."""
+    ``pinned(nbytes)`` (a uint8 host array, page-locked), ``hold(array)`` (work on the
+    device reads or writes it), ``settle()`` (wait for every copy issued) and
+    ``order(event)`` (before answers: see kvps.server.transfers). ``sharing``: the
+    kvps.wire.device_sharing its workers' device segments are mapped with (None: they are
+    not)."""
 
     name = 'device'
     lends = True         # a pull reply holds the weight itself (copy-on-write) until settled
@@ -55,6 +58,7 @@ class DeviceArrays(HostArrays):
         super().__init__()
         self.xp, self._kernels, self.transfers, self.sharing = xp, kernels, transfers, sharing
         self._staged = 0   # bytes in pinned staging buffers not yet waited for
+        self._event = None   # this server's interprocess event (made when a worker maps)
 
     @property
     def kernels(self):
@@ -118,6 +122,19 @@ class DeviceArrays(HostArrays):
         self._staged = 0
         self.transfers.settle()
 
+    def order(self):
+        """Before answers go out: copies through host memory waited for, work on workers'
+        device blocks ordered behind this server's event (kvps.server.transfers)."""
+        self._staged = 0
+        self.transfers.order(self._event)
+
+    def order_event(self):
+        """This server's interprocess event, which the workers that map their device segments
+        here wait for (made on the first call)."""
+        if self._event is None:
+            self._event = self.sharing.event()
+        return self._event
+
     def to_host(self, array):
         """A host copy, waited for (checkpoints, rows)."""
         return self.xp.asnumpy(array) if hasattr(self.xp, 'asnumpy') else array.copy()
@@ -160,46 +177,6 @@ class CudaArrays(DeviceArrays):
         return f'{super().route}, on cuda:{self.xp.cuda.Device().id}'
 
 
-class CupyTransfers:
-    """Copies between host memory and the current CUDA device on cupy's current stream (the
-    update kernels'); what they read from or write into is held until ``settle``."""
-
-    def __init__(self, cupy):
-        self.cupy, self.runtime = cupy, cupy.cuda.runtime
-        self._held = []   # host buffers of copies issued and not yet waited for
-
-    def empty(self, shape, dtype):
-        return self.cupy.empty(shape, dtype)
-
-    def hold(self, array):
-        self._held.append(array)
-
-    def upload(self, device, host, spans):
-        self._copy(device.data.ptr, host.ctypes.data, spans, self.runtime.memcpyHostToDevice)
-        self._held.append(host)
-
-    def download(self, host, device, spans):
-        if spans is None:   # pageable: cupy copies and waits (the driver stages it)
-            device.get(out=host.reshape(device.shape))
-            return
-        self._copy(host.ctypes.data, device.data.ptr, spans, self.runtime.memcpyDeviceToHost)
-        self._held.append(host)
-
-    def _copy(self, dst, src, spans, kind):
-        stream = self.cupy.cuda.get_current_stream().ptr
-        for at, nbytes in spans:
-            self.runtime.memcpyAsync(dst + at, src + at, nbytes, kind, stream)
-
-    def pinned(self, nbytes):
-        memory = self.cupy.cuda.alloc_pinned_memory(max(nbytes, 1))
-        return np.frombuffer(memory, np.uint8, nbytes)   # holds the memory until it goes
-
-    def settle(self):
-        if self._held:
-            self.cupy.cuda.get_current_stream().synchronize()
-            self._held.clear()
-
-
 class HostStandIn(DeviceArrays):
     """GPU shards emulated on the host (KVPS_IPC=host: tests without a GPU): numpy arrays and
     kernels, every copy a numpy copy, workers' device segments mapped through the host
@@ -213,45 +190,3 @@ class HostStandIn(DeviceArrays):
     @property
     def route(self):
         return f'{super().route} (emulated on the host: KVPS_IPC=host)'
-
-
-class HostCopies:
-    """A device's transfers, on the host: numpy copies, done when they return."""
-
-    def empty(self, shape, dtype):
-        return np.empty(shape, dtype)
-
-    def upload(self, device, host, spans):
-        device[...] = host
-
-    def download(self, host, device, spans):
-        host[...] = device
-
-    def pinned(self, nbytes):
-        return np.empty(nbytes, np.uint8)
-
-    def hold(self, array):
-        pass
-
-    def settle(self):
-        pass
-
-
-class CupyLocker:
-    """kvps.pinning's Locker on a server: cudaHostRegister through cupy's runtime."""
-
-    def __init__(self, runtime):
-        self.runtime = runtime
-
-    def lock(self, address, nbytes, writable):
-        flags = pinning.PORTABLE if writable else pinning.PORTABLE | pinning.READ_ONLY
-        try:
-            self.runtime.hostRegister(address, nbytes, flags)
-        except Exception as exc:  # cupy's CUDARuntimeError, whatever the driver refused
-            raise pinning.LockFailed(f'cudaHostRegister of {nbytes} bytes: {exc}') from None
-
-    def unlock(self, address):
-        try:
-            self.runtime.hostUnregister(address)
-        except Exception as exc:
-            raise pinning.LockFailed(f'cudaHostUnregister: {exc}') from None

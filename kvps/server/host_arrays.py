@@ -93,3 +93,6 @@ class HostArrays:
 
     def settle(self):
         """Wait for the copies made so far (a device's); on the host they are done."""
+
+    def order(self):
+        """Before answers go out: the copies they depend on done or ordered (a device's)."""

@@ -55,10 +55,13 @@ class Lending:
     def attach_device(self, identity, header):
         """Map the device segment an ATTACH_DEVICE names, for a worker on this host only (its
         handles are capabilities); ConfigError or ProtocolError (the worker's payloads then
-        take shared memory)."""
+        take shared memory). Returns the ACK's fields: this server's event, which the worker
+        waits for before it reuses or reads a block this server's answer is about."""
         self.ask_device(identity, {'kind': header.get('kind')}, mapped=False)
         self._storage.settle()   # (copies from a segment it replaces are done)
-        self.regions.attach_device(identity, header, self._storage.sharing)
+        event = self._storage.order_event()
+        self.regions.attach_device(identity, header, self._storage.sharing, event)
+        return {'event': event.handle}
 
     def ask_device(self, identity, header, mapped=True):
         """Whether this server would map a device segment of ``identity``'s (ASK_DEVICE's
@@ -110,7 +113,9 @@ class Lending:
         it, values are written into the worker's segment where it asked, and the rest go as
         frames; the leases tell the shard when the worker (arena) or the transport (frames)
         is done with each. A device's weights are copied out (into the segment, or a pinned
-        frame) and waited for here: their leases end now."""
+        frame) and their leases end now: a copy into host memory is waited for here, one into
+        a worker's device segment ordered (kvps.server.transfers), and the weights' next
+        writes run behind either on the device's stream."""
         items, frames, framed, lent, copied = [], [], [], [], []
         codec = answer.codec
         device = self._storage.on_device   # (asked per key only where some keys are)
@@ -144,7 +149,7 @@ class Lending:
                 pulled.lease.released = True
                 items.append(new(DataItem, (at, None)))
         if copied:
-            self._storage.settle()
+            self._storage.order()   # (the weights' next writes run behind the copies)
             for pulled in copied:
                 pulled.lease.released = True
         number = None

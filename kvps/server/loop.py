@@ -135,7 +135,7 @@ class Server:
         KVPS_CHECKPOINT_EVERY=1 so is every acknowledged update."""
         if self.checkpointer and self.checkpointer.due(self.shard.updates, time.monotonic()):
             self._checkpoint()
-        self.shard.storage.settle()   # a device's copies out of the workers' blocks are done
+        self.shard.storage.order()   # a device's copies out of the workers' blocks are done
         self.replies.flush()
 
     def _checkpoint(self):

@@ -172,8 +172,7 @@ class Requests:
         return [Reply(ACK, token, self.lending.attach(token[0], h, time.monotonic()))]
 
     def _attach_device(self, token, h, buffers):
-        self.lending.attach_device(token[0], h)
-        return [Reply(ACK, token, None)]
+        return [Reply(ACK, token, self.lending.attach_device(token[0], h))]
 
     def _ask_device(self, token, h, buffers):
         self.lending.ask_device(token[0], h)

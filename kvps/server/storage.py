@@ -56,6 +56,11 @@ class Storage:
         or are not shared."""
         return self.for_key(True).sharing
 
+    def order_event(self):
+        """This server's interprocess event (its device arrays'), which the workers that map
+        their device segments here wait for before they reuse or read them."""
+        return self.for_key(True).order_event()
+
     @property
     def on_device(self):
         """Whether some keys may live on a device (their pulls are copied out of it)."""
@@ -68,6 +73,14 @@ class Storage:
         self.default.settle()
         if self._device is not None and self._device is not self.default:
             self._device.settle()
+
+    def order(self):
+        """Before answers go out: what they depend on waited for, or ordered behind this
+        server's interprocess event where only the device's work is out
+        (kvps.server.transfers)."""
+        self.default.order()
+        if self._device is not None and self._device is not self.default:
+            self._device.order()
 
 
 def gpu_if_present(ipc='auto'):

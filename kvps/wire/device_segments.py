@@ -6,10 +6,13 @@ Offsets into a device segment travel in the same item fields as those into the w
 segment (``at``), shifted by DEVICE_BASE: a host segment is at most 2**40 bytes, so an offset at
 or above 2**41 names the device segment, and a server tells the two apart by one comparison.
 Everything a peer names (handle, size, offsets, lengths) is checked before use
-(ProtocolError). Ordering: the worker records its event on the stream of the writes a message
-announces, before it sends the message (it does not wait for them), and the server makes its
-stream wait on the event before it reads them; it answers only once those reads are done, and
-the worker reuses a block only once its request is answered.
+(ProtocolError). Ordering, both ways through interprocess events: the worker records its event
+on the stream of the writes a message announces and sends the message without waiting, and
+the server makes its stream wait on the event before it reads them; the server records its
+own event behind its reads of the blocks a request names and its writes into them (a pull's
+values) and answers without waiting, and the worker's I/O thread waits for that record
+before it reads a pull's values from a block or lets a block be reused. Neither waits for
+the GPU on the host before it sends.
 """
 
 import threading
@@ -89,6 +92,16 @@ class DeviceSegment:
         self.event.synchronize()
         return self.sharing.to_host(self.buffer.array[offset:offset + nbytes])
 
+    def answered(self, block, event):
+        """Whether ``block`` (an array; of this segment or not) may be reused or read once a
+        server's answer about it came and its ``event`` was waited for: always on CUDA, where
+        that wait is the order; the stand-in checks that the server recorded the event
+        behind its work on the block, and that the wait came after (else CUDA would reuse or
+        read the block while that work still runs)."""
+        at = self.offset_of(block)
+        return at is None or self.sharing.answered(self.buffer, at - DEVICE_BASE, block.nbytes,
+                                                   event)
+
     def close(self):
         """Free the buffer and the event (this worker is leaving). Idempotent."""
         self.buffer.close()
@@ -96,9 +109,10 @@ class DeviceSegment:
 
 
 class DeviceMapping:
-    """A worker's device segment as a server maps it, and the worker's event."""
+    """A worker's device segment as a server maps it, the worker's event, and the server's
+    (``answers``: recorded behind the server's work on the segment before each answer)."""
 
-    def __init__(self, sharing, description):
+    def __init__(self, sharing, description, answers):
         """Map ``description`` (ATTACH's ``device``) with ``sharing``; ProtocolError when it is
         malformed, of another kind of memory, or cannot be opened here."""
         if not isinstance(description, dict):
@@ -109,7 +123,7 @@ class DeviceMapping:
                                 f'shares {sharing.name!r}')
         handle = check_handle(description.get('handle'))
         event = check_handle(description.get('event'), 'event')
-        self.sharing = sharing
+        self.sharing, self.answers = sharing, answers
         self.buffer = sharing.open(handle, check_size(description.get('size')))
         try:
             self.event = sharing.open_event(event)
@@ -118,13 +132,14 @@ class DeviceMapping:
             raise
 
     def view(self, at, nbytes):
-        """The ``nbytes`` at wire offset ``at``, range checked: offsets come from the
-        network."""
+        """The ``nbytes`` at wire offset ``at``, range checked (offsets come from the
+        network), for work of this server's that its answer is recorded behind."""
         offset = at - DEVICE_BASE
         if self.buffer.closed or not (type(nbytes) is int and 0 <= offset
                                       and 0 <= nbytes <= self.buffer.nbytes - offset):
             raise ProtocolError(f'device range {at!r}+{nbytes!r} is outside the worker\'s '
                                 f'device segment')
+        self.sharing.touched(self.buffer, offset, nbytes, self.answers)
         return self.buffer.array[offset:offset + nbytes]
 
     def read(self, at, nbytes):

@@ -1,5 +1,6 @@
 """Device memory shared between the processes of one host: a buffer exported as a handle, opened
-by a peer as a device array of its own, closed; and an interprocess event that orders them.
+by a peer as a device array of its own, closed; and interprocess events that order them (the
+exporter's writes before a peer's reads; a peer's reads and writes before its answer).
 
 Two implementations behind one interface (a Sharing): CUDA IPC through cupy
 (``cudaIpcGetMemHandle`` / ``cudaIpcOpenMemHandle`` and interprocess events; cupy imported
@@ -7,8 +8,10 @@ only when it is made), and a host stand-in on which the CPU suite runs the same 
 buffer is a 0600 shared-memory segment that its handle names (kvps.wire.shm), an event a count.
 What both share (handles checked before use, sizes, idempotent closes, the count of what is
 open) lives here once, so that the stand-in's tests cover it for CUDA too. The stand-in also
-models the ordering CUDA gives through events, so that a missing record fails a test: its
-event's count is shared, and a server finds a block taken after the latest record unwritten.
+models the ordering CUDA gives through events, so that a missing record or wait fails a test:
+an event's count is shared; a server finds a block taken after its worker's latest record
+unwritten, and a worker finds a block its server touched after the latest record of the
+server's event it waited for still in use.
 
 A handle is a capability: whoever holds it may read and write the buffer. Handles travel only
 in requests of authenticated job members, and a server opens only those of workers on its own
@@ -68,17 +71,19 @@ class Shared:
 
 
 class Event:
-    """An interprocess event: the exporter ``record``s it on the stream of its writes, a peer
-    that opened its ``handle`` ``wait``s on it before its reads (on its own stream: no
-    host-side wait). ``recorded()``: the records made so far as this process sees them (the
-    stand-in's; None where that cannot be known); ``synchronize()``: the exporter waits on
-    the host for the latest record. ``close``: idempotent."""
+    """An interprocess event: its maker ``record``s it on the stream of its work, a peer that
+    opened its ``handle`` ``wait``s on it before its own (on its own stream: no host-side
+    wait), or ``synchronize``s with it (on the host). ``recorded()``: the records made so far
+    as this process sees them (the stand-in's; None where that cannot be known); ``seen``:
+    that count when this process last waited or synchronised (None before). ``close``:
+    idempotent."""
 
     def __init__(self, handle, record, wait, release, recorded=lambda: None,
                  synchronize=lambda: None):
         self.handle, self._record, self._wait, self._release = handle, record, wait, release
-        self.recorded, self.synchronize = recorded, synchronize
+        self.recorded, self._synchronize = recorded, synchronize
         self.records = self.waits = 0
+        self.seen = None
 
     def record(self, stream=None):
         """Record it on CUDA ``stream`` (a handle; None: the legacy default stream) behind
@@ -89,7 +94,13 @@ class Event:
 
     def wait(self):
         self.waits += 1
+        self.seen = self.recorded()
         self._wait()
+
+    def synchronize(self):
+        """Wait on the host for the work behind the latest record."""
+        self.seen = self.recorded()
+        self._synchronize()
 
     def close(self):
         release, self._release = self._release, None
@@ -132,6 +143,18 @@ class Sharing:
         taken."""
         return True
 
+    def touched(self, shared, offset, nbytes, event):
+        """A peer of ``shared``'s exporter (opened) reads or writes its ``nbytes`` at
+        ``offset``, work that the peer's ``event`` will be recorded behind before it answers
+        (the stand-in notes it)."""
+
+    def answered(self, shared, offset, nbytes, event):
+        """Whether the exporter of ``shared`` may reuse or read its ``nbytes`` at ``offset``
+        after a peer's answer: True where a wait on the peer's ``event`` is what orders them
+        (CUDA); the stand-in checks that the exporter waited for a record that came after the
+        peer touched them."""
+        return True
+
     def event(self):
         """A new interprocess Event of this process, to record."""
         return self._event()
@@ -148,9 +171,13 @@ class HostSharing(Sharing):
     peers map it (/proc/<pid>/fd/<fd>, checked). As a CUDA allocation, it goes with its
     exporter, even one killed: nothing is ever left in /dev/shm. Host writes are done when
     they return, so an event only counts its records, in shared memory of its own that a
-    peer maps; and a buffer stamps each cache line of a piece taken with the count of its
-    exporter's last event then (in a table after its bytes), so that a peer can tell a block
-    that no record followed (``ordered``): what CUDA would read before the writes land."""
+    peer maps. A buffer keeps two stamps per cache line (in tables after its bytes): the count
+    of its exporter's last event when a piece of it was taken, so that a peer can tell a
+    block that no record followed (``ordered``: CUDA would read it before the writes land);
+    and one past the count of a peer's event when the peer last touched it (0: not since it
+    was taken), so that the exporter can tell a block whose answer no record of the peer's
+    preceded, or that it did not wait for (``answered``: CUDA would reuse or read it while
+    the peer's work on it still runs)."""
 
     name = 'host'
 
@@ -180,7 +207,8 @@ class HostSharing(Sharing):
         """``(the buffer's array, release)`` of a mapping ``data`` of a buffer of ``nbytes``
         and its stamp table."""
         array = data[:nbytes]
-        self._stamps[id(array)] = data[nbytes:].view(np.uint32)
+        stamps = data[nbytes:].view(np.uint32)
+        self._stamps[id(array)] = stamps.reshape(2, -1)   # [taken, touched] per cache line
 
         def released():
             self._stamps.pop(id(array), None)
@@ -203,13 +231,23 @@ class HostSharing(Sharing):
         return Mapping.open(name, nonce, HEADER_BYTES + nbytes, self.directory, holder=holder)
 
     def piece(self, shared, offset, nbytes):
-        stamps = self._stamps[id(shared.array)]
-        stamps[offset // ALIGN:-(-(offset + nbytes) // ALIGN)] = \
-            0 if self._count is None else self._count[0]
+        taken, touched = self._stamps[id(shared.array)][:, _lines(offset, nbytes)]
+        taken[:] = 0 if self._count is None else self._count[0]
+        touched[:] = 0
         return super().piece(shared, offset, nbytes)
 
     def ordered(self, shared, event, offset):
-        return int(self._stamps[id(shared.array)][offset // ALIGN]) < event.recorded()
+        return int(self._stamps[id(shared.array)][0, offset // ALIGN]) < event.recorded()
+
+    def touched(self, shared, offset, nbytes, event):
+        self._stamps[id(shared.array)][1, _lines(offset, nbytes)] = event.recorded() + 1
+
+    def answered(self, shared, offset, nbytes, event):
+        # (only the lines wholly inside: a key's parts for two servers may share one at their
+        # edge, each server stamping it with its own count)
+        inner = slice(-(-offset // ALIGN), (offset + nbytes) // ALIGN)
+        touched = int(self._stamps[id(shared.array)][1, inner].max(initial=0))
+        return touched == 0 or event.seen is not None and touched <= event.seen
 
     @staticmethod
     def _piece(array, offset, nbytes):
@@ -244,8 +282,13 @@ class HostSharing(Sharing):
 
 
 def _stamp_bytes(nbytes):
-    """The stand-in's stamp table of a buffer of ``nbytes``: a uint32 per cache line."""
-    return 4 * -(-nbytes // ALIGN)
+    """The stand-in's stamp tables of a buffer of ``nbytes``: two uint32 per cache line."""
+    return 8 * -(-nbytes // ALIGN)
+
+
+def _lines(offset, nbytes):
+    """The cache lines of the ``nbytes`` at ``offset`` (a slice of a stamp table)."""
+    return slice(offset // ALIGN, -(-(offset + nbytes) // ALIGN))
 
 
 def _data(view):
@@ -333,15 +376,23 @@ class CudaSharing(Sharing):
                      synchronize=lambda: runtime.eventSynchronize(event.ptr))
 
     def _open_event(self, handle):
+        # (on this sharing's device: a worker opens and waits for its servers' events on its
+        # I/O thread, whose current device may be another)
         try:
-            pointer = self.runtime.ipcOpenEventHandle(handle)
+            with self.device:
+                pointer = self.runtime.ipcOpenEventHandle(handle)
         except Exception as exc:
             raise ProtocolError(f'cannot open a device event handle: {exc}') from None
 
         def wait():
             stream = self.cupy.cuda.get_current_stream().ptr
             self.runtime.streamWaitEvent(stream, pointer, 0)
-        return Event(handle, _nothing, wait, lambda: self.runtime.eventDestroy(pointer))
+
+        def synchronize():
+            with self.device:
+                self.runtime.eventSynchronize(pointer)
+        return Event(handle, _nothing, wait, lambda: self.runtime.eventDestroy(pointer),
+                     synchronize=synchronize)
 
 
 class _Anchor:

@@ -15,7 +15,7 @@ from .codecs import GRADIENT_CODECS, ONE_BIT, PULL_CODECS, TOP_K, coded_nbytes
 from .items import CheckItem, DataItem, InitItem, Layout, PullItem, PushItem, ResumeItem
 
 # Node <-> scheduler.
-VERSION = 18                 # bumped on any change of the wire format; checked at REGISTER
+VERSION = 19                 # bumped on any change of the wire format; checked at REGISTER
 # node -> scheduler: {role, host, port, rank, pid, version, shared, rank_from (the setting
 # that gave the rank, for messages: 'DMLC_WORKER_ID=3'), beat (its heartbeat interval, s)}
 REGISTER = 'register'
@@ -91,8 +91,10 @@ RESUME = 'resume'
 ATTACH = 'attach'
 # {kind, handle, size, event}: map this worker's device segment (kvps.wire.device_segments:
 # `kind` of memory, 'cuda' or the stand-in's 'host'; the buffer's and the event's handles,
-# HANDLE_BYTES each); ERROR, or ACK. From then on PUSH, PULL and DATA items may name offsets
-# in it (`at` >= DEVICE_BASE). Only a server on the worker's host with GPU shards maps it
+# HANDLE_BYTES each); ERROR, or ACK with {event}: the server's event handle, recorded behind
+# its work on the segment before each answer (the worker waits for it). From then on PUSH,
+# PULL and DATA items may name offsets in it (`at` >= DEVICE_BASE). Only a server on the
+# worker's host with GPU shards maps it
 ATTACH_DEVICE = 'attach_device'
 # {kind}: would the server map a device segment of `kind` memory from this worker (it is on
 # the worker's host and keeps GPU shards of that kind)? ACK or ERROR; asked before the worker

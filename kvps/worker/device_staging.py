@@ -9,14 +9,20 @@ refuses (another host, host shards, no peer access), GPU values take shared memo
 socket as before; the segment is made only once every server has said it would map it. The
 I/O thread changes who has mapped it; API threads only read that (a frozenset replaced whole)
 and take blocks.
+
+Each server that maps the segment sends its interprocess event in its answer, and records it
+behind its work on the blocks a request names before it answers; the I/O thread waits for that
+record (``answer_of``) before it reads a pull's values from the blocks or lets them go to be
+reused, so the servers never wait for the GPU before they answer.
 """
 
+import functools
 import logging
 import threading
 
-from ..errors import KVPSError
+from ..errors import KVPSError, ProtocolError
 from ..wire import protocol as P
-from ..wire.device_segments import DeviceSegment
+from ..wire.device_segments import DEVICE_BASE, DeviceSegment
 from ..wire.device_sharing import sharing_for
 from .messages import server_name
 from .pending import Attaching, Request
@@ -36,6 +42,7 @@ class DeviceStaging:
         self.attached = frozenset()
         self.refused = {}             # node name -> why it did not map the segment
         self.used = False             # whether a block was ever taken (requests may name it)
+        self.answers = {}             # node name -> its event (opened), which answers follow
 
     @classmethod
     def create(cls, sharing, nbytes, servers):
@@ -56,6 +63,22 @@ class DeviceStaging:
         """The ATTACH_DEVICE message that asks a server to map the segment."""
         return {'op': P.ATTACH_DEVICE, **self.segment.describe()}
 
+    def attach_request(self, node, what='attach the device buffer'):
+        """The Request of an ATTACH_DEVICE to ``node``: its answer carries the server's event
+        (opened here) and tells ``answered``."""
+        return Request(Attaching(f'{what} to {node}', self.answered, node), node,
+                       lambda header, _: self._open_answers(node, header))
+
+    def _open_answers(self, node, header):
+        event = self.segment.sharing.open_event(header.get('event'))   # (ProtocolError)
+        self._close_answers(node)
+        self.answers[node] = event
+
+    def _close_answers(self, node):
+        event = self.answers.pop(node, None)
+        if event is not None:
+            event.close()
+
     def answered(self, node, error=None):
         """``node`` mapped the segment, or could not (``error``: logged once, at INFO)."""
         if error is None:
@@ -69,6 +92,31 @@ class DeviceStaging:
     def detach(self, node):
         """``node`` is lost: its replacement maps the segment anew (a new ATTACH_DEVICE)."""
         self.attached = self.attached - {node}
+        self._close_answers(node)   # (its events go with it: never used after)
+
+    def answer_of(self, node, header):
+        """What the I/O thread calls with the request of ``header`` to ``node`` when its
+        answer comes (Request.after), where the request names blocks of the segment; else
+        None."""
+        if header['op'] not in (P.PUSH, P.PULL) or not any(
+                item.at is not None and item.at >= DEVICE_BASE for item in header['keys']):
+            return None
+        return functools.partial(self._answered_by, node)
+
+    def _answered_by(self, node, request):
+        """Wait (on the host) for ``node``'s work on the blocks ``request`` names, recorded
+        behind its event before it answered; ProtocolError where the stand-in finds a block
+        that work was not recorded for."""
+        event = self.answers.get(node)
+        if event is None:
+            raise ProtocolError(f'{node} answered a request naming this worker\'s device '
+                                'buffer, which it has not mapped')
+        event.synchronize()
+        for kept in request.keep:
+            block = kept[1] if type(kept) is tuple else kept
+            if block is not None and not self.segment.answered(block, event):
+                raise ProtocolError(f'{node} answered before its work on this worker\'s '
+                                    'device buffer was recorded behind its event')
 
     def why_not(self):
         """Why the route does not apply, in words."""
@@ -115,6 +163,8 @@ class DeviceStaging:
         return self.segment.host_copy(at, nbytes)
 
     def close(self):
+        for node in list(self.answers):
+            self._close_answers(node)
         self.segment.close()
 
 
@@ -160,7 +210,9 @@ def share(io, config, device=None):
     def told(node, error=None):
         if error is not None:
             refused[node] = error
-    ask_all(io, config, servers, lambda node: {'op': P.ASK_DEVICE, 'kind': sharing.name}, told)
+    ask_all(io, config, [(node, {'op': P.ASK_DEVICE, 'kind': sharing.name},
+                          Request(Attaching(f'ask_device to {node}', told, node), node))
+                         for node in servers])
     if refused:   # (host shards, another kind of memory): no GPU memory is taken for it
         log.info('no CUDA IPC for GPU values (%s); they take shared memory',
                  '; '.join(f'{node}: {why}' for node, why in sorted(refused.items())))
@@ -169,21 +221,20 @@ def share(io, config, device=None):
     if shared is None:
         return
     io.staging.device = shared
-    ask_all(io, config, servers, lambda node: shared.attach_header(), shared.answered)
+    ask_all(io, config, [(node, shared.attach_header(),
+                          shared.attach_request(node, 'attach_device')) for node in servers])
     if not shared.attached:
         io.staging.device = None
         shared.close()
 
 
-def ask_all(io, config, servers, header_for, answered):
-    """Send ``header_for(node)`` to every one of ``servers`` and wait for their answers
-    (within KVPS_TIMEOUT), each told to ``answered(node, error=None)``."""
+def ask_all(io, config, messages):
+    """Send each ``(node, header, request)`` of ``messages`` and wait for their answers
+    (within KVPS_TIMEOUT; each request's Attaching tells whom it concerns)."""
     ops = []
-    for node in servers:
-        header = header_for(node)
-        op = Attaching(f'{header["op"]} to {node}', answered, node)
-        io.submit(node, header, (), Request(op, node))
-        ops.append(op)
+    for node, header, request in messages:
+        io.submit(node, header, (), request)
+        ops.append(request.op)
     for op in ops:
         try:
             op.wait(config.timeout)

@@ -225,13 +225,13 @@ class WorkerIO(threading.Thread):
             # server may reuse it; and it may lend more.
             header['seen'] = arena.seen
         start = recording.now() if self.trace is not None else 0
-        request.message = self._readable(node, header, buffers)
+        device = self._ready(node, request, header, buffers)
         if node not in self._lost:
             self._servers[node].send(P.encode(*request.message))
             self.counts.messages += 1
             if self.trace is not None and header['op'] in (P.PUSH, P.PULL):
-                device = self.staging is not None and self.staging.device is not None
-                self.trace.sent(start, node, *request.message, request.keep, device)
+                self.trace.sent(start, node, *request.message, request.keep,
+                                device is not None)
 
     @property
     def in_flight(self):
@@ -243,6 +243,15 @@ class WorkerIO(threading.Thread):
         those queued for this thread to send."""
         return self.counts.rates(), {'in_flight': self.in_flight,
                                      'queued': len(self._queue) + len(self._order)}
+
+    def _ready(self, node, request, header, buffers):
+        """Make ``request``'s message readable by ``node`` as it is now; where it names blocks
+        of the device segment, its answer waits for the server's work on them. Returns the
+        device segment's DeviceStaging, or None."""
+        request.message = self._readable(node, header, buffers)
+        device = None if self.staging is None else self.staging.device
+        request.after = None if device is None else device.answer_of(node, request.message[0])
+        return device
 
     def _readable(self, node, header, buffers):
         """The message with its shared-memory items made frames if ``node`` lost the segment."""
@@ -273,9 +282,8 @@ class WorkerIO(threading.Thread):
                 lambda header, _: self.staging.map_arena(node, header))))
             device = self.staging.device
             if device is not None:   # (a restarted server: maps the device segment anew)
-                self._queue.append((node, device.attach_header(), (), Request(
-                    Attaching(f'attach the device buffer to {node}', device.answered, node),
-                    node)))
+                self._queue.append((node, device.attach_header(), (),
+                                    device.attach_request(node)))
 
     def _from_scheduler(self):
         header = self._link.next_message()
@@ -334,7 +342,7 @@ class WorkerIO(threading.Thread):
         waiting = self._pending.of_node(name)
         self._resume(name, acked=counts, waiting=waiting)
         for request in waiting:
-            request.message = self._readable(name, *request.message)
+            self._ready(name, request, *request.message)
             self._servers[name].send(P.encode(*request.message))
         self.counts.retries += len(waiting)
         self._attach(name)   # it maps our segment through /proc: later payloads go there again

@@ -3,7 +3,7 @@
 import collections
 import threading
 
-from ..errors import RequestTimeout, from_remote
+from ..errors import KVPSError, RequestTimeout, from_remote
 from ..timeline import recording
 from ..wire import protocol as P
 
@@ -90,13 +90,15 @@ class Request:
     ``message`` (header, buffers) is kept until answered, to be sent again to a server that
     rejoins the job after it was lost. ``keep``: the shared-memory blocks its header points
     into; they return to the segment when the request is answered and dropped (or lost), so
-    never while a server may still read or write them."""
+    never while a server may still read or write them. ``after``: called with the request
+    when its answer comes, before anything else (where it names blocks of the device segment:
+    kvps.worker.device_staging.DeviceStaging.answer_of)."""
 
-    __slots__ = ('op', 'node', 'on_data', 'message', 'keep')
+    __slots__ = ('op', 'node', 'on_data', 'message', 'keep', 'after')
 
     def __init__(self, op, node, on_data=None, keep=()):
         self.op, self.node, self.on_data, self.keep = op, node, on_data, keep
-        self.message = None
+        self.message = self.after = None
 
 
 class PushCounts:
@@ -203,6 +205,12 @@ class PendingTable:
         request = self._by_id.pop(req_id, None)
         if request is None:
             return
+        if request.after is not None:
+            try:
+                request.after(request)
+            except KVPSError as exc:
+                request.op.fail(exc)
+                return
         op = header['op']
         if op == P.ERROR:
             request.op.fail(from_remote(header['type'], header['message'],

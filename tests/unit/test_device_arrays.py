@@ -23,6 +23,7 @@ from kvps.server.regions import Regions
 from kvps.server.requests import Requests
 from kvps.server.shard import Shard
 from kvps.server.storage import HostArrays, Storage
+from kvps.server.transfers import HostCopies
 from kvps.wire import protocol as P
 from kvps.wire.identities import worker_identity
 from kvps.wire.items import PullItem, PushItem
@@ -32,34 +33,40 @@ W0 = worker_identity(0)
 N = 1024   # float32 elements: 4 KB, over MIN_BYTES
 
 
-class HostTransfers:
+class HostTransfers(HostCopies):
     """A device's copies made on the host, each written into ``log``: ``(what, host address,
     page-locked)`` for uploads and downloads, ``('pinned', nbytes)`` for pinned buffers made,
-    ``('hold',)`` for each copy on the device, ``('settle',)`` for each wait."""
+    ``('hold',)`` for each piece of work on the device, ``('settle',)`` for each wait and
+    ``('record',)`` for each record of the server's event."""
 
     def __init__(self, log):
+        super().__init__()
         self.log = log
-
-    def empty(self, shape, dtype):
-        return np.empty(shape, dtype)
 
     def upload(self, device, host, spans):
         self.log.append(('upload', host.ctypes.data, spans is not None))
-        device[...] = host
+        self._held.append(host)
+        super().upload(device, host, spans)
 
     def download(self, host, device, spans):
         self.log.append(('download', host.ctypes.data, spans is not None))
-        host[...] = device
+        self._held.append(host)
+        super().download(host, device, spans)
 
     def pinned(self, nbytes):
         self.log.append(('pinned', nbytes))
-        return np.empty(nbytes, np.uint8)
+        return super().pinned(nbytes)
 
     def hold(self, array):
         self.log.append(('hold',))
+        super().hold(array)
 
-    def settle(self):
+    def _wait(self):
         self.log.append(('settle',))
+
+    def _record(self, event):
+        self.log.append(('record',))
+        super()._record(event)
 
 
 def device_arrays(log=None):
@@ -191,14 +198,14 @@ def test_a_weight_updated_before_its_pull_is_answered_is_answered_as_it_was(tmp_
     assert server.shard.entries[('k', 0)].weight.tolist() == [5.0] * N
 
 
-def test_the_loop_waits_for_the_copies_before_it_sends_the_replies():
+def test_the_loop_orders_the_replies_behind_the_copies_before_it_sends_them():
     events = []
     fake = SimpleNamespace(checkpointer=None,
                            shard=SimpleNamespace(storage=SimpleNamespace(
-                               settle=lambda: events.append('settle'))),
+                               order=lambda: events.append('order'))),
                            replies=SimpleNamespace(flush=lambda: events.append('flush')))
     Server._flush(fake)
-    assert events == ['settle', 'flush']
+    assert events == ['order', 'flush']
 
 
 @pytest.mark.parametrize('how', ['finish', 'attach anew', 'server ends'])

@@ -60,7 +60,7 @@ def test_closing_twice_is_harmless_and_a_closed_buffer_is_gone(sharing, tmp_path
     (b'kvps-1-0123456789abcdef'.ljust(64, b'\0'), 4096, 'is gone'),
     ('another nonce', 4096, 'nonce differs'),   # the same name in another /dev/shm
     (None, 0, 'out of range'),
-    (None, 8192, 'not a segment of 12800 bytes'),   # (its stamps after it)
+    (None, 8192, 'not a segment of 13312 bytes'),   # (its stamps after it)
     (None, True, 'out of range'),
 ])
 def test_a_handle_or_size_a_peer_got_wrong_is_refused(sharing, handle, nbytes, why):
@@ -151,7 +151,8 @@ def test_device_segment_blocks_are_named_above_every_host_offset(sharing):
     # (the last offset of the biggest host segment is below every device offset)
     assert at == DEVICE_BASE and (1 << 40) - 1 < DEVICE_BASE
     block[:] = 3
-    server = DeviceMapping(HostSharing(sharing.directory), segment.describe())
+    theirs = HostSharing(sharing.directory)
+    server = DeviceMapping(theirs, segment.describe(), theirs.event())
     assert server.view(at, 1000).tolist() == [3] * 1000
     at2, _ = segment.take(1000)
     assert at2 == DEVICE_BASE + 1024   # blocks on cache lines, as in host segments
@@ -194,7 +195,7 @@ def test_a_held_device_block_is_cut_before_any_other_and_never_returns(sharing):
                                         (DEVICE_BASE, 1.5)])
 def test_a_server_refuses_device_ranges_outside_the_segment(sharing, at, nbytes):
     segment = DeviceSegment(sharing, 4096)
-    server = DeviceMapping(sharing, segment.describe())
+    server = DeviceMapping(sharing, segment.describe(), sharing.event())
     with pytest.raises(ProtocolError, match='outside the worker\'s device segment'):
         server.view(at, nbytes)
     server.close()
@@ -212,9 +213,9 @@ def test_a_server_refuses_device_ranges_outside_the_segment(sharing, at, nbytes)
 def test_a_server_maps_only_a_segment_described_right(sharing, change, why):
     segment = DeviceSegment(sharing, 4096)
     with pytest.raises(ProtocolError, match=why):
-        DeviceMapping(sharing, {**segment.describe(), **change})
+        DeviceMapping(sharing, {**segment.describe(), **change}, None)
     with pytest.raises(ProtocolError, match='not a map'):
-        DeviceMapping(sharing, [1])
+        DeviceMapping(sharing, [1], None)
     assert sharing.open_buffers == 1   # the worker's own: nothing half-mapped stays open
     segment.close()
 
@@ -268,10 +269,11 @@ class FakeCupy:
             ipcGetMemHandle=lambda ptr: b'm' * 64, ipcOpenMemHandle=open_mem,
             ipcCloseMemHandle=lambda ptr: calls.append(('close', ptr)),
             ipcGetEventHandle=lambda ptr: b'e' * 64,
-            ipcOpenEventHandle=lambda handle: 0x4000,
+            ipcOpenEventHandle=lambda handle: calls.append(('open event', fake.current)) or
+            0x4000,
             streamWaitEvent=lambda stream, event, flags: calls.append(('wait', stream, event)),
             eventRecord=lambda event, stream: calls.append(('record', event, stream)),
-            eventSynchronize=lambda event: calls.append(('synchronize', event)),
+            eventSynchronize=lambda event: calls.append(('synchronize', event, fake.current)),
             eventDestroy=lambda ptr: calls.append(('destroy', ptr)))
         self.cuda = SimpleNamespace(
             runtime=runtime, Memory=Memory, UnownedMemory=UnownedMemory, Device=Device,
@@ -313,12 +315,14 @@ def test_cuda_events_are_interprocess_and_waited_for_on_the_current_stream(cupy)
     event.record()         # (no stream: the legacy default one)
     peer = sharing.open_event(event.handle)
     peer.wait()
+    peer.synchronize()   # (a worker's I/O thread, for a server's answer: on the device's own)
     peer.close()
     peer.close()
     assert cupy.calls[1:] == [('record', 0x2000, 0x7000),
                               ('wait', 0x8000, 0x2000), ('record', 0x2000, 0x8000),
                               ('wait', 0, 0x2000), ('record', 0x2000, 0),
-                              ('wait', 0x5000, 0x4000), ('destroy', 0x4000)]
+                              ('open event', 1), ('wait', 0x5000, 0x4000),
+                              ('synchronize', 0x4000, 1), ('destroy', 0x4000)]
 
 
 def test_cuda_ipc_without_cupy_is_a_config_error(monkeypatch):
@@ -336,8 +340,8 @@ def test_a_host_copy_of_a_block_waits_for_the_writes_recorded_so_far(cupy):
     copies = []
     cupy.asnumpy = lambda array: copies.append(cupy.calls[-1]) or len(array)
     segment.buffer.array = list(range(4096))   # (slices of the fake's arrays: lists)
-    assert segment.host_copy(at + 64, 32) == 32 and copies == [('synchronize', 0x2000)]
-    assert cupy.calls[-2:] == [('record', 0x2000, 0x7000), ('synchronize', 0x2000)]
+    assert segment.host_copy(at + 64, 32) == 32 and copies == [('synchronize', 0x2000, None)]
+    assert cupy.calls[-2:] == [('record', 0x2000, 0x7000), ('synchronize', 0x2000, None)]
     segment.buffer.array = None   # (closed: nothing to free in the fake)
     segment.close()
 

@@ -26,7 +26,8 @@ PEER = '''
 import sys, msgpack
 from kvps.wire.device_segments import DEVICE_BASE, DeviceMapping
 from kvps.wire.device_sharing import CudaSharing
-mapping = DeviceMapping(CudaSharing(), msgpack.unpackb(bytes.fromhex(sys.stdin.readline())))
+mapping = DeviceMapping(CudaSharing(), msgpack.unpackb(bytes.fromhex(sys.stdin.readline())),
+                        None)
 mapping.event.wait()
 view = mapping.view(DEVICE_BASE, 4096)
 view += 1

@@ -159,16 +159,24 @@ def test_a_push_whose_blocks_no_record_followed_fails_its_key_alone(tmp_path):
     assert server.shard.entries[('b', 0)].weight.tolist() == [0.0] * N
 
 
-def test_a_pull_into_the_device_segment_is_copied_on_the_device_and_waited_for(tmp_path):
+def test_a_pull_into_the_device_segment_is_copied_on_the_device_and_ordered(tmp_path):
     server, segment = Server(tmp_path), device_segment(tmp_path)
-    server.attach(W0, segment)
+    ack = server.attach(W0, segment)
+    events = DeviceStaging(segment, NODES)
+    events._open_answers('server 0', ack.payload)   # the server's event, as the worker opens it
     server.init('a', np.arange(N, dtype=np.float32))
+    server.storage.order()   # (the init's upload waited for, as the loop does before its ACK)
     server.log.clear()
     at, block = segment.take(N * 4)
     (reply,) = server.handle(W0, {'op': P.PULL, 'keys': [PullItem('a', 0, at)]})
+    assert not segment.answered(block, events.answers['server 0'])   # written, not recorded
     delivery = server.lending.deliver(reply.payload)
     assert delivery.items[0].at == at and delivery.frames == []
-    assert server.log == [('hold',), ('settle',)]        # waited for before the answer goes
+    # ordered behind the server's event before the answer goes, not waited for
+    assert server.log == [('hold',), ('record',)]
+    assert not segment.answered(block, events.answers['server 0'])   # the worker has not waited
+    events.answers['server 0'].synchronize()
+    assert segment.answered(block, events.answers['server 0'])
     assert block.view(np.float32).tolist() == list(range(N))
 
 
@@ -294,15 +302,18 @@ class FakeIO:
     refuse."""
 
     def __init__(self, staging, refuse=()):
-        self.staging, self.refuse, self.sent = staging, refuse, []
+        self.staging, self.refuse, self.sent, self.events = staging, refuse, [], {}
         self.welcome = {'num_servers': 2}
 
     def submit(self, node, header, buffers, request):
         self.sent.append((node, header['op']))
         if node in self.refuse:
             request.op.fail(KVPSError('no GPU shards here'))
-        else:
-            request.op.part_done()
+            return
+        if header['op'] == P.ATTACH_DEVICE:   # its answer carries the server's event
+            event = self.events[node] = HostSharing().event()
+            request.on_data({'op': P.ACK, 'event': event.handle}, [])
+        request.op.part_done()
 
 
 @pytest.mark.parametrize('refuse', [(), ('server 1',), tuple(NODES)])
@@ -325,6 +336,8 @@ def test_the_first_gpu_values_set_the_route_up_once(tmp_path, refuse, monkeypatc
     assert exports == ([1 << 16] if not refuse else [])
     assert how.startswith('CUDA IPC') == (not refuse)
     assert (staging.device is not None) == (not refuse)
+    if not refuse:   # each server's event opened, to wait for before its answers are read
+        assert sorted(staging.device.answers) == NODES
     if refuse:
         assert f'no CUDA IPC for GPU values ({refuse[0]}: no GPU shards here' in caplog.text
     device_staging.device_route(io, config)
