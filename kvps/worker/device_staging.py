@@ -195,6 +195,7 @@ def share(io, config, device=None):
     keep it if some did (the route applies once all have: a restarted server maps it again),
     else free it."""
     servers = [server_name(rank) for rank in range(io.welcome['num_servers'])]
+    io.staging.wait_answered(config.timeout)   # (a first push may come before they answered)
     local = io.staging.attached
     if not all(node in local for node in servers):
         log.info('no CUDA IPC for GPU values: some servers are on other hosts; they take '

@@ -10,6 +10,7 @@ take blocks (never waiting: a payload that finds no room goes through the socket
 
 import logging
 import os
+import threading
 
 import numpy as np
 
@@ -48,6 +49,8 @@ class Staging:
         self.segment = segment
         self.attached = frozenset()   # node names; replaced whole, so readers need no lock
         self._asked = set()           # node names whose ATTACH is unanswered
+        self._all_answered = threading.Event()   # set while _asked is empty
+        self._all_answered.set()
         self.arenas = {}              # node name -> Arena this worker maps
         self._locks = None            # whether a GPU could page-lock the segment (tried once)
         # the ipc route's kvps.worker.device_staging.DeviceStaging, once GPU values moved and
@@ -90,7 +93,13 @@ class Staging:
     def attach_header(self, node):
         """The ATTACH message that asks ``node`` to map the segment."""
         self._asked.add(node)
+        self._all_answered.clear()
         return {'op': P.ATTACH, **self.segment.describe()}
+
+    def wait_answered(self, timeout):
+        """Wait (up to ``timeout`` s) until every server asked to map the segment answered:
+        the servers that did are ``attached``."""
+        self._all_answered.wait(timeout)
 
     def answered(self, node, error=None):
         """``node`` mapped the segment (or could not: ``error``). Once every server answered,
@@ -103,6 +112,7 @@ class Staging:
                      'the socket', node, error)
         if not self._asked:
             self.segment.unlink()
+            self._all_answered.set()
 
     def detach(self, node):
         """``node`` is lost: its replacement has not mapped the segment (nor we its arena).
