@@ -27,7 +27,8 @@ import numpy as np
 from .. import pinning
 from ..errors import ConfigError
 from ..optimizer.kernels import numpy_kernels
-from ..wire.device_sharing import CudaSharing, HostSharing
+from ..wire.device_cuda import CudaSharing
+from ..wire.device_sharing import HostSharing
 from ..wire.protocol import DTYPES, as_array
 from .host_arrays import HostArrays
 from .transfers import CupyLocker, CupyTransfers, HostCopies

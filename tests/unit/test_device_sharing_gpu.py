@@ -1,4 +1,4 @@
-"""CUDA IPC on a GPU (kvps.wire.device_sharing.CudaSharing), between two processes: a buffer
+"""CUDA IPC on a GPU (kvps.wire.device_cuda.CudaSharing), between two processes: a buffer
 exported here is written by a peer that opened its handle, behind an event, and the GPU memory
 it took is given back once both have closed it; writes still running on a stream of this
 process when the event is recorded there are seen by the peer, which only waits on its stream.
@@ -18,14 +18,14 @@ cupy = pytest.importorskip('cupy')
 if cupy.cuda.runtime.getDeviceCount() < 1:
     pytest.skip('no CUDA device', allow_module_level=True)
 
-from kvps.wire.device_sharing import CudaSharing  # noqa: E402  (after the skip)
+from kvps.wire.device_cuda import CudaSharing  # noqa: E402  (after the skip)
 
 # The peer: maps the segment a description (hex of msgpack) names, waits on its event, adds 1
 # to every byte the first block holds, and says done.
 PEER = '''
 import sys, msgpack
 from kvps.wire.device_segments import DEVICE_BASE, DeviceMapping
-from kvps.wire.device_sharing import CudaSharing
+from kvps.wire.device_cuda import CudaSharing
 mapping = DeviceMapping(CudaSharing(), msgpack.unpackb(bytes.fromhex(sys.stdin.readline())),
                         None)
 mapping.event.wait()
