@@ -5,6 +5,9 @@ one process alone.
 Systems (--system):
   kvps        kvps.Trainer on dist_sync, SGD with momentum on the servers (update_on_kvstore)
   kvps-local  kvps.Trainer on dist_sync, gradients summed through the servers, SGD on the worker
+  kvps-cb     kvps as above with cross_barrier=True: the step returns once its pushes are sent,
+              and the next forward waits for each module's weights as it reaches it (BytePS's
+              cross-barrier)
   ddp         torch.nn.parallel.DistributedDataParallel over gloo, torch.optim.SGD locally
   alone       one process on the global batch (the --workers workers' batches together),
               torch.optim.SGD, no communication at all: the limit the others are measured
@@ -53,7 +56,7 @@ NETS = {
             'small': {'vocab': 2048, 'seq': 64, 'dim': 128, 'heads': 4, 'layers': 6,
                       'batch': 8}},
 }
-SYSTEMS = ('kvps', 'kvps-local', 'ddp', 'alone')
+SYSTEMS = ('kvps', 'kvps-local', 'kvps-cb', 'ddp', 'alone')
 DEFAULT_BATCH = 64   # per worker, for the MLPs and the embedding tables
 
 
@@ -169,9 +172,11 @@ def alone_step_fn(args, model, torch):
 def kvps_step_fn(args, model, torch):
     import kvps
     kv = kvps.create('dist_sync_device' if args.device != 'cpu' else 'dist_sync')
-    trainer = kvps.Trainer(model.named_parameters(), 'sgd',
+    cross_barrier = args.system == 'kvps-cb'   # (it hooks the modules' forwards)
+    trainer = kvps.Trainer(model if cross_barrier else model.named_parameters(), 'sgd',
                            {'learning_rate': 0.01, 'momentum': 0.9}, kvstore=kv,
-                           update_on_kvstore=args.system == 'kvps')
+                           update_on_kvstore=args.system != 'kvps-local',
+                           cross_barrier=cross_barrier)
 
     def step(x, y):
         trainer.zero_grad()
@@ -183,8 +188,8 @@ def kvps_step_fn(args, model, torch):
     return step, kv.rank, kv.barrier
 
 
-STEP_FNS = {'kvps': kvps_step_fn, 'kvps-local': kvps_step_fn, 'ddp': ddp_step_fn,
-            'alone': alone_step_fn}
+STEP_FNS = {'kvps': kvps_step_fn, 'kvps-local': kvps_step_fn, 'kvps-cb': kvps_step_fn,
+            'ddp': ddp_step_fn, 'alone': alone_step_fn}
 
 
 def finish(args, torch):
