@@ -68,13 +68,22 @@ static inline unsigned short kv_f32_to_f16(float f) {
 @pytest.fixture(scope='module')
 def library(tmp_path_factory):
     """Every kernel of every rule and dtype, each layout, in one shared object."""
+    return build(tmp_path_factory.mktemp('cuda_emulated'), definitions(every_plan()))
+
+
+def definitions(plans):
+    """The kernels of ``plans``, each layout, without the PREAMBLE."""
     kernels = {}
-    for plan in every_plan():
+    for plan in plans:
         kernels.update((name, code[len(src.PREAMBLE):])
                        for name, code in src.kernels_of(plan).items())
+    return list(kernels.values())
+
+
+def build(where, kernels):
+    """Kernel definitions (C after PREAMBLE) built for the CPU in directory ``where``."""
     body = [SHIM, src.PREAMBLE.replace(src.HALF_CONVERSIONS, HALF_ON_CPU)]
-    body += [f'namespace k{i} {{\n{text}\n}}' for i, text in enumerate(kernels.values())]
-    where = tmp_path_factory.mktemp('cuda_emulated')
+    body += [f'namespace k{i} {{\n{text}\n}}' for i, text in enumerate(kernels)]
     (where / 'kernels.cpp').write_text('\n'.join(body))
     subprocess.run(['g++', '-std=c++17', '-O1', '-ffp-contract=off', '-fno-fast-math',
                     '-shared', '-fPIC', '-o', str(where / 'kernels.so'),

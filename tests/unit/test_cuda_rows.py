@@ -1,21 +1,17 @@
 """GroupAdaGrad's CUDA kernel (cuda_rows) without a GPU: every dtype variant compiles with NVRTC,
 and run on the CPU under g++ (one emulated thread walking the rows) it gives numpy_rows' bits,
 through cuda_kernels.multi_update as the Updater calls it, with the grad as one array or two
-(a sync round's last pushes). On a GPU (`gpu`), the same through
-the Updater, dense and by rows."""
-
-import ctypes
-import subprocess
+(a sync round's last pushes). On a GPU (`gpu`), the same through the Updater, dense and by
+rows."""
 
 import numpy as np
 import pytest
 import test_cuda_emulated as E
-from test_cuda_emulated import HALF_ON_CPU, SHIM, _gxx_has_float16, on_host
+from test_cuda_emulated import _gxx_has_float16, on_host
 from test_cuda_source import compile_errors, needs_nvrtc
 
 from kvps.optimizer import create
-from kvps.optimizer.kernels import (cuda_kernels as C, cuda_rows as CR, cuda_source as src,
-                                    numpy_kernels as K)
+from kvps.optimizer.kernels import cuda_kernels as C, cuda_rows as CR, numpy_kernels as K
 from kvps.optimizer.updater import Updater
 
 # (compute, master weight, grad, history, low-precision weight under a master) storage names
@@ -47,15 +43,8 @@ def test_every_variant_compiles(variant):
 def library(tmp_path_factory):
     if not _gxx_has_float16():
         pytest.skip('needs g++ with _Float16')
-    body = [SHIM, src.PREAMBLE.replace(src.HALF_CONVERSIONS, HALF_ON_CPU)]
-    body += [f'namespace k{i} {{\n{CR.definition(*v)}\n}}'
-             for i, v in enumerate(VARIANTS + TWO)]
-    where = tmp_path_factory.mktemp('cuda_rows')
-    (where / 'rows.cpp').write_text('\n'.join(body))
-    subprocess.run(['g++', '-std=c++17', '-O1', '-ffp-contract=off', '-fno-fast-math',
-                    '-shared', '-fPIC', '-o', str(where / 'rows.so'), str(where / 'rows.cpp')],
-                   check=True, capture_output=True, timeout=300)
-    return ctypes.CDLL(str(where / 'rows.so'))   # (test_cuda_emulated's emulated runs it)
+    return E.build(tmp_path_factory.mktemp('cuda_rows'),   # (test_cuda_emulated's emulated
+                   [CR.definition(*v) for v in VARIANTS + TWO])   # runs it)
 
 
 def _arrays(variant, rng):
