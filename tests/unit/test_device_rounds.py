@@ -70,14 +70,14 @@ class Run:
         data = _wire(values, self.dtype)
         if self.block is not None:
             data = self.block(np.frombuffer(data, np.uint8))
-            self.blocks.append((data, np.array(data)))
+            self.blocks.append((data, self.arrays.to_host(data).copy()))
         return self.shard.push('t', WORKERS[worker], key, 0, self.dtype, True, data)
 
     def weight(self, key='k'):
         return np.array(self.arrays.to_host(self.shard.entries[key, 0].weight))
 
     def blocks_unchanged(self):
-        return all(np.array_equal(np.asarray(got), was) for got, was in self.blocks)
+        return all(np.array_equal(self.arrays.to_host(got), was) for got, was in self.blocks)
 
 
 def _wire(values, dtype):
