@@ -10,8 +10,13 @@ on a GPU; packed passes on the CPU, in place where the keys' arrays lie end to e
 server lays out small keys), and its later rounds from the launches it keeps, as a server's
 Updater runs them (with the host's share of that time alone).
 
+With --grads 2 each update gets its gradient as two arrays, as a server hands a sync round's
+last push with the sum so far: the kernels add them as they load them (one pass), against
+adding them into a third array first and updating from that (what a GPU shard did before).
+
     python benchmarks/bench_kernels.py            # 1M and 16M float32 elements
     python benchmarks/bench_kernels.py --quick    # 1M only, few repetitions
+    python benchmarks/bench_kernels.py --grads 2 --optimizers sgd adam lamb
 """
 
 import argparse
@@ -104,7 +109,9 @@ def _host_median(fn, reps):
     return statistics.median(samples)
 
 
-def bench(dev, label, n, reps):
+def bench(dev, label, n, reps, grads=1):
+    if grads == 2:
+        return bench_two(dev, label, n, reps)
     kernel, nstates, hyper = CONFIGS[label]
     xp = dev.xp
     rng = np.random.default_rng(0)
@@ -128,10 +135,37 @@ def bench(dev, label, n, reps):
             'ratio_to_copy': round(gbps / copy_gbps, 3), 'ms': round(seconds * 1e3, 3)}
 
 
-def bench_many(dev, label, keys, n, reps):
+def bench_two(dev, label, n, reps):
+    """One update of a gradient given as two arrays: added in the update's pass (fused)
+    against added into a third array first (add_then_update); gbps counts the fused
+    update's bytes (both arrays read)."""
+    kernel, nstates, hyper = CONFIGS[label]
+    xp, fn = dev.xp, getattr(dev.mod, kernel)
+    rng = np.random.default_rng(0)
+    w = xp.asarray(rng.standard_normal(n).astype(np.float32))
+    parts = tuple(xp.asarray(rng.standard_normal(n).astype(np.float32)) for _ in range(2))
+    summed = xp.empty_like(w)
+    states = [xp.ones_like(w) for _ in range(nstates)]   # (rmsprop centered: var >= mean^2)
+
+    def add_then_update():
+        xp.add(*parts, out=summed)   # (a fresh sum each time: the update clobbers its grad)
+        fn(w, summed, *states, **BASE, **hyper)
+    fused = _median(dev, lambda: fn(w, parts, *states, **BASE, **hyper), lambda: None, reps)
+    apart = _median(dev, add_then_update, lambda: None, reps)
+    return {'bench': 'kernels', 'optimizer': label, 'device': dev.name, 'dtype': 'float32',
+            'elements': n, 'grads': 2,
+            'gbps': round(4 * n * (4 + 2 * nstates) / fused / 1e9, 2),
+            'ms': round(fused * 1e3, 3), 'ms_add_then_update': round(apart * 1e3, 3),
+            'speedup_fused': round(apart / fused, 2)}
+
+
+def bench_many(dev, label, keys, n, reps, grads=1):
     """``keys`` keys of ``n`` elements: key by key against one multi_update call, with each
     key's arrays apart (copied into the packed pass and back on the CPU) and laid end to
-    end as a server lays out small keys (weights and states updated in place)."""
+    end as a server lays out small keys (weights and states updated in place). ``grads``
+    2: bench_many_two."""
+    if grads == 2:
+        return bench_many_two(dev, label, keys, n, reps)
     kernel, nstates, hyper = CONFIGS[label]
     xp, fn = dev.xp, getattr(dev.mod, kernel)
 
@@ -169,6 +203,46 @@ def bench_many(dev, label, keys, n, reps):
             'speedup_end_to_end': round(alone / in_place, 2)}
 
 
+def bench_many_two(dev, label, keys, n, reps):
+    """``keys`` keys of ``n`` elements laid end to end, each gradient two arrays, from kept
+    launches as a server's rounds run: one multi_update adding each pair in its pass
+    against a sum per key first (one add each, as a GPU shard launched them) then the
+    multi_update of the sums; device time, and the host's share of it alone."""
+    kernel, nstates, hyper = CONFIGS[label]
+    xp = dev.xp
+    rng = np.random.default_rng(1)
+
+    def column(fill):
+        whole = xp.asarray(fill(keys * n))
+        return [whole[i * n:(i + 1) * n] for i in range(keys)]
+    normal = (lambda m: rng.standard_normal(m).astype(np.float32))
+    weights, firsts, lasts, sums = column(normal), column(normal), column(normal), column(normal)
+    states = [column(lambda m: np.ones(m, np.float32)) for _ in range(nstates)]
+    rest = [[s[i] for s in states] for i in range(keys)]
+    fused_calls = [(kernel, (weights[i], (firsts[i], lasts[i]), *rest[i]), dict(BASE, **hyper))
+                   for i in range(keys)]
+    summed_calls = [(kernel, (weights[i], sums[i], *rest[i]), dict(BASE, **hyper))
+                    for i in range(keys)]
+    kept_fused, kept_summed = {}, {}
+
+    def add_then_update():
+        for first, last, out in zip(firsts, lasts, sums):
+            xp.add(first, last, out=out)
+        dev.mod.multi_update(summed_calls, kept_summed)
+    fused = _median(dev, lambda: dev.mod.multi_update(fused_calls, kept_fused), lambda: None,
+                    reps)
+    apart = _median(dev, add_then_update, lambda: None, reps)
+    return {'bench': 'kernels_many_keys', 'optimizer': label, 'device': dev.name,
+            'dtype': 'float32', 'keys': keys, 'elements_per_key': n, 'grads': 2,
+            'ms_multi_tensor_kept': round(fused * 1e3, 3),
+            'ms_add_then_multi_tensor_kept': round(apart * 1e3, 3),
+            'host_ms_multi_tensor_kept': round(_host_median(
+                lambda: dev.mod.multi_update(fused_calls, kept_fused), reps) * 1e3, 3),
+            'host_ms_add_then_multi_tensor_kept': round(_host_median(add_then_update, reps)
+                                                        * 1e3, 3),
+            'speedup_fused': round(apart / fused, 2)}
+
+
 def devices(which):
     out = [Host()] if which in ('all', 'cpu') else []
     if which in ('all', 'cuda'):
@@ -191,16 +265,19 @@ def main():
     ap.add_argument('--many-keys', type=int, default=512, help='small keys for the multi-'
                     'tensor comparison (0: skip it)')
     ap.add_argument('--key-elements', type=int, default=4096)
+    ap.add_argument('--grads', type=int, choices=[1, 2], default=1,
+                    help='arrays per gradient: 2 times the update adding a pair in its pass '
+                    'against adding it first')
     args = ap.parse_args()
     sizes = args.sizes or ([1 << 20] if args.quick else [1 << 20, 1 << 24])
     for dev in devices(args.device):
         for n in sizes:
             reps = args.reps or (3 if args.quick else (10 if n <= 1 << 22 else 5))
             for label in args.optimizers:
-                print(json.dumps(bench(dev, label, n, reps)), flush=True)
+                print(json.dumps(bench(dev, label, n, reps, args.grads)), flush=True)
         for label in args.optimizers if args.many_keys else ():
             print(json.dumps(bench_many(dev, label, args.many_keys, args.key_elements,
-                                        args.reps or 5)), flush=True)
+                                        args.reps or 5, args.grads)), flush=True)
 
 
 if __name__ == '__main__':

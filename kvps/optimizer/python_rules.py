@@ -210,7 +210,7 @@ def _writable_grad(grad, work, kernels):
     """The round's gradient as an array of ``work``'s dtype that ``update`` may change (as
     MXNet's may): a sync round's last two pushes summed, a bfloat16 gradient widened, a
     read-only receive buffer copied."""
-    if type(grad) is tuple:   # host float32/float64 keys: (sum so far, last push)
+    if type(grad) is tuple:   # float32/float64 keys: (sum so far, last push)
         grad = grad[0] + grad[1]
     if grad.dtype != work.dtype:
         return kernels.widen(grad) if common.storage_name(grad) == common.BF16_STORAGE \

@@ -141,8 +141,8 @@ class Updater:
     # -- per update --------------------------------------------------------------------------
     def _check(self, key, part, weight, grad):
         """``(grad, state)`` for one update, both checked. ``grad``: an array, or a tuple of
-        host arrays to be summed (a sync round's last pushes: the numpy kernels add them
-        block by block, in the pass of the update), each checked alike."""
+        arrays to be summed (a sync round's last pushes: the kernels add them in the pass of
+        the update, numpy's block by block, CUDA's as they load them), each checked alike."""
         if _plain_host_update(weight, grad):   # most updates: nothing to say, nothing to fix
             return grad, self._state_for(key, part, weight, numpy_kernels)
         kernels = kernels_for(weight)
@@ -382,11 +382,15 @@ def _plain_host_update(weight, grad):
 
 
 def _plain_device_update(weight, grad, kernels):
-    """Whether a device weight and its grad pass every check of ``Updater._check`` as they
-    are: one array type and shape, kernel dtypes (the kernels check the rest as they plan)."""
-    return (kernels is not numpy_kernels and type(grad) is type(weight)
-            and weight.dtype in _HOST_DTYPES and grad.dtype in _HOST_DTYPES
-            and grad.shape == weight.shape)
+    """Whether a device weight and its grad (or tuple of grads) pass every check of
+    ``Updater._check`` as they are: one array type and shape, kernel dtypes (the kernels
+    check the rest as they plan)."""
+    if kernels is numpy_kernels or weight.dtype not in _HOST_DTYPES:
+        return False
+    for g in grad if type(grad) is tuple else (grad,):
+        if type(g) is not type(weight) or g.dtype not in _HOST_DTYPES or g.shape != weight.shape:
+            return False
+    return True
 
 
 def _check_dtype(key, label, array):

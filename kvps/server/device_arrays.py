@@ -53,7 +53,8 @@ class DeviceArrays(HostArrays):
     name = 'device'
     lends = True         # a pull reply holds the weight itself (copy-on-write) until settled
     on_device = True     # ... and copies it out: into the worker's segment or a pinned frame
-    sums_in_update = ()
+    # (sums_in_update: a host shard's; CUDA kernels add a round's last pushes in the update,
+    # as numpy's do, from a worker's device blocks too, read where they are)
 
     def __init__(self, xp, kernels, transfers, sharing=None):
         super().__init__()
@@ -118,6 +119,15 @@ class DeviceArrays(HostArrays):
         host = self.transfers.pinned(array.nbytes).view(array.dtype)
         self.transfers.download(host, array, [(0, host.nbytes)])
         return host
+
+    def reading(self, grad):
+        """Work issued in this request reads a round's gradient ``grad`` (an update, a sum with
+        rows): where workers' device blocks are mapped (this server's event exists), it may
+        hold one, read in place and pushed in an earlier request (a round closed by an
+        abstention, or by rows): this request's answers, which let the worker reuse the
+        block, are ordered behind the work."""
+        if grad is not None and self._event is not None:
+            self.transfers.hold(grad)
 
     def settle(self):
         self._staged = 0

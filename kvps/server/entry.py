@@ -60,7 +60,7 @@ class Entry:
     sync: bool
     weight: object                        # an array of ``arrays``' kind (numpy or cupy)
     merge: object = None                  # the buffer sums are made in
-    summed: object = None                 # the gradient to apply: a received array or merge
+    summed: object = None   # the gradient to apply: a received array, merge, or a pair of them
     version: int = 0                      # rounds completed (sync) / pushes applied (async)
     step: int = 0                         # sync: the open round's pushes' highest step
     pushed: dict = dataclasses.field(default_factory=dict)   # worker -> pushes received
@@ -186,7 +186,9 @@ class Entry:
     def take_summed(self):
         """The round's gradient (a received buffer or the merge buffer), handed to the
         update; the next round starts afresh. A sync round of another size than the key's
-        ``scale_to`` is scaled to it (members.scaled)."""
+        ``scale_to`` is scaled to it (members.scaled). It may be a tuple (sum so far, last
+        push: Shard._add_to_round), which the update adds in its own pass."""
+        self.arrays.reading(self.summed)
         if self.abstained and self.summed is None:   # nobody pushed a gradient: zeros
             self.summed = members.zeros(self)
         if self.scale_to and self.sync and self.pushers not in (self.scale_to, 0):

@@ -21,8 +21,9 @@ class HostArrays:
     sharing = None      # workers' device segments are not mapped (kvps.wire.device_sharing)
     route = ('kept in host memory (numpy kernels): read from and lent to local workers in '
              'shared memory')
-    # An update may take a sync round's last pushes unsummed (the numpy kernels add them in
-    # the pass of the update): float32/float64 only, whose sum is the same there as in a merge.
+    # An update may take a sync round's last pushes unsummed (the kernels add them in the
+    # pass of the update, the numpy ones and the CUDA ones alike): float32/float64 only, whose
+    # sum is the same there as in a merge (a half type's is rounded there, in float32 here).
     sums_in_update = ('float32', 'float64')
     xp = np
 
@@ -90,6 +91,10 @@ class HostArrays:
 
     def to_host(self, array):
         return array
+
+    def reading(self, grad):
+        """Work issued in this request reads a round's gradient ``grad`` (an array, a tuple
+        of them, or None): on the host, that work is done when it returns."""
 
     def settle(self):
         """Wait for the copies made so far (a device's); on the host they are done."""

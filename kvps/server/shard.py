@@ -160,9 +160,9 @@ class Shard:
     def _merge(self, entry, worker, data, token, step=0):
         """Add one worker's push to the open round. The first is kept as received (the
         buffer stays valid until its ack) and added to the second straight into the merge
-        buffer: the round's sum costs no copy. With an optimizer on host float32/float64
-        keys the last push is not added at all: the update gets (sum so far, last push) and
-        adds them in its own pass, so the merge buffer is neither written nor read back.
+        buffer: the round's sum costs no copy. With an optimizer on float32/float64 keys
+        (host or GPU) the last push is not added: the update gets (sum so far, last push)
+        and adds them in its own pass, so the merge buffer is neither written nor read back.
         bfloat16 pushes are summed in float32, rounded once where the sum becomes the weight
         (an optimizer takes the float32 sum as it is)."""
         self.add_push(entry, worker, data)

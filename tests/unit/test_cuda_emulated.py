@@ -4,8 +4,10 @@ another, fed numpy memory through the real launch path (tables built and "upload
 found from the prefix of their block counts, LAMB's partial norms added up by each key's last
 block). They must give the numpy reference kernels' results bit for bit (LAMB to rounding:
 its norms are sums in another order), key by key and through multi-tensor apply, round after
-round from kept launches. This checks the arithmetic and the tables without a GPU; the
-block-wide sums of 256 threads and the atomics run for real only in the `gpu` tests."""
+round from kept launches, with the grad as one array or as two (a sync round's last pushes,
+added as the kernel loads them, as numpy adds the tuple; never written). This checks the
+arithmetic and the tables without a GPU; the block-wide sums of 256 threads and the atomics
+run for real only in the `gpu` tests."""
 
 import ctypes
 import shutil
@@ -14,11 +16,11 @@ import types
 
 import numpy as np
 import pytest
+from test_cuda_source import (BASE, CASES, DTYPES, NEEDS_T, TWO_GRADS, Device, current_stream,
+                              every_plan, live_states, reduces, state_dtype)
 
 from kvps.optimizer.kernels import (cuda_kernels as C, cuda_launch as L, cuda_rows as CR,
                                     cuda_source as src, numpy_kernels as K)
-from test_cuda_source import (BASE, CASES, DTYPES, NEEDS_T, Device, current_stream, every_plan,
-                              live_states, reduces, state_dtype)
 
 
 def _gxx_has_float16():
@@ -66,13 +68,22 @@ static inline unsigned short kv_f32_to_f16(float f) {
 @pytest.fixture(scope='module')
 def library(tmp_path_factory):
     """Every kernel of every rule and dtype, each layout, in one shared object."""
+    return build(tmp_path_factory.mktemp('cuda_emulated'), definitions(every_plan()))
+
+
+def definitions(plans):
+    """The kernels of ``plans``, each layout, without the PREAMBLE."""
     kernels = {}
-    for plan in every_plan():
+    for plan in plans:
         kernels.update((name, code[len(src.PREAMBLE):])
                        for name, code in src.kernels_of(plan).items())
+    return list(kernels.values())
+
+
+def build(where, kernels):
+    """Kernel definitions (C after PREAMBLE) built for the CPU in directory ``where``."""
     body = [SHIM, src.PREAMBLE.replace(src.HALF_CONVERSIONS, HALF_ON_CPU)]
-    body += [f'namespace k{i} {{\n{text}\n}}' for i, text in enumerate(kernels.values())]
-    where = tmp_path_factory.mktemp('cuda_emulated')
+    body += [f'namespace k{i} {{\n{text}\n}}' for i, text in enumerate(kernels)]
     (where / 'kernels.cpp').write_text('\n'.join(body))
     subprocess.run(['g++', '-std=c++17', '-O1', '-ffp-contract=off', '-fno-fast-math',
                     '-shared', '-fPIC', '-o', str(where / 'kernels.so'),
@@ -157,14 +168,18 @@ def _store(x, dtype):
     return K.f32_to_bf16(x.astype(np.float32)) if dtype == 'bfloat16' else x.astype(dtype)
 
 
-def _key(rng, n, name, states, hyper, wdt, gdt, mp):
-    """(weight, {state: array}, master or None, [grads]) for one key."""
+def _key(rng, n, name, states, hyper, wdt, gdt, mp, grads=(1, 1, 1)):
+    """(weight, {state: array}, master or None, [grads]) for one key; ``grads``: how many
+    arrays each round's grad is (2: a tuple, of the compute dtype)."""
     w = _store(rng.standard_normal(n), wdt)
     master = (K.bf16_to_f32(w) if wdt == 'bfloat16' else w.astype(np.float32)) if mp else None
     sdt = state_dtype(name, wdt, mp)
     st = {s: np.zeros(n, np.uint16 if sdt == 'bfloat16' else sdt)
           for s in live_states(name, states, hyper)}
-    return w, st, master, [_store(rng.standard_normal(n) * 1.5, gdt) for _ in range(3)]
+    compute = 'float64' if wdt == 'float64' and not mp else 'float32'
+    return w, st, master, [_store(rng.standard_normal(n) * 1.5, gdt) if count == 1 else
+                           tuple(_store(rng.standard_normal(n) * s, compute) for s in (1.5, .7))
+                           for count in grads]
 
 
 def _calls(name, states, hyper, keys, step, t):
@@ -174,9 +189,19 @@ def _calls(name, states, hyper, keys, step, t):
 
 
 def _copy(keys, as_device):
+    """Copies of ``keys`` for the CUDA kernels or numpy's; a grad's two arrays are read-only
+    for numpy's (receive buffers: never written)."""
     wrap = on_host if as_device else np.copy
+
+    def grad(g):
+        if type(g) is not tuple:
+            return wrap(g)
+        parts = tuple(map(wrap, g))
+        for part in parts if not as_device else ():
+            part.flags.writeable = False
+        return parts
     return [(wrap(w), {k: wrap(v) for k, v in st.items()},
-             None if m is None else wrap(m), [wrap(g) for g in grads])
+             None if m is None else wrap(m), [grad(g) for g in grads])
             for w, st, m, grads in keys]
 
 
@@ -196,12 +221,18 @@ def _assert_same(near, got_keys, want_keys):
                 np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
-@pytest.mark.parametrize('wdt,gdt,mp', DTYPES, ids=['-'.join(map(str, d)) for d in DTYPES])
+# (dtypes, arrays per grad): every dtype combination with one grad; with two (a sync round's
+# last pushes), those whose grads are of the compute dtype
+FORMS = [(d, 1) for d in DTYPES] + [(d, 2) for d in TWO_GRADS]
+
+
+@pytest.mark.parametrize('dtypes,grads', FORMS,
+                         ids=['-'.join(map(str, d)) + f'-x{g}' for d, g in FORMS])
 @pytest.mark.parametrize('name,states,hyper,_', CASES,
                          ids=[f'{c[0]}-{i}' for i, c in enumerate(CASES)])
-def test_each_kernel_gives_the_numpy_result_bit_for_bit(emulated, name, states, hyper, _, wdt,
-                                                        gdt, mp):
-    keys = [_key(np.random.default_rng(11), 3001, name, states, hyper, wdt, gdt, mp)]
+def test_each_kernel_gives_the_numpy_result_bit_for_bit(emulated, name, states, hyper, _,
+                                                        dtypes, grads):
+    keys = [_key(np.random.default_rng(11), 3001, name, states, hyper, *dtypes, (grads,) * 3)]
     device, host = _copy(keys, True), _copy(keys, False)
     for step in range(3):
         for fn, args, kwargs in _calls(name, states, hyper, device, step, step + 1):
@@ -209,6 +240,17 @@ def test_each_kernel_gives_the_numpy_result_bit_for_bit(emulated, name, states, 
         for fn, args, kwargs in _calls(name, states, hyper, host, step, step + 1):
             getattr(K, fn)(*args, **kwargs)
     _assert_same(reduces(name, hyper), device, host)
+    assert emulated and all(('x2' in kernel) == (grads == 2) for kernel in emulated)
+    _assert_only_read(device, keys)
+
+
+def _assert_only_read(device, keys):
+    """The two arrays of each grad are as they were made (a worker's blocks, read in place)."""
+    for (*_, got), (*_, made) in zip(device, keys):
+        for g, want in zip(got, made):
+            if type(want) is tuple:
+                for part, original in zip(g, want):
+                    np.testing.assert_array_equal(np.asarray(part), original)
 
 
 # (elements, dtypes) of a round's keys: float32, float64 and float16-with-master keys each share
@@ -266,3 +308,37 @@ def test_gradients_rewritten_in_place_are_read_again(emulated, name, states, hyp
                         for (fn, args, kwargs), buffer in zip(calls, buffers)], kept)
         K.multi_update(_calls(name, states, hyper, host, step, step + 1))
     _assert_same(reduces(name, hyper), device, host)
+
+
+# keys whose grads come as two arrays in some rounds and as one in others
+MIXED = [(1, DTYPES[0]), (70001, DTYPES[0]), (300, DTYPES[0]), (66000, DTYPES[1]),
+         (7, DTYPES[1]), (2000, DTYPES[4]), (99, DTYPES[4])]
+
+
+@pytest.mark.parametrize('name,states,hyper,_', CASES,
+                         ids=[f'{c[0]}-{i}' for i, c in enumerate(CASES)])
+def test_keys_with_two_grads_and_keys_with_one_share_kept_rounds(emulated, monkeypatch, name,
+                                                                 states, hyper, _):
+    """A call list whose keys alternate between a grad of two arrays and of one: the second
+    round runs from the launches the first planned; the third swaps every key's kind (a
+    kept launch would read a stale pointer, or one too few): planned anew."""
+    rng = np.random.default_rng(8)
+    kinds = [[2 - (i + (step == 2)) % 2 for step in range(3)] for i in range(len(MIXED))]
+    keys = [_key(rng, n, name, states, hyper, *dtypes, kinds[i])
+            for i, (n, dtypes) in enumerate(MIXED)]
+    device, host = _copy(keys, True), _copy(keys, False)
+    kept, made = {}, []
+
+    class Counted(L.Round):
+        def __init__(self, *args):
+            made.append(1)
+            super().__init__(*args)
+    monkeypatch.setattr(L, 'Round', Counted)
+    for step in range(3):
+        C.multi_update(_calls(name, states, hyper, device, step, step + 1), kept)
+        K.multi_update(_calls(name, states, hyper, host, step, step + 1))
+        assert {'x2' in kernel for kernel in emulated} == {True, False}
+        emulated.clear()
+    assert len(made) == 2 and len(kept) == 1
+    _assert_same(reduces(name, hyper), device, host)
+    _assert_only_read(device, keys)

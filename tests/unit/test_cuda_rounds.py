@@ -6,11 +6,12 @@ import types
 
 import numpy as np
 import pytest
+from test_cuda_source import FAKE_CUPY, STREAM, DeviceLike, call, plan_of, recording, uploaded
 
+from kvps.errors import DTypeError, ShapeError
 from kvps.optimizer import create
 from kvps.optimizer.kernels import cuda_kernels as C, cuda_launch as L, cuda_source as src
 from kvps.optimizer.updater import Updater
-from test_cuda_source import FAKE_CUPY, STREAM, DeviceLike, call, plan_of, recording, uploaded
 
 
 @pytest.fixture
@@ -41,9 +42,14 @@ def sgd_keys(sizes=SIZES, momentum=0.9, dtype='float32'):
 
 
 def again(calls, grads=True, **hyper):
-    """The next round's calls over the same keys: new gradients, ``hyper`` changed."""
-    return [(name, (args[0], DeviceLike(args[1].shape, args[1].dtype) if grads else args[1],
-                    *args[2:]), dict(kwargs, **hyper)) for name, args, kwargs in calls]
+    """The next round's calls over the same keys: new gradients (of as many arrays as
+    before), ``hyper`` changed."""
+    def new(grad):
+        if type(grad) is tuple:
+            return tuple(map(new, grad))
+        return DeviceLike(grad.shape, grad.dtype) if grads else grad
+    return [(name, (args[0], new(args[1]), *args[2:]), dict(kwargs, **hyper))
+            for name, args, kwargs in calls]
 
 
 def table(upload, nkeys, plan):
@@ -116,6 +122,14 @@ def _grad_as(dtype):
     return change
 
 
+def _two_grads(calls):
+    """The first key's grad as two arrays (a sync round's last pushes)."""
+    name, args, kwargs = calls[0]
+    calls[0] = (name, (args[0], (args[1], DeviceLike(args[1].shape, args[1].dtype)),
+                       *args[2:]), kwargs)
+    return calls
+
+
 def _restream(calls):
     STREAM.ptr = 7
     return calls
@@ -136,6 +150,8 @@ CHANGES = {
                                     1),
     'a strided gradient (copied)': (_strided, ['kvps_sgd_mom_f32_f32_f32_f32_multi'], 1),
     'another stream': (_restream, ['kvps_sgd_mom_f32_f32_f32_f32_multi'], 1),
+    'a gradient of two arrays': (_two_grads, ['kvps_sgd_mom_f32_f32_f32x2_f32',
+                                              'kvps_sgd_mom_f32_f32_f32_f32_multi'], 1),
 }
 
 
@@ -161,6 +177,43 @@ def assert_table_holds(upload, calls):
     rows, _ = table(upload, len(plans), plans[0])
     fixed = [[arr.data.ptr for name, arr in p.arrays if name != 'g'] for p in plans]
     assert [list(np.delete(row[1:], 1)) for row in rows] == fixed
+
+
+def test_keys_with_two_grads_take_a_pointer_column_for_each_and_a_kernel_of_their_own(gpu):
+    calls = [call('sgd', ['mom'], dict(momentum=0.9), 'float32', 'float32', False, n,
+                  grads=2) for n in SIZES]
+    kept = {}
+    C.multi_update(calls, kept)
+    assert [name for name, *_ in gpu.launches] == ['kvps_sgd_mom_f32_f32_f32x2_f32_multi']
+    plan = plan_of(*calls[0])
+    assert [name for name, _ in plan.arrays] == ['w', 'g', 'g2', 'mom']
+    rows, _ = table(gpu.uploads[-1], 4, plan)
+    assert [list(row[1:]) for row in rows] == [
+        [args[0].data.ptr, args[1][0].data.ptr, args[1][1].data.ptr, args[2].data.ptr]
+        for _, args, _ in calls]
+    calls = again(calls)
+    C.multi_update(calls, kept)
+    assert gpu.rounds == 1 and len(gpu.uploads) == 2     # kept: new pointers uploaded
+    rows, _ = table(gpu.uploads[-1], 4, plan)
+    assert [list(row[2:4]) for row in rows] == [[g.data.ptr for g in args[1]]
+                                                for _, args, _ in calls]
+    calls[2] = (calls[2][0], (calls[2][1][0], calls[2][1][1][0], calls[2][1][2]), calls[2][2])
+    del gpu.launches[:]
+    C.multi_update(calls, kept)                          # one key's grad now one array
+    assert gpu.rounds == 2 and [name for name, *_ in gpu.launches] == [
+        'kvps_sgd_mom_f32_f32_f32x2_f32_multi', 'kvps_sgd_mom_f32_f32_f32_f32']
+
+
+@pytest.mark.parametrize('grad, error', [((), 'two or more'), ('three', 'at most 2'),
+                                         ('float16', 'must all be float32')])
+def test_a_grad_of_parts_the_kernels_cannot_add_is_refused_before_any_launch(gpu, grad,
+                                                                            error):
+    name, args, kwargs = sgd_keys((10,))[0]
+    parts = {(): (args[1],), 'three': (args[1],) * 3,
+             'float16': (args[1], DeviceLike(10, 'float16'))}[grad]
+    with pytest.raises((ShapeError, DTypeError), match=error):
+        C.multi_update(sgd_keys((5,)) + [(name, (args[0], parts, *args[2:]), kwargs)])
+    assert gpu.launches == []
 
 
 def test_a_state_created_plans_the_round_anew(gpu):

@@ -1,20 +1,17 @@
 """GroupAdaGrad's CUDA kernel (cuda_rows) without a GPU: every dtype variant compiles with NVRTC,
 and run on the CPU under g++ (one emulated thread walking the rows) it gives numpy_rows' bits,
-through cuda_kernels.multi_update as the Updater calls it. On a GPU (`gpu`), the same through
-the Updater, dense and by rows."""
-
-import ctypes
-import subprocess
+through cuda_kernels.multi_update as the Updater calls it, with the grad as one array or two
+(a sync round's last pushes). On a GPU (`gpu`), the same through the Updater, dense and by
+rows."""
 
 import numpy as np
 import pytest
 import test_cuda_emulated as E
-from test_cuda_emulated import HALF_ON_CPU, SHIM, _gxx_has_float16, on_host
+from test_cuda_emulated import _gxx_has_float16, on_host
 from test_cuda_source import compile_errors, needs_nvrtc
 
 from kvps.optimizer import create
-from kvps.optimizer.kernels import (cuda_kernels as C, cuda_rows as CR, cuda_source as src,
-                                    numpy_kernels as K)
+from kvps.optimizer.kernels import cuda_kernels as C, cuda_rows as CR, numpy_kernels as K
 from kvps.optimizer.updater import Updater
 
 # (compute, master weight, grad, history, low-precision weight under a master) storage names
@@ -25,12 +22,17 @@ VARIANTS = [('float32', 'float32', 'float32', 'float32', None),
             ('float32', 'uint16', 'uint16', 'float32', None),
             ('float32', 'float32', 'float16', 'float32', 'float16'),
             ('float32', 'float32', 'uint16', 'float32', 'uint16')]
+# ... and the kernel's arrays per grad: two (a sync round's last pushes), of the compute dtype
+TWO = [('float32', 'float32', 'float32', 'float32', None, 2),
+       ('float64', 'float64', 'float64', 'float64', None, 2),
+       ('float32', 'float16', 'float32', 'float32', None, 2),
+       ('float32', 'float32', 'float32', 'float32', 'uint16', 2)]
 SCALARS = dict(lr=0.1, wd=0.0, rescale_grad=0.5, clip_gradient=0.8, epsilon=1e-3)
 ROWS, WIDTH = 37, 11
 
 
 @needs_nvrtc
-@pytest.mark.parametrize('variant', VARIANTS, ids=lambda v: CR.kernel_name(*v))
+@pytest.mark.parametrize('variant', VARIANTS + TWO, ids=lambda v: CR.kernel_name(*v))
 def test_every_variant_compiles(variant):
     code = CR.source(*variant)
     assert f'void {CR.kernel_name(*variant)}(' in code
@@ -41,36 +43,36 @@ def test_every_variant_compiles(variant):
 def library(tmp_path_factory):
     if not _gxx_has_float16():
         pytest.skip('needs g++ with _Float16')
-    body = [SHIM, src.PREAMBLE.replace(src.HALF_CONVERSIONS, HALF_ON_CPU)]
-    body += [f'namespace k{i} {{\n{CR.definition(*v)}\n}}' for i, v in enumerate(VARIANTS)]
-    where = tmp_path_factory.mktemp('cuda_rows')
-    (where / 'rows.cpp').write_text('\n'.join(body))
-    subprocess.run(['g++', '-std=c++17', '-O1', '-ffp-contract=off', '-fno-fast-math',
-                    '-shared', '-fPIC', '-o', str(where / 'rows.so'), str(where / 'rows.cpp')],
-                   check=True, capture_output=True, timeout=300)
-    return ctypes.CDLL(str(where / 'rows.so'))   # (test_cuda_emulated's emulated runs it)
+    return E.build(tmp_path_factory.mktemp('cuda_rows'),   # (test_cuda_emulated's emulated
+                   [CR.definition(*v) for v in VARIANTS + TWO])   # runs it)
 
 
 def _arrays(variant, rng):
-    _, w, g, history, low = variant
+    """(weight, master or None, three rounds' grads, history); a variant of two grads gets
+    pairs."""
+    _, w, g, history, low, *grads = variant
     def made(dtype, scale=1.0):
         x = rng.standard_normal(ROWS * WIDTH) * scale
         return K.f32_to_bf16(x.astype(np.float32)) if dtype == 'uint16' else x.astype(dtype)
     weight = made(low or w)
     master = None if low is None else (K.bf16_to_f32(weight) if low == 'uint16'
                                        else weight.astype(np.float32))
-    return weight, master, [made(g, 1.5) for _ in range(3)], np.zeros(ROWS, history)
+    rounds = [made(g, 1.5) if not grads else (made(g, 1.5), made(g)) for _ in range(3)]
+    return weight, master, rounds, np.zeros(ROWS, history)
 
 
-@pytest.mark.parametrize('variant', VARIANTS, ids=lambda v: CR.kernel_name(*v))
+@pytest.mark.parametrize('variant', VARIANTS + TWO, ids=lambda v: CR.kernel_name(*v))
 def test_the_kernel_gives_numpys_bits(emulated, variant):
     rng = np.random.default_rng(5)
     weight, master, grads, history = _arrays(variant, rng)
     mine = [a if a is None else a.copy() for a in (weight, master, history)]
     dev = [a if a is None else on_host(a.copy()) for a in (weight, master, history)]
     for g in grads:
-        K.group_adagrad_update(mine[0], g.copy(), mine[2], **SCALARS, weight32=mine[1])
-        C.multi_update([('group_adagrad_update', (dev[0], on_host(g), dev[2]),
+        two = type(g) is tuple
+        K.group_adagrad_update(mine[0], g if two else g.copy(), mine[2], **SCALARS,
+                               weight32=mine[1])
+        C.multi_update([('group_adagrad_update', (dev[0], tuple(map(on_host, g)) if two
+                                                  else on_host(g), dev[2]),
                          dict(SCALARS, weight32=dev[1]))])
     assert emulated == [CR.kernel_name(*variant)] * len(grads)
     for got, want in zip(dev, mine):

@@ -65,6 +65,9 @@ DTYPES = [('float32', 'float32', False), ('float64', 'float64', False),
           ('float64', 'float32', False), ('float16', 'float16', False),
           ('float16', 'float16', True), ('bfloat16', 'float32', True),
           ('bfloat16', 'bfloat16', False)]
+# ... of keys whose grad comes as two arrays (a sync round's last pushes): of the compute dtype
+TWO_GRADS = [('float32', 'float32', False), ('float64', 'float64', False),
+             ('float16', 'float32', True), ('bfloat16', 'float32', False)]
 
 
 def live_states(name, states, hyper):
@@ -154,9 +157,12 @@ def launches(monkeypatch):
     return recording(monkeypatch)
 
 
-def call(name, states, hyper, wdt, gdt, mp, n=1000):
-    """(fn name, args, kwargs) of one update on stand-in device arrays."""
-    weight, grad = DeviceLike(n, storage(wdt)), DeviceLike(n, storage(gdt))
+def call(name, states, hyper, wdt, gdt, mp, n=1000, grads=1):
+    """(fn name, args, kwargs) of one update on stand-in device arrays (``grads``: 2, the
+    grad a tuple of two arrays)."""
+    weight = DeviceLike(n, storage(wdt))
+    grad = tuple(DeviceLike(n, storage(gdt)) for _ in range(grads))
+    grad = grad if grads > 1 else grad[0]
     sdt = storage(state_dtype(name, wdt, mp))
     live = live_states(name, states, hyper)
     args = (weight, grad, *[DeviceLike(n, sdt) if s in live else None for s in states])
@@ -171,8 +177,10 @@ def plan_of(name, args, kwargs):
 
 
 def every_plan():
-    """The plan of every rule and hyper-parameter case in every dtype combination."""
-    return [plan_of(*call(*case[:3], *dtypes)) for case in CASES for dtypes in DTYPES]
+    """The plan of every rule and hyper-parameter case in every dtype combination, with one
+    grad and with two."""
+    return [plan_of(*call(*case[:3], *dtypes, grads=grads)) for case in CASES
+            for grads, combos in ((1, DTYPES), (2, TWO_GRADS)) for dtypes in combos]
 
 
 

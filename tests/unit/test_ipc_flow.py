@@ -124,8 +124,10 @@ def test_a_sync_round_sums_the_workers_mapped_blocks_in_place(tmp_path):
     assert entry.weight.tolist() == [-0.5 * 3.75] * N
     assert first.view(np.float32).tolist() == [1.25] * N      # the workers' blocks unchanged
     assert second.view(np.float32).tolist() == [2.5] * N
-    # nothing copied to the device, every read waited for before the answers
-    assert server.log == [('hold',), ('hold',)]
+    assert entry.merge is None   # the update read both blocks and added them: no sum made
+    # nothing copied to the device, every read (the blocks received, the round's pair read
+    # by the update) ordered before the answers
+    assert server.log == [('hold',)] * 3
 
 
 def test_a_worker_lost_mid_round_leaves_the_others_kept_blocks_to_sum(tmp_path):

@@ -1,5 +1,6 @@
 """Every CUDA kernel against the numpy reference: bit for bit, except LAMB's reductions (1e-6);
-one launch per kernel for many keys, from kept launches, against one launch per key."""
+one launch per kernel for many keys, from kept launches, against one launch per key; with the
+grad as one array or as two (a sync round's last pushes, added by the kernel as it loads them)."""
 
 import numpy as np
 import pytest
@@ -14,12 +15,13 @@ except Exception:  # no driver, or a broken CUDA install: same as no GPU
 if _DEVICES == 0:
     pytest.skip('no CUDA device', allow_module_level=True)
 
+from test_cuda_source import (BASE, CASES, DTYPES, NEEDS_T, TWO_GRADS, live_states,  # noqa
+                              reduces, state_dtype)
+
 from kvps.optimizer import create  # noqa: E402
 from kvps.optimizer.kernels import (cuda_kernels as C, kernels_for, multi_apply,  # noqa: E402
                                     numpy_kernels as K)
 from kvps.optimizer.updater import Updater  # noqa: E402
-from test_cuda_source import (BASE, CASES, DTYPES, NEEDS_T, live_states, reduces,  # noqa: E402
-                              state_dtype)
 
 
 def _store(x, dtype):
@@ -37,23 +39,33 @@ def _run(mod, name, states, hyper, w, st, master, g_steps):
     master = None if master is None else to(master)
     for t, g in enumerate(g_steps, start=1):
         extra = {'t': t} if name in NEEDS_T else {}
-        getattr(mod, name + '_update')(w, to(g), *[st.get(s) for s in states], **BASE,
+        grad = tuple(map(to, g)) if type(g) is tuple else to(g)
+        getattr(mod, name + '_update')(w, grad, *[st.get(s) for s in states], **BASE,
                                        **hyper, **extra, weight32=master)
     back = (lambda a: cp.asnumpy(a)) if mod is C else (lambda a: a)
     return back(w), {k: back(v) for k, v in st.items()}, None if master is None else back(master)
 
 
-@pytest.mark.parametrize('wdt,gdt,mp', DTYPES, ids=['-'.join(map(str, d)) for d in DTYPES])
+# (dtypes, arrays per grad): every combination with one grad; with two (a sync round's last
+# pushes), float32 and float64 keys, those a server hands so (test_cuda_emulated: the others)
+FORMS = [(d, 1) for d in DTYPES] + [(d, 2) for d in TWO_GRADS[:2]]
+
+
+@pytest.mark.parametrize('dtypes,grads', FORMS,
+                         ids=['-'.join(map(str, d)) + f'-x{g}' for d, g in FORMS])
 @pytest.mark.parametrize('name,states,hyper,_', CASES,
                          ids=[f'{c[0]}-{i}' for i, c in enumerate(CASES)])
-def test_cuda_kernel_matches_numpy(name, states, hyper, _, wdt, gdt, mp):
+def test_cuda_kernel_matches_numpy(name, states, hyper, _, dtypes, grads):
+    wdt, gdt, mp = dtypes
     rng = np.random.default_rng(11)
     x = rng.standard_normal(70001)  # several numpy blocks, odd size for the GPU grid
     w = _store(x, wdt)
     master = (K.bf16_to_f32(w) if wdt == 'bfloat16' else w.astype(np.float32)) if mp else None
     sdt = state_dtype(name, wdt, mp)
     st = _states(name, states, hyper, w, sdt)
-    g_steps = [_store(rng.standard_normal(x.size) * 1.5, gdt) for _ in range(5)]
+    g_steps = [_store(rng.standard_normal(x.size) * 1.5, gdt) if grads == 1 else
+               (_store(rng.standard_normal(x.size) * 1.5, gdt), _store(x * 0.3, gdt))
+               for _ in range(5)]
     got = _run(C, name, states, hyper, w, st, master, g_steps)
     want = _run(K, name, states, hyper, w, st, master, g_steps)
     for a, b in zip([got[0], *got[1].values(), got[2]], [want[0], *want[1].values(), want[2]]):
@@ -83,14 +95,19 @@ MULTI_KEYS = [(1, DTYPES[0]), (7, DTYPES[0]), (70001, DTYPES[0]), (3 << 20, DTYP
               (2, DTYPES[4]), (65536, DTYPES[4]), (40, DTYPES[5]), (12345, DTYPES[6])]
 
 
-def _multi_keys(name, states, hyper, seed=5):
+def _multi_keys(name, states, hyper, seed=5, two=False):
+    """MULTI_KEYS' keys, three rounds of grads each; ``two``: every other key's grad is two
+    arrays of its compute dtype in the first two rounds, the other keys' in the third."""
     rng, keys = np.random.default_rng(seed), []
-    for n, (wdt, gdt, mp) in MULTI_KEYS:
+    for i, (n, (wdt, gdt, mp)) in enumerate(MULTI_KEYS):
         w = _store(rng.standard_normal(n), wdt)
         master = (K.bf16_to_f32(w) if wdt == 'bfloat16' else w.astype(np.float32)) if mp \
             else None
+        compute = 'float64' if wdt == 'float64' and not mp else 'float32'
         keys.append((w, _states(name, states, hyper, w, state_dtype(name, wdt, mp)), master,
-                     [_store(rng.standard_normal(n), gdt) for _ in range(3)]))
+                     [tuple(_store(rng.standard_normal(n), compute) for _ in range(2))
+                      if two and (i + (step == 2)) % 2 else _store(rng.standard_normal(n), gdt)
+                      for step in range(3)]))
     return keys
 
 
@@ -104,7 +121,8 @@ def _calls(name, states, copies, step, hyper):
 
 def _on_device(keys):
     return [(cp.asarray(w), {k: cp.asarray(v) for k, v in st.items()},
-             None if m is None else cp.asarray(m), [cp.asarray(g) for g in grads])
+             None if m is None else cp.asarray(m),
+             [tuple(map(cp.asarray, g)) if type(g) is tuple else cp.asarray(g) for g in grads])
             for w, st, m, grads in keys]
 
 
@@ -119,7 +137,23 @@ def test_one_launch_per_kernel_matches_key_by_key(name, states, hyper, _):
     """Keys of mixed sizes and dtypes, one launch per kernel from launches kept over three
     rounds, give bit for bit what one launch per key gives; LAMB too (a key's norms are
     summed over the same blocks, in the same order, either way)."""
-    keys = _multi_keys(name, states, hyper)
+    _fused_matches_key_by_key(name, states, hyper)
+
+
+# the rules of one pass and the rules of several, which read the two grads in each
+TWO_CASES = [CASES[i] for i in (1, 4, 9, 19, 23, 28)]
+
+
+@pytest.mark.parametrize('name,states,hyper,_', TWO_CASES,
+                         ids=[f'{c[0]}-{i}' for i, c in enumerate(TWO_CASES)])
+def test_keys_with_two_grads_in_one_launch_match_key_by_key(name, states, hyper, _):
+    """As above with keys whose grads are two arrays beside keys of one, the kinds swapped in
+    the third round (planned anew, not run from a kept launch)."""
+    _fused_matches_key_by_key(name, states, hyper, two=True)
+
+
+def _fused_matches_key_by_key(name, states, hyper, two=False):
+    keys = _multi_keys(name, states, hyper, two=two)
     fused, alone, kept = _on_device(keys), _on_device(keys), {}
     for step in range(3):
         C.multi_update(_calls(name, states, fused, step, hyper), kept)

@@ -85,6 +85,23 @@ def check_arrays(weight, grad, states, weight32):
                              f'{tuple(shape)}')
 
 
+def grad_parts(grad, master, most=None):
+    """The arrays of a grad: ``(grad,)``, or a tuple ``grad`` (a sync round's last pushes,
+    added in the update's pass) checked: two or more (``most`` at most), each of
+    ``master``'s compute dtype (a sum in a narrower one would round otherwise) and shape."""
+    if type(grad) is not tuple:
+        return (grad,)
+    if len(grad) < 2 or (most is not None and len(grad) > most):
+        raise ShapeError('a grad given as parts needs two or more of them' + (
+            f' (these kernels take at most {most})' if most is not None else ''))
+    compute, shape = compute_dtype_name(master), tuple(master.shape)
+    for part in grad:
+        if storage_name(part) != compute or tuple(part.shape) != shape:
+            raise DTypeError(f'grad parts must all be {compute} of shape {shape}; got '
+                             f'{part.dtype} {tuple(part.shape)}')
+    return grad
+
+
 _ONES = (1.0,) * 64   # more than any kernel or call has scalars
 
 

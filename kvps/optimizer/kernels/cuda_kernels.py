@@ -5,6 +5,10 @@ in registers and stores once, so it runs at memory bandwidth. The arithmetic mir
 reference operation by operation (same order, same host-computed constants, no FMA
 contraction: --fmad=false), so results agree bit for bit where the operations are IEEE
 (+ - * / sqrt); LAMB's norms are reductions in a different order and agree to rounding.
+Every rule (this module's, cuda_more's and cuda_rows') also takes its grad as a tuple of two
+arrays of the compute dtype, a sync round's last pushes, which the kernel adds as it loads them
+in every pass that reads the grad: the numpy kernels' sum of the tuple, so the same bits, and
+no sum of its own written and read back.
 Each rule here only says what it needs (cuda_launch.request: its C body and scalars);
 cuda_launch plans, groups and launches, and `multi_update` runs many keys in one launch per
 rule and dtypes. cupy is imported lazily: importing kvps never needs it.

@@ -1,11 +1,14 @@
 """Prepared CUDA launches of the update kernels: a round's keys in one launch per kernel, kept.
 
 A rule of cuda_kernels describes an update as a Request (the kernel it needs and its scalars);
-a Plan adds the arrays, checked. The keys of a call list whose plans share a kernel (rule,
-dtypes, device) run as one launch of the multi layout (cuda_source), however big each key is;
-a group of one key runs the single layout, which takes everything by value and so needs no
-table on the device (one host-to-device copy fewer per launch). LAMB always runs the multi
-layout: its two passes share the table and the per-key partial sums.
+a Plan adds the arrays, checked. A grad may be a tuple of two arrays (a sync round's last
+pushes), which the kernel adds as it loads them: a kernel of its own (its plans' signature
+and kernel name say so; its table has two pointer columns). The keys of a call list whose
+plans share a kernel (rule, dtypes, grads, device) run as one launch of the multi layout
+(cuda_source), however big each key is; a group of one key runs the single layout, which
+takes everything by value and so needs no table on the device (one host-to-device copy fewer
+per launch). LAMB always runs the multi layout: its two passes share the table and the
+per-key partial sums.
 
 A Round keeps a call list's launches for the next call list over the same keys, so that a
 server shard, which updates the same keys with the same arrays round after round, plans them
@@ -14,9 +17,7 @@ and works out the scalars once per distinct hyper-parameter dict; the table goes
 again only when one of them changed.
 """
 
-import functools
 import operator
-import re
 import threading
 from typing import NamedTuple
 
@@ -116,49 +117,22 @@ def _contiguous(array, written):
 
 def plan_of(req):
     """The Plan of a Request: the master weight (``p_w``), the low-precision weight it rounds
-    into, the grad and the live states, checked; one pass, or more when ``req.then`` is set
-    (the last updates the weight)."""
-    common.check_arrays(req.weight, req.grad, req.states, req.weight32)
+    into, the grad (one array, or a tuple of two: ``p_g``, ``p_g2``) and the live states,
+    checked; one pass, or more when ``req.then`` is set (the last updates the weight)."""
     mp = req.weight32 is not None
-    arrays = [('w', req.weight32 if mp else req.weight)] + ([('weight', req.weight)] if mp else [])
+    master = req.weight32 if mp else req.weight
+    grads = common.grad_parts(req.grad, master, most=len(src.GRADS))
+    common.check_arrays(req.weight, grads[0], req.states, req.weight32)
+    arrays = [('w', master)] + ([('weight', req.weight)] if mp else [])
     states = [(name, arr) for name, arr in req.states if arr is not None]
-    arrays += [('g', req.grad)] + states
-    arrays = [(name, _contiguous(arr, name != 'g')) for name, arr in arrays]
-    compute = common.compute_dtype_name(arrays[0][1])
+    arrays += [*zip(src.GRADS, grads), *states]
+    arrays = [(name, _contiguous(arr, name not in src.GRADS)) for name, arr in arrays]
+    compute = common.compute_dtype_name(master)
     wide = req.wide
     scalars = [(name, value, name in wide) for name, value in req.scalars.items()]
-    passes = _passes(req.core, req.then, mp, tuple([name for name, _ in states]))
-    return src.Plan(req.tag, compute, int(arrays[0][1].size), arrays, passes, scalars,
+    passes = src.passes(req.core, req.then, mp, len(grads), tuple([name for name, _ in states]))
+    return src.Plan(req.tag, compute, int(master.size), arrays, passes, scalars,
                     req.variant())
-
-
-@functools.lru_cache(maxsize=256)
-def _passes(core, then, mp, states):
-    """The passes of a rule's C (cached: few rules, many keys): ``core`` and the bodies of
-    ``then``, each between the loads of what it reads (the master weight ``w``, the grad
-    ``g``, ``states``) and the stores of the states it assigns; the last pass also stores the
-    weights (and the low-precision weight when ``mp``)."""
-    bodies = [core, *(body for _, body in then or ())]
-    finishes = [*(finish for finish, _ in then or ()), '']
-    weights = [('w', 'w')] + ([('weight', 'w')] if mp else [])
-    passes = []
-    for index, (body, finish) in enumerate(zip(bodies, finishes)):
-        last = index == len(bodies) - 1
-        loads = [name for name in ('w', 'g', *states)
-                 if (last and name == 'w') or src.uses(body, name)]
-        stored = [(name, name) for name in states if _assigns(body, name)]
-        passes.append(_pass(loads, body, (weights if last else []) + stored, finish))
-    return tuple(passes)
-
-
-def _assigns(body, name):
-    return re.search(rf'\b{name}\s*=(?!=)', body) is not None
-
-
-def _pass(loads, core, stores, finish=''):
-    lines = [f'KC {name} = kv_ld<KC>(p_{name});' for name in loads]
-    lines += [core] + [f'kv_st(p_{name}, {value});' for name, value in stores]
-    return src.Pass('\n'.join(lines), frozenset(name for name, _ in stores), finish)
 
 
 def plan_row(plan):
@@ -166,7 +140,9 @@ def plan_row(plan):
 
 
 def _grad_of(plan):
-    return next(arr for name, arr in plan.arrays if name == 'g')
+    """The plan's grad as its call gave it: an array, or the tuple of its two."""
+    grads = tuple([arr for name, arr in plan.arrays if name in src.GRADS])
+    return grads if len(grads) > 1 else grads[0]
 
 
 class Launch:
@@ -178,17 +154,18 @@ class Launch:
         first = plans[0]
         self.keys, self.variant = keys, first.variant
         self.device = first.arrays[0][1].device
-        slot = [name for name, _ in first.arrays].index('g')
+        names = [name for name, _ in first.arrays]
+        slot, self._grads_per_key = names.index('g'), sum(n in src.GRADS for n in names)
         self._grad_dtype = first.arrays[slot][1].dtype
-        self._shapes = [tuple(_grad_of(p).shape) for p in plans]
+        self._shapes = [tuple(p.arrays[slot][1].shape) for p in plans]
         self.multi = len(plans) > 1 or len(first.passes) > 1
         self._kernels = [kernel(first, self.multi, i) for i in range(len(first.passes))]
         self._last = None   # (pointers, rows as bytes, which) the device table holds
         if self.multi:
             self._table(plans, slot)
-        else:   # arguments by value; the grad's place is filled each round
-            self._args = [np.int64(first.n), *(None if i == slot else a
-                                               for i, (_, a) in enumerate(first.arrays))]
+        else:   # arguments by value; the grad's places are filled each round
+            self._args = [np.int64(first.n), *(None if name in src.GRADS else a
+                                               for name, a in first.arrays)]
             self._grad_at = 1 + slot
             wide = np.float64 if first.compute == 'float64' else np.float32
             self._types = [np.float64 if w else wide for _, _, w in first.scalars]
@@ -205,7 +182,10 @@ class Launch:
         rows = host[rows_at:scalars_at].reshape(nkeys, width)
         rows[:, 0] = [p.n for p in plans]
         rows[:, 1:] = [[a.data.ptr for _, a in p.arrays] for p in plans]
-        self._host, self._grads = host, rows[:, 1 + slot]
+        pairs = self._grads_per_key > 1   # (a column of pointers per grad of a key)
+        self._host = host
+        self._grads = rows[:, 1 + slot:1 + slot + self._grads_per_key] if pairs else \
+            rows[:, 1 + slot]
         self._scalars = host[scalars_at:].view(np.float64).reshape(nkeys, count)
         self.blocks, self._nkeys = int(starts[-1]), np.int32(nkeys)
         self._scratch = ()
@@ -217,22 +197,29 @@ class Launch:
                                  cp.empty(nkeys * src.KV_SLOTS, cp.float64))
 
     def pointers(self, grads):
-        """The gradients' device pointers; None if one does not fit the kernel as built
-        (another dtype or shape, or not contiguous: the round is then planned anew)."""
-        dtype, out = self._grad_dtype, []
+        """The gradients' device pointers (a tuple per key where a key's grad is two
+        arrays); None if one does not fit the kernel as built (another dtype or shape, not
+        contiguous, one array where the kernel takes two or two where it takes one: the
+        round is then planned anew)."""
+        dtype, count, out = self._grad_dtype, self._grads_per_key, []
         for grad, shape in zip(grads, self._shapes):
-            if (grad.dtype is not dtype and grad.dtype != dtype) or grad.shape != shape \
-                    or not grad.flags.c_contiguous:
+            parts = grad if type(grad) is tuple else (grad,)
+            if len(parts) != count or (count == 1 and parts is grad):
                 return None
-            out.append(grad.data.ptr)
+            for part in parts:
+                if (part.dtype is not dtype and part.dtype != dtype) or part.shape != shape \
+                        or not part.flags.c_contiguous:
+                    return None
+            out.append(tuple([part.data.ptr for part in parts]) if count > 1
+                       else grad.data.ptr)
         return out
 
     def run(self, grads, rows, which, pointers=None):
         """Launch over the keys with ``grads`` (checked by pointers()) and scalar ``rows``
         (key i takes rows[which[i]]); the table is uploaded only if either changed."""
         if not self.multi:
-            args = list(self._args)
-            args[self._grad_at] = grads[0]
+            args, grad, at = list(self._args), grads[0], self._grad_at
+            args[at:at + self._grads_per_key] = grad if type(grad) is tuple else (grad,)
             args += [kind(value) for kind, value in zip(self._types, rows[which[0]])]
             with self.device:
                 self._kernels[0]((self.blocks,), (src.THREADS,), tuple(args))
@@ -266,7 +253,9 @@ class Round:
     - a dtype change: another object too (an array's dtype does not change);
     - a rule now asking another kernel (nesterov on, say): its request's variant differs
       from the launch's, found when the round's scalars are worked out;
-    - a gradient of another dtype, shape or layout: found when its pointer is read;
+    - a gradient of another dtype, shape or layout, or of two arrays where it was one (a
+      sync round's last pushes, added in the kernel: another kernel) or one where it was
+      two: found when its pointers are read;
     - another stream: LAMB's partial sums and counters, kept between launches, may be reused
       only behind the launch before, on its stream.
     What changes freely: the gradients (their pointers are read every round) and the

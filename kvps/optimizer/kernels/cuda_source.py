@@ -15,9 +15,13 @@ by the key's last block to finish, in a fixed order, into the key's sums ``kv_s0
 ``kv_s1``, from which the pass's ``finish`` (C, once per key) keeps what later passes need in
 ``kv_keep[0..KV_SLOTS)``, read there as ``kv_r0``, ``kv_r1``... (LAMB: its trust ratio). The
 weights are written by the last pass only; nothing else is kept between passes.
+A grad given as two arrays (a sync round's last pushes: ``p_g`` and ``p_g2``) is loaded as
+their sum, in the compute type, wherever a pass reads ``g``: the numpy kernels' sum of the
+same tuple, to the bit.
 """
 
 import dataclasses
+import functools
 import re
 
 from . import noise
@@ -26,6 +30,7 @@ from .common import storage_name
 THREADS = 256           # threads per block, every kernel here
 MAX_BLOCKS = 8192       # grid-stride loops cover the rest
 KV_SLOTS = 4            # doubles per key that a pass's finish keeps for the passes after it
+GRADS = ('g', 'g2')     # the arrays of a grad, one or two (added as it is loaded)
 
 # C the rules share: MXNet's gradient preprocessing (clip(rescale * g), + wd * w for the rules
 # that decay through the gradient) and Adam's moments.
@@ -176,8 +181,11 @@ class Plan:
 
 
 def kernel_name(plan, multi=False, index=0):
-    """``kvps_<rule>_<compute>_<array dtypes>[_multi][_pass<i>]``."""
-    dtypes = '_'.join(_SHORT[storage_name(a[1])] for a in plan.arrays)
+    """``kvps_<rule>_<compute>_<array dtypes>[_multi][_pass<i>]``; a grad of two arrays
+    shows as one dtype with ``x2`` (``f32x2``)."""
+    two = any(a[0] == GRADS[1] for a in plan.arrays)
+    dtypes = '_'.join(_SHORT[storage_name(a[1])] + ('x2' if two and a[0] == 'g' else '')
+                      for a in plan.arrays if a[0] != GRADS[1])
     name = f'kvps_{plan.tag}_{_SHORT[plan.compute]}_{dtypes}' + ('_multi' if multi else '')
     return name + (f'_pass{index + 1}' if len(plan.passes) > 1 else '')
 
@@ -198,6 +206,43 @@ def source(plan, multi=False, index=0):
 def uses(text, name):
     """Whether C ``text`` names ``name``."""
     return re.search(rf'\b{name}\b', text) is not None
+
+
+@functools.lru_cache(maxsize=256)
+def passes(core, then, mp, grads, states):
+    """The passes of a rule's C (cached: few rules, many keys): ``core`` and the bodies of
+    ``then`` (see cuda_launch.Request), each between the loads of what it reads (the master
+    weight ``w``, the grad ``g``, of ``grads`` arrays added, and ``states``) and the stores
+    of the states it assigns; the last pass also stores the weights (and the low-precision
+    weight when ``mp``)."""
+    bodies = [core, *(body for _, body in then or ())]
+    finishes = [*(finish for finish, _ in then or ()), '']
+    weights = [('w', 'w')] + ([('weight', 'w')] if mp else [])
+    out = []
+    for index, (body, finish) in enumerate(zip(bodies, finishes)):
+        last = index == len(bodies) - 1
+        loads = [name for name in ('w', 'g', *states)
+                 if (last and name == 'w') or uses(body, name)]
+        stored = [(name, name) for name in states if _assigns(body, name)]
+        out.append(_pass(loads, grads, body, (weights if last else []) + stored, finish))
+    return tuple(out)
+
+
+def _assigns(body, name):
+    return re.search(rf'\b{name}\s*=(?!=)', body) is not None
+
+
+def _pass(loads, grads, core, stores, finish=''):
+    lines = [f'KC {name} = {_load(name, grads)};' for name in loads]
+    lines += [core] + [f'kv_st(p_{name}, {value});' for name, value in stores]
+    return Pass('\n'.join(lines), frozenset(name for name, _ in stores), finish)
+
+
+def _load(name, grads):
+    """C of the value of array ``name`` (the grad: the sum of its ``grads`` arrays, in
+    order, as numpy_packing.add_parts adds them)."""
+    names = GRADS[:grads] if name == 'g' else (name,)
+    return ' + '.join(f'kv_ld<KC>(p_{each})' for each in names)
 
 
 def _pointer_type(arr, written):

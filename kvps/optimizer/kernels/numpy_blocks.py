@@ -15,7 +15,7 @@ import types
 
 import numpy as np
 
-from ...errors import DTypeError, ShapeError
+from ...errors import ShapeError
 from . import common, numpy_packing
 from .common import bf16_to_f32, f32_to_bf16
 
@@ -152,7 +152,7 @@ def run(body, weight, grad, states, weight32, sc, write_weight=True, reduces=Fal
         return []     # an empty key: nothing to update (blocks below are at least 1 long)
     cdt = _COMPUTE_TYPES[common.compute_dtype_name(master)]
     if parts is not None:
-        parts = _summands(parts, grad, cdt)
+        parts = [_flat(part, 'grad') for part in common.grad_parts(parts, master)]
     sc = _scalars(cdt, sc)
     arrays = [_flat(master, 'weight'), None if grad is None else _flat(grad, 'grad')]
     arrays += [None if s is None else _flat(s, 'state') for s in states]
@@ -235,15 +235,3 @@ def _grad_block(grad, parts, lo, hi, out):
 def _scratch(slot, size, cdt):
     """``size`` elements of this thread's block buffer for ``slot``, reused from call to call."""
     return numpy_packing.scratch(_local, slot, size, cdt, BLOCK)
-
-
-def _summands(parts, first, cdt):
-    """The flat arrays of a tuple grad, checked: two or more, each like the first and of the
-    compute dtype (summed in a wider dtype, a low-precision sum would round differently)."""
-    if len(parts) < 2:
-        raise ShapeError('a grad given as parts needs two or more of them')
-    for part in parts:
-        if part.dtype != cdt or tuple(part.shape) != tuple(first.shape):
-            raise DTypeError(f'grad parts must all be {np.dtype(cdt).name} of shape '
-                             f'{tuple(first.shape)}; got {part.dtype} {tuple(part.shape)}')
-    return [_flat(part, 'grad') for part in parts]

@@ -33,9 +33,9 @@ def group_adagrad_update(weight, grad, history, lr, wd, rescale_grad, clip_gradi
     """MXNet GroupAdaGrad: g = clip(rescale*grad); h += (sum of the row's g^2) / width;
     w -= (lr*g) / sqrt(h + epsilon). ``history``: one element per row. wd is not used
     (the optimizer refuses it, as MXNet)."""
-    parts = grad if type(grad) is tuple else None
-    common.check_arrays(weight, grad[0] if parts else grad, (), weight32)
     master = weight32 if weight32 is not None else weight
+    grads = common.grad_parts(grad, master)   # (a tuple: a sync round's last pushes)
+    common.check_arrays(weight, grads[0], (), weight32)
     if master.size == 0:
         return
     width = row_width(master.size, history.size)
@@ -43,14 +43,14 @@ def group_adagrad_update(weight, grad, history, lr, wd, rescale_grad, clip_gradi
     scalars = common.kernel_scalars(lr, wd, rescale_grad, clip_gradient, epsilon=epsilon)
     lr, rescale, clip, eps = (cdt(scalars[k]) for k in ('lr', 'rescale', 'clip', 'epsilon'))
     flat = [a.reshape(-1) for a in (master, history)]
-    grads = [p.reshape(-1) for p in parts] if parts else [grad.reshape(-1)]
+    grads = [g.reshape(-1) for g in grads]
     low = weight.reshape(-1) if weight32 is not None else None
     step = max(1, BLOCK // width)
     for r0 in range(0, history.size, step):
         r1 = min(r0 + step, history.size)
         lo, hi = r0 * width, r1 * width
         g = np.empty(hi - lo, cdt)
-        if parts:
+        if len(grads) > 1:
             add_parts(grads, lo, hi, g)
         else:
             load(grads[0][lo:hi], g)
