@@ -6,9 +6,12 @@ within 1e-6 with Adam); GPU memory and page-locked memory are all given back, af
 after a worker's death; a worker killed mid-round is a PeerLostError on the others; a
 restarted server maps the workers' device buffers again; a job on host shards takes no GPU
 memory for CUDA IPC (its workers ask first); a Trainer's fused keys are pushed from the
-device buffers themselves. Skipped without a CUDA device. The
+device buffers themselves; the route works between the clients of an MPS daemon
+(kvps.launch --mps). Skipped without a CUDA device. The
 same jobs run on the host, with stand-ins, in test_device_route_cluster.py and
 test_ipc_route_cluster.py."""
+
+import shutil
 
 import pytest
 from test_device_route_cluster import SCRIPT, check_reports
@@ -85,3 +88,17 @@ import cupy
 DEV = 'cuda'
 AS_ARRAY = cupy.from_dlpack
 """, {'KVPS_BIGARRAY_BOUND': '1000'})
+
+
+@pytest.mark.skipif(shutil.which('nvidia-cuda-mps-control') is None,
+                    reason='no CUDA MPS on this machine')
+def test_cuda_ipc_between_the_clients_of_an_mps_daemon(job):
+    # kvps.launch --mps: every process a client of one MPS daemon; the CUDA IPC route between
+    # them must give what it gives without (or say plainly that it was not taken)
+    result = job(SCRIPT, 2, 2, env={'STORE': 'dist_sync_device', 'KVPS_SERVER_DEVICE': 'auto',
+                                    'KVPS_BIGARRAY_BOUND': '1000', 'KVPS_LOG_LEVEL': 'INFO'},
+                 launcher_args=['--mps'])
+    assert result.returncode == 0, result.output[-4000:]
+    assert 'MPS on: a private control daemon' in result.output
+    check_reports(result.results(), 2)
+    assert result.output.count(ROUTE) == 2, result.output[-4000:]
