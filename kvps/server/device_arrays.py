@@ -80,7 +80,7 @@ class DeviceArrays(HostArrays):
             view = data.view(DTYPES[dtype])
             if type(view) is np.ndarray:   # (the stand-in's: kernels may scribble on a
                 view.flags.writeable = False   # writable grad, and the worker may resend it)
-            self.transfers.hold(view)          # the reads of it are waited for by settle
+            self._work(view)                   # answers are ordered behind the reads of it
             return view
         return self.owned(data, dtype)
 
@@ -88,7 +88,7 @@ class DeviceArrays(HostArrays):
         """A new device array holding a copy of a received buffer (an init's, a push's)."""
         if type(data) is self.xp.ndarray:
             out = data.view(DTYPES[dtype]).copy()
-            self.transfers.hold(out)
+            self._work(data)
             return out
         host = as_array(data, dtype)
         spans = _spans(host)
@@ -109,7 +109,7 @@ class DeviceArrays(HostArrays):
         the worker's device segment."""
         if type(view) is self.xp.ndarray:
             view.view(array.dtype)[...] = array
-            self.transfers.hold(view)
+            self._work(view)
             return
         host = np.frombuffer(view, array.dtype)
         self.transfers.download(host, array, _spans(host))
@@ -127,7 +127,15 @@ class DeviceArrays(HostArrays):
         abstention, or by rows): this request's answers, which let the worker reuse the
         block, are ordered behind the work."""
         if grad is not None and self._event is not None:
-            self.transfers.hold(grad)
+            for part in grad if type(grad) is tuple else (grad,):
+                self._work(part)
+
+    def _work(self, array):
+        """Work issued on the device reads or writes ``array`` (a block of a worker's device
+        segment, mostly): the answers are ordered behind it (the stand-in notes the block)."""
+        self.transfers.hold(array)
+        if self._event is not None:
+            self.sharing.worked_on(array, self._event)
 
     def settle(self):
         self._staged = 0

@@ -59,9 +59,8 @@ class Lending:
         waits for before it reuses or reads a block this server's answer is about."""
         self.ask_device(identity, {'kind': header.get('kind')}, mapped=False)
         self._storage.settle()   # (copies from a segment it replaces are done)
-        event = self._storage.order_event()
-        self.regions.attach_device(identity, header, self._storage.sharing, event)
-        return {'event': event.handle}
+        self.regions.attach_device(identity, header, self._storage.sharing)
+        return {'event': self._storage.order_event().handle}
 
     def ask_device(self, identity, header, mapped=True):
         """Whether this server would map a device segment of ``identity``'s (ASK_DEVICE's

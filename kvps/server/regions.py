@@ -74,13 +74,12 @@ class Regions:
         self._readers[identity] = Reader()
         return None if self.arena is None or self.arena.name_gone else self.arena.describe()
 
-    def attach_device(self, identity, header, sharing, event):
+    def attach_device(self, identity, header, sharing):
         """Map the device segment of ATTACH_DEVICE ``header`` for ``identity`` with
         ``sharing`` (this server's GPU shards' kvps.wire.device_sharing: the caller checked
-        that it has some), replacing an older one; ``event``: this server's, recorded
-        behind its work on the segment before each answer. ProtocolError when it cannot."""
+        that it has some), replacing an older one. ProtocolError when it cannot."""
         self._drop_device(identity)
-        self._devices[identity] = DeviceMapping(sharing, header, event)
+        self._devices[identity] = DeviceMapping(sharing, header)
 
     def _drop_device(self, identity):
         mapping = self._devices.pop(identity, None)

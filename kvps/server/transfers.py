@@ -22,34 +22,33 @@ class Transfers:
     wait for the work issued, and ``_record(event)``: record an event behind it)."""
 
     def __init__(self):
-        self._held = []        # host buffers of copies issued and not yet waited for
-        self._device = False   # work on a worker's device block issued since the last order
+        self._held = []          # host buffers of copies issued and not yet waited for
+        self._unwaited = False   # work on the device issued since the last wait
+        self._unordered = False  # ... since the last order: the next answers' record
 
     def hold(self, array):
         """Device ``array`` (a block of a worker's device segment, or a copy of one) is read
         or written by work issued on the stream: answers are ordered behind it."""
-        self._device = True
+        self._unwaited = self._unordered = True
 
     def settle(self):
-        """Wait for every copy and kernel issued."""
-        if self._held or self._device:
+        """Wait for every copy and kernel issued. (Work since the last order is still
+        recorded behind at the next: the answers it concerns go then, and the workers wait
+        for a record, whatever waited here.)"""
+        if self._held or self._unwaited:
             self._wait()
         self._held.clear()
-        self._device = False
+        self._unwaited = False
 
     def order(self, event):
         """Before answers go out: the copies through host memory waited for, the work on the
         device ordered behind a record of ``event`` (this server's interprocess event, which
         the workers wait for; None: waited for too)."""
-        if event is None:
+        if event is None or self._held:
             self.settle()
-            return
-        if self._held:
-            self._wait()
-            self._held.clear()
-        if self._device:
+        if event is not None and self._unordered:
             self._record(event)
-            self._device = False
+        self._unordered = False
 
 
 class CupyTransfers(Transfers):

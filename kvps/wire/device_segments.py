@@ -109,10 +109,9 @@ class DeviceSegment:
 
 
 class DeviceMapping:
-    """A worker's device segment as a server maps it, the worker's event, and the server's
-    (``answers``: recorded behind the server's work on the segment before each answer)."""
+    """A worker's device segment as a server maps it, and the worker's event."""
 
-    def __init__(self, sharing, description, answers):
+    def __init__(self, sharing, description):
         """Map ``description`` (ATTACH's ``device``) with ``sharing``; ProtocolError when it is
         malformed, of another kind of memory, or cannot be opened here."""
         if not isinstance(description, dict):
@@ -123,7 +122,7 @@ class DeviceMapping:
                                 f'shares {sharing.name!r}')
         handle = check_handle(description.get('handle'))
         event = check_handle(description.get('event'), 'event')
-        self.sharing, self.answers = sharing, answers
+        self.sharing = sharing
         self.buffer = sharing.open(handle, check_size(description.get('size')))
         try:
             self.event = sharing.open_event(event)
@@ -132,14 +131,13 @@ class DeviceMapping:
             raise
 
     def view(self, at, nbytes):
-        """The ``nbytes`` at wire offset ``at``, range checked (offsets come from the
-        network), for work of this server's that its answer is recorded behind."""
+        """The ``nbytes`` at wire offset ``at``, range checked: offsets come from the
+        network."""
         offset = at - DEVICE_BASE
         if self.buffer.closed or not (type(nbytes) is int and 0 <= offset
                                       and 0 <= nbytes <= self.buffer.nbytes - offset):
             raise ProtocolError(f'device range {at!r}+{nbytes!r} is outside the worker\'s '
                                 f'device segment')
-        self.sharing.touched(self.buffer, offset, nbytes, self.answers)
         return self.buffer.array[offset:offset + nbytes]
 
     def read(self, at, nbytes):

@@ -144,10 +144,10 @@ class Sharing:
         taken."""
         return True
 
-    def touched(self, shared, offset, nbytes, event):
-        """A peer of ``shared``'s exporter (opened) reads or writes its ``nbytes`` at
-        ``offset``, work that the peer's ``event`` will be recorded behind before it answers
-        (the stand-in notes it)."""
+    def worked_on(self, array, event):
+        """Work of this process's reads or writes ``array`` (a piece of a peer's buffer this
+        process opened, or an array of its own), work that ``event`` will be recorded behind
+        before it answers (the stand-in notes it)."""
 
     def answered(self, shared, offset, nbytes, event):
         """Whether the exporter of ``shared`` may reuse or read its ``nbytes`` at ``offset``
@@ -186,7 +186,8 @@ class HostSharing(Sharing):
         super().__init__()
         self.directory = directory
         self._count = None    # the count of the last event made here (pieces stamp it)
-        self._stamps = {}     # id(Shared's array) -> its stamp table, while it is open
+        self._stamps = {}     # id(Shared's array) -> its stamp tables, while it is open
+        self._bases = {}      # id(Shared's array) -> (its address, its size)
 
     def _segment(self, nbytes):
         """``(data, handle, segment)``: a fresh segment of ``nbytes`` past its header."""
@@ -210,9 +211,11 @@ class HostSharing(Sharing):
         array = data[:nbytes]
         stamps = data[nbytes:].view(np.uint32)
         self._stamps[id(array)] = stamps.reshape(2, -1)   # [taken, touched] per cache line
+        self._bases[id(array)] = self.address(array), nbytes
 
         def released():
             self._stamps.pop(id(array), None)
+            self._bases.pop(id(array), None)
             release()
         return array, released
 
@@ -240,8 +243,13 @@ class HostSharing(Sharing):
     def ordered(self, shared, event, offset):
         return int(self._stamps[id(shared.array)][0, offset // ALIGN]) < event.recorded()
 
-    def touched(self, shared, offset, nbytes, event):
-        self._stamps[id(shared.array)][1, _lines(offset, nbytes)] = event.recorded() + 1
+    def worked_on(self, array, event):
+        start = self.address(array)
+        for key, (base, nbytes) in self._bases.items():
+            if base <= start < base + nbytes:
+                offset = start - base
+                self._stamps[key][1, _lines(offset, array.nbytes)] = event.recorded() + 1
+                return
 
     def answered(self, shared, offset, nbytes, event):
         # (only the lines wholly inside: a key's parts for two servers may share one at their

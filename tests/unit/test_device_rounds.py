@@ -201,7 +201,8 @@ def test_an_update_that_reads_a_block_pushed_earlier_is_ordered_before_its_answe
     # behind the update, or worker 0 could reuse the block before the update read it.
     log = []
     arrays = DeviceArrays(np, numpy_kernels, HostTransfers(log),
-                          sharing=types.SimpleNamespace(event=lambda: Event(log)))
+                          sharing=types.SimpleNamespace(event=lambda: Event(log),
+                                                        worked_on=lambda array, event: None))
     arrays.order_event()   # (a worker mapped its device segment here)
     run = Run(arrays, 2, block=stand_in_block)
     run.push(0, np.ones(N))

@@ -151,8 +151,7 @@ def test_device_segment_blocks_are_named_above_every_host_offset(sharing):
     # (the last offset of the biggest host segment is below every device offset)
     assert at == DEVICE_BASE and (1 << 40) - 1 < DEVICE_BASE
     block[:] = 3
-    theirs = HostSharing(sharing.directory)
-    server = DeviceMapping(theirs, segment.describe(), theirs.event())
+    server = DeviceMapping(HostSharing(sharing.directory), segment.describe())
     assert server.view(at, 1000).tolist() == [3] * 1000
     at2, _ = segment.take(1000)
     assert at2 == DEVICE_BASE + 1024   # blocks on cache lines, as in host segments
@@ -195,7 +194,7 @@ def test_a_held_device_block_is_cut_before_any_other_and_never_returns(sharing):
                                         (DEVICE_BASE, 1.5)])
 def test_a_server_refuses_device_ranges_outside_the_segment(sharing, at, nbytes):
     segment = DeviceSegment(sharing, 4096)
-    server = DeviceMapping(sharing, segment.describe(), sharing.event())
+    server = DeviceMapping(sharing, segment.describe())
     with pytest.raises(ProtocolError, match='outside the worker\'s device segment'):
         server.view(at, nbytes)
     server.close()
@@ -213,9 +212,9 @@ def test_a_server_refuses_device_ranges_outside_the_segment(sharing, at, nbytes)
 def test_a_server_maps_only_a_segment_described_right(sharing, change, why):
     segment = DeviceSegment(sharing, 4096)
     with pytest.raises(ProtocolError, match=why):
-        DeviceMapping(sharing, {**segment.describe(), **change}, None)
+        DeviceMapping(sharing, {**segment.describe(), **change})
     with pytest.raises(ProtocolError, match='not a map'):
-        DeviceMapping(sharing, [1], None)
+        DeviceMapping(sharing, [1])
     assert sharing.open_buffers == 1   # the worker's own: nothing half-mapped stays open
     segment.close()
 

@@ -26,8 +26,7 @@ PEER = '''
 import sys, msgpack
 from kvps.wire.device_segments import DEVICE_BASE, DeviceMapping
 from kvps.wire.device_cuda import CudaSharing
-mapping = DeviceMapping(CudaSharing(), msgpack.unpackb(bytes.fromhex(sys.stdin.readline())),
-                        None)
+mapping = DeviceMapping(CudaSharing(), msgpack.unpackb(bytes.fromhex(sys.stdin.readline())))
 mapping.event.wait()
 view = mapping.view(DEVICE_BASE, 4096)
 view += 1

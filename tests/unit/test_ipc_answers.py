@@ -123,3 +123,21 @@ def test_the_io_thread_orders_an_answer_before_it_reads_it_and_a_bad_one_fails_t
     table.resolve({'op': P.DATA, 'id': table.add(bad), 'keys': []}, [])
     assert calls == ['after', 'data'] and isinstance(bad.op.error, ProtocolError)
 
+
+
+def test_an_answer_about_a_block_the_server_did_no_work_on_needs_no_record(pair):
+    # (a push sent again and acknowledged again, counted before: nothing read it this time)
+    server, device = pair
+    server.init('a', np.zeros(N, np.float32))
+    at, block = staged(device.segment, np.full(N, 2.0, np.float32))
+    header = {'op': P.PUSH, 'sync': False, 'keys': [PushItem('a', 0, 'float32', N, at, 0)]}
+    server.handle(W0, header)
+    server.storage.order()
+    answered(device, header, [block])
+    records = device.answers['server 0'].recorded()
+    (reply,) = server.handle(W0, header)   # the same push, seq 0 again
+    assert reply.kind == ReplyKind.ACK
+    server.storage.order()
+    assert device.answers['server 0'].recorded() == records   # no work: nothing recorded
+    answered(device, header, [block])
+    assert server.shard.entries[('a', 0)].weight.tolist() == [2.0] * N   # applied once

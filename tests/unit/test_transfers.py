@@ -67,3 +67,14 @@ def test_without_an_event_and_before_a_segment_goes_everything_is_waited_for():
     transfers.settle()
     transfers.settle()           # nothing out: no wait
     assert cupy.calls == ['synchronize', 'synchronize']
+
+
+def test_work_waited_for_by_a_settle_is_still_recorded_before_its_answers():
+    # (a worker's segment let go mid-burst settles; the answers of that burst's work on the
+    # other workers' blocks go at its end, and those workers wait for a record)
+    cupy = FakeCupy()
+    transfers, event = CupyTransfers(cupy), Event(cupy.calls)
+    transfers.hold(device(64))
+    transfers.settle()
+    transfers.order(event)
+    assert cupy.calls == ['synchronize', ('record', 0x5000)]
