@@ -11,7 +11,7 @@ What both share (handles checked before use, sizes, idempotent closes, the count
 open) lives here once, so that the stand-in's tests cover it for CUDA too. The stand-in also
 models the ordering CUDA gives through events, so that a missing record or wait fails a test:
 an event's count is shared; a server finds a block taken after its worker's latest record
-unwritten, and a worker finds a block its server touched after the latest record of the
+unwritten, and a worker finds a block its server worked on after the latest record of the
 server's event it waited for still in use.
 
 A handle is a capability: whoever holds it may read and write the buffer. Handles travel only
@@ -153,7 +153,7 @@ class Sharing:
         """Whether the exporter of ``shared`` may reuse or read its ``nbytes`` at ``offset``
         after a peer's answer: True where a wait on the peer's ``event`` is what orders them
         (CUDA); the stand-in checks that the exporter waited for a record that came after the
-        peer touched them."""
+        peer worked on them."""
         return True
 
     def event(self):
@@ -175,7 +175,7 @@ class HostSharing(Sharing):
     peer maps. A buffer keeps two stamps per cache line (in tables after its bytes): the count
     of its exporter's last event when a piece of it was taken, so that a peer can tell a
     block that no record followed (``ordered``: CUDA would read it before the writes land);
-    and one past the count of a peer's event when the peer last touched it (0: not since it
+    and one past the count of a peer's event when the peer last worked on it (0: not since it
     was taken), so that the exporter can tell a block whose answer no record of the peer's
     preceded, or that it did not wait for (``answered``: CUDA would reuse or read it while
     the peer's work on it still runs)."""
