@@ -35,9 +35,8 @@ class Storage:
 
     def use_arena(self, arena):
         """Host arrays of MIN_BYTES and more come from ``arena`` from now on."""
-        for arrays in (self.default, self._device):
-            if arrays is not None:
-                arrays.arena = arena
+        for arrays in self._placements():
+            arrays.arena = arena
 
     def for_key(self, wants_device):
         if not wants_device:
@@ -67,20 +66,23 @@ class Storage:
         return self._device is not None and self._device.on_device
 
     def settle(self):
-        """Wait for the copies the arrays have made (a device's): before the answers that
-        free the workers' blocks or carry values, and before a worker's segment is
-        released."""
-        self.default.settle()
-        if self._device is not None and self._device is not self.default:
-            self._device.settle()
+        """Wait for the copies the arrays have made (a device's): before a worker's segment
+        is released, or one it replaces mapped."""
+        for arrays in self._placements():
+            arrays.settle()
 
     def order(self):
         """Before answers go out: what they depend on waited for, or ordered behind this
         server's interprocess event where only the device's work is out
         (kvps.server.transfers)."""
-        self.default.order()
-        if self._device is not None and self._device is not self.default:
-            self._device.order()
+        for arrays in self._placements():
+            arrays.order()
+
+    def _placements(self):
+        """The arrays keys are kept in: the default, and the device's where it is another."""
+        if self._device is None or self._device is self.default:
+            return (self.default,)
+        return self.default, self._device
 
 
 def gpu_if_present(ipc='auto'):

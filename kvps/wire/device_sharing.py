@@ -186,8 +186,8 @@ class HostSharing(Sharing):
         super().__init__()
         self.directory = directory
         self._count = None    # the count of the last event made here (pieces stamp it)
-        self._stamps = {}     # id(Shared's array) -> its stamp tables, while it is open
-        self._bases = {}      # id(Shared's array) -> (its address, its size)
+        # id(Shared's array) -> (its address, its size, its stamp tables), while it is open
+        self._buffers = {}
 
     def _segment(self, nbytes):
         """``(data, handle, segment)``: a fresh segment of ``nbytes`` past its header."""
@@ -209,13 +209,11 @@ class HostSharing(Sharing):
         """``(the buffer's array, release)`` of a mapping ``data`` of a buffer of ``nbytes``
         and its stamp table."""
         array = data[:nbytes]
-        stamps = data[nbytes:].view(np.uint32)
-        self._stamps[id(array)] = stamps.reshape(2, -1)   # [taken, touched] per cache line
-        self._bases[id(array)] = self.address(array), nbytes
+        tables = data[nbytes:].view(np.uint32).reshape(2, -1)   # [taken, worked on] per line
+        self._buffers[id(array)] = self.address(array), nbytes, tables
 
         def released():
-            self._stamps.pop(id(array), None)
-            self._bases.pop(id(array), None)
+            self._buffers.pop(id(array), None)
             release()
         return array, released
 
@@ -235,28 +233,31 @@ class HostSharing(Sharing):
         return Mapping.open(name, nonce, HEADER_BYTES + nbytes, self.directory, holder=holder)
 
     def piece(self, shared, offset, nbytes):
-        taken, touched = self._stamps[id(shared.array)][:, _lines(offset, nbytes)]
+        taken, touched = self._tables(shared)[:, _lines(offset, nbytes)]
         taken[:] = 0 if self._count is None else self._count[0]
         touched[:] = 0
         return super().piece(shared, offset, nbytes)
 
     def ordered(self, shared, event, offset):
-        return int(self._stamps[id(shared.array)][0, offset // ALIGN]) < event.recorded()
+        return int(self._tables(shared)[0, offset // ALIGN]) < event.recorded()
 
     def worked_on(self, array, event):
         start = self.address(array)
-        for key, (base, nbytes) in self._bases.items():
+        for base, nbytes, tables in self._buffers.values():
             if base <= start < base + nbytes:
-                offset = start - base
-                self._stamps[key][1, _lines(offset, array.nbytes)] = event.recorded() + 1
+                tables[1, _lines(start - base, array.nbytes)] = event.recorded() + 1
                 return
 
     def answered(self, shared, offset, nbytes, event):
         # (only the lines wholly inside: a key's parts for two servers may share one at their
         # edge, each server stamping it with its own count)
         inner = slice(-(-offset // ALIGN), (offset + nbytes) // ALIGN)
-        touched = int(self._stamps[id(shared.array)][1, inner].max(initial=0))
+        touched = int(self._tables(shared)[1, inner].max(initial=0))
         return touched == 0 or event.seen is not None and touched <= event.seen
+
+    def _tables(self, shared):
+        """The stamp tables of ``shared`` (open here)."""
+        return self._buffers[id(shared.array)][2]
 
     @staticmethod
     def _piece(array, offset, nbytes):
