@@ -28,6 +28,7 @@ MMAP_THRESHOLD_MAX = 32 << 20   # glibc refuses more on 64-bit (HEAP_MAX_SIZE / 
 # the data path makes no cycles: W2 S1, 400 keys, SGD, 300 rounds: 2,000 passes, 660 ms ->
 # 2 passes, 22 ms.
 GC_YOUNG_THRESHOLD = 20_000
+_RARELY = []   # [True] once this process collects rarely (a server)
 
 
 def keep_freed_memory(trim_bytes):
@@ -53,6 +54,15 @@ def collect_garbage_rarely():
     net new objects. Cycles are still collected, later."""
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+    _RARELY.append(True)
+
+
+def exempt_imported():
+    """After a late import (torch, for the float16 casts, loads ~100,000 objects): in a
+    process that collects rarely, exempt them too, or every full collection scans them
+    (75 ms a pass with torch loaded, in a server's loop)."""
+    if _RARELY:
+        gc.freeze()
 
 
 def _glibc():

@@ -11,6 +11,8 @@ import warnings
 
 import numpy as np
 
+from .. import allocator
+
 # torch warns (once a process) that it cannot mark a tensor read-only: the casts here read
 # received payloads, which are read-only buffers, and never write them
 warnings.filterwarnings('ignore', 'The given NumPy array is not writable', UserWarning,
@@ -45,6 +47,7 @@ def _import_torch():
         import torch
     except ImportError:
         torch = None
+    allocator.exempt_imported()
     _STATE['torch'] = torch
 
 
