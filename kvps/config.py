@@ -102,6 +102,11 @@ VARS = (
         'Also authenticate array payloads, not only headers (costs a hash of every byte).'),
     Var('max_inflight_bytes', ('KVPS_MAX_INFLIGHT_BYTES',), parse.positive_int, 1 << 29,
         'Back-pressure: a push waits while this worker has more unacknowledged push bytes.'),
+    Var('pushpull_credit', ('KVPS_PUSHPULL_CREDIT',), parse.bytes_or_auto, 'auto',
+        'Bytes of a pushpull\'s pushes that may be on the socket before the results of its '
+        'earlier waves are back, so that results do not queue behind a whole model\'s '
+        'pushes on a slow link (pushes through shared memory take none). 0: no limit. auto: '
+        '6 MiB while pushes are compressed (a sign the link is slow), else no limit.'),
     Var('max_message_bytes', ('KVPS_MAX_MESSAGE_BYTES',), parse.positive_int, 1 << 31,
         'Largest message a node accepts; larger ones are rejected and logged.'),
     Var('shm', ('KVPS_SHM',), parse.flag, True,
@@ -184,6 +189,7 @@ class Config:
     secret_file: str = None
     auth_payload: bool = False
     max_inflight_bytes: int = 1 << 29
+    pushpull_credit: object = 'auto'
     max_message_bytes: int = 1 << 31
     shm: bool = True
     shm_bytes: object = 'auto'

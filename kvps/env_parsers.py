@@ -77,6 +77,11 @@ def count_or_auto(text):
     return 'auto' if low == 'auto' else positive_int(low)
 
 
+def bytes_or_auto(text):
+    low = text.strip().lower()
+    return 'auto' if low == 'auto' else nonneg_int(low)
+
+
 def count_or_all(text):
     low = text.strip().lower()
     return 'all' if low == 'all' else nonneg_int(low)

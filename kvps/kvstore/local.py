@@ -159,10 +159,13 @@ class LocalBackend:
             if reply.kind is ReplyKind.ERROR:
                 raise reply.payload
 
-    def pushpull(self, pushes, pulls, priority=0, codec=None):
-        """Push then pull: nothing to overlap in one process."""
-        self.push(pushes)
-        self.pull(pulls, codec=codec)
+    def pushpull(self, runs, pulls, priority=0, codec=None):
+        """Each run pushed, then its keys pulled: nothing to overlap in one process."""
+        done = 0
+        for run in runs:
+            self.push(run)
+            self.pull(pulls[done:done + len(run)], codec=codec)
+            done += len(run)
 
     def pull_begin(self, items, priority=0, codec=None):
         """Pull now (nothing is in flight in one process); the wait is a no-op."""

@@ -242,18 +242,10 @@ class KVStore(KVStoreBase):
         priority = checked_priority(priority)
         targets = value if out is None else out
         landings, items = pulls.plan(self._keys, self._backend, key, targets)
-        waves = self._push_waves(key, value)
-        if isinstance(waves, list):   # one run: the backend sends pulls behind pushes itself
-            self._backend.pushpull(waves[0], items, priority, self._pull_codec)
-        else:   # encoded run by run: each run's pulls follow it, before the next is encoded
-            waits, done = [], 0
-            for run in waves:
-                self._backend.push(run, priority)
-                waits.append(self._backend.pull_begin(items[done:done + len(run)], priority,
-                                                      self._pull_codec))
-                done += len(run)
-            for wait in waits:
-                wait()
+        # (copies as one run, cut into waves by the backend; or encoded run by run as the
+        # backend takes them, a run's pulls sent before the next is encoded)
+        self._backend.pushpull(self._push_waves(key, value), items, priority,
+                               self._pull_codec)
         pulls.land(landings)
 
     def broadcast(self, key, value, out, priority=0):

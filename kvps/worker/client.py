@@ -19,12 +19,13 @@ from ..wire import protocol as P
 from ..wire.device_segments import DEVICE_BASE
 from ..wire.items import PullItem, PushItem, new
 from .collectives import Collectives, refuse_updater
+from .credit import Credit
 from .device_staging import device_route
 from .joining import JobNotes, Members
 from .loop import SCHEDULER, WorkerIO
 from .messages import (copier, describe, fuse, landing_on_gpu, live_collector, part_nbytes,
-                       payload, pull_targets, row_writer, server_name, waves)
-from .pending import Operation, PushWindow, Request
+                       payload, pull_targets, pushpull_waves, row_writer, server_name)
+from .pending import SYNC_ROUND_HINT, Operation, PushWindow, Request
 from .sharding import Sharding
 
 
@@ -215,17 +216,19 @@ class DistClient:
         sent = self._send_pulls(items, priority, codec)
         return lambda: self._finish_pull(*sent)
 
-    def pushpull(self, pushes, pulls, priority=0, codec=None):
-        """``push(pushes)`` then ``pull(pulls)`` (the same keys, in order), each wave's pulls
-        sent right behind its pushes: a server answers a key's pull once its round completes,
-        so results flow back while later keys are pushed (both directions of a link busy)."""
+    def pushpull(self, runs, pulls, priority=0, codec=None):
+        """Backend.pushpull in waves, each one's pull requests right behind its pushes:
+        results flow back while later keys are pushed (both directions of a link busy), and
+        a wave leaves once the earlier ones fit in the credit (kvps.worker.credit)."""
         self._raise_pending_errors()
-        waits = []
-        for start, stop in waves(pulls, self.sharding, self.io.staging):
-            self.push(pushes[start:stop], priority)
-            waits.append(self.pull_begin(pulls[start:stop], priority, codec))
-        for wait in waits:
-            wait()
+        credit, sent = Credit.of(self.config.pushpull_credit, runs), []
+        for pushes, wave, nbytes in pushpull_waves(runs, pulls, self.sharding, self.io.staging):
+            credit.admit(nbytes)
+            self.push(pushes, priority)
+            sent.append(self._send_pulls(wave, priority, codec))
+            credit.add(sent[-1][0].done, nbytes)
+        for waited in sent:
+            self._finish_pull(*waited)
 
     def _send_pulls(self, items, priority, codec=None):
         """Send the pull requests of ``items``; returns what ``_finish_pull`` waits on. The
@@ -399,10 +402,7 @@ class DistClient:
 
     @property
     def _round_hint(self):
-        """Why a server may rightly keep a push (and a pull after it) unanswered."""
-        return ('; in dist_sync a server answers a push of a key, and a pull of it after the '
-                'push, once every worker has pushed that key in the round: is some worker not '
-                'pushing it, or stalled?') if self.sync else ''
+        return SYNC_ROUND_HINT if self.sync else ''
 
     def _raise_pending_errors(self):
         if self.io.membership[0] != self.members.epoch:

@@ -65,10 +65,30 @@ def fuse(parts, wire_bytes=part_nbytes, shaped=False):
     return batches
 
 
-def waves(items, sharding, staging):
-    """``(start, stop)`` runs of ``items`` ([(key, out, dtype)]) of about WAVE_BYTES each on
-    the socket (parts that ``staging``, the worker's shared memory or None, would place count
-    nothing: they cost no link time, and splitting them would only add messages)."""
+def pushpull_waves(runs, pulls, sharding, staging):
+    """``(pushes, pulls, socket bytes)`` per wave of a pushpull (Backend.pushpull's ``runs``
+    and ``pulls``): a list of one run of copies cut into waves of about WAVE_BYTES on the
+    socket; else each encoded run as it is taken, with the bytes its payloads put on the
+    socket (those in shared memory, ``staging``'s, count nothing)."""
+    if isinstance(runs, list):
+        (pushes,) = runs
+        for start, stop, nbytes in _waves(pulls, sharding, staging):
+            yield pushes[start:stop], pulls[start:stop], nbytes
+        return
+    done = 0
+    for run in runs:
+        nbytes = sum(p.nbytes for key, payloads, _ in run
+                     for part, p in zip(sharding.parts(key), payloads)
+                     if staging is None or staging.offset_in(server_name(part.server), p) is None)
+        yield run, pulls[done:done + len(run)], nbytes
+        done += len(run)
+
+
+def _waves(items, sharding, staging):
+    """``(start, stop, socket bytes)`` runs of ``items`` ([(key, out, dtype)]) of about
+    WAVE_BYTES each on the socket (parts that ``staging``, the worker's shared memory or
+    None, would place count nothing: they cost no link time, and splitting them would only
+    add messages)."""
     runs, start, held = [], 0, 0
     for i, (key, out, _) in enumerate(items):
         for part in sharding.parts(key):
@@ -76,10 +96,10 @@ def waves(items, sharding, staging):
             if staging is None or not staging.would_place(server_name(part.server), nbytes):
                 held += nbytes
         if held >= WAVE_BYTES:
-            runs.append((start, i + 1))
+            runs.append((start, i + 1, held))
             start, held = i + 1, 0
     if start < len(items):
-        runs.append((start, len(items)))
+        runs.append((start, len(items), held))
     return runs
 
 

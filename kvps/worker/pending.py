@@ -7,6 +7,12 @@ from ..errors import KVPSError, RequestTimeout, from_remote
 from ..timeline import recording
 from ..wire import protocol as P
 
+# Why a dist_sync server may rightly keep a push (and a pull after it) unanswered: a timeout's
+# message ends with it.
+SYNC_ROUND_HINT = ('; in dist_sync a server answers a push of a key, and a pull of it after the '
+                   'push, once every worker has pushed that key in the round: is some worker '
+                   'not pushing it, or stalled?')
+
 
 class Operation:
     """One API call (a push, a pull, a barrier...) that completes when all its parts answer."""

@@ -1,15 +1,19 @@
-"""Compressed pushes in waves across real processes: push then pull and pushpull of keys
-bigger than a wave, each part over the socket or shared memory, give each round's sum."""
+"""Pushes in waves across real processes: push then pull and pushpull of keys bigger than a
+wave, compressed or not, each part over the socket or shared memory, give each round's sum,
+also when a credit of one byte holds every wave until the results of the one before are
+back (KVPS_PUSHPULL_CREDIT)."""
 
 import pytest
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 WAVES_SCRIPT = '''
+import os
 import kvps.kvstore.keys
 kv = kvps.create('dist_sync')
 r = kv.rank
-kv.set_gradient_compression({'type': 'fp16', 'pull': 'fp16'})
+if os.environ['TEST_COMPRESS'] == '1':
+    kv.set_gradient_compression({'type': 'fp16', 'pull': 'fp16'})
 # 4 keys whose fp16 payloads each fill a wave (split over both servers), and small keys that
 # share one; every value is exact in float16.
 big = kvps.kvstore.keys.ENCODE_WAVE_BYTES // 2
@@ -30,9 +34,12 @@ report(rank=r, seen=seen)
 '''
 
 
-@pytest.mark.parametrize('shm', ['0', '1'])
-def test_compressed_waves_give_each_rounds_sum(job, shm):
-    result = job(WAVES_SCRIPT, 2, 2, env={'KVPS_SHM': shm, 'KVPS_BIGARRAY_BOUND': '4000'})
+@pytest.mark.parametrize('shm, compress, credit', [
+    ('0', '1', 'auto'), ('1', '1', 'auto'), ('0', '1', '1'), ('0', '0', '1')])
+def test_waves_give_each_rounds_sum(job, shm, compress, credit):
+    result = job(WAVES_SCRIPT, 2, 2, env={'KVPS_SHM': shm, 'KVPS_BIGARRAY_BOUND': '4000',
+                                          'TEST_COMPRESS': compress,
+                                          'KVPS_PUSHPULL_CREDIT': credit})
     assert result.returncode == 0, result.output
     results = result.results()
     assert sorted(results) == [0, 1]

@@ -94,9 +94,22 @@ def check_a_begun_pull_lands_by_its_wait_and_never_after(backend):
 def check_pushpull_pulls_what_it_pushed(backend):
     _init(backend, 'c.pushpull', np.zeros(6, F32))
     out = np.zeros(6, F32)
-    backend.pushpull([('c.pushpull', np.full(6, 2, F32), 'float32')],
+    backend.pushpull([[('c.pushpull', np.full(6, 2, F32), 'float32')]],
                      [('c.pushpull', out, 'float32')])
     assert (out == 2).all()
+
+
+def check_pushpull_takes_runs_as_they_come(backend):
+    """Runs given as an iterable (encoded as the backend takes them), each pushing the next
+    keys of the pulls: every key's pull sees its push."""
+    keys = ['c.runs0', 'c.runs1', 'c.runs2']
+    for key in keys:
+        _init(backend, key, np.zeros(5, F32))
+    outs = [np.zeros(5, F32) for _ in keys]
+    runs = ([(key, np.full(5, 3 + i, F32), 'float32') for i, key in chunk]
+            for chunk in ([(0, keys[0])], [(1, keys[1]), (2, keys[2])]))
+    backend.pushpull(runs, [(key, out, 'float32') for key, out in zip(keys, outs)])
+    assert [out.tolist() for out in outs] == [[3.0] * 5, [4.0] * 5, [5.0] * 5]
 
 
 
@@ -120,7 +133,7 @@ def check_a_compressed_pull_rounds_float_values_and_nothing_else(backend):
         backend.pull_begin([(key, out, value.dtype.name)], codec='bf16')()
         assert out.tobytes() == (value if value.dtype == np.float16 else brain).tobytes(), key
         double = value * 2   # a new value: what was rounded before is not answered again
-        backend.pushpull([(key, double.reshape(-1).copy(), value.dtype.name)],
+        backend.pushpull([[(key, double.reshape(-1).copy(), value.dtype.name)]],
                          [(key, out, value.dtype.name)], codec='bf16')
         assert out.tobytes() == (double if value.dtype == np.float16 else bf16_to_f32(
             f32_to_bf16(double)).astype(value.dtype)).tobytes(), key

@@ -1,5 +1,5 @@
 """A compressed pushpull leaves in waves: each run of keys (kvps.kvstore.keys.ENCODE_WAVE_BYTES
-of payload) is handed to the backend with its pulls before the next is encoded, small keys
+of payload) is pushed, and its keys pulled, before the next is encoded, small keys
 still share a run, and the values are those of one push of every key; a push is encoded whole
 before it is sent."""
 
@@ -15,7 +15,7 @@ BIG = ENCODE_WAVE_BYTES // 2   # float32 elements whose fp16 payload fills a run
 
 
 class Recording(LocalBackend):
-    """A LocalBackend that notes each push and pull_begin call: its keys, and the key parts
+    """A LocalBackend that notes each push and pull: its keys, and the key parts
     whose residuals the codec had made by then (what was encoded before the call)."""
 
     def __init__(self):
@@ -26,9 +26,9 @@ class Recording(LocalBackend):
         self.calls.append(('push', [k for k, _, _ in items], sorted(self.residuals)))
         super().push(items, priority)
 
-    def pull_begin(self, items, priority=0, codec=None):
+    def pull(self, items, priority=0, codec=None):
         self.calls.append(('pull', [k for k, _, _ in items], None))
-        return super().pull_begin(items, priority, codec)
+        return super().pull(items, priority, codec)
 
 
 def store(params):
