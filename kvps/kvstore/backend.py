@@ -100,8 +100,9 @@ class Backend(Protocol):
     def pushpull(self, runs, pulls, priority=0, codec=None):
         """``push`` of each run of ``runs`` then ``pull(pulls)`` (the same keys, in the same
         order); blocks until every pull has landed. ``runs``: a list of one run of copies
-        (a remote backend cuts it into waves itself), or an iterable of encoded runs, each
-        pushing the next ``len(run)`` keys of ``pulls``, encoded as they are taken."""
+        (a remote backend cuts it into waves itself), or an iterable of runs (the store's
+        encoded ones, made as they are taken), each pushing the next ``len(run)`` keys of
+        ``pulls``."""
 
     def pull_rows_begin(self, items, priority=0):
         """Requests for some rows of each ``(key, table, ids, marks)`` sent now: ``table`` a

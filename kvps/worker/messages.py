@@ -68,8 +68,8 @@ def fuse(parts, wire_bytes=part_nbytes, shaped=False):
 def pushpull_waves(runs, pulls, sharding, staging):
     """``(pushes, pulls, socket bytes)`` per wave of a pushpull (Backend.pushpull's ``runs``
     and ``pulls``): a list of one run of copies cut into waves of about WAVE_BYTES on the
-    socket; else each encoded run as it is taken, with the bytes its payloads put on the
-    socket (those in shared memory, ``staging``'s, count nothing)."""
+    socket; else each run as it is taken, with the bytes its payloads put on the socket
+    (those in shared memory, ``staging``'s, count nothing)."""
     if isinstance(runs, list):
         (pushes,) = runs
         for start, stop, nbytes in _waves(pulls, sharding, staging):
@@ -77,9 +77,10 @@ def pushpull_waves(runs, pulls, sharding, staging):
         return
     done = 0
     for run in runs:
-        nbytes = sum(p.nbytes for key, payloads, _ in run
-                     for part, p in zip(sharding.parts(key), payloads)
-                     if staging is None or staging.offset_in(server_name(part.server), p) is None)
+        sent = [(part, payload(part, array)) for key, array, _ in run
+                for part in sharding.parts(key)]
+        nbytes = sum(data.nbytes for part, data in sent if staging is None
+                     or staging.offset_in(server_name(part.server), data) is None)
         yield run, pulls[done:done + len(run)], nbytes
         done += len(run)
 
