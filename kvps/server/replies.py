@@ -13,6 +13,7 @@ from .batch import Batch
 from .records import ReplyKind
 
 log = logging.getLogger('kvps.server')
+ACK, DATA = ReplyKind.ACK, ReplyKind.DATA
 _SPAN_NAMES = {kind: f'reply {kind.value}' for kind in ReplyKind}   # made once, not per reply
 
 
@@ -36,25 +37,38 @@ class Replies:
         self._held += replies
 
     def flush(self):
-        """Send every reply held."""
+        """Send every reply held. A worker's plain acks ride on the first pulled values sent
+        to it in the same flush (a sync round answers its pushes and the pulls after them
+        at once): one message instead of two, on both sides."""
         held, self._held = self._held, []
+        outcomes = []
         for reply in held:
             owner, number = reply.token   # (a Batch, a key's index) or (identity, request id)
             if not isinstance(owner, Batch):
-                self.send(reply)
+                outcomes.append(reply)
             elif owner.settle(number, reply):   # the last key of a batch
-                self.send(owner.outcome())
+                outcomes.append(owner.outcome())
+        riding = _riding_acks(outcomes)
+        carried = set(riding)
+        for reply in outcomes:
+            identity = reply.token[0]
+            if reply.kind is ACK and reply.payload is None and identity in carried:
+                continue   # it rides (or has ridden) on the first DATA to its worker
+            self.send(reply, riding.pop(identity, None) if reply.kind is DATA else None)
 
-    def send(self, reply):
-        """Send one Reply now, to the request its token names."""
+    def send(self, reply, acks=None):
+        """Send one Reply now, to the request its token names (a DATA with the ids of the
+        plain ``acks`` it carries)."""
         identity, req_id = reply.token
         recorder = recording.RECORDER
-        if recorder is None:
+        start = recording.now() if recorder is not None else 0
+        if acks is None:
             self._senders[reply.kind](identity, req_id, reply.payload)
-            return
-        start = recording.now()
-        self._senders[reply.kind](identity, req_id, reply.payload)
-        recorder.span(_SPAN_NAMES[reply.kind], 'reply', start, {'to': identity_label(identity)})
+        else:
+            self._data(identity, req_id, reply.payload, acks)
+        if recorder is not None:
+            recorder.span(_SPAN_NAMES[reply.kind], 'reply', start,
+                          {'to': identity_label(identity)})
 
     def _ack(self, identity, req_id, fields):
         self._send(identity, P.encode({'op': P.ACK, 'id': req_id, **(fields or {})}))
@@ -75,11 +89,13 @@ class Replies:
                                  pieces):
             self._send(identity, P.encode(header, [piece]))
 
-    def _data(self, identity, req_id, answer):
+    def _data(self, identity, req_id, answer, acks=None):
         """A PullAnswer, its values lent, placed or framed as the lending delivers them (the
         frames uncopied: their leases end when the transport is done with them)."""
         delivery = self._lending.deliver(answer)
         header = {'op': P.DATA, 'id': req_id, 'keys': delivery.items}
+        if acks:
+            header['acks'] = acks
         if delivery.lease is not None:
             header['lease'] = delivery.lease
         tracker = self._send(identity, P.encode(header, delivery.frames),
@@ -96,3 +112,14 @@ class Replies:
         except KVPSError as exc:  # that worker is gone; liveness will report it
             log.info('%s: could not answer %r: %s', self._name, identity, exc)
             return None
+
+
+def _riding_acks(outcomes):
+    """Worker -> the ids of its plain acks among ``outcomes``, for each worker that is also
+    sent pulled values (DATA) in them."""
+    pulled = {reply.token[0] for reply in outcomes if reply.kind is DATA}
+    riding = {identity: [] for identity in pulled}
+    for reply in outcomes:
+        if reply.kind is ACK and reply.payload is None and reply.token[0] in riding:
+            riding[reply.token[0]].append(reply.token[1])
+    return riding

@@ -21,7 +21,7 @@ class WorkerCounts:
     pushed_ipc: int = 0            # bytes pushed and pulled through the worker's device
     pulled_ipc: int = 0            # segment (the ipc route: CUDA IPC)
     messages: int = 0              # requests sent to servers
-    answers: int = 0               # answers received from servers
+    answers: int = 0               # requests servers answered (acks riding on a DATA too)
     waits: int = 0                 # times a call blocked for answers
     wait_seconds: float = 0.0      # and for how long in all
     backpressure_waits: int = 0    # pushes that waited for room (KVPS_MAX_INFLIGHT_BYTES)

@@ -15,7 +15,7 @@ from .codecs import GRADIENT_CODECS, ONE_BIT, PULL_CODECS, TOP_K, coded_nbytes
 from .items import CheckItem, DataItem, InitItem, Layout, PullItem, PushItem, ResumeItem
 
 # Node <-> scheduler.
-VERSION = 19                 # bumped on any change of the wire format; checked at REGISTER
+VERSION = 20                 # bumped on any change of the wire format; checked at REGISTER
 # node -> scheduler: {role, host, port, rank, pid, version, shared, rank_from (the setting
 # that gave the rank, for messages: 'DMLC_WORKER_ID=3'), beat (its heartbeat interval, s)}
 REGISTER = 'register'
@@ -112,7 +112,8 @@ ACK = 'ack'
 # {keys: DataItem}, one item per key part the PULL asked for, in its order, + 1 buffer per item
 # whose `at` and `lent` are None (the worker knows each one's size: it asked). With lent
 # values the header carries `lease` (the count of such replies to this worker): the server
-# leaves those bytes unchanged until the worker's `seen` reaches it
+# leaves those bytes unchanged until the worker's `seen` reaches it. `acks`: ids of the
+# worker's requests answered by a plain ACK in the same flush (they ride along, acked first)
 DATA = 'data'
 ERROR = 'error'              # {type, message, traceback, node}
 # + 1 buffer: the server's updater state dict, msgpack; in pieces as SET_STATES's, all
@@ -268,6 +269,11 @@ def validate_header(header):
     codec = header.get('codec')
     if codec is not None and not (type(codec) is str and codec in PULL_CODECS):
         raise ProtocolError(f'{op}: codec must be one of {", ".join(PULL_CODECS)}')
+    acks = header.get('acks')
+    if acks is not None and not (op == DATA and type(acks) is list
+                                 and len(acks) <= MAX_KEYS_PER_MESSAGE
+                                 and all(type(a) is int and a > 0 for a in acks)):
+        raise ProtocolError(f'{op}: acks must be a list of request ids')
     digest = header.get('digest')
     if digest is not None and not (isinstance(digest, bytes) and len(digest) <= MAX_DIGEST_BYTES):
         raise ProtocolError(f'{op}: digest must be at most {MAX_DIGEST_BYTES} bytes')

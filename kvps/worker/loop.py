@@ -268,7 +268,7 @@ class WorkerIO(threading.Thread):
             self._pending.fail(P.request_id(frames), ProtocolError(
                 f'the answer of {node} could not be read: {decoded}'))
         elif decoded is not None:
-            self.counts.answers += 1
+            self.counts.answers += 1 + len(decoded[0].get('acks', ()))   # (acks riding on it)
             self._pending.resolve(*decoded)
             if 'lease' in decoded[0] and self.staging is not None:
                 self.staging.copied(node, decoded[0]['lease'])

@@ -205,8 +205,11 @@ class PendingTable:
         return len(self._by_id)
 
     def resolve(self, header, buffers):
-        """Complete the request a reply answers; unknown ids (late replies) are ignored. A
-        STATES with ``more`` is one piece of the answer: the request waits for the rest."""
+        """Complete the request a reply answers (and those of the acks a DATA carries);
+        unknown ids (late replies) are ignored. A STATES with ``more`` is one piece of the
+        answer: the request waits for the rest."""
+        for acked in header.get('acks', ()):   # (a DATA carrying plain acks of pushes)
+            self.resolve({'op': P.ACK, 'id': acked}, ())
         req_id = header.get('id')
         request = self._by_id.pop(req_id, None)
         if request is None:

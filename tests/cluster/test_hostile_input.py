@@ -451,7 +451,7 @@ class Fuzzer:
                 self.recent.clear()
                 return
             self.replies[header['op'] if header['op'] != P.ERROR else header['type']] += 1
-            self.owed[index] -= 1
+            self.owed[index] -= 1 + len(header.get('acks', ()))   # (plain acks ride on DATA)
 
     def settle(self):
         if self.insider:
