@@ -23,13 +23,14 @@ from .credit import Credit
 from .device_staging import device_route
 from .joining import JobNotes, Members
 from .loop import SCHEDULER, WorkerIO
-from .messages import (copier, describe, fuse, landing_on_gpu, live_collector, part_nbytes,
-                       payload, pull_targets, pushpull_waves, row_writer, server_name)
+from .messages import (copier, describe, fuse, landing_on_gpu, part_nbytes, payload, pull_targets,
+                       pushpull_waves, server_name)
 from .pending import SYNC_ROUND_HINT, Operation, PushWindow, Request
+from .row_requests import RowRequests
 from .sharding import Sharding
 
 
-class DistClient:
+class DistClient(RowRequests):
     """One worker's membership in a job; at most one per process. A KVStore's backend: it
     conforms to kvps.kvstore.backend.Backend, where each method's contract is written. The
     collective calls (init, the optimizer and its states) are its Collectives'."""
@@ -269,59 +270,6 @@ class DistClient:
         # A push whose round failed on a server (its update raised) was answered before this
         # pull: the pull after it raises that error, as a local store's push does.
         self._raise_pending_errors()
-
-    def pull_rows(self, items, priority=0):
-        """Backend.pull_rows_begin's requests, waited for (``marks``: part -> [epoch, count],
-        updated from the answers; empty: every row)."""
-        self.pull_rows_begin(items, priority)()
-
-    def pull_rows_begin(self, items, priority=0):
-        """Send the requests of ``pull_rows(items)`` now; returns the wait for the answers."""
-        self._raise_pending_errors()
-        ops = []
-        for key, table, ids, marks in items:
-            width = table.shape[1]
-            for part in self.sharding.parts(key):
-                header = {'op': P.PULL_ROWS, 'key': key, 'part': part.part}
-                if priority:
-                    header['priority'] = priority
-                first, buffers = part.start // width, ()
-                if ids is not None:
-                    a, b = np.searchsorted(ids, [first, part.stop // width])
-                    local = ids[a:b] - first
-                    if not local.size:
-                        continue
-                    header['ids'], buffers = True, (local,)
-                elif marks.get(part.part) is not None:
-                    header['since'] = marks[part.part]
-                ops.append(self._request(part.server, f'pull of rows of key {key!r}', header,
-                                         buffers, row_writer(table[first:part.stop // width],
-                                                              marks, part.part)))
-        return self._waiter(ops)
-
-    def pull_live_begin(self, items, priority=0):
-        """Backend.pull_live_begin: per ``(key, width, storage dtype, sink)``, the rows of
-        its value a push of rows made (every row where it is dense) appended to ``sink``
-        as ``(ids, rows)`` per part, in part order. Returns the wait for them."""
-        self._raise_pending_errors()
-        ops = []
-        for key, width, dtype, sink in items:
-            for part in self.sharding.parts(key):
-                header = {'op': P.PULL_ROWS, 'key': key, 'part': part.part, 'live': True}
-                if priority:
-                    header['priority'] = priority
-                sink.append(None)
-                ops.append(self._request(part.server, f'pull of rows of key {key!r}', header, (),
-                                         live_collector(sink, len(sink) - 1, part, width, dtype)))
-        return self._waiter(ops)
-
-    def _waiter(self, ops):
-        """The wait for requests ``ops``: each answered, then any error a server reported."""
-        def wait():
-            for op in ops:
-                op.wait(self.config.timeout, self._round_hint)
-            self._raise_pending_errors()
-        return wait
 
     def _parts_of(self, items):
         """``(key, part, array, dtype)`` for every part of every item, in order."""
