@@ -33,7 +33,7 @@ Every measurement carries ``link_drops``, the packets the links' queues dropped 
 All hosts share this box's cores: a run at a rate no link reaches (--rate 40gbit) shows
 what the CPU alone costs.
 
-  sudo python benchmarks/bench_hosts.py                       # 1 Gbit/s links, ~8 min
+  sudo python benchmarks/bench_hosts.py                       # 1 Gbit/s links, ~11 min
   sudo python benchmarks/bench_hosts.py --configs h4-64mb --rate 2gbit --launches 3
   sudo python benchmarks/bench_hosts.py --training wide,deep --configs h4-64mb,h4+4-64mb
 
