@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from kvps import compression
+from kvps.compression import f16
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import JsonLines, default_out_dir, note  # noqa: E402  (benchmarks/: no package)
@@ -55,6 +56,7 @@ def main():
     ap.add_argument('--out', default=default_out_dir('codecs'))
     args = ap.parse_args()
     out = JsonLines(args.out, 'codecs')
+    f16.loaded(120)   # float16 casts load torch in the background: time them once it is there
     rng = np.random.default_rng(0)
     for mb in args.sizes_mb:
         grad = rng.standard_normal((mb << 20) // 4).astype(np.float32)

@@ -9,7 +9,7 @@ from ..wire.protocol import nbytes
 from . import f16
 
 DECODABLE = ('float16', 'bfloat16', 'float32', 'float64')
-FP16_MAX = np.float32(65504.0)   # the largest finite float16
+FP16_MAX = np.float32(f16.FP16_MAX)   # the largest finite float16
 
 
 class ErrorFeedback:

@@ -6,6 +6,7 @@ torch is imported on a thread of its own when the first cast runs, and numpy cas
 ready: a server importing it on its loop would stop answering, heartbeats included, for the
 seconds an import of torch takes on a busy host."""
 
+import math
 import threading
 import warnings
 
@@ -19,6 +20,7 @@ warnings.filterwarnings('ignore', 'The given NumPy array is not writable', UserW
                         r'kvps\.compression\.f16')
 
 SMALL = 4096   # elements below which numpy's cast costs less than reaching torch
+FP16_MAX = 65504.0   # the largest finite float16
 _STATE = {}    # 'torch': the module once imported (None where it is not installed); 'thread'
 _STARTING = threading.Lock()
 
@@ -40,6 +42,14 @@ def prepare():
     """Start loading torch now (in the background) for the float16 casts to come: a worker
     calls it as it sets fp16 compression, so its first pushes need not wait on numpy."""
     _torch_module()
+
+
+def loaded(timeout=None):
+    """Start loading torch if not yet, and wait for it up to ``timeout`` seconds; returns
+    whether the casts now go through it (benchmarks time them once it is there)."""
+    _torch_module()
+    _STATE['thread'].join(timeout)
+    return _STATE.get('torch') is not None
 
 
 def _import_torch():
@@ -70,17 +80,23 @@ def cast_into(out, values):
     return out
 
 
-def round_off(residual, out, limit):
+def round_off(residual, out):
     """The fp16 codec's step in three passes of torch: float16 ``out`` gets float32
-    ``residual`` clipped to +-``limit`` and rounded to nearest even, and ``residual`` keeps
-    what that leaves (``residual -= out``, exact in float32). False where torch is not there
-    yet, or for a small block: the caller does it with numpy, to the same bits."""
+    ``residual`` clipped to +-65504 (the largest finite float16) and rounded to nearest even,
+    and ``residual`` keeps what that leaves (``residual -= out``, exact in float32). False
+    where torch is not there yet, or for a small block: the caller does it with numpy, to the
+    same bits."""
     torch = _torch_module() if residual.size >= SMALL else None
     if torch is None:
         return False
     r, o = torch.from_numpy(residual), torch.from_numpy(out)
-    lo, hi = torch.aminmax(r)   # (with a NaN both are NaN: clipped, the NaN travels)
-    o.copy_(r if -limit <= lo and hi <= limit else r.clamp(-limit, limit))
+    o.copy_(r)
+    # Cast unclipped, checked after: below 65520 a value rounds to what its clip would (at
+    # most 65504), and from there it becomes inf, which makes the float16 sum inf (as does
+    # a NaN, or a sum past 65504: those take the clip too). The sum reads half the bytes
+    # aminmax read before the cast, and at a third of its cost.
+    if not math.isfinite(o.sum()):
+        o.copy_(r.clamp(-FP16_MAX, FP16_MAX))   # (a NaN stays NaN: it travels)
     r.sub_(o)
     return True
 

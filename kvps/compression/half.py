@@ -39,7 +39,7 @@ class Half(ErrorFeedback):
         in_torch = self.name == FP16 and kind in ('float32', 'float16')
         for start in range(0, residual.size, BLOCK):
             block, payload = residual[start:start + BLOCK], out[2 * start:2 * (start + BLOCK)]
-            if in_torch and f16.round_off(block, payload.view('<f2'), FP16_MAX):
+            if in_torch and f16.round_off(block, payload.view('<f2')):
                 continue
             if self.name == FP16:
                 lo, hi = block.min(), block.max()

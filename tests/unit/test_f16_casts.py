@@ -72,6 +72,7 @@ def test_the_fp16_codec_sends_and_keeps_the_same_bits_either_way():
     grads = [rng.standard_normal(3 * f16.SMALL).astype(np.float32) * scale
              for scale in (1e-3, 1.0, 3e4, 1e6)]
     grads[2][:4] = [np.inf, -np.inf, np.nan, 65519.0]
+    grads[0][:3] = [65510.0, -65519.9, 65504.5]   # past the largest float16, rounding to it
     codec, residual = Float16(), np.zeros(grads[0].size, np.float32)
     for grad in grads:
         out = np.empty(2 * grad.size, np.uint8)
