@@ -28,7 +28,7 @@ MMAP_THRESHOLD_MAX = 32 << 20   # glibc refuses more on 64-bit (HEAP_MAX_SIZE / 
 # the data path makes no cycles: W2 S1, 400 keys, SGD, 300 rounds: 2,000 passes, 660 ms ->
 # 2 passes, 22 ms.
 GC_YOUNG_THRESHOLD = 20_000
-_RARELY = []   # [True] once this process collects rarely (a server)
+_RARELY = False   # True once this process collects rarely (a server)
 
 
 def keep_freed_memory(trim_bytes):
@@ -52,9 +52,10 @@ def collect_garbage_rarely():
     """In a server process (not a user's): exempt what startup made (imports, settings) from
     every later collection, and run the young-generation pass only every GC_YOUNG_THRESHOLD
     net new objects. Cycles are still collected, later."""
+    global _RARELY
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
-    _RARELY.append(True)
+    _RARELY = True
 
 
 def exempt_imported():

@@ -72,19 +72,17 @@ def ipc(text):
     return low
 
 
-def count_or_auto(text):
-    low = text.strip().lower()
-    return 'auto' if low == 'auto' else positive_int(low)
+def word_or(word, parse):
+    """A parser of ``word`` (any case) or what ``parse`` takes."""
+    def parse_either(text):
+        low = text.strip().lower()
+        return word if low == word else parse(low)
+    return parse_either
 
 
-def bytes_or_auto(text):
-    low = text.strip().lower()
-    return 'auto' if low == 'auto' else nonneg_int(low)
-
-
-def count_or_all(text):
-    low = text.strip().lower()
-    return 'all' if low == 'all' else nonneg_int(low)
+count_or_auto = word_or('auto', positive_int)
+bytes_or_auto = word_or('auto', nonneg_int)
+count_or_all = word_or('all', nonneg_int)
 
 
 def text(text):

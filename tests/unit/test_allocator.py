@@ -108,17 +108,14 @@ def test_a_server_scans_for_cycles_rarely_but_still_collects_them():
 
 
 LATE_IMPORT_PROBE = textwrap.dedent('''
-    import gc, sys, time
+    import gc, sys
     from kvps.allocator import collect_garbage_rarely
     from kvps.compression import f16
 
     assert 'torch' not in sys.modules
     collect_garbage_rarely()
     frozen = gc.get_freeze_count()
-    f16.prepare()                       # a server's first float16 cast loads torch
-    deadline = time.monotonic() + 120
-    while 'torch' not in f16._STATE and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert f16.loaded(120)              # a server's first float16 cast loads torch
     print(gc.get_freeze_count() - frozen)
 ''')
 

@@ -4,6 +4,7 @@ goes on without a credit; KVPS_PUSHPULL_CREDIT=auto is on for encoded runs only.
 
 import threading
 
+import numpy as np
 import pytest
 
 from kvps.config import Config
@@ -84,7 +85,6 @@ def test_a_bad_setting_is_refused_by_name(text):
 
 
 def test_waves_count_the_bytes_each_puts_on_the_socket():
-    import numpy as np
     sharding = Sharding(2, bigarray_bound=1000)
     for key, size in (('a', 4000), ('b', 10), ('c', 300_000)):
         sharding.place(key, size, 4)
