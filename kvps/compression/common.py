@@ -44,14 +44,19 @@ class ErrorFeedback:
 
     def _accumulated(self, key, part, grad, kind):
         """The residual of (key, part) with ``grad`` added."""
+        residual = self._residual(key, part, grad.size, kind)
+        np.add(residual, bf16_to_f32(grad) if kind == 'bfloat16' else grad, out=residual,
+               casting='unsafe')
+        return residual
+
+    def _residual(self, key, part, n, kind):
+        """The residual of (key, part): ``n`` zeros the first time."""
         # float64 gradients keep a float64 residual, as MXNet's (the gradient's dtype): in
         # float32 an element just below a 2bit threshold would round up to it and be sent
         wide = np.float64 if kind == 'float64' else np.float32
         residual = self._residuals.get((key, part))
-        if residual is None or residual.size != grad.size or residual.dtype != wide:
-            residual = self._residuals[(key, part)] = np.zeros(grad.size, wide)
-        np.add(residual, bf16_to_f32(grad) if kind == 'bfloat16' else grad, out=residual,
-               casting='unsafe')
+        if residual is None or residual.size != n or residual.dtype != wide:
+            residual = self._residuals[(key, part)] = np.zeros(n, wide)
         return residual
 
     def _quantize(self, residual, kind, out):

@@ -80,22 +80,25 @@ def cast_into(out, values):
     return out
 
 
-def round_off(residual, out):
-    """The fp16 codec's step in three passes of torch: float16 ``out`` gets float32
+def round_off(residual, out, added=None):
+    """The fp16 codec's step in three passes of torch (four with ``added``, a float32 or
+    float16 array of the residual's size added to it first): float16 ``out`` gets float32
     ``residual`` clipped to +-65504 (the largest finite float16) and rounded to nearest even,
     and ``residual`` keeps what that leaves (``residual -= out``, exact in float32). False
-    where torch is not there yet, or for a small block: the caller does it with numpy, to the
-    same bits."""
+    (nothing done) where torch is not there yet, or for a small block: the caller does it
+    with numpy, to the same bits."""
     torch = _torch_module() if residual.size >= SMALL else None
     if torch is None:
         return False
     r, o = torch.from_numpy(residual), torch.from_numpy(out)
+    if added is not None:
+        r.add_(torch.from_numpy(added))
     o.copy_(r)
     # Cast unclipped, checked after: below 65520 a value rounds to what its clip would (at
-    # most 65504), and from there it becomes inf, which makes the float16 sum inf (as does
-    # a NaN, or a sum past 65504: those take the clip too). The sum reads half the bytes
-    # aminmax read before the cast, and at a third of its cost.
-    if not math.isfinite(o.sum()):
+    # most 65504), and from there it becomes inf. The float16 sum (half the bytes aminmax
+    # read before the cast, at a third of its cost) is finite unless an element is inf or
+    # NaN, or the sum passes 65504: the float32 sum tells those apart.
+    if not math.isfinite(o.sum()) and not math.isfinite(o.sum(dtype=torch.float32)):
         o.copy_(r.clamp(-FP16_MAX, FP16_MAX))   # (a NaN stays NaN: it travels)
     r.sub_(o)
     return True

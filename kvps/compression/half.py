@@ -19,7 +19,7 @@ weight keeps its full precision; other dtypes are pulled as they are.
 
 import numpy as np
 
-from ..optimizer.kernels.common import bf16_to_f32, f32_to_bf16
+from ..optimizer.kernels.common import bf16_to_f32, dtype_name, f32_to_bf16
 from ..wire.codecs import BF16, FP16, PULL_DTYPES
 from . import f16
 from .common import FP16_MAX, ErrorFeedback, in_key_dtype, payload_bytes
@@ -31,25 +31,40 @@ BLOCK = 1 << 17                    # elements encoded at a time
 class Half(ErrorFeedback):
     """One store's fp16 or bf16 codec (a subclass per type): the residuals only."""
 
+    def encode(self, key, part, grad, out):
+        """As ErrorFeedback.encode; fp16 of float32 and float16 gradients in one sweep."""
+        kind = dtype_name(grad)
+        if self.name != FP16 or kind not in ('float32', 'float16'):
+            return super().encode(key, part, grad, out)
+        # fp16 of a float32 or float16 key: the server decodes exactly the float16 values
+        # sent, so torch's passes (f16.round_off) may take them off the residual; each block
+        # of the gradient is added to the residual there, and rounded while it is in cache
+        residual = self._residual(key, part, grad.size, kind)
+        for start in range(0, residual.size, BLOCK):
+            block, payload = residual[start:start + BLOCK], out[2 * start:2 * (start + BLOCK)]
+            added = grad[start:start + BLOCK]
+            if not f16.round_off(block, payload.view('<f2'), added):
+                np.add(block, added, out=block, casting='unsafe')
+                self._quantize_block(block, kind, payload)
+        return out
+
     def _quantize(self, residual, kind, out):
         # block by block: the temporaries stay small and warm (whole-part ones would cost a
         # page fault every 4 KiB)
-        # fp16 of a float32 or float16 key: the server decodes exactly the float16 values
-        # sent, so torch's passes (f16.round_off) may take them off the residual
-        in_torch = self.name == FP16 and kind in ('float32', 'float16')
         for start in range(0, residual.size, BLOCK):
-            block, payload = residual[start:start + BLOCK], out[2 * start:2 * (start + BLOCK)]
-            if in_torch and f16.round_off(block, payload.view('<f2')):
-                continue
-            if self.name == FP16:
-                lo, hi = block.min(), block.max()
-                # (NaN compares false: it travels as NaN)
-                clipped = block if -FP16_MAX <= lo and hi <= FP16_MAX else \
-                    np.clip(block, -FP16_MAX, FP16_MAX)
-                f16.cast_into(payload.view('<f2'), clipped)
-            else:
-                f32_to_bf16(block, payload.view('<u2'))
-            self._take_off_sent(block, payload, kind)
+            self._quantize_block(residual[start:start + BLOCK], kind,
+                                 out[2 * start:2 * (start + BLOCK)])
+
+    def _quantize_block(self, block, kind, payload):
+        if self.name == FP16:
+            lo, hi = block.min(), block.max()
+            # (NaN compares false: it travels as NaN)
+            clipped = block if -FP16_MAX <= lo and hi <= FP16_MAX else \
+                np.clip(block, -FP16_MAX, FP16_MAX)
+            f16.cast_into(payload.view('<f2'), clipped)
+        else:
+            f32_to_bf16(block, payload.view('<u2'))
+        self._take_off_sent(block, payload, kind)
 
     @classmethod
     def decode(cls, payload, n, dtype):

@@ -63,16 +63,20 @@ def test_a_read_only_payload_casts_without_a_warning():
     subprocess.run([sys.executable, '-W', 'error', '-c', code], check=True, timeout=120)
 
 
-def test_the_fp16_codec_sends_and_keeps_the_same_bits_either_way():
-    """The codec's encode (clip to +-65504, round, take what is sent off the residual) in
-    torch's passes gives numpy's payload and residual bit for bit, NaN, inf and values past
-    float16's range included, over pushes that carry residuals on."""
+@pytest.mark.parametrize('dtype', [np.float32, np.float16])
+def test_the_fp16_codec_sends_and_keeps_the_same_bits_either_way(dtype):
+    """The codec's encode (add to the residual, clip to +-65504, round, take what is sent off
+    the residual) in torch's passes gives numpy's payload and residual bit for bit, NaN, inf,
+    values past float16's range and blocks whose float16 sum overflows included, over pushes
+    that carry residuals on."""
     from kvps.compression.half import Float16
     rng = np.random.default_rng(7)
-    grads = [rng.standard_normal(3 * f16.SMALL).astype(np.float32) * scale
-             for scale in (1e-3, 1.0, 3e4, 1e6)]
+    with np.errstate(over='ignore'):
+        grads = [(rng.standard_normal(3 * f16.SMALL) * scale).astype(dtype)
+                 for scale in (1e-3, 1.0, 3e4, 1e6)]
     grads[2][:4] = [np.inf, -np.inf, np.nan, 65519.0]
     grads[0][:3] = [65510.0, -65519.9, 65504.5]   # past the largest float16, rounding to it
+    grads.append(np.full(3 * f16.SMALL, 4.0, dtype))   # each value in range, the sum not
     codec, residual = Float16(), np.zeros(grads[0].size, np.float32)
     for grad in grads:
         out = np.empty(2 * grad.size, np.uint8)
