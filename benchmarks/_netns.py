@@ -3,7 +3,8 @@
 Each host is a network namespace with one veth link to a bridge. The link is limited to a
 rate in both directions by tc's token bucket (on the host's side for what it sends, on the
 bridge's side for what it receives), as a full-duplex NIC is. The bridge has no address and
-no uplink: packets go from namespace to namespace and never leave the box. Each host also
+no uplink: packets go from namespace to namespace and never leave the box. A host's TCP uses
+the congestion control it is given (``congestion``; by default the box's own). Each host also
 has a process (pid) namespace and a /dev/shm of its own (a directory of the real one, bound
 over /dev/shm in the host's mount namespace): shared memory, and /proc/<pid>/fd through which
 kvps maps a peer's segment, work within a host and not across hosts, as on real machines.
@@ -41,6 +42,15 @@ def unavailable():
     return ''
 
 
+def congestion_controls():
+    """The TCP congestion controls this kernel offers (``reno``, ``cubic``, ``bbr``, ...), and
+    the one its sockets use by default."""
+    with open('/proc/sys/net/ipv4/tcp_available_congestion_control') as f:
+        offered = f.read().split()
+    with open('/proc/sys/net/ipv4/tcp_congestion_control') as f:
+        return offered, f.read().strip()
+
+
 def remove_leftovers():
     """Namespaces and bridges an earlier run left behind (its process is gone)."""
     listed = _ip('netns', 'list', check=False).stdout.split()
@@ -70,8 +80,9 @@ class EmulatedHosts:
     A host's namespaces live as long as its holder, a ``sleep`` that is the pid namespace's
     first process: commands enter its namespaces, and killing it ends all of them."""
 
-    def __init__(self, count, rate='1gbit', queue_ms=20):
+    def __init__(self, count, rate='1gbit', queue_ms=20, congestion=None):
         self.count, self.rate, self.queue_ms = count, rate, queue_ms
+        self.congestion = congestion
         self.tag = f'{PREFIX}{os.getpid()}'
         self.bridge = self.tag
         self.namespaces = [f'{self.tag}h{i}' for i in range(count)]
@@ -107,6 +118,9 @@ class EmulatedHosts:
             _ip('-n', ns, 'addr', 'add', f'{self.address(i)}/24', 'dev', 'eth0')
             _ip('-n', ns, 'link', 'set', 'eth0', 'up')
             _ip('-n', ns, 'link', 'set', 'lo', 'up')
+            if self.congestion:   # (a namespace starts with the box's default)
+                _ip('netns', 'exec', ns, 'sysctl', '-qw',
+                    f'net.ipv4.tcp_congestion_control={self.congestion}')
             self._limit([], veth)                          # what host i receives
             self._limit(['ip', 'netns', 'exec', ns], 'eth0')  # what host i sends
             self._hold(i)

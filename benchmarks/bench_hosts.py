@@ -30,6 +30,9 @@ TCP/IP headers alone take ~4%).
 With --training, each layout instead times training steps of bench_training.py's models:
 kvps.Trainer (server SGD; workers updating) beside torch DDP over gloo on the worker hosts.
 Every measurement carries ``link_drops``, the packets the links' queues dropped during it.
+The hosts' TCP uses cubic, Linux's default (--tcp; 'host' keeps this machine's own, which here
+is bbr: under it a parameter server's fan-in, several servers sending into one worker's link
+at once, leaves links partly idle, see RESULTS.md).
 All hosts share this box's cores: a run at a rate no link reaches (--rate 40gbit) shows
 what the CPU alone costs.
 
@@ -70,6 +73,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--configs', default=','.join(CONFIGS), help=f'comma list of {", ".join(CONFIGS)}')
     p.add_argument('--rate', default='1gbit', help='each host link, each way (tc rate: 500mbit, 2gbit)')
+    p.add_argument('--tcp', default='cubic', metavar='CONGESTION',
+                   help="the hosts' TCP congestion control (default cubic, Linux's default; "
+                        "'host': this machine's own, e.g. bbr)")
     p.add_argument('--rounds', type=int, default=None, help='timed rounds (default 20 / 10 for 4 / 64 MiB)')
     # 5: a compressing kvps worker pauses 10 s before its warm-up (--settle), and the first
     # rounds after that pause ran up to 100 ms slower at 64 MiB (h4 fp16: 473-504 ms with 2
@@ -350,18 +356,29 @@ def main(argv=None):
                *(DDP_SYSTEMS if 'ddp' in args.peers else ())]
     if args.training:
         systems = list(TRAINING_SYSTEMS)
-    out.emit({'kind': 'meta', 'configs': args.configs, 'rate': args.rate,
+    congestion = chosen_congestion(args.tcp)
+    out.emit({'kind': 'meta', 'configs': args.configs, 'rate': args.rate, 'tcp': congestion,
               'optimizers': args.optimizers, 'systems': systems, 'launches': args.launches,
               'training': args.training, 'cpus': os.cpu_count(), 'out_dir': str(args.out),
               'notes': [f'peers {peers["why"]}'] if args.peers and peers['why'] else []})
     for cfg in args.configs:
-        with _netns.EmulatedHosts(host_count(cfg), args.rate) as hosts:
+        with _netns.EmulatedHosts(host_count(cfg), args.rate, congestion=congestion) as hosts:
             if args.training:
                 training(args, out, cfg, hosts)
             else:
                 pushpull(args, out, cfg, hosts, systems)
     C.note(f'results in {out.path}')
     return 0
+
+
+def chosen_congestion(tcp):
+    """The congestion control ``--tcp`` names ('host': this machine's); exits for one this
+    kernel does not offer (with the ones it does)."""
+    offered, own = _netns.congestion_controls()
+    congestion = own if tcp == 'host' else tcp
+    if congestion not in offered:
+        sys.exit(f'bench_hosts.py: --tcp {tcp}: this kernel offers {", ".join(offered)}')
+    return congestion
 
 
 def pushpull(args, out, cfg, hosts, systems):
