@@ -19,8 +19,9 @@ class ErrorFeedback:
     residual is float64 for float64 gradients, float32 for the others.
 
     A codec names its wire kind (``name``, one of kvps.wire.protocol.GRADIENT_CODECS) and
-    implements ``_quantize`` (encode the residual into ``out``, take what is sent off it) and
-    the static ``decode`` (a payload back into the key's dtype, on the server)."""
+    implements ``_quantize`` (encode the residual into ``out``, take what is sent off it; or
+    ``encode`` itself, as the half codecs do block by block) and the static ``decode`` (a
+    payload back into the key's dtype, on the server)."""
 
     name = None
 

@@ -32,30 +32,26 @@ class Half(ErrorFeedback):
     """One store's fp16 or bf16 codec (a subclass per type): the residuals only."""
 
     def encode(self, key, part, grad, out):
-        """As ErrorFeedback.encode; fp16 of float32 and float16 gradients in one sweep."""
+        """As ErrorFeedback.encode, block by block: each block of the gradient is added to
+        its residual and rounded while it is in cache (whole-part temporaries would cost a
+        page fault every 4 KiB)."""
         kind = dtype_name(grad)
-        if self.name != FP16 or kind not in ('float32', 'float16'):
-            return super().encode(key, part, grad, out)
         # fp16 of a float32 or float16 key: the server decodes exactly the float16 values
-        # sent, so torch's passes (f16.round_off) may take them off the residual; each block
-        # of the gradient is added to the residual there, and rounded while it is in cache
+        # sent, so torch's passes (f16.round_off) may take them off the residual
+        in_torch = self.name == FP16 and kind in ('float32', 'float16')
         residual = self._residual(key, part, grad.size, kind)
         for start in range(0, residual.size, BLOCK):
             block, payload = residual[start:start + BLOCK], out[2 * start:2 * (start + BLOCK)]
             added = grad[start:start + BLOCK]
-            if not f16.round_off(block, payload.view('<f2'), added):
-                np.add(block, added, out=block, casting='unsafe')
-                self._quantize_block(block, kind, payload)
+            if in_torch and f16.round_off(block, payload.view('<f2'), added):
+                continue
+            np.add(block, bf16_to_f32(added) if kind == 'bfloat16' else added, out=block,
+                   casting='unsafe')
+            self._quantize_block(block, kind, payload)
         return out
 
-    def _quantize(self, residual, kind, out):
-        # block by block: the temporaries stay small and warm (whole-part ones would cost a
-        # page fault every 4 KiB)
-        for start in range(0, residual.size, BLOCK):
-            self._quantize_block(residual[start:start + BLOCK], kind,
-                                 out[2 * start:2 * (start + BLOCK)])
-
     def _quantize_block(self, block, kind, payload):
+        """Encode one block of the residual into ``payload`` (numpy); take what is sent off."""
         if self.name == FP16:
             lo, hi = block.min(), block.max()
             # (NaN compares false: it travels as NaN)
