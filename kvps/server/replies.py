@@ -52,7 +52,7 @@ class Replies:
         carried = set(riding)
         for reply in outcomes:
             identity = reply.token[0]
-            if reply.kind is ACK and reply.payload is None and identity in carried:
+            if identity in carried and _plain_ack(reply):
                 continue   # it rides (or has ridden) on the first DATA to its worker
             self.send(reply, riding.pop(identity, None) if reply.kind is DATA else None)
 
@@ -120,6 +120,11 @@ def _riding_acks(outcomes):
     pulled = {reply.token[0] for reply in outcomes if reply.kind is DATA}
     riding = {identity: [] for identity in pulled}
     for reply in outcomes:
-        if reply.kind is ACK and reply.payload is None and reply.token[0] in riding:
+        if reply.token[0] in riding and _plain_ack(reply):
             riding[reply.token[0]].append(reply.token[1])
     return riding
+
+
+def _plain_ack(reply):
+    """An ACK with no fields of its own: it may ride on a DATA to the same worker."""
+    return reply.kind is ACK and reply.payload is None
