@@ -25,6 +25,7 @@ process runs torch with one thread, but alone on the CPU, which runs W.
     python benchmarks/bench_training.py --device cuda     # models and batches on the GPU
     python benchmarks/bench_training.py --device cuda --models resnet,gpt
     python benchmarks/bench_training.py --device cuda --mps   # every job under a CUDA MPS daemon
+    python benchmarks/bench_training.py --device cuda --models gpt --profile 5   # torch.profiler
 """
 import argparse
 import os
@@ -67,6 +68,11 @@ def parse_args():
     p.add_argument('--timeline', action='store_true',
                    help='run each kvps system once more with the timeline on: where its step '
                         'goes, per role and thread (python -m kvps.timeline summary)')
+    p.add_argument('--profile', type=int, default=0, metavar='N',
+                   help='every worker runs N more steps under torch.profiler: where the host\'s '
+                        'time goes op by op, the CUDA calls that block it, the GPU time of its '
+                        'own kernels (rank 0\'s summary in the line, its Chrome trace in the '
+                        'run\'s folder)')
     args = p.parse_args()
     args.size = args.size or training_worker.default_size(args.device)
     return args
@@ -114,7 +120,8 @@ def run_one(args, model, system, out_dir, launcher_args=()):
     out_dir.mkdir(parents=True, exist_ok=True)
     argv = [_common.PY, WORKER, '--system', system, '--model', model, '--steps', str(args.steps),
             '--size', args.size, '--workers', str(args.workers), '--out', str(out_dir),
-            '--device', args.device, *(['--batch', str(args.batch)] if args.batch else [])]
+            '--device', args.device, *(['--batch', str(args.batch)] if args.batch else []),
+            *(['--profile', str(args.profile)] if args.profile else [])]
     ranks = 1 if system == 'alone' else args.workers
     if system in ('ddp', 'alone'):
         rc, log = run_torch_job(ranks, argv, out_dir, args.timeout, system, args.mps)
@@ -159,6 +166,7 @@ def measure(args, model, system, out):
             'global_batch': batch and batch * args.workers,
             'ms_step': _common.median([r for r in runs if r is not None]), 'ms_step_runs': runs,
             'loss_first': first.get('loss_first'), 'loss_last': first.get('loss_last'),
+            **({'profile': first['profile']} if 'profile' in first else {}),
             'wall_s': round(time.monotonic() - start, 1)}   # the launches, start to end
 
 

@@ -24,7 +24,8 @@ One step = forward, backward, and the optimizer step on every worker (synchronou
 parallel training, the same arithmetic in every system: the mean loss over the global batch).
 Every worker's batch is drawn once from a generator seeded by its rank. Writes
 <out>/worker<rank>.json with the per-step times after warm-up and the loss of the first and
-the last step (it must go down: the model learns its fixed batch).
+the last step (it must go down: the model learns its fixed batch); with --profile N, also
+the summary of N more steps under torch.profiler.
 """
 import argparse
 import json
@@ -83,6 +84,9 @@ def parse_args():
     p.add_argument('--warmup', type=int, default=3)
     p.add_argument('--out', required=True)
     p.add_argument('--device', default='cpu')
+    p.add_argument('--profile', type=int, default=0, metavar='N',
+                   help='then N more steps under torch.profiler (step_profile.py): its summary '
+                        'in the record, rank 0\'s Chrome trace in torch-trace.json.gz')
     args = p.parse_args()
     args.size = args.size or default_size(args.device)
     args.batch = args.batch or default_batch(args.model, args.size)
@@ -211,6 +215,16 @@ def timed_steps(args, step, barrier, x, y):
     return times[args.warmup:], losses[0].item(), losses[-1].item()
 
 
+def profile_steps(args, rank, step, barrier, x, y):
+    """The summary of --profile more steps under torch.profiler (after the timed ones, which
+    it does not slow), every worker alike (a sync job's workers step together)."""
+    import step_profile   # torch.profiler, beside this file
+    trace = os.path.join(args.out, 'torch-trace.json.gz') if rank == 0 else None
+    summary = step_profile.profiled(step, x, y, args.profile, args.device, trace)
+    barrier()
+    return summary
+
+
 def main():
     args = parse_args()
     import torch
@@ -223,13 +237,15 @@ def main():
     step, rank, barrier = STEP_FNS[args.system](args, model, torch)
     x, y = data(args, rank, torch)
     times, loss_first, loss_last = timed_steps(args, step, barrier, x, y)
+    profiled = profile_steps(args, rank, step, barrier, x, y) if args.profile else None
     params = sum(p.numel() for p in model.parameters())
     record = {'rank': rank, 'system': args.system, 'model': args.model, 'params': params,
               'device': args.device, 'size': args.size if args.model in NETS else None,
               'tensors': len(list(model.parameters())), 'batch': args.batch,
               'ms_step_median': round(statistics.median(times) * 1e3, 3),
               'ms_steps': [round(t * 1e3, 3) for t in times],
-              'loss_first': round(loss_first, 4), 'loss_last': round(loss_last, 4)}
+              'loss_first': round(loss_first, 4), 'loss_last': round(loss_last, 4),
+              **({'profile': profiled} if profiled else {})}
     with open(os.path.join(args.out, f'worker{rank}.json'), 'w') as f:
         json.dump(record, f)
 
