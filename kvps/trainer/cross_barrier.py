@@ -30,10 +30,12 @@ def check_cross_barrier(params, store, mode):
 
 
 class _Once:
-    """``fn`` run once, by the first caller; later callers wait until it has run."""
+    """``fn`` run once, by the first caller; later callers wait until it has run.
+    ``keys``: the parameters it lands (a landing's)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, keys=()):
         self._fn, self._lock, self._done = fn, threading.Lock(), False
+        self.keys = keys
 
     def __call__(self):
         with self._lock:
@@ -58,24 +60,27 @@ class Arrivals:
         landings = {}
         for key, entry, wait in pulled:
             wait = waits.setdefault(id(wait), _Once(wait))
-            landing = _Once(_landing(wait, settle, key, entry))
-            for p in entry.members if isinstance(entry, FusedKey) else (entry,):
-                landings[p.key] = landing
+            members = entry.members if isinstance(entry, FusedKey) else (entry,)
+            landing = _Once(_landing(wait, settle, key, entry), [p.key for p in members])
+            landings.update(dict.fromkeys(landing.keys, landing))
         with self._lock:
             self._landings.update(landings)
 
     def wait_for(self, keys):
         """Land the weights of the parameters ``keys`` (those still under way)."""
-        if not self._landings:   # (the common case: every forward after the first module's)
+        if not self._landings:   # (the common case once every pull has landed)
             return
         with self._lock:
-            found = {key: self._landings.get(key) for key in keys}
-        for landing in {id(each): each for each in found.values() if each}.values():
+            found = {id(each): each for each in map(self._landings.get, keys) if each}
+        for landing in found.values():
             landing()
-        with self._lock:   # (what landed is forgotten: later forwards skip it)
-            for key, landing in found.items():
-                if landing is not None and self._landings.get(key) is landing:
-                    del self._landings[key]
+            # What landed is forgotten, for every parameter it landed (a fused key's members
+            # are in many modules): later forwards skip it, and once all have landed, all
+            # forwards take the early return above.
+            with self._lock:
+                for key in landing.keys:
+                    if self._landings.get(key) is landing:
+                        del self._landings[key]
 
     def wait_all(self):
         """Land every parameter's weights still under way."""
