@@ -21,6 +21,7 @@ class Backend(Protocol):
     rank: int             # this worker's rank, 0 .. num_workers - 1
     num_workers: int
     num_servers: int      # how many parts get_states returns and set_states takes
+    num_hosts: int        # the hosts the job's workers and servers were on when it formed
     sync: bool            # dist_sync rounds (True), or every push applied alone (False)
     # key -> (shape, dtype name) of every key initialized through any store on this backend:
     # written by the stores, so that every store of one job membership sees the same keys

@@ -105,6 +105,7 @@ class LocalBackend:
     num_workers = 1
     joining = False   # (one process is the whole job)
     num_servers = 1
+    num_hosts = 1
     sync = True
     forked = False   # plain memory and no threads of its own: a forked child may use its copy
 

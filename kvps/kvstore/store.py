@@ -63,6 +63,11 @@ class KVStore(KVStoreBase):
         return self._backend.num_workers
 
     @property
+    def num_hosts(self):
+        """The hosts the job's workers and servers were on when it formed (kvps's)."""
+        return self._backend.num_hosts
+
+    @property
     def joining(self):
         """Whether this worker joined a running elastic job and has not pushed yet (a kvps
         extension): its init checks the job's keys, and set_optimizer is the job's."""

@@ -70,6 +70,7 @@ class Membership:
         self.nodes = {}            # identity -> Node
         self.replaced = set()      # identities of servers that others have replaced
         self.ranked = False
+        self.hosts = None          # how many hosts the workers and servers were on at forming
         self._barrier = {}         # seq -> {worker identity arrived: its digest or None}
         self._last_digests = {}    # the digests of the last completed barrier
         self.barriers_done = 0
@@ -243,12 +244,14 @@ class Membership:
             for node in nodes:  # dicts keep insertion (arrival) order
                 node.rank = node.rank_hint if node.rank_hint is not None else next(free)
         self.ranked = True
+        if self.hosts is None:   # (fixed then: a joiner is told what the first members were)
+            self.hosts = len({node.host for node in self.nodes.values()})
 
     def welcome(self, node):
         servers = sorted(self.of_role('server'), key=lambda n: n.rank)
         welcome = {'rank': node.rank, 'num_workers': self.want['worker'],
                    'num_servers': self.want['server'],
-                   'servers': [[s.host, s.port] for s in servers],
+                   'servers': [[s.host, s.port] for s in servers], 'hosts': self.hosts,
                    'nodes': [n.as_entry() for n in self.nodes.values()],
                    'finished': [n.rank for n in self.of_role('worker') if n.finished]}
         if self.elastic is not None:

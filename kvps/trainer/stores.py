@@ -95,6 +95,11 @@ class _Surface:
     def distributed(self):
         return 'dist' in self.kv.type
 
+    @property
+    def num_hosts(self):
+        """kvps's KVStore.num_hosts; 1 for a store without it."""
+        return getattr(self.kv, 'num_hosts', 1)
+
     def broadcast(self, keys, values):
         """Rank 0's ``values`` of ``keys`` into ``values`` on every worker: init, then pull
         (collective; a key initialized before raises DuplicateInitError)."""

@@ -53,6 +53,7 @@ class DistClient(RowRequests):
         self.rank = welcome['rank']
         recording.name_node(self.rank, f'worker {self.rank}')
         self.num_servers = welcome['num_servers']
+        self.num_hosts = welcome.get('hosts') or 1
         self.sharding = Sharding(self.num_servers, config.bigarray_bound,
                                    config.partition_bytes)
         # elastic: keys stay whole, so that one server decides each round (docs/elastic.md)

@@ -63,6 +63,7 @@ def check_identity(backend):
     assert isinstance(backend, Backend)
     assert (backend.rank, backend.num_workers, backend.sync) == (0, 1, True)
     assert backend.num_servers >= 1 and isinstance(backend.keys, dict)
+    assert backend.num_hosts == 1   # (a job on loopback)
     assert backend.closed is False and backend.forked is False and backend.pid == os.getpid()
 
 

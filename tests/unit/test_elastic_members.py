@@ -143,6 +143,13 @@ def test_joiners_take_the_lowest_free_rank_or_theirs_and_wait_when_none_is_free(
     assert m.too_few_workers and [n.rank for n in m.lost_workers] == [1, 0, 2, 3]
 
 
+def test_a_joiner_is_told_the_hosts_the_job_formed_on_not_its_own_count():
+    # (the Trainer sizes its fused keys by it: every worker, joiners too, must see one value)
+    m = elastic()
+    joiner = m.join(b'j', 'elsewhere', 0, None, 20, now=1)
+    assert m.welcome(joiner)['hosts'] == 1 == m.welcome(m.nodes[b'w0'])['hosts']
+
+
 def test_a_fixed_job_takes_no_joiner():
     m = Membership(1, 1)
     with pytest.raises(ConfigError, match='not elastic.*--min-workers'):

@@ -29,6 +29,18 @@ def test_requested_ranks_are_kept():
     assert welcome['servers'] == [['h', 5000]] and welcome['num_workers'] == 2
 
 
+def test_the_welcome_counts_the_hosts_of_the_workers_and_servers():
+    m = full()
+    m.assign_ranks()
+    assert m.welcome(m.nodes[b'w-a'])['hosts'] == 1
+    m = Membership(num_workers=2, num_servers=2)
+    for identity, role, host in [(b'w0', 'worker', 'a'), (b'w1', 'worker', 'b'),
+                                 (b's0', 'server', 'a'), (b's1', 'server', 'c')]:
+        m.register(identity, role, host, 5000 if role == 'server' else 0, None, 1, now=0)
+    m.assign_ranks()
+    assert [m.welcome(node)['hosts'] for node in m.nodes.values()] == [3, 3, 3, 3]
+
+
 @pytest.mark.parametrize('role, hint, match', [
     ('boss', None, 'expected worker or server'),
     # a rank set by hand (KVPS_RANK) is named with what it clashes with

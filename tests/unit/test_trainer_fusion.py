@@ -98,6 +98,24 @@ def test_the_cap_splits_keys_and_nothing_is_fused_without_a_cap_or_with_fuse_fal
         assert t._layout.fused == [] and keys_of(t) == [0, 1, 2, 3, 4]
 
 
+class AcrossHosts(LocalBackend):
+    num_hosts = 2   # (what a job whose workers and servers formed on two hosts is told)
+
+
+def fused_bytes(trainer):
+    return [sum(p.tensor.numel() * 4 for p in f.members) for f in trainer._layout.fused]
+
+
+@pytest.mark.parametrize('backend, cap', [(LocalBackend, 4 << 20), (AcrossHosts, 1 << 20)])
+def test_fused_keys_and_buckets_are_smaller_when_the_job_spans_hosts(backend, cap):
+    params = [torch.nn.Parameter(torch.zeros(64 << 10)) for _ in range(16)]   # 256 KiB each
+    t = Trainer(params, 'sgd', kvstore=KVStore('dist_sync', backend()))
+    assert fused_bytes(t) == [cap] * ((4 << 20) // cap) and t._exchange._bucket._cap == cap
+    # bucket_bytes given is the user's, on one host or several
+    t = Trainer(params, 'sgd', kvstore=KVStore('dist_sync', backend()), bucket_bytes=2 << 20)
+    assert fused_bytes(t) == [2 << 20] * 2 and t._exchange._bucket._cap == 2 << 20
+
+
 def test_whole_tensor_optimizers_are_not_fused_on_the_servers_only():
     params = [torch.nn.Parameter(torch.ones(4)) for _ in range(3)]
     assert Trainer(params, 'lamb', kvstore=store())._layout.fused == []
