@@ -23,10 +23,10 @@ from .stores import check_compression, open_store
 __all__ = ['Trainer', 'ParameterMismatchError', 'StaleGradientError']
 
 BUCKET_BYTES = 4 << 20   # gradients per push while backward runs (DDP's default is 25 MB)
-# ... when the job spans hosts. A step ends with its last bucket's push and its weights' return
-# over the links, which smaller buckets (and fused keys) shorten: bench_hosts --training deep,
-# 4 hosts at 1 Gbit/s, 191-223 -> 167-181 ms a step. On one host, through shared memory, the
-# same buckets only add messages: bench_training deep 23.6-23.9 -> 25.4-27.1 ms.
+# The same when the job spans hosts. A step ends with its last bucket's push and its weights'
+# return over the links, which smaller buckets (and fused keys) shorten: bench_hosts --training
+# deep, 4 hosts at 1 Gbit/s, 191-223 -> 167-181 ms a step. On one host, through shared memory,
+# smaller buckets only add messages: bench_training deep 23.6-23.9 -> 25.4-27.1 ms.
 BUCKET_BYTES_ACROSS_HOSTS = 1 << 20
 
 
