@@ -93,6 +93,9 @@ def parse_args(argv=None):
                         'models: wide, deep, narrow): kvps.Trainer with server SGD and with '
                         'workers updating, beside torch DDP over gloo; the configs\' layouts '
                         'are used, their sizes are the models\'')
+    p.add_argument('--bucket-bytes', type=int, default=None,
+                   help='with --training: the kvps Trainer\'s bucket_bytes (default: its own, '
+                        '1 MiB across hosts)')
     p.add_argument('--timeout', type=int, default=300, help='seconds allowed per cluster run')
     p.add_argument('--out', default=None, help='output directory (default /tmp/kvps-bench/...)')
     args = p.parse_args(argv)
@@ -309,7 +312,8 @@ TRAINING_SYSTEMS = {'kvps': run_kvps, 'kvps-local': run_kvps, 'ddp': run_ddp}
 def measure_training(args, hosts, system, cfg, model, run_dir):
     """Median over workers of each worker's median step (ms), or an error."""
     argv = [C.PY, TRAINING_WORKER, '--system', system, '--model', model,
-            '--steps', args.rounds or 10, '--out', run_dir]
+            '--steps', args.rounds or 10, '--out', run_dir,
+            *(['--bucket-bytes', args.bucket_bytes] if args.bucket_bytes is not None else [])]
     job = Job(hosts, run_dir, dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1'))
     drops = hosts.drops()
     rc = job.finish(TRAINING_SYSTEMS[system](hosts, job, cfg, argv), args.timeout)

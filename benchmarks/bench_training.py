@@ -68,6 +68,8 @@ def parse_args():
     p.add_argument('--timeline', action='store_true',
                    help='run each kvps system once more with the timeline on: where its step '
                         'goes, per role and thread (python -m kvps.timeline summary)')
+    p.add_argument('--bucket-bytes', type=int, default=None,
+                   help='the kvps Trainer\'s bucket_bytes (default: its own: 4 MiB on one host)')
     p.add_argument('--profile', type=int, default=0, metavar='N',
                    help='every worker runs N more steps under torch.profiler: where the host\'s '
                         'time goes op by op, the CUDA calls that block it, the GPU time of its '
@@ -121,7 +123,9 @@ def run_one(args, model, system, out_dir, launcher_args=()):
     argv = [_common.PY, WORKER, '--system', system, '--model', model, '--steps', str(args.steps),
             '--size', args.size, '--workers', str(args.workers), '--out', str(out_dir),
             '--device', args.device, *(['--batch', str(args.batch)] if args.batch else []),
-            *(['--profile', str(args.profile)] if args.profile else [])]
+            *(['--profile', str(args.profile)] if args.profile else []),
+            *(['--bucket-bytes', str(args.bucket_bytes)] if args.bucket_bytes is not None
+              else [])]
     ranks = 1 if system == 'alone' else args.workers
     if system in ('ddp', 'alone'):
         rc, log = run_torch_job(ranks, argv, out_dir, args.timeout, system, args.mps)

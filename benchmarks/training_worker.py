@@ -84,6 +84,8 @@ def parse_args():
     p.add_argument('--warmup', type=int, default=3)
     p.add_argument('--out', required=True)
     p.add_argument('--device', default='cpu')
+    p.add_argument('--bucket-bytes', type=int, default=None,
+                   help='kvps: the Trainer\'s bucket_bytes (default: its own, by the hosts)')
     p.add_argument('--profile', type=int, default=0, metavar='N',
                    help='then N more steps under torch.profiler (step_profile.py): its summary '
                         'in the record, rank 0\'s Chrome trace in torch-trace.json.gz')
@@ -180,7 +182,7 @@ def kvps_step_fn(args, model, torch):
     trainer = kvps.Trainer(model if cross_barrier else model.named_parameters(), 'sgd',
                            {'learning_rate': 0.01, 'momentum': 0.9}, kvstore=kv,
                            update_on_kvstore=args.system != 'kvps-local',
-                           cross_barrier=cross_barrier)
+                           cross_barrier=cross_barrier, bucket_bytes=args.bucket_bytes)
 
     def step(x, y):
         trainer.zero_grad()
