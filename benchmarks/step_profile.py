@@ -38,28 +38,29 @@ def profiled(step, x, y, steps, device, trace_path=None):
 def summary(averages, steps, wall):
     """The host's ops (less the CUDA runtime's calls), the CUDA runtime's calls (the blocking
     ones among them: cudaStreamSynchronize, cudaEventSynchronize, cudaMemcpy...) and the GPU's
-    ops, each sorted by time, in ms and calls per step."""
+    ops: each one's total, and the ops sorted by time, in ms and calls per step."""
     def per_step(us):
         return round(us / 1e3 / steps, 3)
 
-    def table(rows, time_of):
-        rows = sorted(rows, key=time_of, reverse=True)[:TOP]
-        return [[row.key, per_step(time_of(row)), round(row.count / steps, 1)] for row in rows
-                if time_of(row) > 0]
+    def part(name, rows, time_of):   # {name}_ms, and name: the top TOP rows
+        top = sorted(rows, key=time_of, reverse=True)[:TOP]
+        return {f'{name}_ms': per_step(sum(map(time_of, rows))),
+                name: [[row.key, per_step(time_of(row)), round(row.count / steps, 1)]
+                       for row in top if time_of(row) > 0]}
     runtime = [row for row in averages if _is_runtime(row.key)]
     host = [row for row in averages if not _is_runtime(row.key)]
     return {'steps': steps, 'ms_step': round(wall * 1e3 / steps, 3),
-            'host_ops_ms': per_step(sum(row.self_cpu_time_total for row in host)),
-            'host_ops': table(host, lambda row: row.self_cpu_time_total),
-            'cuda_runtime': table(runtime, lambda row: row.self_cpu_time_total),
-            'cuda_runtime_ms': per_step(sum(row.self_cpu_time_total for row in runtime)),
-            'device_ms': per_step(sum(_device_time(row) for row in averages)),
-            'device_ops': table(averages, _device_time)}
+            **part('host_ops', host, _cpu_time), **part('cuda_runtime', runtime, _cpu_time),
+            **part('device_ops', averages, _device_time)}
 
 
 def _is_runtime(name):
     # the CUDA runtime's and driver's API calls, as the profiler names them
     return name.startswith(('cuda', 'cu')) and not name.startswith('cutlass')
+
+
+def _cpu_time(row):
+    return row.self_cpu_time_total
 
 
 def _device_time(row):
