@@ -3,7 +3,9 @@ keys (as DDP's buckets and Horovod's fusion buffer pack tensors), and pushes buc
 backward runs."""
 
 import hashlib
+import itertools
 import logging
+import operator
 import threading
 
 from .. import rows
@@ -13,6 +15,11 @@ log = logging.getLogger('kvps')
 # A key costs about 0.1 ms of CPU per round over the job (protocol, bookkeeping, replies),
 # which buys copying about 1 MB in and out: parameters under half that gain from sharing one.
 FUSE_BELOW_BYTES = 512 << 10
+
+# Read over a fused key's members by map() in C: a step touches each member several times, and
+# a Python loop over hundreds of small parameters costs a millisecond a step
+_REQUIRES_GRAD = operator.attrgetter('requires_grad')
+_IS_SPARSE = operator.attrgetter('is_sparse')
 
 
 class FusedKey:
@@ -24,6 +31,8 @@ class FusedKey:
 
     def __init__(self, key, members, plain=True):
         self.key, self.members = key, members
+        self.tensors = [p.tensor for p in members]     # the parameters themselves, in order
+        self.member_keys = [p.key for p in members]
         # Workers updating: one pass over the packed key, its state kept under its key (its
         # members' multipliers are 1, which the optimizer gives a key it has no entry for);
         # False once the state is split into the members'
@@ -59,7 +68,7 @@ class FusedKey:
         return self.members[0].key
 
     def trainable_count(self):
-        return sum(p.trainable for p in self.members)
+        return sum(map(_REQUIRES_GRAD, self.tensors))
 
     def gather_weights(self):
         """The members' current values, packed (for init)."""
@@ -70,7 +79,8 @@ class FusedKey:
     def scatter_weights(self):
         """Pulled weights into the members."""
         import torch
-        torch._foreach_copy_([p.tensor.detach() for p in self.members], self.weight_views)
+        with torch.no_grad():   # (written as the parameters' .detach() would be)
+            torch._foreach_copy_(self.tensors, self.weight_views)
 
     def arrive(self, p, grad):
         """Note member ``p``'s gradient; True once every member's is here."""
@@ -81,10 +91,11 @@ class FusedKey:
         """The arrived gradients packed into ``grad`` (zeros for the members without one:
         frozen, or trainable and unused this step); clears them for the next step."""
         import torch
-        grads = [self.arrived.get(p.key) for p in self.members]
+        grads = list(map(self.arrived.get, self.member_keys))
         self.arrived = {}
-        if all(g is not None for g in grads):
-            torch.cat([dense(g).reshape(-1) for g in grads], out=self.grad)
+        if not any(map(operator.is_, grads, itertools.repeat(None))) and \
+                not any(map(_IS_SPARSE, grads)):
+            torch._foreach_copy_(self.grad_views, grads)
             return self.grad
         self.grad.zero_()
         for view, g in zip(self.grad_views, grads):
@@ -301,6 +312,10 @@ class PushBucket:
     def flush_when_backward_ends(self):
         """Called from a gradient hook: send what is left once this backward pass is over
         (autograd's end-of-pass callback, the one DDP uses)."""
+        if self._callback_queued or not self._keys:
+            # (read unlocked, once per parameter: a gradient added meanwhile on another
+            # thread is followed by that thread's own call)
+            return
         with self._lock:
             if self._callback_queued or not self._keys:
                 return

@@ -1,6 +1,12 @@
 """Which of the Trainer's gradients are new since the last step; where sums land in ``.grad``."""
 
+import operator
+
 from ..errors import StaleGradientError
+
+# Read over every parameter by map() in C, once a step each (hundreds of small parameters)
+_KEY = operator.attrgetter('key')
+_GRAD = operator.attrgetter('tensor.grad')
 
 
 class GradientLog:
@@ -28,10 +34,16 @@ class GradientLog:
         under ignore_stale_grad, as torch.optim skips a missing gradient)."""
         return self._distributed or self.is_fresh(p)
 
+    def taking_part(self, trainable):
+        """Those of ``trainable`` that take part this step (takes_part)."""
+        if self._distributed:
+            return list(trainable)
+        return [p for p in trainable if self.is_fresh(p)]
+
     def check(self, trainable, ignore_stale_grad):
         """Raise StaleGradientError for trainable parameters without a fresh gradient."""
-        if ignore_stale_grad:
-            return
+        if ignore_stale_grad or self._fresh.issuperset(map(_KEY, trainable)):
+            return   # (the common case: backward accumulated every one)
         stale = [p.name for p in trainable if not self.is_fresh(p)]
         if stale:
             raise StaleGradientError(
@@ -51,7 +63,7 @@ class GradientLog:
     def next_step(self, trainable):
         """A step is over: what is fresh from now on is measured against ``.grad`` now."""
         self._fresh.clear()
-        self._seen = {p.key: p.tensor.grad for p in trainable}
+        self._seen = dict(zip(map(_KEY, trainable), map(_GRAD, trainable)))
 
 
 def is_dense(grad):

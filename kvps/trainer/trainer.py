@@ -1,6 +1,8 @@
 """Gluon's Trainer for torch parameters: gradients summed through a KVStore, updates by kvps's
 kernels."""
 
+import itertools
+import operator
 import os
 import warnings
 import weakref
@@ -21,6 +23,8 @@ from .state_files import read_optimizer
 from .stores import check_compression, open_store
 
 __all__ = ['Trainer', 'ParameterMismatchError', 'StaleGradientError']
+
+_REQUIRES_GRAD = operator.attrgetter('requires_grad')
 
 BUCKET_BYTES = 4 << 20   # gradients per push while backward runs (DDP's default is 25 MB)
 # The same when the job spans hosts. A step ends with its last bucket's push and its weights'
@@ -106,6 +110,8 @@ class Trainer:
         # Gradients leave as backward makes them (see Mode.sends_from_first_backward)
         self._armed = self._mode.sends_from_first_backward
         self._hooks = {}           # key -> handle of the hook sending its gradient
+        self._tensors = [p.tensor for p in self._params]
+        self._trainable_flags = None   # requires_grad of each parameter when last read
         self._hook_trainable()
         self._grads.next_step(self._trainable)
         # Off by default: with it, a parameter read outside the forward of a module that owns
@@ -122,7 +128,11 @@ class Trainer:
         every step, as Gluon reads grad_req, so that freezing and unfreezing mid-training
         work as in torch.optim), and hook those not hooked yet (torch refuses hooks on the
         others): from their next backward on, their gradients leave as it runs."""
-        self._trainable = [p for p in self._params if p.trainable]
+        flags = list(map(_REQUIRES_GRAD, self._tensors))   # (C: hundreds of parameters)
+        if flags == self._trainable_flags:
+            return
+        self._trainable_flags = flags
+        self._trainable = list(itertools.compress(self._params, flags))
         ref = weakref.ref(self)
         for p in self._trainable:
             if p.key not in self._hooks:
@@ -362,8 +372,8 @@ class Trainer:
         self._reduced = 'grads' if into_grads else 'buffers'
 
     def _taking_part(self):
-        """The trainable parameters reduced this step (GradientLog.takes_part)."""
-        return [p for p in self._trainable if self._grads.takes_part(p)]
+        """The trainable parameters reduced this step (GradientLog.taking_part)."""
+        return self._grads.taking_part(self._trainable)
 
     def _update(self):
         """Run the local optimizer on this step's gradients (workers update, or alone)."""
