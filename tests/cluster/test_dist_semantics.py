@@ -312,6 +312,41 @@ def test_pushpull_returns_each_rounds_result_over_socket_and_shared_memory(job, 
         assert steps[3] == [[3.0 * 3 + 2 * k - 1.0] * 2 for k in range(14)]
 
 
+PULL_BEGIN_SCRIPT = '''
+import pathlib
+kv = kvps.create('dist_sync')
+r = kv.rank
+keys = [0, 1, 2]
+kv.init(keys, [np.zeros(5, np.float32)] * 3)
+begun = pathlib.Path('begun')
+if r == 0:
+    for k in keys:
+        kv.push(k, np.full(5, 1.0 + k, np.float32))
+    outs = [np.zeros(5, np.float32) for _ in keys]
+    # one call per key, as MXNet's Gluon Trainer loops; none waits: rank 1 has not pushed
+    waits = [kv.pull_begin(k, out=out) for k, out in zip(keys, outs)]
+    begun.write_text('')
+    for wait in waits:
+        wait()
+else:
+    while not begun.exists():   # (rank 0's pulls are under way before this worker pushes)
+        time.sleep(0.01)
+    for k in keys:
+        kv.push(k, np.full(5, 10.0 * (k + 1), np.float32))
+    outs = [np.zeros(5, np.float32) for _ in keys]
+    kv.pull(keys, out=outs)
+report(rank=r, got=[o.tolist() for o in outs])
+'''
+
+
+def test_pull_begin_returns_before_the_round_completes_and_its_wait_brings_the_result(job):
+    result = job(PULL_BEGIN_SCRIPT, 2, 1)
+    assert result.returncode == 0, result.output
+    expected = [[1.0 + k + 10.0 * (k + 1)] * 5 for k in range(3)]
+    assert {rank: res['got'] for rank, res in result.results().items()} == {0: expected,
+                                                                            1: expected}
+
+
 MANY_KEYS_SCRIPT = '''
 import collections
 kv = kvps.create('dist_sync')
