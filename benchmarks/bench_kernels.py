@@ -268,13 +268,22 @@ def main():
     ap.add_argument('--grads', type=int, choices=[1, 2], default=1,
                     help='arrays per gradient: 2 times the update adding a pair in its pass '
                     'against adding it first')
+    ap.add_argument('--ilp', type=int, default=None,
+                    help='elements each CUDA thread loads at once, in every kernel (default: '
+                    "kvps's own choice, cuda_source.ilp_of): the figures of another choice")
     args = ap.parse_args()
+    if args.ilp is not None:
+        from kvps.optimizer.kernels import cuda_source
+        cuda_source.FORCED_ILP = args.ilp
     sizes = args.sizes or ([1 << 20] if args.quick else [1 << 20, 1 << 24])
     for dev in devices(args.device):
         for n in sizes:
             reps = args.reps or (3 if args.quick else (10 if n <= 1 << 22 else 5))
             for label in args.optimizers:
-                print(json.dumps(bench(dev, label, n, reps, args.grads)), flush=True)
+                record = bench(dev, label, n, reps, args.grads)
+                if args.ilp is not None and dev.name != 'cpu':
+                    record['ilp'] = args.ilp
+                print(json.dumps(record), flush=True)
         for label in args.optimizers if args.many_keys else ():
             print(json.dumps(bench_many(dev, label, args.many_keys, args.key_elements,
                                         args.reps or 5, args.grads)), flush=True)

@@ -18,7 +18,7 @@ FUSE_BELOW_BYTES = 512 << 10
 
 # Read over a fused key's members by map() in C: a step touches each member several times, and
 # a Python loop over hundreds of small parameters costs a millisecond a step
-_REQUIRES_GRAD = operator.attrgetter('requires_grad')
+REQUIRES_GRAD = operator.attrgetter('requires_grad')
 _IS_SPARSE = operator.attrgetter('is_sparse')
 
 
@@ -68,7 +68,7 @@ class FusedKey:
         return self.members[0].key
 
     def trainable_count(self):
-        return sum(map(_REQUIRES_GRAD, self.tensors))
+        return sum(map(REQUIRES_GRAD, self.tensors))
 
     def gather_weights(self):
         """The members' current values, packed (for init)."""

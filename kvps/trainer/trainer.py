@@ -2,7 +2,6 @@
 kernels."""
 
 import itertools
-import operator
 import os
 import warnings
 import weakref
@@ -13,7 +12,8 @@ from ..timeline.recording import traced
 from .cross_barrier import Arrivals, check_cross_barrier, hook_modules
 from .elastic_batch import ElasticBatch
 from .exchange import Exchange
-from .fusion import Layout, check_bucket_bytes, scatter_fused, split_partly_frozen, weights_of
+from .fusion import (REQUIRES_GRAD, Layout, check_bucket_bytes, scatter_fused, split_partly_frozen,
+                     weights_of)
 from .grads import GradientLog
 from .handover import Handover
 from .local_updates import LocalUpdates
@@ -23,8 +23,6 @@ from .state_files import read_optimizer
 from .stores import check_compression, open_store
 
 __all__ = ['Trainer', 'ParameterMismatchError', 'StaleGradientError']
-
-_REQUIRES_GRAD = operator.attrgetter('requires_grad')
 
 BUCKET_BYTES = 4 << 20   # gradients per push while backward runs (DDP's default is 25 MB)
 # The same when the job spans hosts. A step ends with its last bucket's push and its weights'
@@ -128,7 +126,7 @@ class Trainer:
         every step, as Gluon reads grad_req, so that freezing and unfreezing mid-training
         work as in torch.optim), and hook those not hooked yet (torch refuses hooks on the
         others): from their next backward on, their gradients leave as it runs."""
-        flags = list(map(_REQUIRES_GRAD, self._tensors))   # (C: hundreds of parameters)
+        flags = list(map(REQUIRES_GRAD, self._tensors))   # (C: hundreds of parameters)
         if flags == self._trainable_flags:
             return
         self._trainable_flags = flags

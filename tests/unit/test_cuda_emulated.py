@@ -342,3 +342,45 @@ def test_keys_with_two_grads_and_keys_with_one_share_kept_rounds(emulated, monke
     assert len(made) == 2 and len(kept) == 1
     _assert_same(reduces(name, hyper), device, host)
     _assert_only_read(device, keys)
+
+
+def _built_with(tmp_path_factory, ilp):
+    """Every kernel built as with cuda_source.FORCED_ILP = ``ilp`` (bench_kernels --ilp)."""
+    forced, src.FORCED_ILP = src.FORCED_ILP, ilp
+    try:
+        return build(tmp_path_factory.mktemp(f'cuda_ilp{ilp}'), definitions(every_plan()))
+    finally:
+        src.FORCED_ILP = forced
+
+
+@pytest.fixture(scope='module')
+def library_ilp1(tmp_path_factory):
+    return _built_with(tmp_path_factory, 1)
+
+
+@pytest.fixture(scope='module')
+def library_ilp4(tmp_path_factory):
+    return _built_with(tmp_path_factory, 4)
+
+
+@pytest.mark.parametrize('name,states,hyper,_', CASES,
+                         ids=[f'{c[0]}-{i}' for i, c in enumerate(CASES)])
+def test_loading_four_elements_a_thread_at_once_changes_no_bit(library_ilp1, library_ilp4,
+                                                               monkeypatch, name, states,
+                                                               hyper, _):
+    """The loop of _ilp_loop takes the elements in the plain loop's order: every rule, its
+    norms too, gives the same bits loading 4 elements a thread at once as loading 1 (a size
+    that 4 does not divide; a grad of two arrays, then of one)."""
+    monkeypatch.setattr(L, 'cupy', lambda: HOST_CUPY)
+    made = [_key(np.random.default_rng(5), 1003, name, states, hyper, *DTYPES[0], (2, 1, 2))]
+    results = []
+    for built in (library_ilp1, library_ilp4):
+        monkeypatch.setattr(L, 'compiled', lambda code, kernel, lib=built: Emulated(lib, kernel,
+                                                                                     []))
+        monkeypatch.setattr(L, '_KERNELS', {})
+        keys = _copy(made, True)
+        for step in range(3):
+            for fn, args, kwargs in _calls(name, states, hyper, keys, step, step + 1):
+                getattr(C, fn)(*args, **kwargs)
+        results.append(keys)
+    _assert_same(False, *results)

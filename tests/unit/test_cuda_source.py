@@ -231,6 +231,20 @@ def test_every_update_kernel_compiles_in_each_layout():
 
 
 @needs_nvrtc
+def test_every_rule_compiles_loading_four_elements_a_thread_at_once(monkeypatch):
+    """bench_kernels --ilp 4 (cuda_source.FORCED_ILP) builds every rule's loop as the rules of
+    several passes have it: float32, float16 with a master copy, a grad of two arrays."""
+    monkeypatch.setattr(src, 'FORCED_ILP', 4)
+    sources = {}
+    for case in CASES:
+        for grads, dtypes in ((1, DTYPES[0]), (1, DTYPES[4]), (2, TWO_GRADS[2])):
+            sources.update(src.kernels_of(plan_of(*call(*case[:3], *dtypes, grads=grads))))
+    for name, code in sources.items():
+        assert 'kv_at += 4 * kv_stride' in code, name
+        assert compile_errors(code) == '', name
+
+
+@needs_nvrtc
 def test_a_broken_kernel_is_reported():
     assert 'error' in compile_errors('extern "C" __global__ void k() { undefined_name; }')
 

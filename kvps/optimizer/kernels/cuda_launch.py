@@ -44,13 +44,13 @@ def compiled(code, name):
     return cupy().RawKernel(code, name, options=OPTIONS)
 
 
-_KERNELS = {}   # (plan signature, multi, pass) -> RawKernel
+_KERNELS = {}   # (plan signature, multi, pass, ilp) -> RawKernel
 
 
 def kernel(plan, multi=False, index=0):
     """The compiled kernel of ``plan``, found by its signature: generating the source costs
     more than a launch, and the same few kernels run on every key."""
-    key = (plan.signature(), multi, index)
+    key = (plan.signature(), multi, index, src.ilp_of(plan))
     found = _KERNELS.get(key)
     if found is None:
         found = _KERNELS[key] = compiled(src.source(plan, multi, index),

@@ -15,6 +15,8 @@ by the key's last block to finish, in a fixed order, into the key's sums ``kv_s0
 ``kv_s1``, from which the pass's ``finish`` (C, once per key) keeps what later passes need in
 ``kv_keep[0..KV_SLOTS)``, read there as ``kv_r0``, ``kv_r1``... (LAMB: its trust ratio). The
 weights are written by the last pass only; nothing else is kept between passes.
+Rules of several passes load several elements a thread before computing any (_ilp_loop):
+their kernels ran at 0.25-0.63 of the copy rate with one element's loads in flight.
 A grad given as two arrays (a sync round's last pushes: ``p_g`` and ``p_g2``) is loaded as
 their sum, in the compute type, wherever a pass reads ``g``: the numpy kernels' sum of the
 same tuple, to the bit.
@@ -30,6 +32,10 @@ from .common import storage_name
 THREADS = 256           # threads per block, every kernel here
 MAX_BLOCKS = 8192       # grid-stride loops cover the rest
 KV_SLOTS = 4            # doubles per key that a pass's finish keeps for the passes after it
+# Elements a thread loads at once in rules of several passes (LAMB, LARS, LANS: _ilp_loop);
+# FORCED_ILP, where a benchmark sets it, applies to every kernel compiled after.
+ILP_SEVERAL_PASSES = 4
+FORCED_ILP = None
 GRADS = ('g', 'g2')     # the arrays of a grad, one or two (added as it is loaded)
 
 # C the rules share: MXNet's gradient preprocessing (clip(rescale * g), + wd * w for the rules
@@ -149,13 +155,19 @@ template <typename C> __device__ __forceinline__ C kv_max(C a, C b) {
 
 @dataclasses.dataclass(frozen=True)
 class Pass:
-    """One sweep over a key: ``body`` is C (the loads, the rule, the stores) run per element
-    with ``p_<name>`` a reference to the element of array ``name``; ``written``: the arrays
-    it stores; ``finish``: in a pass before the last, C run once per key on its sums (see the
-    module docstring)."""
-    body: str
+    """One sweep over a key: ``loads`` are (local, C of its value), ``rest`` is C (the rule,
+    the stores), run per element with ``p_<name>`` a reference to the element of array
+    ``name``; ``written``: the arrays it stores; ``finish``: in a pass before the last, C run
+    once per key on its sums (see the module docstring)."""
+    loads: tuple
+    rest: str
     written: frozenset
     finish: str = ''
+
+    @property
+    def body(self):
+        """The C run per element: the loads, then the rule and the stores."""
+        return '\n'.join([*(f'KC {name} = {value};' for name, value in self.loads), self.rest])
 
 
 @dataclasses.dataclass
@@ -233,9 +245,9 @@ def _assigns(body, name):
 
 
 def _pass(loads, grads, core, stores, finish=''):
-    lines = [f'KC {name} = {_load(name, grads)};' for name in loads]
-    lines += [core] + [f'kv_st(p_{name}, {value});' for name, value in stores]
-    return Pass('\n'.join(lines), frozenset(name for name, _ in stores), finish)
+    rest = '\n'.join([core] + [f'kv_st(p_{name}, {value});' for name, value in stores])
+    return Pass(tuple([(name, _load(name, grads)) for name in loads]), rest,
+                frozenset(name for name, _ in stores), finish)
 
 
 def _load(name, grads):
@@ -256,6 +268,7 @@ def definition(plan, multi=False, index=0):
             if uses(step.body, f'p_{name}')]
     loop = [*(f'{_pointer_type(a, w)[:-1]}& p_{n} = p_{n}_[i];' for n, a, w in used),
             *step.body.split('\n')]
+    ilp = ilp_of(plan)
     norms = multi and index < len(plan.passes) - 1
     tail = _finish_norms(step.finish) if norms else ''
     if multi:
@@ -276,10 +289,50 @@ def definition(plan, multi=False, index=0):
         f'extern "C" __global__ void {kernel_name(plan, multi, index)}(',
         '        ' + ',\n        '.join(params) + ') {',
         *('    ' + line for line in prologue),
-        f'    for (long long i = (long long){first} + threadIdx.x; i < n;',
-        f'         i += (long long){stride}) {{',
-        *('        ' + line for line in loop),
-        '    }', *([tail] if tail else []), '}', ''])
+        *(('    ' + line for line in _ilp_loop(step, used, first, stride, ilp)) if ilp > 1 else (
+            f'    for (long long i = (long long){first} + threadIdx.x; i < n;',
+            f'         i += (long long){stride}) {{',
+            *('        ' + line for line in loop),
+            '    }')),
+        *([tail] if tail else []), '}', ''])
+
+
+def ilp_of(plan):
+    """Elements each thread loads at once (see _ilp_loop): FORCED_ILP where set, else
+    ILP_SEVERAL_PASSES for rules of several passes, else 1."""
+    if FORCED_ILP is not None:
+        return FORCED_ILP
+    return ILP_SEVERAL_PASSES if len(plan.passes) > 1 else 1
+
+
+def _ilp_loop(step, used, first, stride, ilp):
+    """The grid-stride loop with ``ilp`` elements a thread a turn: the loads of all of them
+    first, then each one's rule and stores, element after element in the plain loop's order
+    (a pass's sums add up alike). The compiler does not move loads ahead of stores by itself
+    here (pointers read from a table may alias, for all it knows), so the plain loop has
+    one element's loads in flight per thread; this has ``ilp`` times as many."""
+    refs = {n: f'{_pointer_type(a, w)[:-1]}& p_{n} = p_{n}_[i];' for n, a, w in used}
+    read = [n for n in refs if any(uses(value, f'p_{n}') for _, value in step.loads)]
+    kept = [n for n in refs if uses(step.rest, f'p_{n}')]
+    each = [f'    for (int kv_j = 0; kv_j < {ilp}; ++kv_j) {{',
+            '        const long long i = kv_at + kv_j * kv_stride;',
+            '        if (i < n) {']
+    return [
+        f'const long long kv_stride = (long long){stride};',
+        '#pragma unroll 1',
+        f'for (long long kv_at = (long long){first} + threadIdx.x; kv_at < n;',
+        f'     kv_at += {ilp} * kv_stride) {{',
+        *(f'    KC kv_l_{name}[{ilp}];' for name, _ in step.loads),
+        '    #pragma unroll', *each,
+        *(f'            {refs[n]}' for n in read),
+        *(f'            kv_l_{name}[kv_j] = {value};' for name, value in step.loads),
+        '        }', '    }',
+        '    #pragma unroll', *each,
+        *(f'            {refs[n]}' for n in kept),
+        *(f'            KC {name} = kv_l_{name}[kv_j];' for name, _ in step.loads),
+        *('            ' + line for line in step.rest.split('\n')),
+        '        }', '    }',
+        '}']
 
 
 def _multi_head(plan, used, text, several):
