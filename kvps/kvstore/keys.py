@@ -172,6 +172,26 @@ class StoreKeys:
             from_gpu.finish(self._backend.device_written)
         return copies
 
+    def plain_copies(self, key, value):
+        """The backend items of a push of int keys, each with one numpy array of its shape
+        and dtype, no key twice, none split over servers (most pushes of many keys): their
+        copies staged as host_copies stages them, without its checks; None for any other
+        push (nothing is staged then)."""
+        if type(key) is not list or type(value) is not list or len(key) != len(value):
+            return None
+        meta, dtypes, cuts = self.meta, DTYPES, self._cut_cache
+        for k, v in zip(key, value):
+            known = meta.get(k) if type(k) is int else None
+            if known is None or type(v) is not np.ndarray or v.shape != known[0] \
+                    or v.dtype is not dtypes.get(known[1]) or known[1] == 'bfloat16' \
+                    or cuts.get(k, 0) is not None:   # (placed and cut in one part: None)
+                return None
+        if len(set(key)) != len(key):
+            return None
+        blocks = self._backend.stage([v.nbytes for v in value])
+        return [(k, arrays.flat_copy(v, block), meta[k][1])
+                for k, v, block in zip(key, value, blocks)]
+
     def gradient_buffer(self, like):
         """A tensor like GPU tensor ``like`` (flat, contiguous) in GPU memory the servers
         map (Backend.device_buffer), whose pushes go from where they lie; None where there

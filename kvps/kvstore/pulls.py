@@ -9,14 +9,42 @@ from ..wire.protocol import DTYPES
 
 def plan(keys, backend, key, out):
     """``(landings, backend items)`` for a pull into ``out``, every target checked first
-    (a pull raises before it writes any of them). A key whose targets are all on GPUs is
-    written onto them straight from the backend's page-locked shared memory, where it has
-    some (a devices.Landing: landing ``(it, targets)``); other GPU targets are pulled into
-    a pinned host buffer of the key's dtype and copied (cast) onto each device from there:
-    landing ``(buffer, targets)``; host targets are pulled into the first of the key's
-    dtype (a scratch array if none is), which feeds the rest, cast where their dtype
-    differs: landing ``(None, [(numpy view, its dtype)], that first view, the key's
-    dtype)``."""
+    (a pull raises before it writes any of them); see _plan."""
+    if type(key) is list and type(out) is list and len(key) == len(out):
+        plain = _plain(keys.meta, key, out)
+        if plain is not None:
+            return [], plain
+    return _plan(keys, backend, key, out)
+
+
+def _plain(meta, key, out):
+    """The backend items of a pull of int keys, each into one writable C-contiguous numpy
+    array of its shape and dtype, no key twice (most pulls of many keys): what _plan gives
+    them, without its checks and landings (the backend writes each array itself); None for
+    any other pull."""
+    items, dtypes = [], DTYPES
+    for k, target in zip(key, out):
+        known = meta.get(k) if type(k) is int else None
+        # (bfloat16 keys excluded: a uint16 target of one is cast into, not written as bits)
+        if known is None or type(target) is not np.ndarray or target.shape != known[0] \
+                or target.dtype is not dtypes.get(known[1]) or known[1] == 'bfloat16':
+            return None
+        flags = target.flags
+        if not (flags.writeable and flags.c_contiguous):
+            return None
+        items.append((k, target, known[1]))
+    return items if len({k for k, _, _ in items}) == len(items) else None
+
+
+def _plan(keys, backend, key, out):
+    """Every target checked first (a pull raises before it writes any of them). A key whose
+    targets are all on GPUs is written onto them straight from the backend's page-locked
+    shared memory, where it has some (a devices.Landing: landing ``(it, targets)``); other
+    GPU targets are pulled into a pinned host buffer of the key's dtype and copied (cast)
+    onto each device from there: landing ``(buffer, targets)``; host targets are pulled into
+    the first of the key's dtype (a scratch array if none is), which feeds the rest, cast
+    where their dtype differs: landing ``(None, [(numpy view, its dtype)], that first view,
+    the key's dtype)``."""
     landings, items, straight, group = [], [], None, None
     for k, targets in keys.pairs(key, out):
         shape, dtype = keys.known(k)

@@ -136,6 +136,9 @@ class KVStore(KVStoreBase):
         anything is sent, then kvps-owned copies, one run; with compression on, payloads
         encoded run by run as the caller takes them (a generator: a pushpull's first run and
         its pulls are on the link while the next is encoded)."""
+        plain = None if self._codec is not None else self._keys.plain_copies(key, value)
+        if plain is not None:   # (many keys of one numpy array each)
+            return [plain]
         pairs = self._keys.pairs(key, value)
         sparse = {}
         for k, values in pairs:

@@ -186,6 +186,42 @@ def test_a_key_given_twice_in_one_call_is_one_key_as_in_mxnet():
         kv.init([2, 2], [np.zeros(1), np.ones(1)])
 
 
+def test_calls_of_many_keys_of_one_array_each_give_what_key_by_key_calls_give():
+    """Such calls take a shorter way through the store (pulls._plain,
+    StoreKeys.plain_copies); a list with any other kind of key, value or target in it takes
+    the whole one, and every call gives what the same calls key by key give."""
+    kv = kvps.create('local')
+    shapes = [(3,), (2, 2), (4,)]
+    kv.init([0, 1, 2], [np.zeros(s, np.float32) for s in shapes])
+    kv.init(3, torch.zeros(2, dtype=torch.bfloat16))
+    values = [np.arange(np.prod(s), dtype=np.float32).reshape(s) + 1 for s in shapes]
+    kv.push([3], [torch.full((2,), 3.0, dtype=torch.bfloat16)])
+    plain = [np.zeros(s, np.float32) for s in shapes]
+    for scale in (2, 1):   # (a key's first push places it; the next ones are plain)
+        kv.push([0, 1, 2], [v * scale for v in values])
+        kv.pull([0, 1, 2], out=plain)
+        assert [p.tolist() for p in plain] == [(v * scale).tolist() for v in values]
+    mixed = [np.zeros(3, np.float64),                        # cast into
+             np.zeros((2, 2), np.float32).T,                 # not C-contiguous
+             np.zeros(4, np.float32), torch.zeros(2, dtype=torch.bfloat16)]
+    kv.pull([0, 1, 2, 3], out=mixed)
+    assert [m.tolist() for m in mixed] == [values[0].tolist(), values[1].tolist(),
+                                          values[2].tolist(), [3, 3]]
+    with pytest.raises(DTypeError, match='uint16'):       # (bfloat16's bits: not a target)
+        kv.pull([0, 3], out=[plain[0], np.zeros(2, np.uint16)])
+    kv.push([0, 2, 0], [values[0], values[2], values[0]])   # a key twice: one push, summed
+    again = [np.zeros(3, np.float32), np.zeros(4, np.float32)]
+    kv.pull([0, 2], out=again)
+    assert again[0].tolist() == (2 * values[0]).tolist() and again[1].tolist() == \
+        values[2].tolist()
+    with pytest.raises(ShapeError, match='key 2'):           # checked before anything is sent
+        kv.push([0, 2], [values[0] * 5, np.zeros(3, np.float32)])
+    kv.pull([0], out=again[:1])
+    assert again[0].tolist() == (2 * values[0]).tolist()
+    with pytest.raises(ValueError, match='read-only'):      # and before anything is written
+        kv.pull([0, 2], out=[plain[0], np.frombuffer(bytes(16), np.float32)])
+
+
 def test_str_keys_longer_than_the_wire_allows_are_refused_at_the_call():
     kv = kvps.create('local')
     kv.init('w' * 1024, np.zeros(1))
