@@ -72,6 +72,10 @@ def parse_args(argv=None):
     p.add_argument('--pushpull', action='store_true',
                    help='kvps rounds as one kv.pushpull each (default: push then pull, as '
                         "MXNet's benchmark steps)")
+    p.add_argument('--per-key', action='store_true',
+                   help="kvps rounds of one call per key, as MXNet's Gluon Trainer makes them: "
+                        'every push, then every pull_begin, then the waits (the peers keep '
+                        'their own rounds)')
     p.add_argument('--timeline', action='store_true',
                    help='after measuring, run kvps for each config with its timeline recording '
                         'and paused in blocks of rounds (--launches launches): its cost, and '
@@ -84,6 +88,8 @@ def parse_args(argv=None):
     bad = [c for c in args.configs if c not in CONFIGS]
     if bad:
         p.error(f'unknown config(s) {bad}; known: {", ".join(CONFIGS)}')
+    if args.pushpull and args.per_key:
+        p.error('--pushpull and --per-key are two kinds of rounds: give one')
     args.optimizer = args.optimizer or ('none' if args.quick else 'both')
     args.optimizers = ['none', 'sgd'] if args.optimizer == 'both' else [args.optimizer]
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
@@ -140,7 +146,8 @@ def measure_kvps(args, cfg, opt, rounds, run_dir, wrap=(), launcher_args=(), wor
     argv = [C.PY, str(WORKER), '--keys', str(keys), '--total-bytes', str(total),
             '--rounds', str(rounds), '--warmup', str(args.warmup), '--optimizer', opt,
             '--out', str(run_dir), '--tag', tag, '--check-rounds', '1' if args.quick else '2',
-            *(['--pushpull'] if args.pushpull else []), *worker_args]
+            *(['--pushpull'] if args.pushpull else []),
+            *(['--per-key'] if args.per_key else []), *worker_args]
     rc, log, wall, launcher = C.run_kvps_job(W, S, argv, run_dir, args.timeout, tag, wrap,
                                              launcher_args)
     records = C.read_worker_records(run_dir, W)
@@ -389,7 +396,8 @@ def main(argv=None):
             C.note(f'{cfg} optimizer={opt}: kvps')
             res = _launches(args, measure_kvps, cfg, opt, rounds,
                             run_dir=args.out / cfg / f'kvps-{opt}')
-            results[opt] = {'kvps': out.emit(_record('kvps', 'dist_sync', cfg, opt, rounds, res))}
+            mode = 'dist_sync, a call per key' if args.per_key else 'dist_sync'
+            results[opt] = {'kvps': out.emit(_record('kvps', mode, cfg, opt, rounds, res))}
             if run_mx:
                 C.note(f'{cfg} optimizer={opt}: mxnet')
                 res = _launches(args, measure_mxnet, cfg, opt, rounds,

@@ -56,6 +56,9 @@ def parse_args():
     p.add_argument('--pushpull', action='store_true',
                    help='one kv.pushpull(keys, values, out=outs) per round instead of push '
                         'then pull (pull requests follow the pushes closely)')
+    p.add_argument('--per-key', action='store_true',
+                   help="one call per key, as MXNet's Gluon Trainer drives a store: kv.push(k) "
+                        'for every key, then kv.pull_begin(k) for every key, then the waits')
     return p.parse_args()
 
 
@@ -135,6 +138,12 @@ def main():
         if args.pushpull:
             kv.pushpull(keys, vals, out=outs)
             t1 = t0   # one call: its time counts as the pull's
+        elif args.per_key:
+            for k in keys:
+                kv.push(k, vals[k])
+            t1 = time.perf_counter()
+            for wait in [kv.pull_begin(k, outs[k]) for k in keys]:
+                wait()
         else:
             kv.push(keys, vals)
             t1 = time.perf_counter()
@@ -193,7 +202,8 @@ def main():
 
     med = statistics.median(times)
     rec = {
-        'system': 'kvps-dist_sync', 'pushpull': args.pushpull, 'kvps_version': kvps.__version__, 'pid': os.getpid(),
+        'system': 'kvps-dist_sync', 'pushpull': args.pushpull, 'per_key': args.per_key,
+        'kvps_version': kvps.__version__, 'pid': os.getpid(),
         'compress': args.compress, 'compress_pull': args.compress_pull,
         'rank': rank, 'num_workers': nworkers,
         'num_servers': int(os.environ.get('DMLC_NUM_SERVER', '0')),
