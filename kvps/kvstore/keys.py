@@ -172,25 +172,32 @@ class StoreKeys:
             from_gpu.finish(self._backend.device_written)
         return copies
 
-    def plain_copies(self, key, value):
-        """The backend items of a push of int keys, each with one numpy array of its shape
-        and dtype, no key twice, none split over servers (most pushes of many keys): their
-        copies staged as host_copies stages them, without its checks; None for any other
-        push (nothing is staged then)."""
-        if type(key) is not list or type(value) is not list or len(key) != len(value):
+    def plain_dtypes(self, key, values):
+        """The dtype names of a call's keys when it lists int keys, each with one numpy array
+        of the key's shape and dtype, no key twice (most calls of many keys; bfloat16 keys
+        left out: a uint16 array of one is no such array); None for any other call."""
+        if type(key) is not list or type(values) is not list or len(key) != len(values):
             return None
-        meta, dtypes, cuts = self.meta, DTYPES, self._cut_cache
-        for k, v in zip(key, value):
+        meta, wire, names = self.meta, DTYPES, []
+        for k, a in zip(key, values):
             known = meta.get(k) if type(k) is int else None
-            if known is None or type(v) is not np.ndarray or v.shape != known[0] \
-                    or v.dtype is not dtypes.get(known[1]) or known[1] == 'bfloat16' \
-                    or cuts.get(k, 0) is not None:   # (placed and cut in one part: None)
+            if known is None or type(a) is not np.ndarray or a.shape != known[0] \
+                    or a.dtype is not wire.get(known[1]) or known[1] == 'bfloat16':
                 return None
-        if len(set(key)) != len(key):
-            return None
+            names.append(known[1])
+        return names if len(set(key)) == len(key) else None
+
+    def plain_copies(self, key, value):
+        """The backend items of a push that plain_dtypes takes, none of its keys split over
+        servers: their copies staged as host_copies stages them, without its checks; None
+        for any other push (nothing is staged then)."""
+        names = self.plain_dtypes(key, value)
+        cuts = self._cut_cache
+        if names is None or any(cuts.get(k, 0) is not None for k in key):
+            return None   # (a key placed in one part has None there)
         blocks = self._backend.stage([v.nbytes for v in value])
-        return [(k, arrays.flat_copy(v, block), meta[k][1])
-                for k, v, block in zip(key, value, blocks)]
+        return [(k, arrays.flat_copy(v, block), name)
+                for k, v, block, name in zip(key, value, blocks, names)]
 
     def gradient_buffer(self, like):
         """A tensor like GPU tensor ``like`` (flat, contiguous) in GPU memory the servers

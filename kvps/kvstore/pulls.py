@@ -9,31 +9,13 @@ from ..wire.protocol import DTYPES
 
 def plan(keys, backend, key, out):
     """``(landings, backend items)`` for a pull into ``out``, every target checked first
-    (a pull raises before it writes any of them); see _plan."""
-    if type(key) is list and type(out) is list and len(key) == len(out):
-        plain = _plain(keys.meta, key, out)
-        if plain is not None:
-            return [], plain
+    (a pull raises before it writes any of them); see _plan. A pull that StoreKeys.plain_dtypes
+    takes, into writable C-contiguous arrays (most pulls of many keys), skips its checks and
+    landings: the backend writes each array itself."""
+    names = keys.plain_dtypes(key, out)
+    if names is not None and all(t.flags.writeable and t.flags.c_contiguous for t in out):
+        return [], list(zip(key, out, names))
     return _plan(keys, backend, key, out)
-
-
-def _plain(meta, key, out):
-    """The backend items of a pull of int keys, each into one writable C-contiguous numpy
-    array of its shape and dtype, no key twice (most pulls of many keys): what _plan gives
-    them, without its checks and landings (the backend writes each array itself); None for
-    any other pull."""
-    items, dtypes = [], DTYPES
-    for k, target in zip(key, out):
-        known = meta.get(k) if type(k) is int else None
-        # (bfloat16 keys excluded: a uint16 target of one is cast into, not written as bits)
-        if known is None or type(target) is not np.ndarray or target.shape != known[0] \
-                or target.dtype is not dtypes.get(known[1]) or known[1] == 'bfloat16':
-            return None
-        flags = target.flags
-        if not (flags.writeable and flags.c_contiguous):
-            return None
-        items.append((k, target, known[1]))
-    return items if len({k for k, _, _ in items}) == len(items) else None
 
 
 def _plan(keys, backend, key, out):

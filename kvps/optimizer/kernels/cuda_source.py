@@ -266,8 +266,8 @@ def definition(plan, multi=False, index=0):
     step = plan.passes[index]
     used = [(name, arr, name in step.written) for name, arr in plan.arrays
             if uses(step.body, f'p_{name}')]
-    loop = [*(f'{_pointer_type(a, w)[:-1]}& p_{n} = p_{n}_[i];' for n, a, w in used),
-            *step.body.split('\n')]
+    # each array's element i, as ``p_<name>``
+    refs = {n: f'{_pointer_type(a, w)[:-1]}& p_{n} = p_{n}_[i];' for n, a, w in used}
     ilp = ilp_of(plan)
     norms = multi and index < len(plan.passes) - 1
     tail = _finish_norms(step.finish) if norms else ''
@@ -289,10 +289,10 @@ def definition(plan, multi=False, index=0):
         f'extern "C" __global__ void {kernel_name(plan, multi, index)}(',
         '        ' + ',\n        '.join(params) + ') {',
         *('    ' + line for line in prologue),
-        *(('    ' + line for line in _ilp_loop(step, used, first, stride, ilp)) if ilp > 1 else (
+        *(('    ' + line for line in _ilp_loop(step, refs, first, stride, ilp)) if ilp > 1 else (
             f'    for (long long i = (long long){first} + threadIdx.x; i < n;',
             f'         i += (long long){stride}) {{',
-            *('        ' + line for line in loop),
+            *('        ' + line for line in [*refs.values(), *step.body.split('\n')]),
             '    }')),
         *([tail] if tail else []), '}', ''])
 
@@ -305,13 +305,13 @@ def ilp_of(plan):
     return ILP_SEVERAL_PASSES if len(plan.passes) > 1 else 1
 
 
-def _ilp_loop(step, used, first, stride, ilp):
+def _ilp_loop(step, refs, first, stride, ilp):
     """The grid-stride loop with ``ilp`` elements a thread a turn: the loads of all of them
     first, then each one's rule and stores, element after element in the plain loop's order
     (a pass's sums add up alike). The compiler does not move loads ahead of stores by itself
     here (pointers read from a table may alias, for all it knows), so the plain loop has
-    one element's loads in flight per thread; this has ``ilp`` times as many."""
-    refs = {n: f'{_pointer_type(a, w)[:-1]}& p_{n} = p_{n}_[i];' for n, a, w in used}
+    one element's loads in flight per thread; this has ``ilp`` times as many. ``refs``: the
+    C that names each array's element i (definition's)."""
     read = [n for n in refs if any(uses(value, f'p_{n}') for _, value in step.loads)]
     kept = [n for n in refs if uses(step.rest, f'p_{n}')]
     each = [f'    for (int kv_j = 0; kv_j < {ilp}; ++kv_j) {{',
