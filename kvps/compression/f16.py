@@ -6,6 +6,7 @@ torch is imported on a thread of its own when the first cast runs, and numpy cas
 ready: a server importing it on its loop would stop answering, heartbeats included, for the
 seconds an import of torch takes on a busy host."""
 
+import atexit
 import math
 import threading
 import warnings
@@ -35,6 +36,13 @@ def _torch_module():
                 _STATE['thread'] = threading.Thread(target=_import_torch, daemon=True,
                                                     name='kvps-torch-import')
                 _STATE['thread'].start()
+                # A daemon thread that takes the GIL back once Python's finalization has begun
+                # is ended by pthread_exit, whose unwinding through torch's C++ frames aborts
+                # the process ("terminate called without an active exception") after a script
+                # that ran well; the exit hooks run before finalization, so one waits for it.
+                # (Not a non-daemon thread: Python's exit would join it only after refusing
+                # the exit hooks that torch's import registers, failing the import.)
+                atexit.register(_STATE['thread'].join)
         return None
 
 
@@ -55,8 +63,8 @@ def loaded(timeout=None):
 def _import_torch():
     try:
         import torch
-    except ImportError:
-        torch = None
+    except (ImportError, RuntimeError):   # not installed; or cut short by an exit (Python
+        torch = None                      # refuses new exit hooks once it shuts down)
     allocator.exempt_imported()
     _STATE['torch'] = torch
 

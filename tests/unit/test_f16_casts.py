@@ -87,3 +87,14 @@ def test_the_fp16_codec_sends_and_keeps_the_same_bits_either_way(dtype):
             residual -= expected.astype(np.float32)
         assert same(out.view(np.float16), expected)
         assert same(codec._residuals['k', 0], residual)
+
+
+def test_a_process_that_exits_while_torch_loads_ends_cleanly():
+    # a daemon thread still importing torch as the process finalizes can abort it (C++
+    # frames unwound by pthread_exit): the exit waits for the import, and the process ends
+    # with its own code, saying nothing
+    code = ('import atexit, os; from kvps.compression import f16; '
+            'atexit.register(lambda: os.write(1, b"alive" if f16._STATE["thread"].is_alive() '
+            'else b"ended")); f16.prepare()')
+    run = subprocess.run([sys.executable, '-c', code], capture_output=True, timeout=120)
+    assert (run.returncode, run.stdout, run.stderr) == (0, b'ended', b'')
