@@ -75,3 +75,14 @@ def dense(grad):
     """A sparse gradient (``nn.Embedding(sparse=True)``) as the dense tensor it stands for:
     store keys and kernels are dense, so it trains as ``sparse=False`` would."""
     return grad if is_dense(grad) else grad.to_dense()
+
+
+def on_grad(ref, p):
+    """A post-accumulate-grad hook telling the Trainer ``ref()`` (a weak reference: the hook
+    does not keep it alive) that p's gradient is in."""
+    def hook(_tensor):
+        trainer = ref()
+        if trainer is not None:
+            trainer._on_grad(p)
+    return hook
+

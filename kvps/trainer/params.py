@@ -6,6 +6,7 @@ import hashlib
 
 from ..devices import DEVICE_TYPES, require_cupy
 from ..errors import ConfigError, ParameterMismatchError
+from ..optimizer import optimizers as opt_mod
 
 
 @dataclasses.dataclass
@@ -138,3 +139,16 @@ def merge_mults(optimizer, params):
                 setter({**getattr(optimizer, attr), **given})
             except ConfigError as exc:
                 raise ValueError(f'bad {attr} on a parameter: {exc}') from None
+
+
+def make_optimizer(optimizer, optimizer_params):
+    """The Trainer's optimizer: a kvps.optimizer instance as given, or one made by name."""
+    if isinstance(optimizer, opt_mod.Optimizer):
+        if optimizer_params:
+            raise ValueError('optimizer_params must be None when optimizer is an Optimizer '
+                             'instance (set its parameters when creating it)')
+        return optimizer
+    if isinstance(optimizer, str):
+        return opt_mod.create(optimizer, **(optimizer_params or {}))
+    raise TypeError('optimizer must be a name (e.g. \'sgd\') or a kvps.optimizer.Optimizer, got '
+                    f'{type(optimizer).__name__}')

@@ -7,18 +7,17 @@ import warnings
 import weakref
 
 from ..errors import ConfigError, DuplicateInitError, ParameterMismatchError, StaleGradientError
-from ..optimizer import optimizers as opt_mod
 from ..timeline.recording import traced
 from .cross_barrier import Arrivals, check_cross_barrier, hook_modules
 from .elastic_batch import ElasticBatch
 from .exchange import Exchange
 from .fusion import (REQUIRES_GRAD, Layout, check_bucket_bytes, scatter_fused, split_partly_frozen,
                      weights_of)
-from .grads import GradientLog
+from .grads import GradientLog, on_grad
 from .handover import Handover
 from .local_updates import LocalUpdates
 from .mode import Mode
-from .params import check_devices, collect, merge_mults
+from .params import check_devices, collect, make_optimizer, merge_mults
 from .state_files import read_optimizer
 from .stores import check_compression, open_store
 
@@ -73,7 +72,7 @@ class Trainer:
                  compression_params=None, update_on_kvstore=None, *, overlap=True,
                  bucket_bytes=None, fuse=True, cross_barrier=False):
         self._params = collect(params)
-        self._optimizer = _make_optimizer(optimizer, optimizer_params)
+        self._optimizer = make_optimizer(optimizer, optimizer_params)
         merge_mults(self._optimizer, self._params)
         self._scale = self._optimizer.rescale_grad
         check_compression(kvstore, compression_params)
@@ -134,7 +133,7 @@ class Trainer:
         ref = weakref.ref(self)
         for p in self._trainable:
             if p.key not in self._hooks:
-                self._hooks[p.key] = p.tensor.register_post_accumulate_grad_hook(_hook(ref, p))
+                self._hooks[p.key] = p.tensor.register_post_accumulate_grad_hook(on_grad(ref, p))
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -144,6 +143,22 @@ class Trainer:
     @property
     def optimizer(self):
         return self._optimizer
+
+    @property
+    def param_groups(self):
+        """torch.optim's ``[{'params': trainable tensors, 'lr': rate}]``, for torch's GradScaler
+        to unscale and check the sums allreduce_grads() leaves in their ``.grad``."""
+        if self._mode.on_servers:
+            raise RuntimeError(
+                'param_groups: the store updates these parameters, so no .grad holds what it '
+                'applies, for a GradScaler to unscale or skip; create the Trainer with '
+                'update_on_kvstore=False (docs/trainer.md, mixed precision)')
+        if self._mode.distributed and self._reduced != 'grads':   # (before, each worker's own)
+            raise RuntimeError(
+                'param_groups: call allreduce_grads() first: .grad then holds the sums every '
+                'worker sees, so a GradScaler steps or skips on all of them alike')
+        self._hook_trainable()
+        return [{'params': [p.tensor for p in self._trainable], 'lr': self.learning_rate}]
 
     @property
     def kvstore(self):
@@ -195,12 +210,10 @@ class Trainer:
 
     @traced('step', 'step')
     def step(self, batch_size, ignore_stale_grad=False):
-        """One update: gradients normalized by 1/batch_size, summed over workers, applied."""
-        if self._reduced == 'grads':   # refused alike on every worker, before any collective
-            raise RuntimeError(
-                'allreduce_grads() has already summed this step\'s gradients into each .grad: '
-                'apply them with update(batch_size). step() would reduce them again and '
-                'ignore what was done to .grad in between (clipping, say)')
+        """One update: gradients normalized by 1/batch_size, summed over workers, applied; after
+        allreduce_grads(), the sums in .grad as they are (update(): GradScaler.step's call)."""
+        if self._reduced == 'grads':
+            return self.update(batch_size, ignore_stale_grad)
         self.wait()   # the last step's weights, in place before this one pulls more
         self._hook_trainable()
         self._rescale(batch_size)
@@ -222,6 +235,7 @@ class Trainer:
         if self._mode.on_servers:
             raise RuntimeError('allreduce_grads() is not possible when the servers update the '
                                'parameters; create the Trainer with update_on_kvstore=False')
+        self._end_skipped_step()
         self._hook_trainable()
         self._allreduce_grads(into_grads=True)
 
@@ -356,6 +370,8 @@ class Trainer:
         last step's weights are all in place: its pulls' buffers take this step's)."""
         if self._arrivals is not None:
             self._arrivals.wait_all()
+        if self._reduced == 'grads':   # (not a call: this runs per parameter and backward)
+            self._end_step()           # the last step ended unapplied (_end_skipped_step)
         if self._armed:
             self._exchange.push_from_backward(p)
         self._grads.arrived(p)
@@ -384,6 +400,12 @@ class Trainer:
         self._local.run(self._trainable, self._grads.takes_part, self._reduced, summed,
                         row_sums)
 
+    def _end_skipped_step(self):
+        """A step whose sums allreduce_grads() left in .grad and nothing applied (a GradScaler
+        found inf or NaN in them, alike on every worker) ends as the next one begins."""
+        if self._reduced == 'grads':
+            self._end_step()
+
     def _end_step(self):
         if self._mode.on_servers:
             # The servers counted one update per key; mirror it so that learning_rate follows
@@ -396,24 +418,3 @@ class Trainer:
             self._exchange.next_step()
         self._reduced = False
         self._grads.next_step(self._trainable)
-
-
-def _hook(ref, p):
-    """A post-accumulate-grad hook that does not keep the Trainer alive."""
-    def on_grad(_tensor):
-        trainer = ref()
-        if trainer is not None:
-            trainer._on_grad(p)
-    return on_grad
-
-
-def _make_optimizer(optimizer, optimizer_params):
-    if isinstance(optimizer, opt_mod.Optimizer):
-        if optimizer_params:
-            raise ValueError('optimizer_params must be None when optimizer is an Optimizer '
-                             'instance (set its parameters when creating it)')
-        return optimizer
-    if isinstance(optimizer, str):
-        return opt_mod.create(optimizer, **(optimizer_params or {}))
-    raise TypeError('optimizer must be a name (e.g. \'sgd\') or a kvps.optimizer.Optimizer, got '
-                    f'{type(optimizer).__name__}')

@@ -280,3 +280,48 @@ def test_fused_keys_split_by_freezing_train_as_one_process_does(job, mode, worke
         assert values['counts'] == [[key, updates] for key in range(6)], values
         if mode == 'dist_sync' or workers == 1:
             assert values['diff'] == 0, values
+
+
+@pytest.mark.timeout(120)
+def test_a_grad_scaler_skips_a_step_on_every_worker_when_one_overflowed(job):
+    """torch's GradScaler with the workers updating: an inf on one worker (a NaN on the
+    other, later) reaches every worker in the sums, so all skip that step and back off alike;
+    the other steps give bit for bit what torch.optim.SGD gives on both workers' gradients
+    under one scaler (powers of two: the scaling is exact)."""
+    result = job(script('''
+        kv = kvps.create('dist_sync')
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        ref = copy.deepcopy(net)
+        trainer = Trainer(net, 'sgd', {'learning_rate': 0.25}, kvstore=kv,
+                          update_on_kvstore=False)
+        opt = torch.optim.SGD(ref.parameters(), lr=0.25)
+        scaler, ref_scaler = [torch.amp.GradScaler('cpu', init_scale=2.0 ** 10,
+                                                   growth_interval=2) for _ in range(2)]
+        x = [torch.arange(8.0).reshape(2, 4) / 8 + r for r in range(2)]
+        loss = lambda m, r, step: m(x[r]).sum() * float(FACTORS[r][step])
+        scales, same = [], []
+        for step in range(len(FACTORS[0])):
+            trainer.zero_grad()
+            scaler.scale(loss(net, kv.rank, step)).backward()
+            trainer.allreduce_grads()
+            scaler.step(trainer, 1)
+            scaler.update()
+            opt.zero_grad()
+            for r in range(2):   # .grad: the sum of both, added as the server adds them
+                ref_scaler.scale(loss(ref, r, step)).backward()
+            ref_scaler.step(opt)
+            ref_scaler.update()
+            scales.append([scaler.get_scale(), ref_scaler.get_scale()])
+            same.append(all(map(torch.equal, net.parameters(), ref.parameters())))
+        report(scales=scales, same=same,
+               weights=torch.cat([p.detach().flatten() for p in net.parameters()]).tolist())
+    ''', FACTORS=[[1, 1, 2, 'nan', 0.5], [1, 'inf', 2, 1, 0.5]]),
+        workers=2, servers=1, timeout=90)
+    assert result.returncode == 0, result.output
+    found = result.results()
+    assert sorted(found) == [0, 1], result.output
+    for values in found.values():
+        assert values['scales'] == [[s, s] for s in (1024.0, 512.0, 512.0, 256.0, 256.0)]
+        assert values['same'] == [True] * 5
+    assert found[0]['weights'] == found[1]['weights']

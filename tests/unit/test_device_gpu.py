@@ -137,3 +137,33 @@ def test_trainer_refuses_cuda_parameters_on_host_stores():
     with pytest.raises(ValueError, match='dist_sync_device'):
         kvps.Trainer([torch.nn.Parameter(torch.ones(3, device=GPUS[0]))], 'sgd',
                      kvstore=KVStore('dist_sync', LocalBackend()))
+
+
+@pytest.mark.skipif(not HAS_CUPY, reason='local updates of CUDA parameters need cupy')
+def test_float16_autocast_under_a_grad_scaler_trains_as_torch_sgd_does():
+    """docs/trainer.md's loop on a GPU: float16 autocast, GradScaler('cuda'), the sums from
+    allreduce_grads(); an inf step is skipped on the Trainer as on torch's SGD."""
+    def run(make):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4)).to(GPUS[0])
+        opt = make(net)
+        scaler = torch.amp.GradScaler('cuda', init_scale=2.0 ** 12, growth_interval=2)
+        scales = []
+        for factor in [1.0, float('inf'), 2.0, 0.5]:
+            opt.zero_grad()
+            with torch.autocast('cuda', dtype=torch.float16):
+                loss = net(torch.linspace(-1, 1, 64, device=GPUS[0]).reshape(4, 16)).sum()
+            scaler.scale(loss.float() * factor).backward()
+            if not isinstance(opt, torch.optim.Optimizer):
+                opt.allreduce_grads()
+            scaler.step(opt, *([] if isinstance(opt, torch.optim.Optimizer) else [1]))
+            scaler.update()
+            scales.append(scaler.get_scale())
+        return [p.detach().cpu() for p in net.parameters()], scales
+    want = run(lambda net: torch.optim.SGD(net.parameters(), lr=0.125))
+    got = run(lambda net: kvps.Trainer(net, 'sgd', {'learning_rate': 0.125},
+                                       kvstore=KVStore('dist_sync_device', LocalBackend()),
+                                       update_on_kvstore=False))
+    assert got[1] == want[1] == [4096.0, 2048.0, 2048.0, 4096.0]
+    for g, w in zip(got[0], want[0]):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
