@@ -106,3 +106,17 @@ def test_in_a_job_the_scaler_waits_for_allreduce_grads():
     scaler.step(t, 1)
     scaler.update()
     assert not torch.equal(next(net.parameters()), start[0])
+
+
+def test_a_fixed_scale_where_the_store_updates_is_folded_into_the_batch_size():
+    """docs/trainer.md: the loss times S and step(batch_size * S) give the unscaled steps."""
+    def run(scale):
+        net = model()
+        t = Trainer(net, 'sgd', {'learning_rate': 0.25, 'momentum': 0.5},
+                    kvstore=kvps.create('local'), update_on_kvstore=True)
+        for factor in (1.0, 2.0, 0.5):
+            t.zero_grad()
+            (batch(factor)(net) * scale).backward()
+            t.step(2 * scale)
+        return list(net.parameters())
+    assert all(map(torch.equal, run(2.0 ** 12), run(1.0)))
