@@ -1,11 +1,15 @@
 """The Trainer's gradient exchange: gradients pushed as backward makes them, and weights (or
 summed gradients) pulled back where step() puts them."""
 
+import operator
+
 import numpy as np
 
 from .. import devices, rows
 from .fusion import FusedKey, PushBucket, priority_of, weights_of
-from .grads import dense, is_dense
+from .grads import GRAD, dense, is_dense
+
+_VERSION = operator.attrgetter('_version')   # a tensor's count of in-place changes
 
 
 class Exchange:
@@ -17,6 +21,9 @@ class Exchange:
         runs; ``grads``: its GradientLog, where summed gradients land in ``.grad``."""
         self._store, self._mode, self._layout, self._grads = store, mode, layout, grads
         self.pushed = set()    # keys of the parameters whose gradients left this step
+        # The .grad tensors backward sent this step, their parameters and versions: see
+        # check_sent_unchanged (lists appended as backward runs, compared in C loops)
+        self._sent, self._sent_params, self._sent_versions = [], [], []
         self.summed = {}       # key -> where step() pulls a summed gradient (workers update)
         for fused in layout.fused:   # workers update members on views of the sum
             self._sums_in(fused)
@@ -54,8 +61,29 @@ class Exchange:
                 'one was already sent (kvps overlaps communication with backward). Call '
                 'step() after every backward(), or create the Trainer with overlap=False '
                 'to accumulate gradients over several backward passes')
-        self._push(p, p.tensor.grad)
+        grad = p.tensor.grad
+        self._push(p, grad)
+        self._sent.append(grad)
+        self._sent_params.append(p)
+        self._sent_versions.append(grad._version)
         self._bucket.flush_when_backward_ends()
+
+    def check_sent_unchanged(self):
+        """Refuse a step whose ``.grad`` tensors were changed (in place, or replaced) after
+        backward sent them (RuntimeError): the step applies what was sent, so a change made
+        in between (clipping, scaling) would be lost without a word."""
+        if all(map(operator.is_, map(GRAD, self._sent_params), self._sent)) and \
+                list(map(_VERSION, self._sent)) == self._sent_versions:
+            return
+        changed = [p.name for p, grad, version in zip(self._sent_params, self._sent,
+                                                      self._sent_versions)
+                   if p.tensor.grad is not grad or grad._version != version]
+        raise RuntimeError(
+            f'the .grad of {", ".join(changed[:3])}{" and others" if changed[3:] else ""} '
+            'changed after backward sent it (kvps sends gradients as backward makes them), so '
+            'this step would apply them unchanged. To clip or scale the sums: '
+            'update_on_kvstore=False, allreduce_grads(), change .grad, then step(); to '
+            'change each worker\'s own before it leaves: overlap=False (docs/trainer.md)')
 
     def take_row_sums(self):
         """{key: (ids, rows)} of the summed gradients that came as rows (workers update),
@@ -65,6 +93,7 @@ class Exchange:
 
     def next_step(self):
         self.pushed.clear()
+        self._sent, self._sent_params, self._sent_versions = [], [], []
 
     def sum_target(self, entry):
         """Where step() pulls the summed gradient of ``entry`` (a parameter or FusedKey)."""

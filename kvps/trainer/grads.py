@@ -6,7 +6,7 @@ from ..errors import StaleGradientError
 
 # Read over every parameter by map() in C, once a step each (hundreds of small parameters)
 _KEY = operator.attrgetter('key')
-_GRAD = operator.attrgetter('tensor.grad')
+GRAD = operator.attrgetter('tensor.grad')
 
 
 class GradientLog:
@@ -63,7 +63,7 @@ class GradientLog:
     def next_step(self, trainable):
         """A step is over: what is fresh from now on is measured against ``.grad`` now."""
         self._fresh.clear()
-        self._seen = dict(zip(map(_KEY, trainable), map(_GRAD, trainable)))
+        self._seen = dict(zip(map(_KEY, trainable), map(GRAD, trainable)))
 
 
 def is_dense(grad):

@@ -4,6 +4,7 @@ MXNet 1.x's surface (init, push, pull) or MXNet 2.0's protocol (broadcast, pushp
 import warnings
 
 from .. import kvstore as kvstore_mod
+from ..errors import DuplicateInitError
 from ..kvstore.base import registered
 from ..optimizer import states
 from .early_pulls import NO_EARLY_PULLS, EarlyPulls
@@ -331,3 +332,14 @@ def no_server_states(what):
         'write it (KVStore.save_optimizer_states/load_optimizer_states). Create the Trainer '
         'with update_on_kvstore=False: gradients are still summed by the servers, and every '
         'worker then holds the optimizer state itself')
+
+
+def one_trainer_per_store(exc):
+    """The DuplicateInitError of a Trainer whose store already held keys (``exc``)."""
+    return DuplicateInitError(
+        f'{exc}: this store already holds keys (another Trainer, or kv.init calls of your '
+        'own), and a Trainer\'s keys are its parameters\' positions from 0. One store serves '
+        'one Trainer (its servers run one optimizer): give one Trainer every model\'s '
+        'parameters (a GAN\'s generator and discriminator too); it trains those requiring '
+        'grad at each step, so freeze the other model with requires_grad_(False), and '
+        'lr_mult/wd_mult attributes on parameters set their own rates')

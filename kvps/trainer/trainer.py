@@ -19,7 +19,7 @@ from .local_updates import LocalUpdates
 from .mode import Mode
 from .params import check_devices, collect, make_optimizer, merge_mults
 from .state_files import read_optimizer
-from .stores import check_compression, open_store
+from .stores import check_compression, one_trainer_per_store, open_store
 
 __all__ = ['Trainer', 'ParameterMismatchError', 'StaleGradientError']
 
@@ -214,6 +214,8 @@ class Trainer:
         allreduce_grads(), the sums in .grad as they are (update(): GradScaler.step's call)."""
         if self._reduced == 'grads':
             return self.update(batch_size, ignore_stale_grad)
+        if self._exchange is not None:
+            self._exchange.check_sent_unchanged()
         self.wait()   # the last step's weights, in place before this one pulls more
         self._hook_trainable()
         self._rescale(batch_size)
@@ -236,6 +238,7 @@ class Trainer:
             raise RuntimeError('allreduce_grads() is not possible when the servers update the '
                                'parameters; create the Trainer with update_on_kvstore=False')
         self._end_skipped_step()
+        self._exchange.check_sent_unchanged()
         self._hook_trainable()
         self._allreduce_grads(into_grads=True)
 
@@ -315,14 +318,7 @@ class Trainer:
         try:   # refused alike on every worker (they hold the same key table), before sending
             self._store.broadcast(keys, [weights_of(e, gather=True) for _, _, e in entries])
         except DuplicateInitError as exc:
-            raise DuplicateInitError(
-                f'{exc}: this store already holds keys (another Trainer, or kv.init calls of '
-                'your own), and a Trainer\'s keys are its parameters\' positions from 0. One '
-                'store serves one Trainer (its servers run one optimizer): give one Trainer '
-                'every model\'s parameters (a GAN\'s generator and discriminator too); it '
-                'trains those requiring grad at each step, so freeze the other model with '
-                'requires_grad_(False), and lr_mult/wd_mult attributes on parameters set their '
-                'own rates') from None
+            raise one_trainer_per_store(exc) from None
         scatter_fused(entries)
         self._exchange.export_buckets()
 

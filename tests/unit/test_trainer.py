@@ -289,6 +289,39 @@ def test_step_after_allreduce_grads_applies_the_sums_as_they_are_now(kvstore):
     assert torch.all(x == -1)
 
 
+@pytest.mark.parametrize('uok', [True, False])
+@pytest.mark.parametrize('change', ['clip', 'replace'])
+def test_a_grad_changed_after_backward_sent_it_is_refused_not_lost(uok, change):
+    """torch's recipe clips between backward() and step(). With overlap the gradients left
+    while backward ran, and the step would apply them unclipped: it says so instead."""
+    x = param(0, (3,))
+    t = Trainer([x], 'sgd', {'learning_rate': 1.0}, kvstore=fake_store('dist_sync'),
+                update_on_kvstore=uok)
+    backward(x)
+    t.step(1)             # (the servers' first step: their optimizer goes before any push)
+    t.zero_grad()
+    backward(x, coeff=4.0)
+    if change == 'clip':
+        torch.nn.utils.clip_grad_norm_([x], 1.0)
+    else:
+        x.grad = x.grad * 0.5
+    with pytest.raises(RuntimeError, match='changed after backward sent it'):
+        t.step(1) if uok else t.allreduce_grads()
+    assert torch.all(x == -1)
+
+
+def test_without_overlap_a_changed_grad_is_what_the_step_sends():
+    x = param(0, (3,))
+    t = Trainer([x], 'sgd', {'learning_rate': 1.0}, kvstore=fake_store('dist_sync'),
+                overlap=False)
+    for _ in range(2):
+        t.zero_grad()
+        backward(x, coeff=4.0)
+        x.grad.mul_(0.25)
+        t.step(1)
+    assert torch.all(x == -2)
+
+
 def test_allreduce_and_update_refused_when_servers_update():
     x = param(0)
     t = Trainer([x], 'sgd', kvstore=kvps.create('local'), update_on_kvstore=True)
