@@ -1,6 +1,7 @@
 """Gluon's Trainer for torch parameters: gradients summed through a KVStore, updates by kvps's
 kernels."""
 
+import contextlib
 import itertools
 import os
 import warnings
@@ -32,7 +33,8 @@ BUCKET_BYTES_ACROSS_HOSTS = 1 << 20
 
 
 class Trainer:
-    """Applies an optimizer to torch parameters, as ``mxnet.gluon.Trainer`` does.
+    """Applies an optimizer to torch parameters, as ``mxnet.gluon.Trainer`` does
+    (docs/trainer.md has every detail).
 
     ``params``: a module, its ``named_parameters()``, a dict name -> parameter, or a list of
     parameters; store keys are their positions in the order given. ``optimizer``: a name with
@@ -40,29 +42,17 @@ class Trainer:
     KVStore; one process holds one device, so only 'dist*' names create a store.
     ``update_on_kvstore``: None lets Gluon's rules choose (servers update in async and by
     default in sync; False sums gradients through the servers and updates on every worker).
-    ``overlap`` (kvps): in distributed mode, send gradients while backward runs, in buckets
-    of about ``bucket_bytes`` (the last one when backward ends; None: 4 MiB, or 1 MiB when
-    the job's workers and servers formed on several hosts), as DDP does; turn off to
-    accumulate several backward passes before ``step``. ``fuse`` (kvps): with a store
-    (distributed, or updating nothing), pack parameters under 512 KiB into shared keys of up
-    to ``bucket_bytes`` (one device, dtype and lr_mult/wd_mult each), as DDP and Horovod fuse
-    small tensors: a key costs more than its bytes, and a model's many biases and norms
-    would otherwise set the pace. Updates are the same elementwise passes, so results are
-    identical; such parameters have no key of their own in the store while fused
-    (``fuse=False``: every parameter's key is its position, as in Gluon). Pushes and pulls
-    carry MXNet's priority, the first parameters' the highest (BytePS's ``-index``): the
-    next forward pass needs their weights first. ``cross_barrier`` (kvps, off by default):
-    when the servers update, ``step`` returns once its pulls are under way, and each module
-    of ``params`` (the module itself must be given) waits in its forward for its own
-    parameters' weights (BytePS's cross-barrier); until then a parameter holds the weights
-    of before the step, so code that reads parameters outside a forward calls ``wait()``
-    first (docs/trainer.md says why it is not the default).
+    kvps's own: ``overlap`` sends gradients while backward runs, in buckets of about
+    ``bucket_bytes`` (None: 4 MiB, 1 MiB across hosts), as DDP does (off: several backward
+    passes accumulate before ``step``; ``no_sync()`` does that with it on); ``fuse`` packs
+    parameters under 512 KiB into shared keys, as DDP and Horovod fuse small tensors, with the
+    same results; ``cross_barrier`` (off by default) lets ``step`` return once its pulls are
+    under way, each module's forward waiting for its own parameters (BytePS's). Pushes and
+    pulls carry MXNet's priority, the first parameters' the highest.
 
-    Parameters may live on CUDA devices when the store is a device store ('dist_sync_device',
-    'dist_async_device') or there is none: gradients and weights then stay on the GPU where
-    the servers keep GPU shards on this host (CUDA IPC), else are copied once each way between
-    the GPU and host memory (page-locked shared memory, or pinned buffers); local updates run
-    the CUDA kernels on cupy views of the tensors (DLPack).
+    Parameters may live on CUDA devices with a device store ('dist_sync_device',
+    'dist_async_device') or none: they then stay on the GPU where the servers keep GPU shards
+    on this host (CUDA IPC), else are copied once each way through host memory.
 
     Creating a Trainer on a store is collective: every worker must create it, with the same
     parameters; rank 0's initial weights are copied into every worker's parameters.
@@ -117,6 +107,7 @@ class Trainer:
         # and a pull's error surfaces in the forward; it gains only the tail of the pulls'
         # time (see docs/trainer.md).
         self._arrivals = Arrivals() if cross_barrier else None
+        self._accumulating = False   # inside no_sync()
         self._forward_hooks = [] if self._arrivals is None else hook_modules(
             params, self._params, self._arrivals)
 
@@ -230,6 +221,16 @@ class Trainer:
         if not self._mode.on_servers:
             self._update()
         self._end_step()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's no_sync(): backward passes inside it add to each ``.grad`` and send nothing;
+        the next one outside sends the sums as it runs (overlap kept) for ``step`` to apply."""
+        accumulating, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = accumulating
 
     @traced('allreduce_grads', 'exchange')
     def allreduce_grads(self):
@@ -368,7 +369,7 @@ class Trainer:
             self._arrivals.wait_all()
         if self._reduced == 'grads':   # (not a call: this runs per parameter and backward)
             self._end_step()           # the last step ended unapplied (_end_skipped_step)
-        if self._armed:
+        if self._armed and not self._accumulating:
             self._exchange.push_from_backward(p)
         self._grads.arrived(p)
 

@@ -74,6 +74,34 @@ def test_step_sums_every_workers_gradient(job, workers):
         assert values['x'] == [expected] * 10, (rank, values)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize('uok', [True, False])
+def test_no_sync_accumulates_micro_batches_and_the_last_backward_sends_the_sums(job, uok):
+    """DDP's gradient accumulation: two backward passes in no_sync(), a third outside it,
+    then step; each worker's .grad sums its three, the servers sum the workers'."""
+    result = job(script('''
+        kv = kvps.create('dist_sync')
+        x = torch.nn.Parameter(torch.ones(10, 1))
+        trainer = Trainer([x], 'sgd', {'learning_rate': 1.0}, kvstore=kv,
+                          update_on_kvstore=UOK)
+        seen = []
+        for _ in range(2):
+            trainer.zero_grad()
+            with trainer.no_sync():
+                for _ in range(2):
+                    ((kv.rank + 1) * x).sum().backward()
+            ((kv.rank + 1) * x).sum().backward()
+            trainer.step(1)
+            seen.append(sorted(set(x.detach().flatten().tolist())))
+        report(seen=seen)
+    ''', UOK=uok), workers=2, servers=1, timeout=90)
+    assert result.returncode == 0, result.output
+    found = result.results()
+    assert sorted(found) == [0, 1], result.output
+    for values in found.values():   # each step: 3 passes x (1 + 2) over the two workers
+        assert values['seen'] == [[1.0 - 9], [1.0 - 18]]
+
+
 SYNC_VS_SINGLE = '''
     kv = kvps.create('dist_sync')
     rank, nw = kv.rank, kv.num_workers

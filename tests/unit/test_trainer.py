@@ -1,5 +1,7 @@
 """kvps.trainer.Trainer in one process: Gluon's decision rules, scaling, lr, states, parameters."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -835,3 +837,26 @@ def test_multi_precision_weights_are_the_rounded_float32_master(dtype, kvstore, 
         reference.step()
     for p, m in zip(params, master):
         assert p.dtype == dtype and torch.equal(p.detach(), m.detach().to(dtype))
+
+
+@pytest.mark.parametrize('uok', [True, False])
+def test_no_sync_accumulates_as_overlap_off_does(uok):
+    """DDP's gradient accumulation: backward passes in no_sync() send nothing, the last one
+    sends the sums (here one that reaches only one of the two layers: the other's sum from
+    the earlier passes still goes), and the weights are those of overlap=False."""
+    def run(overlap):
+        torch.manual_seed(0)
+        a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+        t = Trainer(torch.nn.ModuleList([a, b]), 'sgd', {'learning_rate': 0.5},
+                    kvstore=fake_store('dist_sync'), update_on_kvstore=uok, overlap=overlap)
+        x = torch.linspace(-1, 1, 8).reshape(2, 4)
+        for step in range(3):
+            t.zero_grad()
+            with t.no_sync() if overlap else contextlib.nullcontext():
+                for micro in range(2):
+                    (a(x * (micro + step)).sum() + b(x - micro).sum()).backward()
+                assert not t._exchange.pushed       # nothing left yet
+            a(x + step).sum().backward()
+            t.step(6)
+        return [p.detach() for p in (*a.parameters(), *b.parameters())]
+    assert all(map(torch.equal, run(True), run(False)))
