@@ -26,6 +26,25 @@ class Param:
         return f'{self.name}: {tuple(self.tensor.shape)} {dtype}{grad}'
 
 
+class ParamGroup(dict):
+    """torch.optim's parameter group over a Trainer: ``'params'``, read through ``params()``
+    (which may refuse), and ``'lr'``, the learning rate, which an assignment sets (torch code
+    sets ``group['lr']``, warm-ups say); nothing else can be set."""
+
+    def __init__(self, params, lr, set_lr):
+        super().__init__(params=(), lr=lr)
+        self._params, self._set_lr = params, set_lr
+
+    def __getitem__(self, name):
+        return self._params() if name == 'params' else super().__getitem__(name)
+
+    def __setitem__(self, name, value):
+        if name != 'lr':
+            raise KeyError(f'{name!r}: of a Trainer\'s parameter group only \'lr\' can be set')
+        self._set_lr(value)
+        super().__setitem__(name, value)
+
+
 def collect(params):
     """[Param] from a module, a named_parameters() iterator, a dict name -> tensor or a list of
     tensors, in the order given (Gluon keeps the given order; keys are the positions).

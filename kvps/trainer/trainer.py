@@ -18,7 +18,7 @@ from .grads import GradientLog, on_grad
 from .handover import Handover
 from .local_updates import LocalUpdates
 from .mode import Mode
-from .params import check_devices, collect, make_optimizer, merge_mults
+from .params import ParamGroup, check_devices, collect, make_optimizer, merge_mults
 from .state_files import read_optimizer
 from .stores import check_compression, one_trainer_per_store, open_store
 
@@ -137,19 +137,22 @@ class Trainer:
 
     @property
     def param_groups(self):
-        """torch.optim's ``[{'params': trainable tensors, 'lr': rate}]``, for torch's GradScaler
-        to unscale and check the sums allreduce_grads() leaves in their ``.grad``."""
+        """torch.optim's groups (one ParamGroup): ``'lr'`` to read or set; ``'params'``, for a
+        GradScaler to unscale and check the sums allreduce_grads() leaves in their ``.grad``."""
+        return [ParamGroup(self._scaled_params, self.learning_rate, self.set_learning_rate)]
+
+    def _scaled_params(self):
         if self._mode.on_servers:
             raise RuntimeError(
-                'param_groups: the store updates these parameters, so no .grad holds what it '
+                "param_groups' params: the store updates them, so no .grad holds what it "
                 'applies, for a GradScaler to unscale or skip; create the Trainer with '
                 'update_on_kvstore=False (docs/trainer.md, mixed precision)')
         if self._mode.distributed and self._reduced != 'grads':   # (before, each worker's own)
             raise RuntimeError(
-                'param_groups: call allreduce_grads() first: .grad then holds the sums every '
-                'worker sees, so a GradScaler steps or skips on all of them alike')
+                "param_groups' params: call allreduce_grads() first: .grad then holds the sums "
+                'every worker sees, so a GradScaler steps or skips on all of them alike')
         self._hook_trainable()
-        return [{'params': [p.tensor for p in self._trainable], 'lr': self.learning_rate}]
+        return [p.tensor for p in self._trainable]
 
     @property
     def kvstore(self):

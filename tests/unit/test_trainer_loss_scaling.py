@@ -120,3 +120,15 @@ def test_a_fixed_scale_where_the_store_updates_is_folded_into_the_batch_size():
             t.step(2 * scale)
         return list(net.parameters())
     assert all(map(torch.equal, run(2.0 ** 12), run(1.0)))
+
+
+def test_param_groups_lr_is_the_trainers_to_read_and_set():
+    """torch code sets group['lr'] (warm-ups): it sets the Trainer's learning rate."""
+    t = Trainer(model(), 'sgd', {'learning_rate': 0.25}, kvstore=kvps.create('local'),
+                update_on_kvstore=True)
+    group, = t.param_groups
+    assert group['lr'] == 0.25
+    group['lr'] = 0.125
+    assert t.learning_rate == t.param_groups[0]['lr'] == 0.125
+    with pytest.raises(KeyError, match="only 'lr'"):
+        group['momentum'] = 0.9
