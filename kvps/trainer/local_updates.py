@@ -6,12 +6,23 @@ from ..optimizer.updater import Updater
 from .grads import dense
 from .state_files import (install_local_states, load_local_states, local_states, save_local_states,
                           split_local_state)
+from .torch_updates import TorchOptimizer, TorchUpdates
+
+
+def local_updates(optimizer, params, layout):
+    """What runs ``optimizer`` in the Trainer's process: TorchUpdates for a torch.optim one,
+    else LocalUpdates (kvps's kernels)."""
+    if isinstance(optimizer, TorchOptimizer):
+        return TorchUpdates(optimizer)
+    return LocalUpdates(optimizer, params, layout)
 
 
 class LocalUpdates:
     """An Updater over a Trainer's parameters: numpy for CPU parameters, cupy (through
     DLPack, no copy) for CUDA ones; a fused key's members in one pass over the packed key
     (one kernel call instead of one per member)."""
+
+    reads_grads = False   # step() leaves .grad as backward made it: the sums come apart
 
     def __init__(self, optimizer, params, layout):
         shapes = {p.key: tuple(p.tensor.shape) for p in params}   # (fused keys: flat)

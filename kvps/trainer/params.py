@@ -161,7 +161,11 @@ def merge_mults(optimizer, params):
 
 
 def make_optimizer(optimizer, optimizer_params):
-    """The Trainer's optimizer: a kvps.optimizer instance as given, or one made by name."""
+    """The Trainer's optimizer: a kvps.optimizer instance as given, one made by name, or a
+    torch.optim optimizer's kvps side (TorchOptimizer)."""
+    from .torch_updates import TorchOptimizer, is_torch_optimizer
+    if is_torch_optimizer(optimizer):
+        optimizer = TorchOptimizer(optimizer)
     if isinstance(optimizer, opt_mod.Optimizer):
         if optimizer_params:
             raise ValueError('optimizer_params must be None when optimizer is an Optimizer '
@@ -169,5 +173,5 @@ def make_optimizer(optimizer, optimizer_params):
         return optimizer
     if isinstance(optimizer, str):
         return opt_mod.create(optimizer, **(optimizer_params or {}))
-    raise TypeError('optimizer must be a name (e.g. \'sgd\') or a kvps.optimizer.Optimizer, got '
-                    f'{type(optimizer).__name__}')
+    raise TypeError('optimizer must be a name (e.g. \'sgd\'), a kvps.optimizer.Optimizer or a '
+                    f'torch.optim.Optimizer, got {type(optimizer).__name__}')

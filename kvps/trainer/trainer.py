@@ -16,11 +16,12 @@ from .fusion import (REQUIRES_GRAD, Layout, check_bucket_bytes, scatter_fused, s
                      weights_of)
 from .grads import GradientLog, on_grad
 from .handover import Handover
-from .local_updates import LocalUpdates
+from .local_updates import local_updates
 from .mode import Mode
 from .params import ParamGroup, check_devices, collect, make_optimizer, merge_mults
 from .state_files import read_optimizer
 from .stores import check_compression, one_trainer_per_store, open_store
+from .torch_updates import workers_update
 
 __all__ = ['Trainer', 'ParameterMismatchError', 'StaleGradientError']
 
@@ -66,6 +67,7 @@ class Trainer:
         merge_mults(self._optimizer, self._params)
         self._scale = self._optimizer.rescale_grad
         check_compression(kvstore, compression_params)
+        update_on_kvstore = workers_update(self._optimizer, update_on_kvstore)   # (torch's)
         # The store's view (stores.KvpsStore or UserStore), or None; and the mode, once
         self._store, on_servers = open_store(kvstore, update_on_kvstore)
         check_devices(self._params, self._store, on_servers)
@@ -79,8 +81,8 @@ class Trainer:
             check_bucket_bytes(bucket_bytes)   # before the layout reads it
         self._layout = Layout(self._params, self._optimizer, bucket_bytes, self._mode.fused,
                               whole_updates=self._mode.whole_updates)
-        self._local = None if on_servers else LocalUpdates(self._optimizer, self._params,
-                                                            self._layout)
+        self._local = None if on_servers else local_updates(self._optimizer, self._params,
+                                                             self._layout)
         self._grads = GradientLog(self._mode.distributed)
         self._server_has_optimizer = False
         self._batch_size_known = False    # a step (of this job) has set rescale_grad
@@ -176,13 +178,12 @@ class Trainer:
 
     @property
     def joining(self):
-        """Whether this Trainer joined a running elastic job, updates on the workers, and has
-        not taken a member's weights and optimizer state yet (its steps abstain meanwhile)."""
+        """Whether this Trainer joined a running elastic job, updates on the workers, and waits
+        for a member's weights and optimizer state (its steps abstain meanwhile)."""
         return self._handover is not None and self._handover.waiting
 
     def set_learning_rate(self, lr):
-        """Set the optimizer's learning rate; with update_on_kvstore the servers' copy follows
-        at once, so in distributed mode every worker must call this at the same point."""
+        """Set the learning rate; where the servers update, theirs too (every worker at once)."""
         self._optimizer.set_learning_rate(lr)
         if self._mode.on_servers and self._server_has_optimizer:
             if self._exchange.pushed:
@@ -196,9 +197,8 @@ class Trainer:
 
     # -- training --------------------------------------------------------------------------
     def wait(self):
-        """With cross_barrier: put every weight a step pulled into its parameter (a forward
-        does so for its module's own); call it before reading parameters otherwise (saving
-        the model, logging, evaluating with other code). Without: nothing to do."""
+        """With cross_barrier: put every weight a step pulled into its parameter (forwards do
+        so for their own); call it before reading parameters otherwise. Without: nothing."""
         if self._arrivals is not None:
             self._arrivals.wait_all()
 
@@ -219,8 +219,8 @@ class Trainer:
         if self._arrivals is not None:   # the servers update: weights land in forward
             self._arrivals.expect(self._exchange.allreduce_later(self._taking_part()),
                                   self._exchange.settle)
-        else:
-            self._allreduce_grads(into_grads=False)
+        else:   # (sums into .grad for a torch optimizer, which reads them there)
+            self._allreduce_grads(into_grads=bool(self._local and self._local.reads_grads))
         if not self._mode.on_servers:
             self._update()
         self._end_step()
@@ -282,7 +282,7 @@ class Trainer:
         if self._mode.on_servers and self._server_has_optimizer:
             self._store.save_server_states(fname, self._layout)
         else:  # local updates, or servers that have not updated anything yet
-            local = self._local or LocalUpdates(self._optimizer, self._params, self._layout)
+            local = self._local or local_updates(self._optimizer, self._params, self._layout)
             local.save(fname)
 
     def load_states(self, fname):

@@ -102,6 +102,40 @@ def test_no_sync_accumulates_micro_batches_and_the_last_backward_sends_the_sums(
         assert values['seen'] == [[1.0 - 9], [1.0 - 18]]
 
 
+@pytest.mark.timeout(120)
+def test_a_torch_optimizer_updates_every_worker_alike_on_the_sums(job):
+    """kvps as DDP is used: torch's SGD with momentum on each worker, on the sums of both
+    workers' gradients; bit for bit torch alone on the same sums (two gradients add alike in
+    either order) over the combined batch."""
+    result = job(script('''
+        kv = kvps.create('dist_sync')
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+        ref = copy.deepcopy(net)
+        trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.25, momentum=0.5),
+                          kvstore=kv)
+        opt = torch.optim.SGD(ref.parameters(), lr=0.25, momentum=0.5)
+        x = [torch.linspace(-1, 1, 16).reshape(4, 4) * (r + 1) for r in range(2)]
+        same = []
+        for step in range(3):
+            trainer.zero_grad()
+            net(x[kv.rank] + step).sum().backward()
+            trainer.step(8)
+            opt.zero_grad()
+            for r in range(2):
+                ref(x[r] + step).sum().backward()
+            torch._foreach_mul_([p.grad for p in ref.parameters()], 1 / 8)
+            opt.step()
+            same.append(all(map(torch.equal, net.parameters(), ref.parameters())))
+        report(same=same, uok=trainer.update_on_kvstore)
+    '''), workers=2, servers=1, timeout=90)
+    assert result.returncode == 0, result.output
+    found = result.results()
+    assert sorted(found) == [0, 1], result.output
+    for values in found.values():
+        assert values == {'same': [True] * 3, 'uok': False}
+
+
 SYNC_VS_SINGLE = '''
     kv = kvps.create('dist_sync')
     rank, nw = kv.rank, kv.num_workers

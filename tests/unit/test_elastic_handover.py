@@ -324,3 +324,11 @@ def test_a_joiner_that_no_member_can_serve_is_told_so_instead_of_waiting():
     with pytest.raises(PeerLostError, match=r'no member holds the weights and optimizer state '
                                             r'.*members now: \[\(2, 1\), \(3, 2\)\]'):
         taker.step_ended()
+
+
+def test_a_torch_optimizers_trainer_is_refused_in_an_elastic_job():
+    """Its state cannot be handed to a joiner: refused when the Trainer starts, saying why."""
+    model = torch.nn.Linear(3, 2)
+    trainer = kvps.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), kvstore=None)
+    with pytest.raises(ConfigError, match='kvps optimizer'):
+        handover_of(trainer, FakeNotes(Job([(0, 0)]), (0, 0)), waiting=False)

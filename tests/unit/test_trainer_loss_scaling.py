@@ -47,14 +47,18 @@ def train(optimizer_of, reduce=lambda opt: None, clip=None, steps=STEPS):
 @pytest.mark.parametrize('clip', [None, 0.5])
 @pytest.mark.parametrize('fuse', [True, False])
 @pytest.mark.parametrize('store', [None, 'local'])
-def test_a_trainer_under_a_grad_scaler_trains_as_torch_sgd_does(store, fuse, clip):
+@pytest.mark.parametrize('optimizer', ['kvps', 'torch'])
+def test_a_trainer_under_a_grad_scaler_trains_as_torch_sgd_does(store, fuse, clip, optimizer):
     """Steps with inf or NaN are skipped and the scale backs off, finite ones are applied
     unscaled (and clipped, where unscale_ came first): bit for bit torch.optim.SGD's weights
-    and scales under the same scaler."""
+    and scales under the same scaler, with kvps's SGD or torch's in the Trainer."""
     want = train(lambda net: torch.optim.SGD(net.parameters(), lr=0.25), clip=clip)
 
     def trainer(net):
         kv = None if store is None else kvps.create(store)
+        if optimizer == 'torch':
+            return Trainer(net, torch.optim.SGD(net.parameters(), lr=0.25), kvstore=kv,
+                           fuse=fuse)
         return Trainer(net, 'sgd', {'learning_rate': 0.25}, kvstore=kv,
                        update_on_kvstore=False, fuse=fuse)
     got = train(trainer, reduce=lambda t: t.allreduce_grads() if store else None, clip=clip)
