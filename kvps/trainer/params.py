@@ -7,6 +7,7 @@ import hashlib
 from ..devices import DEVICE_TYPES, require_cupy
 from ..errors import ConfigError, ParameterMismatchError
 from ..optimizer import optimizers as opt_mod
+from .torch_updates import TorchOptimizer, is_torch_optimizer
 
 
 @dataclasses.dataclass
@@ -91,10 +92,10 @@ def _split(index, item, torch):
     return name, tensor
 
 
-def check_devices(params, kv, update_on_kvstore):
+def check_devices(params, kv, update_on_kvstore, optimizer=None):
     """Refuse CUDA parameters that the setup cannot move or update, before any collective call
     (so every worker fails alike, none waits for the others): a store must be a device store,
-    and local updates run the CUDA kernels, which need cupy."""
+    and local updates with a kvps ``optimizer`` run the CUDA kernels, which need cupy."""
     gpu = [p for p in params if p.tensor.device.type == 'cuda']
     if not gpu:
         return
@@ -102,7 +103,8 @@ def check_devices(params, kv, update_on_kvstore):
         raise ValueError(f'parameter {gpu[0].name} lives on {gpu[0].tensor.device}, but a '
                          f'{kv.type!r} store moves host arrays only; use a device store type '
                          f'({", ".join(DEVICE_TYPES)}) or keep the parameters on the CPU')
-    if not update_on_kvstore and any(p.trainable for p in gpu):
+    if not (update_on_kvstore or isinstance(optimizer, TorchOptimizer)) and \
+            any(p.trainable for p in gpu):
         require_cupy()
 
 
@@ -163,7 +165,6 @@ def merge_mults(optimizer, params):
 def make_optimizer(optimizer, optimizer_params):
     """The Trainer's optimizer: a kvps.optimizer instance as given, one made by name, or a
     torch.optim optimizer's kvps side (TorchOptimizer)."""
-    from .torch_updates import TorchOptimizer, is_torch_optimizer
     if is_torch_optimizer(optimizer):
         optimizer = TorchOptimizer(optimizer)
     if isinstance(optimizer, opt_mod.Optimizer):

@@ -70,7 +70,7 @@ class Trainer:
         update_on_kvstore = workers_update(self._optimizer, update_on_kvstore)   # (torch's)
         # The store's view (stores.KvpsStore or UserStore), or None; and the mode, once
         self._store, on_servers = open_store(kvstore, update_on_kvstore)
-        check_devices(self._params, self._store, on_servers)
+        check_devices(self._params, self._store, on_servers, self._optimizer)
         self._mode = Mode.choose(self._store, on_servers, self._optimizer, fuse, overlap)
         if cross_barrier:   # refused alike on every worker, before any collective
             check_cross_barrier(params, self._store, self._mode)

@@ -167,3 +167,23 @@ def test_float16_autocast_under_a_grad_scaler_trains_as_torch_sgd_does():
     assert got[1] == want[1] == [4096.0, 2048.0, 2048.0, 4096.0]
     for g, w in zip(got[0], want[0]):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+
+
+def test_a_torch_optimizer_trains_cuda_parameters_without_cupy():
+    """Workers updating with torch's AdamW need no kvps kernel: the sums land in .grad on
+    the GPU and torch applies them, as torch alone does."""
+    def run(store):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4)).to(GPUS[0])
+        opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+        t = kvps.Trainer(net, opt, kvstore=store) if store else None
+        for step in range(3):
+            (t or opt).zero_grad()
+            net(torch.linspace(-1, 1, 64, device=GPUS[0]).reshape(4, 16) * step).sum().backward()
+            if t is not None:
+                t.step(1)
+            else:
+                opt.step()
+        return [p.detach().cpu() for p in net.parameters()]
+    got, want = run(KVStore('dist_sync_device', LocalBackend())), run(None)
+    assert all(map(torch.equal, got, want))
