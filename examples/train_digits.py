@@ -5,6 +5,7 @@
     KVPS_KVSTORE=dist_async python -m kvps.launch -n 2 -s 1 python examples/train_digits.py
     python -m kvps.launch -n 2 -s 1 python examples/train_digits.py --device cuda   # on a GPU
     python -m kvps.launch -n 4 -s 2 python examples/train_digits.py --gc-type 1bit   # compressed
+    python -m kvps.launch -n 2 -s 1 python examples/train_digits.py --torch-optimizer
 
 Each worker trains on its own shard of the training split (rank::num_workers); rank 0's initial
 weights are broadcast to all, the servers sum the gradients, and every rank prints the final
@@ -42,6 +43,9 @@ def parse_args():
     parser.add_argument('--device', default='cpu', help="where the model trains: cpu or cuda "
                         "(cuda:N); CUDA parameters need a device store")
     parser.add_argument('--update-on-kvstore', choices=('auto', 'yes', 'no'), default='auto')
+    parser.add_argument('--torch-optimizer', action='store_true',
+                        help='torch.optim.SGD in place of kvps\'s sgd: the servers only sum and '
+                             'every worker updates with it, as under DDP')
     # MXNet's example scripts' names for gradient compression (kvps.compression)
     parser.add_argument('--gc-type', default='none',
                         help='gradient compression: none, 2bit, fp16, bf16, 1bit or topk')
@@ -161,9 +165,13 @@ def main():
     x_train, x_test, y_train, y_test = load_split()
     model = make_model(args.hidden, kv.rank, args.device)
     compression = compression_params(args)
-    trainer = Trainer(model.named_parameters(), 'sgd',
-                      {'learning_rate': args.lr, 'momentum': 0.9, 'wd': 1e-4},
-                      kvstore=kv, update_on_kvstore=uok,
+    if args.torch_optimizer:   # (the same rule: torch's SGD with momentum and weight decay)
+        optimizer, params = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9,
+                                            weight_decay=1e-4), None
+    else:
+        optimizer, params = 'sgd', {'learning_rate': args.lr, 'momentum': 0.9, 'wd': 1e-4}
+    trainer = Trainer(model.named_parameters(), optimizer, params, kvstore=kv,
+                      update_on_kvstore=uok,
                       compression_params=compression if name != 'local' else None)
     if kv.rank == 0:
         print(f'{name}: {kv.num_workers} worker(s), {len(x_train)} training digits, '

@@ -217,12 +217,13 @@ def test_dist_sync_matches_single_process_and_states_round_trip(job, uok):
 
 
 @pytest.mark.timeout(120)
-def test_dist_async_digits_example_reaches_accuracy(job):
-    """examples/train_digits.py in dist_async, 2 workers: >= 90% test accuracy (the example
-    reaches about 96% in dist_sync with 4 workers, run by hand)."""
+@pytest.mark.parametrize('args', [['--kvstore', 'dist_async'], ['--torch-optimizer']])
+def test_the_digits_example_reaches_accuracy(job, args):
+    """examples/train_digits.py with 2 workers, in dist_async, and in dist_sync with torch's
+    SGD on the workers: >= 90% test accuracy (about 96% in dist_sync with 4 workers)."""
     result = job(f'''
         import runpy
-        sys.argv = ['train_digits.py', '--kvstore', 'dist_async', '--epochs', '8']
+        sys.argv = ['train_digits.py', *{args!r}, '--epochs', '8']
         try:
             runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')
         except SystemExit as exc:
