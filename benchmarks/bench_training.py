@@ -3,8 +3,9 @@
 What a user compares before adopting kvps: the time of one synchronous data-parallel step
 (forward, backward, gradient exchange, SGD with momentum) with W workers on this host.
 Systems: `kvps` (Trainer, SGD on the servers), `kvps-local` (Trainer with
-update_on_kvstore=False: gradients summed through the servers, SGD on each worker), `kvps-cb`
-(`kvps` with cross_barrier=True, when named: each module's forward waits for its own weights
+update_on_kvstore=False: gradients summed through the servers, SGD on each worker), and when
+named `kvps-torch` (`kvps-local` with torch.optim.SGD, DDP's optimizer, in the Trainer) and
+`kvps-cb` (`kvps` with cross_barrier=True: each module's forward waits for its own weights
 only), `ddp`
 (DistributedDataParallel over gloo, the all-reduce torch users run) and `alone` (the same model
 trained in one process on the global batch, W x batch, with no communication at all: the limit
@@ -51,8 +52,10 @@ def parse_args():
     p.add_argument('--servers', type=int, default=1)
     p.add_argument('--models', default='wide,deep,narrow',
                    help='comma list; also embed, embed-sparse, resnet, gpt')
-    p.add_argument('--systems', default=','.join(s for s in SYSTEMS if s != 'kvps-cb'),
-                   help=f'comma list of {", ".join(SYSTEMS)} (default: all but kvps-cb)')
+    p.add_argument('--systems', default=','.join(s for s in SYSTEMS
+                                                 if s not in ('kvps-cb', 'kvps-torch')),
+                   help=f'comma list of {", ".join(SYSTEMS)} (default: all but kvps-cb and '
+                        'kvps-torch)')
     p.add_argument('--steps', type=int, default=20)
     p.add_argument('--batch', type=int, default=None,
                    help='samples per worker (default: 64; resnet and gpt: their size\'s)')

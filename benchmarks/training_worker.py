@@ -5,6 +5,7 @@ one process alone.
 Systems (--system):
   kvps        kvps.Trainer on dist_sync, SGD with momentum on the servers (update_on_kvstore)
   kvps-local  kvps.Trainer on dist_sync, gradients summed through the servers, SGD on the worker
+  kvps-torch  as kvps-local, with torch.optim.SGD on the worker (DDP's optimizer) in the Trainer
   kvps-cb     kvps as above with cross_barrier=True: the step returns once its pushes are sent,
               and the next forward waits for each module's weights as it reaches it (BytePS's
               cross-barrier)
@@ -57,7 +58,7 @@ NETS = {
             'small': {'vocab': 2048, 'seq': 64, 'dim': 128, 'heads': 4, 'layers': 6,
                       'batch': 8}},
 }
-SYSTEMS = ('kvps', 'kvps-local', 'kvps-cb', 'ddp', 'alone')
+SYSTEMS = ('kvps', 'kvps-local', 'kvps-torch', 'kvps-cb', 'ddp', 'alone')
 DEFAULT_BATCH = 64   # per worker, for the MLPs and the embedding tables
 
 
@@ -179,9 +180,13 @@ def kvps_step_fn(args, model, torch):
     import kvps
     kv = kvps.create('dist_sync_device' if args.device != 'cpu' else 'dist_sync')
     cross_barrier = args.system == 'kvps-cb'   # (it hooks the modules' forwards)
-    trainer = kvps.Trainer(model if cross_barrier else model.named_parameters(), 'sgd',
-                           {'learning_rate': 0.01, 'momentum': 0.9}, kvstore=kv,
-                           update_on_kvstore=args.system != 'kvps-local',
+    if args.system == 'kvps-torch':   # the optimizer DDP's workers run, in the Trainer
+        optimizer, params = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), None
+    else:
+        optimizer, params = 'sgd', {'learning_rate': 0.01, 'momentum': 0.9}
+    trainer = kvps.Trainer(model if cross_barrier else model.named_parameters(), optimizer,
+                           params, kvstore=kv,
+                           update_on_kvstore=args.system not in ('kvps-local', 'kvps-torch'),
                            cross_barrier=cross_barrier, bucket_bytes=args.bucket_bytes)
 
     def step(x, y):
@@ -194,8 +199,8 @@ def kvps_step_fn(args, model, torch):
     return step, kv.rank, kv.barrier
 
 
-STEP_FNS = {'kvps': kvps_step_fn, 'kvps-local': kvps_step_fn, 'kvps-cb': kvps_step_fn,
-            'ddp': ddp_step_fn, 'alone': alone_step_fn}
+STEP_FNS = {'kvps': kvps_step_fn, 'kvps-local': kvps_step_fn, 'kvps-torch': kvps_step_fn,
+            'kvps-cb': kvps_step_fn, 'ddp': ddp_step_fn, 'alone': alone_step_fn}
 
 
 def finish(args, torch):

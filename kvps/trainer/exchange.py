@@ -236,12 +236,14 @@ class Exchange:
 
     def _land_fused_grads(self, entries, reduced):
         """allreduce_grads: summed gradients of fused keys into the ``.grad`` of their members
-        reduced (keys in ``reduced``), as Gluon leaves them."""
-        for _, _, entry in entries:
-            if isinstance(entry, FusedKey):
-                for p, view in zip(entry.members, entry.grad_views):
-                    if p.key in reduced:
-                        self._grads.dense_grad(p).copy_(view)
+        reduced (keys in ``reduced``), as Gluon leaves them: one fused copy (hundreds of small
+        members: a copy each would cost more than their bytes)."""
+        pairs = [(self._grads.dense_grad(p), view) for _, _, entry in entries
+                 if isinstance(entry, FusedKey)
+                 for p, view in zip(entry.members, entry.grad_views) if p.key in reduced]
+        if pairs:
+            import torch
+            torch._foreach_copy_(*map(list, zip(*pairs)))
 
     def _pull_target(self, p, into_grads):
         if isinstance(p, FusedKey):
