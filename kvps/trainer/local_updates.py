@@ -13,7 +13,7 @@ def local_updates(optimizer, params, layout):
     """What runs ``optimizer`` in the Trainer's process: TorchUpdates for a torch.optim one,
     else LocalUpdates (kvps's kernels)."""
     if isinstance(optimizer, TorchOptimizer):
-        return TorchUpdates(optimizer)
+        return TorchUpdates(optimizer, params)
     return LocalUpdates(optimizer, params, layout)
 
 

@@ -55,7 +55,17 @@ class TorchUpdates:
     reads_grads = True   # the Trainer's step leaves the sums in .grad for it (into_grads)
     hands_over = False
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, params):
+        """Refuse (ValueError) a torch optimizer over tensors the Trainer does not reduce:
+        each worker would step them on its own gradient, and the workers would drift apart."""
+        known = {id(p.tensor) for p in params}
+        stray = [t for group in optimizer.torch.param_groups for t in group['params']
+                 if id(t) not in known]
+        if stray:
+            raise ValueError(f'the torch optimizer holds {len(stray)} tensor(s) that are not '
+                             f'among the Trainer\'s parameters (the first: shape '
+                             f'{tuple(stray[0].shape)}), which no worker would sum; give the '
+                             'Trainer and the optimizer the same parameters')
         self.optimizer = optimizer
 
     def run(self, trainable, takes_part, reduced, summed, row_sums):

@@ -82,6 +82,15 @@ def test_its_state_saves_and_loads_through_the_trainer(tmp_path):
     assert all(map(torch.equal, fresh.parameters(), torch_alone(3).parameters()))
 
 
+def test_an_optimizer_over_other_tensors_is_refused():
+    """Stepped on each worker's own gradient, they would drift apart between workers."""
+    net, other = model(), torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD([*net.parameters(), *other.parameters()], lr=0.1)
+    with pytest.raises(ValueError, match='2 tensor.*same parameters'):
+        Trainer(net, opt, kvstore=KVStore('dist_sync', LocalBackend()))
+    Trainer(net, torch.optim.SGD(net[0].parameters(), lr=0.1), kvstore=None)   # a subset
+
+
 def test_the_servers_cannot_run_it():
     net = model()
     with pytest.raises(ValueError, match='no code travels'):
