@@ -85,4 +85,3 @@ def on_grad(ref, p):
         if trainer is not None:
             trainer._on_grad(p)
     return hook
-

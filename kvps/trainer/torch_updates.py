@@ -1,13 +1,14 @@
 """A torch.optim optimizer under the Trainer: the workers update with it, on the summed
 gradients that the store leaves in each ``.grad`` (kvps as DDP is used, for any optimizer)."""
 
+import sys
+
 from ..errors import ConfigError
 from ..optimizer import optimizers as opt_mod
 
 
 def is_torch_optimizer(optimizer):
     """Whether ``optimizer`` is a torch.optim optimizer (torch imported only if it is loaded)."""
-    import sys
     torch = sys.modules.get('torch')
     return torch is not None and isinstance(optimizer, torch.optim.Optimizer)
 
@@ -32,7 +33,7 @@ class TorchOptimizer(opt_mod.Optimizer):
     name = 'torch'
 
     def __init__(self, torch_optimizer):
-        super().__init__(learning_rate=torch_optimizer.param_groups[0]['lr'])
+        super().__init__(learning_rate=float(torch_optimizer.param_groups[0]['lr']))
         self.torch = torch_optimizer
 
     @property
@@ -69,9 +70,14 @@ class TorchUpdates:
         self.optimizer = optimizer
 
     def run(self, trainable, takes_part, reduced, summed, row_sums):
-        """Kvps's LocalUpdates.run: here every ``.grad`` holds what to apply (the sums, in a
-        job; alone, the torch optimizer skips parameters without one, as torch does)."""
+        """LocalUpdates.run: here each ``.grad`` holds what to apply (in a job, the sums). A
+        parameter that does not take part (alone, a stale one with ignore_stale_grad) is hidden
+        from the optimizer for the step, its ``.grad`` put back after."""
         import torch
+        stale = [(p.tensor, p.tensor.grad) for p in trainable
+                 if p.tensor.grad is not None and not takes_part(p)]
+        for tensor, _ in stale:
+            tensor.grad = None
         grads = [p.tensor.grad for p in trainable if p.tensor.grad is not None]
         rescale = self.optimizer.rescale_grad
         if rescale != 1.0:
@@ -80,7 +86,11 @@ class TorchUpdates:
             for g in grads:
                 if g.layout != torch.strided:
                     g.mul_(rescale)
-        self.optimizer.torch.step()
+        try:
+            self.optimizer.torch.step()
+        finally:
+            for tensor, grad in stale:
+                tensor.grad = grad
 
     def save(self, fname):
         import torch

@@ -114,3 +114,22 @@ def test_sparse_gradients_come_back_dense_as_the_sums_of_their_rows():
     (alone, sparse), (summed, dense) = run(None), run(KVStore('dist_sync', LocalBackend()))
     assert sparse.layout == torch.sparse_coo and dense.layout == torch.strided
     assert torch.equal(dense, sparse.to_dense()) and torch.equal(summed, alone)
+
+
+def test_alone_a_stale_parameter_is_skipped_with_ignore_stale_grad():
+    """As with kvps's optimizers: a parameter backward did not reach since the last step is
+    left alone (its old .grad is neither applied again nor scaled)."""
+    net = model()
+    t = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.5), kvstore=None)
+    net(X).sum().backward()
+    t.step(1)
+    first = [p.detach().clone() for p in net.parameters()]
+    old = net[0].weight.grad
+    for p in net[2].parameters():
+        p.grad = None
+    net[2](torch.ones(2, 3)).sum().backward()       # only the last layer
+    with pytest.raises(kvps.StaleGradientError):
+        t.step(1)
+    t.step(1, ignore_stale_grad=True)
+    assert torch.equal(net[0].weight, first[0]) and net[0].weight.grad is old
+    assert not torch.equal(net[2].weight, first[2])
