@@ -839,7 +839,7 @@ def test_multi_precision_weights_are_the_rounded_float32_master(dtype, kvstore, 
         assert p.dtype == dtype and torch.equal(p.detach(), m.detach().to(dtype))
 
 
-@pytest.mark.parametrize('uok', [True, False])
+@pytest.mark.parametrize('uok', [True, False, 'torch'])
 def test_no_sync_accumulates_as_overlap_off_does(uok):
     """DDP's gradient accumulation: backward passes in no_sync() send nothing, the last one
     sends the sums (here one that reaches only one of the two layers: the other's sum from
@@ -847,8 +847,13 @@ def test_no_sync_accumulates_as_overlap_off_does(uok):
     def run(overlap):
         torch.manual_seed(0)
         a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
-        t = Trainer(torch.nn.ModuleList([a, b]), 'sgd', {'learning_rate': 0.5},
-                    kvstore=fake_store('dist_sync'), update_on_kvstore=uok, overlap=overlap)
+        modules = torch.nn.ModuleList([a, b])
+        if uok == 'torch':   # (torch's SGD on the workers)
+            t = Trainer(modules, torch.optim.SGD(modules.parameters(), lr=0.5),
+                        kvstore=fake_store('dist_sync'), overlap=overlap)
+        else:
+            t = Trainer(modules, 'sgd', {'learning_rate': 0.5}, kvstore=fake_store('dist_sync'),
+                        update_on_kvstore=uok, overlap=overlap)
         x = torch.linspace(-1, 1, 8).reshape(2, 4)
         for step in range(3):
             t.zero_grad()
