@@ -65,6 +65,9 @@ def parse_args():
     p.add_argument('--timeout', type=float, default=300.0)
     p.add_argument('--out', default=None, help='directory for results.jsonl')
     p.add_argument('--device', default='cpu', help='where the workers train: cpu or cuda')
+    p.add_argument('--amp', action='store_true',
+                   help='every system\'s forward under torch.autocast in bfloat16, as mixed '
+                        'precision training runs on such GPUs (no loss scaling needed)')
     p.add_argument('--mps', action='store_true',
                    help='every job under a private CUDA MPS daemon: kvps through kvps.launch '
                         '--mps, ddp and alone through the same start and stop')
@@ -126,6 +129,7 @@ def run_one(args, model, system, out_dir, launcher_args=()):
     argv = [_common.PY, WORKER, '--system', system, '--model', model, '--steps', str(args.steps),
             '--size', args.size, '--workers', str(args.workers), '--out', str(out_dir),
             '--device', args.device, *(['--batch', str(args.batch)] if args.batch else []),
+            *(['--amp'] if args.amp else []),
             *(['--profile', str(args.profile)] if args.profile else []),
             *(['--bucket-bytes', str(args.bucket_bytes)] if args.bucket_bytes is not None
               else [])]
@@ -191,8 +195,8 @@ def main():
     out = Path(args.out or _common.default_out_dir('training'))
     lines = _common.JsonLines(out, 'training')
 
-    def emit(record):   # every line says whether its jobs ran under MPS
-        return lines.emit({**record, 'mps': args.mps})
+    def emit(record):   # every line says whether its jobs ran under MPS, and in bfloat16
+        return lines.emit({**record, 'mps': args.mps, 'amp': args.amp})
     for model in args.models.split(','):
         ms = {}
         for system in args.systems.split(','):

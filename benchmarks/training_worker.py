@@ -85,6 +85,7 @@ def parse_args():
     p.add_argument('--warmup', type=int, default=3)
     p.add_argument('--out', required=True)
     p.add_argument('--device', default='cpu')
+    p.add_argument('--amp', action='store_true', help='the forward in bfloat16 (autocast)')
     p.add_argument('--bucket-bytes', type=int, default=None,
                    help='kvps: the Trainer\'s bucket_bytes (default: its own, by the hosts)')
     p.add_argument('--profile', type=int, default=0, metavar='N',
@@ -141,10 +142,13 @@ def data(args, rank, torch):
     return [torch.cat(tensors).to(args.device) for tensors in zip(*parts)]
 
 
-def loss_of(model, x, y, torch, reduction='mean'):
+def loss_of(args, model, x, y, torch, reduction='mean'):
     """Cross-entropy over every prediction: a class per sample, or the next token per
-    position (the sequence models' outputs and targets are flattened)."""
-    return torch.nn.functional.cross_entropy(model(x).flatten(0, -2), y.flatten(),
+    position (the sequence models' outputs and targets are flattened). With --amp the
+    forward runs under autocast in bfloat16 (float32 weights and gradients: no loss scaling)."""
+    with torch.autocast(torch.device(args.device).type, torch.bfloat16, enabled=args.amp):
+        out = model(x)
+    return torch.nn.functional.cross_entropy(out.float().flatten(0, -2), y.flatten(),
                                              reduction=reduction)
 
 
@@ -152,7 +156,7 @@ def torch_step_fn(args, model, opt, torch):
     """A step of torch's own: the mean loss, backward (DDP all-reduces in it), opt.step()."""
     def step(x, y):
         opt.zero_grad()
-        loss = loss_of(model, x, y, torch)
+        loss = loss_of(args, model, x, y, torch)
         loss.backward()
         opt.step()
         finish(args, torch)
@@ -191,7 +195,7 @@ def kvps_step_fn(args, model, torch):
 
     def step(x, y):
         trainer.zero_grad()
-        loss = loss_of(model, x, y, torch, reduction='sum')
+        loss = loss_of(args, model, x, y, torch, reduction='sum')
         loss.backward()
         trainer.step(y.numel() * kv.num_workers)   # the mean over the global batch
         finish(args, torch)
