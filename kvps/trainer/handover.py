@@ -28,8 +28,9 @@ class Handover:
     def __init__(self, notes, params, local, exchange, layout, waiting):
         if not getattr(local, 'hands_over', True):
             raise ConfigError('an elastic job whose workers update hands a member\'s optimizer '
-                              'state to each joiner, which a torch.optim optimizer\'s cannot '
-                              'do: give the Trainer a kvps optimizer (by name) in such a job')
+                              'state to each joiner, and a torch.optim optimizer\'s travels '
+                              'only as a pickle, which kvps never sends: give the Trainer a '
+                              'kvps optimizer (by name) in such a job')
         self.notes, self._params, self._local = notes, params, local
         self._exchange, self._layout = exchange, layout
         self.waiting = exchange.abstaining = waiting
