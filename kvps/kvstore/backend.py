@@ -137,6 +137,10 @@ class Backend(Protocol):
         """Block until every worker is here and this worker's pushes are applied; returns the
         ranks whose ``digest`` (bytes) differs from rank 0's, [] when all agree."""
 
+    def all_sum(self, values):
+        """A barrier at which every worker brings ``values`` (float64 bytes): their sum over
+        the workers, as bytes (ConfigError where the workers' calls differ)."""
+
     def on_membership_change(self, callback):
         """Call ``callback(num_workers, ranks)`` at the first call after each change of the
         job's workers (elastic jobs; a fixed job's never change); None: no more calls."""

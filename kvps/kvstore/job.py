@@ -78,3 +78,11 @@ def _uncaught(exc):
     """What the scheduler tells the others about a worker dying of ``exc``."""
     text = str(exc)
     return f'uncaught {type(exc).__name__}' + (f': {text}' if text else '')
+
+
+def forked_message(owner):
+    """Why a process forked from the worker ``owner`` cannot use the worker's store."""
+    return (f'this process ({os.getpid()}) was forked from the worker that joined the job '
+            f'({owner}); the store\'s sockets and I/O thread stay with that process, so a '
+            'forked child cannot use it (it would wait for answers that never come): call '
+            'kvps from the worker process')

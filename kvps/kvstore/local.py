@@ -247,6 +247,9 @@ class LocalBackend:
     def barrier(self, digest=None):
         return []     # one worker always agrees with itself
 
+    def all_sum(self, values):
+        return bytes(values)   # one worker's values are the sum
+
     def wait_pushes(self):
         pass
 

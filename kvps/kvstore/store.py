@@ -1,8 +1,6 @@
 """KVStore, MXNet's KVStore API over a backend (in this process, or the job's servers), and
 `create(name)`."""
 
-import os
-
 import numpy as np
 
 from .. import arrays, compression, rows
@@ -12,7 +10,7 @@ from ..timeline.recording import traced
 from ..wire.protocol import NOTHING
 from . import pulls, row_calls
 from .base import KVStoreBase, registered
-from .job import dist_backend
+from .job import dist_backend, forked_message
 from .keys import StoreKeys, checked_priority
 from .local import LocalBackend
 from .types import CAPABILITIES, check_compression_type, parse_type
@@ -34,7 +32,7 @@ class KVStore(KVStoreBase):
     StoreClosedError.
 
     Besides MXNet's calls it has a few of kvps's own, which kvps.Trainer uses: pull_begin,
-    pull_changed_rows_begin, pull_pushed_rows_begin, get/set_optimizer_states, agree,
+    pull_changed_rows_begin, pull_pushed_rows_begin, get/set_optimizer_states, agree, all_sum,
     balance_keys, keep_keys_whole and gradient_buffer."""
 
     OPTIMIZER = 'optimizer'    # MXNet's name of the one capability (is_capable)
@@ -289,6 +287,17 @@ class KVStore(KVStoreBase):
             raise ValueError(f'agree takes at most 64 bytes (a digest), got {len(value)}')
         return self._backend.barrier(value)
 
+    @traced('all_sum', 'barrier')
+    def all_sum(self, values):
+        """A barrier at which each worker brings ``values`` (at most 8192 numbers: metrics,
+        counts) and gets their float64 sum over the workers, in its shape (kvps's)."""
+        self._open()
+        values = np.asarray(values, dtype=np.float64)
+        if not 0 < values.size <= 8192:
+            raise ValueError(f'all_sum takes 1 to 8192 numbers, got {values.size}')
+        total = self._backend.all_sum(np.ascontiguousarray(values, '<f8').tobytes())
+        return np.frombuffer(total, '<f8').reshape(values.shape).copy()
+
     @traced('set_optimizer', 'collective')
     def set_optimizer(self, optimizer):
         """Run ``optimizer`` on the servers for every later push (collective). Setting the
@@ -366,11 +375,10 @@ class KVStore(KVStoreBase):
         return self._keys.gradient_buffer(like)
 
     def scale_rounds(self):
-        """An elastic dist_sync job's rounds as a fixed job's (a kvps extension of MXNet's
-        API, the Trainer's): each round's sum of the keys initialized from now on is scaled
-        by N / (the workers who pushed into it), N the job's size (DMLC_NUM_WORKER), so an
-        optimizer's rescale_grad keeps its meaning as workers leave and join; returns N, or
-        None where rounds never change size (nothing is scaled). docs/elastic.md."""
+        """An elastic dist_sync job's rounds as a fixed job's (kvps's, the Trainer's): each
+        round of the keys initialized from now on is scaled by N / (the workers who pushed
+        into it), N the job's size, so rescale_grad keeps its meaning as workers leave and
+        join; returns N, or None where rounds never change size. docs/elastic.md."""
         self._open()
         return self._backend.scale_rounds()
 
@@ -410,11 +418,3 @@ def create(name='local'):
     distributed, sync, _ = parse_type(name)
     backend = dist_backend(sync) if distributed else LocalBackend()
     return KVStore(name, backend)
-
-
-def forked_message(owner):
-    """Why a process forked from the worker ``owner`` cannot use the worker's store."""
-    return (f'this process ({os.getpid()}) was forked from the worker that joined the job '
-            f'({owner}); the store\'s sockets and I/O thread stay with that process, so a '
-            'forked child cannot use it (it would wait for answers that never come): call '
-            'kvps from the worker process')

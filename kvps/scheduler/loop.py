@@ -194,12 +194,13 @@ class Scheduler:
         node = self._worker(identity)
         if recording.RECORDER is not None:
             self._barrier_began.setdefault(header['seq'], recording.now())
-        self.release(self.members.arrive(node.identity, header['seq'], header.get('digest')))
+        self.release(self.members.arrive(node.identity, header['seq'], header.get('digest'),
+                                         header.get('sum')))
         self._fail_blocked_barriers()
 
     def release(self, barriers):
         """Answer the workers of each completed barrier (Membership.releasable)."""
-        for seq, workers, differs in barriers:
+        for seq, workers, differs, summed in barriers:
             self.counts.barriers += 1
             began = self._barrier_began.pop(seq, None)
             recorder = recording.RECORDER
@@ -207,7 +208,8 @@ class Scheduler:
                 recorder.span('barrier', 'barrier', recording.now() if began is None else began,
                               {'seq': seq, 'differs': differs})
             for worker in workers:
-                self.send(worker, {'op': P.BARRIER_DONE, 'id': seq, 'differs': differs})
+                self.send(worker, {'op': P.BARRIER_DONE, 'id': seq, 'differs': differs,
+                                   **summed})
 
     def _on_finish(self, identity, header):
         self._worker(identity)

@@ -3,6 +3,8 @@
 import collections
 import dataclasses
 
+import numpy as np
+
 from ..errors import ConfigError
 
 
@@ -72,6 +74,7 @@ class Membership:
         self.ranked = False
         self.hosts = None          # how many hosts the workers and servers were on at forming
         self._barrier = {}         # seq -> {worker identity arrived: its digest or None}
+        self._sums = {}            # seq -> {worker identity arrived: its all_sum values or None}
         self._last_digests = {}    # the digests of the last completed barrier
         self.barriers_done = 0
         self.refusals = collections.deque(maxlen=3)   # the last registrations refused, why
@@ -269,7 +272,7 @@ class Membership:
     def leave(self, identity, lost):
         """Take a worker out of an elastic job (``lost``: not finished); a new epoch."""
         node = self.nodes.pop(identity)
-        for arrived in self._barrier.values():
+        for arrived in (*self._barrier.values(), *self._sums.values()):
             arrived.pop(identity, None)
         if lost:
             self.lost_workers.append(node)
@@ -307,20 +310,23 @@ class Membership:
         return len(self.of_role('worker')) < self.elastic[0]
 
     # -- barriers and finishing -------------------------------------------------------------
-    def arrive(self, identity, seq, digest=None):
-        """Record a worker at barrier ``seq``, with what it asks everyone to agree on; return
-        the identities to release (or []). Workers meet at one barrier at a time, so only the
-        next one may be waited at."""
+    def arrive(self, identity, seq, digest=None, values=None):
+        """Record a worker at barrier ``seq``, with what it asks everyone to agree on and the
+        values it adds to theirs (all_sum: float64 bytes); return the barriers to release
+        (``releasable``). Workers meet at one barrier at a time, so only the next one may be
+        waited at."""
         first = self.nodes[identity].first_barrier
         if seq != max(self.barriers_done + 1, first):
             raise ConfigError(f'barrier {seq} is out of step: the job is at barrier '
                               f'{self.barriers_done + 1}')
         self._barrier.setdefault(seq, {})[identity] = digest
+        self._sums.setdefault(seq, {})[identity] = values
         return self.releasable()
 
     def releasable(self):
-        """``[(seq, identities released, ranks that disagree)]`` of the barriers now complete
-        (a worker arrived, or one that the others waited for left an elastic job)."""
+        """``[(seq, identities released, ranks that disagree, fields of the sum)]`` of the
+        barriers now complete (a worker arrived, or one that the others waited for left an
+        elastic job); the fields: barrier_sum's."""
         released = []
         while True:
             seq = self.barriers_done + 1
@@ -335,7 +341,8 @@ class Membership:
             del self._barrier[seq]
             self.barriers_done = seq
             self._last_digests = arrived
-            released.append((seq, sorted(arrived), self.disagreeing()))
+            released.append((seq, sorted(arrived), self.disagreeing(),
+                             barrier_sum(self._sums.pop(seq, {}).values())))
 
     def disagreeing(self):
         """Ranks whose digest at the last completed barrier differs from rank 0's."""
@@ -350,6 +357,7 @@ class Membership:
             return [], None
         waiting = sorted((i, seq) for seq, ids in self._barrier.items() for i in ids)
         self._barrier.clear()
+        self._sums.clear()
         return waiting, finished[0]
 
     def finish(self, identity):
@@ -375,3 +383,21 @@ class Membership:
         """Lost servers that have not been replaced within ``timeout``."""
         return [n for n in self.of_role('server')
                 if n.lost_since is not None and now - n.lost_since > timeout]
+
+
+def barrier_sum(values):
+    """The BARRIER_DONE fields of a barrier whose workers brought ``values`` (float64 bytes
+    each, or None): none where no one did; their total where all did, alike in length; else
+    why there is none (they met there with different calls)."""
+    values = list(values)
+    given = [v for v in values if v is not None]
+    if not given:
+        return {}
+    if len(given) < len(values) or len({len(v) for v in given}) > 1:
+        return {'sum_error': 'the workers met at this barrier with different calls: all_sum '
+                             'of different lengths, or all_sum where another called barrier '
+                             'or agree'}
+    total = np.zeros(len(given[0]) // 8)
+    for each in given:
+        total += np.frombuffer(each, '<f8')
+    return {'sum': total.tobytes()}

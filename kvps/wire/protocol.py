@@ -15,7 +15,7 @@ from .codecs import GRADIENT_CODECS, ONE_BIT, PULL_CODECS, TOP_K, coded_nbytes
 from .items import CheckItem, DataItem, InitItem, Layout, PullItem, PushItem, ResumeItem
 
 # Node <-> scheduler.
-VERSION = 20                 # bumped on any change of the wire format; checked at REGISTER
+VERSION = 21                 # bumped on any change of the wire format; checked at REGISTER
 # node -> scheduler: {role, host, port, rank, pid, version, shared, rank_from (the setting
 # that gave the rank, for messages: 'DMLC_WORKER_ID=3'), beat (its heartbeat interval, s)}
 REGISTER = 'register'
@@ -26,11 +26,13 @@ REGISTER = 'register'
 WELCOME = 'welcome'
 HEARTBEAT = 'heartbeat'      # node -> scheduler, answered by HEARTBEAT_ACK {clock} (same id)
 HEARTBEAT_ACK = 'heartbeat_ack'
-# worker -> scheduler: {seq, digest (optional bytes)}; answered by BARRIER_DONE when all
-# arrive, with {differs: [ranks whose digest is not rank 0's]} (the agree collective)
+# worker -> scheduler: {seq, digest (optional bytes), sum (optional float64 bytes: all_sum)};
+# answered by BARRIER_DONE when all arrive: {differs: [ranks whose digest is not rank 0's]}
+# (agree), and where they brought values {sum: their total} or {sum_error: why none}
 BARRIER = 'barrier'
 BARRIER_DONE = 'barrier_done'
 MAX_DIGEST_BYTES = 64
+MAX_SUM_BYTES = 1 << 16      # all_sum: small arrays (metrics, counts), summed by the scheduler
 FINISH = 'finish'            # worker -> scheduler: done; answered by ACK
 ABORT = 'abort'              # node -> scheduler: {reason}; it is failing: the job ends at once
 SHUTDOWN = 'shutdown'        # scheduler -> node: exit now ({reason})
@@ -150,8 +152,7 @@ _FIELDS = {
     ASK_DEVICE: {'kind': str},
     PUT_BLOB: {'name': str},
     GET_BLOB: {'name': str},
-    CLAIM: {'key': (int, str), 'part': int, 'epoch': int, 'size': int, 'count': int,
-            'round': int},
+    CLAIM: {'key': (int, str), 'part': int, 'epoch': int, 'size': int, 'count': int, 'round': int},
 }
 OPS = frozenset([REGISTER, WELCOME, HEARTBEAT, HEARTBEAT_ACK, BARRIER, BARRIER_DONE, FINISH, ABORT,
                  SHUTDOWN, PEER_LOST, SERVER_LOST, SERVER_BACK, MEMBERS, INIT, CHECK, PUSH, PULL,
@@ -277,6 +278,10 @@ def validate_header(header):
     digest = header.get('digest')
     if digest is not None and not (isinstance(digest, bytes) and len(digest) <= MAX_DIGEST_BYTES):
         raise ProtocolError(f'{op}: digest must be at most {MAX_DIGEST_BYTES} bytes')
+    total = header.get('sum')
+    if total is not None and not (type(total) is bytes and 0 < len(total) <= MAX_SUM_BYTES
+                                  and len(total) % 8 == 0):
+        raise ProtocolError(f'{op}: sum must be float64 values, at most {MAX_SUM_BYTES} bytes')
     return items
 
 

@@ -13,6 +13,7 @@ import threading
 import numpy as np
 
 from ..allocator import keep_freed_memory
+from ..errors import ConfigError
 from ..timeline import recording
 from ..timeline.counters import WorkerCounts
 from ..wire import protocol as P
@@ -283,20 +284,38 @@ class DistClient(RowRequests):
         job's joiner meets no one before its first push (the job is past its setup)."""
         if self.members.catching_up:
             return []
+        return self._meet(digest=digest).get('differs', [])
+
+    def all_sum(self, values):
+        """A barrier at which every worker brings ``values`` (float64 bytes); their sum, as
+        bytes, which the scheduler adds up (ConfigError where the workers' calls differ)."""
+        if self.members.catching_up:
+            raise ConfigError('all_sum: this worker joined a running elastic job and meets the '
+                              'others only from its first push on; call it after a step')
+        reply = self._meet(values=values)
+        if 'sum' not in reply:
+            raise ConfigError(f'all_sum: {reply.get("sum_error", "no sum came back")}')
+        return reply['sum']
+
+    def _meet(self, **fields):
+        """The job's next barrier, this worker's pushes applied first: the scheduler's
+        answer (BARRIER_DONE's fields), once every worker has come."""
         self.wait_pushes()
         with self._lock:   # one number per barrier, whichever threads call at once
             self._barrier_seq += 1
             seq = self._barrier_seq
         header = {'op': P.BARRIER, 'id': seq, 'seq': seq}
-        if digest is not None:
-            header['digest'] = bytes(digest)
-        differs = []
+        if fields.get('digest') is not None:
+            header['digest'] = bytes(fields['digest'])
+        if fields.get('values') is not None:
+            header['sum'] = bytes(fields['values'])
+        answer = {}
         op = Operation('barrier', 1, counts=self.counts)
         self.io.submit(SCHEDULER, header, (), Request(
-            op, SCHEDULER, lambda reply, _: differs.extend(reply.get('differs', ()))))
+            op, SCHEDULER, lambda reply, _: answer.update(reply)))
         op.wait(self.config.timeout, '; a barrier returns once every worker has called it, each '
                                      'with its pushes applied')
-        return differs
+        return answer
 
     def wait_pushes(self):
         """Block until every push so far, of any thread, is acknowledged; raise the first

@@ -394,3 +394,32 @@ def test_init_of_many_keys_takes_a_message_per_server_and_names_a_mismatch(job):
     assert results[0]['error'] is None
     kind, message = results[1]['error']
     assert kind == 'ShapeError' and 'key 5050' in message and '(4,)' in message, message
+
+
+@pytest.mark.parametrize('store', ['dist_sync', 'dist_async'])
+def test_all_sum_gives_every_worker_the_sum_and_a_mismatch_says_so(job, store):
+    """A global accuracy: each worker brings its counts, every worker gets the job's, with
+    the servers running an optimizer (no store key is used). Workers that meet with different
+    calls (all_sum against barrier) get a ConfigError, not a hang."""
+    result = job(f'''
+        kv = kvps.create({store!r})
+        kv.init(0, np.zeros(2, np.float32))
+        kv.set_optimizer(kvps.optimizer.create('sgd', learning_rate=0.5))
+        kv.push(0, np.ones(2, np.float32))
+        correct, total = kv.all_sum([30 + kv.rank, 50])
+        grid = kv.all_sum(np.full((2, 2), 0.25 * (kv.rank + 1)))
+        try:
+            kv.all_sum([1.0]) if kv.rank == 0 else kv.barrier()
+            mismatch = None
+        except kvps.errors.ConfigError as exc:
+            mismatch = str(exc)
+        report(rank=kv.rank, counts=[correct, total], grid=grid.tolist(), mismatch=mismatch)
+    ''', 3, 1, timeout=90)
+    assert result.returncode == 0, result.output
+    found = result.results()
+    assert sorted(found) == [0, 1, 2], result.output
+    for rank, values in found.items():
+        assert values['counts'] == [93.0, 150.0]
+        assert values['grid'] == [[1.5, 1.5], [1.5, 1.5]]
+        assert (values['mismatch'] is not None) == (rank == 0)
+    assert 'different calls' in found[0]['mismatch']

@@ -164,10 +164,10 @@ def test_barriers_count_the_members_and_a_joiner_meets_the_first_one_not_begun()
     assert m.arrive(b'j', 2) == []                              # early, for barrier 2
     assert m.arrive(b'w1', 1) == []
     m.leave(b'w2', lost=True)                                  # it never comes
-    assert m.releasable() == [(1, [b'w0', b'w1'], [])]
+    assert m.releasable() == [(1, [b'w0', b'w1'], [], {})]
     for w in (b'w0', b'w1'):
         released = m.arrive(w, 2)
-    assert released == [(2, [b'j', b'w0', b'w1'], [])]
+    assert released == [(2, [b'j', b'w0', b'w1'], [], {})]
 
 
 @pytest.mark.parametrize('env, match', [

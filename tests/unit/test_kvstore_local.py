@@ -610,3 +610,13 @@ def test_kvps_log_level_reaches_the_workers_own_log_lines():
                          timeout=60)
     assert run.returncode == 0, run.stderr
     assert 'kvps.worker DEBUG shown' in run.stderr and 'quieted' not in run.stderr
+
+
+def test_all_sum_of_one_worker_is_its_values_as_float64_in_their_shape():
+    kv = kvps.create('local')
+    got = kv.all_sum([[1, 2], [3, 4]])
+    assert got.dtype == np.float64 and got.tolist() == [[1, 2], [3, 4]]
+    assert kv.all_sum(7).tolist() == 7.0
+    for bad in ([], np.zeros(8193)):
+        with pytest.raises(ValueError, match='1 to 8192 numbers'):
+            kv.all_sum(bad)

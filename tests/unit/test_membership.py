@@ -1,5 +1,6 @@
 """Scheduler state: registration, deterministic ranks, barriers, liveness, finishing."""
 
+import numpy as np
 import pytest
 
 from kvps.errors import ConfigError
@@ -220,7 +221,7 @@ def test_barrier_releases_everyone_once_all_arrive():
     m = full()
     m.assign_ranks()
     assert m.arrive(b'w-a', 1) == []
-    assert m.arrive(b'w-b', 1) == [(1, [b'w-a', b'w-b'], [])]
+    assert m.arrive(b'w-b', 1) == [(1, [b'w-a', b'w-b'], [], {})]
     assert m.arrive(b'w-a', 2) == []
 
 
@@ -229,11 +230,28 @@ def test_a_barrier_with_digests_names_the_ranks_that_differ_from_rank_0():
     m.assign_ranks()
     assert m.arrive(b'w-b', 1, b'other') == []
     rank_of_b = m.nodes[b'w-b'].rank
-    assert m.arrive(b'w-a', 1, b'same') == [(1, [b'w-a', b'w-b'], [rank_of_b])]
+    assert m.arrive(b'w-a', 1, b'same') == [(1, [b'w-a', b'w-b'], [rank_of_b], {})]
     assert m.disagreeing() == [rank_of_b]
     m.arrive(b'w-a', 2, b'x')
     m.arrive(b'w-b', 2, b'x')
     assert m.disagreeing() == []
+
+
+def test_a_barrier_with_values_answers_their_sum_or_why_there_is_none():
+    """all_sum: the scheduler adds what every worker brought (float64), the same bytes to
+    all; workers that met there with different calls get why instead."""
+    m = full()
+    m.assign_ranks()
+    f8 = lambda *v: np.array(v, '<f8').tobytes()   # noqa: E731
+    assert m.arrive(b'w-a', 1, values=f8(1, 0.5)) == []
+    (_, _, _, fields), = m.arrive(b'w-b', 1, values=f8(2, 0.25))
+    assert np.frombuffer(fields['sum'], '<f8').tolist() == [3, 0.75]
+    m.arrive(b'w-a', 2, values=f8(1))
+    (_, _, _, fields), = m.arrive(b'w-b', 2)                  # a plain barrier there
+    assert 'different calls' in fields['sum_error'] and 'sum' not in fields
+    m.arrive(b'w-a', 3, values=f8(1))
+    (_, _, _, fields), = m.arrive(b'w-b', 3, values=f8(1, 2))
+    assert 'different lengths' in fields['sum_error']
 
 
 def test_finished_worker_blocks_barriers_and_liveness_skips_it():
