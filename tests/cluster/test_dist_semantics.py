@@ -408,6 +408,8 @@ def test_all_sum_gives_every_worker_the_sum_and_a_mismatch_says_so(job, store):
         kv.push(0, np.ones(2, np.float32))
         correct, total = kv.all_sum([30 + kv.rank, 50])
         grid = kv.all_sum(np.full((2, 2), 0.25 * (kv.rank + 1)))
+        most = kv.all_sum(np.arange(8192.0))   # the most one call takes (64 KiB)
+        assert most.tolist() == (np.arange(8192.0) * 3).tolist()
         try:
             kv.all_sum([1.0]) if kv.rank == 0 else kv.barrier()
             mismatch = None
