@@ -34,8 +34,7 @@ BUCKET_BYTES_ACROSS_HOSTS = 1 << 20
 
 
 class Trainer:
-    """Applies an optimizer to torch parameters, as ``mxnet.gluon.Trainer`` does
-    (docs/trainer.md has every detail).
+    """Applies an optimizer to torch parameters, as ``mxnet.gluon.Trainer`` does (docs/trainer.md).
 
     ``params``: a module, its ``named_parameters()``, a dict name -> parameter, or a list of
     parameters; store keys are their positions in the order given. ``optimizer``: a name with
@@ -241,6 +240,8 @@ class Trainer:
         if self._mode.on_servers:
             raise RuntimeError('allreduce_grads() is not possible when the servers update the '
                                'parameters; create the Trainer with update_on_kvstore=False')
+        if self._exchange is None:   # alone: nothing to reduce (update() reads .grad)
+            return
         self._end_skipped_step()
         self._exchange.check_sent_unchanged()
         self._hook_trainable()
@@ -370,8 +371,7 @@ class Trainer:
         last step's weights are all in place: its pulls' buffers take this step's)."""
         if self._arrivals is not None:
             self._arrivals.wait_all()
-        if self._reduced == 'grads':   # (not a call: this runs per parameter and backward)
-            self._end_step()           # the last step ended unapplied (_end_skipped_step)
+        self._end_skipped_step()
         if self._armed and not self._accumulating:
             self._exchange.push_from_backward(p)
         self._grads.arrived(p)
