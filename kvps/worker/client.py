@@ -297,7 +297,7 @@ class DistClient(RowRequests):
             raise ConfigError(f'all_sum: {reply.get("sum_error", "no sum came back")}')
         return reply['sum']
 
-    def _meet(self, **fields):
+    def _meet(self, digest=None, values=None):
         """The job's next barrier, this worker's pushes applied first: the scheduler's
         answer (BARRIER_DONE's fields), once every worker has come."""
         self.wait_pushes()
@@ -305,10 +305,10 @@ class DistClient(RowRequests):
             self._barrier_seq += 1
             seq = self._barrier_seq
         header = {'op': P.BARRIER, 'id': seq, 'seq': seq}
-        if fields.get('digest') is not None:
-            header['digest'] = bytes(fields['digest'])
-        if fields.get('values') is not None:
-            header['sum'] = bytes(fields['values'])
+        if digest is not None:
+            header['digest'] = bytes(digest)
+        if values is not None:
+            header['sum'] = bytes(values)
         answer = {}
         op = Operation('barrier', 1, counts=self.counts)
         self.io.submit(SCHEDULER, header, (), Request(
