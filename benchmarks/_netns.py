@@ -27,6 +27,18 @@ def _ip(*args, check=True):
     return subprocess.run(['ip', *args], check=check, capture_output=True, text=True)
 
 
+def _allow_congestion(name):
+    """Let namespaces other than the box's own pick congestion control ``name``: they may
+    choose only from net.ipv4.tcp_allowed_congestion_control, which may lack Linux's own
+    default (a box running bbr allows "reno bbr")."""
+    path = '/proc/sys/net/ipv4/tcp_allowed_congestion_control'
+    with open(path) as f:
+        allowed = f.read().split()
+    if name not in allowed:
+        with open(path, 'w') as f:
+            f.write(' '.join([*allowed, name]))
+
+
 def unavailable():
     """Why hosts cannot be emulated here ('' when they can)."""
     if os.geteuid() != 0:
@@ -106,6 +118,8 @@ class EmulatedHosts:
         return self
 
     def _build(self):
+        if self.congestion:
+            _allow_congestion(self.congestion)
         _ip('link', 'add', self.bridge, 'type', 'bridge')
         _ip('link', 'set', self.bridge, 'up')
         for i, ns in enumerate(self.namespaces):
@@ -121,6 +135,9 @@ class EmulatedHosts:
             if self.congestion:   # (a namespace starts with the box's default)
                 _ip('netns', 'exec', ns, 'sysctl', '-qw',
                     f'net.ipv4.tcp_congestion_control={self.congestion}')
+            # each run's connections start afresh: Linux would otherwise start a connection
+            # with the window the last one to that address ended with (the run before's)
+            _ip('netns', 'exec', ns, 'sysctl', '-qw', 'net.ipv4.tcp_no_metrics_save=1')
             self._limit([], veth)                          # what host i receives
             self._limit(['ip', 'netns', 'exec', ns], 'eth0')  # what host i sends
             self._hold(i)

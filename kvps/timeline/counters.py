@@ -27,6 +27,7 @@ class WorkerCounts:
     backpressure_waits: int = 0    # pushes that waited for room (KVPS_MAX_INFLIGHT_BYTES)
     backpressure_seconds: float = 0.0
     retries: int = 0               # requests sent again to a server that rejoined
+    held: int = 0                  # requests held behind socket pushes (KVPS_SOCKET_QUEUE)
 
     def count_wait(self, kind, nanoseconds):
         """A call blocked ``nanoseconds`` for answers (``kind`` 'wait') or for room to push

@@ -8,6 +8,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 
 import zmq
 
@@ -77,6 +78,21 @@ class Socket:
             raise TransportError(f'send failed: {exc}') from None
         pending = [t for t in trackers if not t.done]
         return zmq.MessageTracker(*pending) if pending else None
+
+    def send_taken(self, frames, on_taken):
+        """Send as ``send`` does, and call ``on_taken()`` (on pyzmq's garbage collector
+        thread) once zmq has taken the whole message off its queue toward the peer: its last
+        frame goes uncopied, whatever its size, and zmq takes a message's frames in order."""
+        send, last = self._sock.send, len(frames) - 1
+        # a view of its own, which only pyzmq holds once sent: it ends when zmq lets go
+        view = memoryview(frames[last])
+        weakref.finalize(view, on_taken)
+        try:
+            for frame in frames[:last]:
+                send(frame, _MORE, copy=False)
+            send(zmq.Frame(view, copy=False), _LAST, copy=False)
+        except zmq.ZMQError as exc:
+            raise TransportError(f'send failed: {exc}') from None
 
     def recv(self):
         """Frames of one message; each supports the buffer protocol (no copy made)."""
@@ -148,10 +164,14 @@ class Dealer(Socket):
         super().__init__(ctx, zmq.DEALER, identity, guard)
         self.identity = identity
 
-    def send(self, frames):
+    def send(self, frames, on_taken=None):
+        """Send ``frames``; with ``on_taken``, as Socket.send_taken."""
         if self.guard is not None:
             frames = self.guard.sign(frames, TO_ROUTER, self.identity)
-        super().send(frames)
+        if on_taken is None:
+            super().send(frames)
+        else:
+            self.send_taken(frames, on_taken)
 
     def recv(self):
         """The frames of one message, or None when authentication refused it."""

@@ -140,6 +140,10 @@ class DistClient(RowRequests):
         """Send each ``(key, flat, dtype)`` (``flat``: a kvps-owned contiguous copy, maybe in a
         block from ``stage``) to the key's servers, small parts fused into one message per
         server, ahead of queued requests of a lower ``priority``; do not wait."""
+        self._push(items, priority, paced=False)
+
+    def _push(self, items, priority, paced):
+        """``push``; ``paced``: a pushpull's wave, which the I/O thread never holds back."""
         self._raise_pending_errors()
         self.members.catching_up = False
         self.counts.push_calls += 1
@@ -156,10 +160,10 @@ class DistClient(RowRequests):
         batches = fuse(parts, lambda item: 0 if item[4] is not None else item[2].nbytes)
         op = Operation(describe('push', items), len(batches), on_error=self._errors.append,
                        counts=self.counts)
-        self._send_pushes(batches, op, step, priority)
+        self._send_pushes(batches, op, step, priority, paced)
         self._window.add(op, nbytes)
 
-    def _send_pushes(self, batches, op, step, priority):
+    def _send_pushes(self, batches, op, step, priority, paced):
         """One PUSH per batch, each item numbered (its ``seq``) as it is made: numbering and
         queueing under one lock keep a key part's pushes to a server in the order of their
         numbers, whichever threads push at once."""
@@ -190,7 +194,7 @@ class DistClient(RowRequests):
                     header['step'] = step
                 if priority:
                     header['priority'] = priority
-                self._submit(server, header, frames, Request(op, node, keep=keep))
+                self._submit(server, header, frames, Request(op, node, keep=keep, paced=paced))
 
     def _count_pushes(self, items):
         """The step a sync push carries (None in async): without it a server whose keys are
@@ -227,7 +231,7 @@ class DistClient(RowRequests):
         credit, sent = Credit.of(self.config.pushpull_credit, runs), []
         for pushes, wave, nbytes in pushpull_waves(runs, pulls, self.sharding, self.io.staging):
             credit.admit(nbytes)
-            self.push(pushes, priority)
+            self._push(pushes, priority, paced=True)
             sent.append(self._send_pulls(wave, priority, codec))
             credit.add(sent[-1][0].done, nbytes)
         for waited in sent:

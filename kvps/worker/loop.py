@@ -22,6 +22,7 @@ from ..wire.link import SchedulerLink, decode_or_refusal
 from ..wire.ordering import PriorityOrder
 from ..wire.pieces import continued
 from ..wire.transport import Dealer, Poller, Waker, guard_from, new_context
+from .holdback import POLL_S, Holdback, pushed_bytes
 from .messages import server_name
 from .pending import Attaching, PendingTable, PushCounts, Request
 from .staging import Staging
@@ -48,6 +49,7 @@ class WorkerIO(threading.Thread):
         self.fatal = None           # the error that ended this worker's link to the job
         self._queue = collections.deque()   # submitted, not yet taken in by this thread
         self._order = PriorityOrder()       # taken in, waiting to be sent (this thread only)
+        self._holdback = Holdback(config.socket_queue)   # taken, held (socket pushes)
         self._wake_pending = False
         self._pending = PendingTable()
         # Scheduler requests (barrier, finish) are few and keyed by their own sequence numbers.
@@ -136,6 +138,8 @@ class WorkerIO(threading.Thread):
         self._fail_queued()
         while self._order:   # taken in by this thread and not sent
             self._order.pop()[3].op.fail(self.fatal)
+        for entry in self._holdback.release_all():
+            entry[3].op.fail(self.fatal)
 
     def _fail_queued(self):
         """Fail every queued request (the thread is gone). Any thread: popleft hands each
@@ -172,8 +176,8 @@ class WorkerIO(threading.Thread):
 
     def _serve(self):
         tick = min(self.config.heartbeat_interval, 0.5)
-        while not (self._stopping and not self._queue and not self._order):
-            for sock in self._poller.poll(tick):
+        while not (self._stopping and not self._queue and not self._order and not self._holdback):
+            for sock in self._poller.poll(POLL_S if self._holdback else tick):
                 if sock is self.waker.socket:
                     # Drain, then clear the flag, then send the queue (below): a submit before
                     # the clear is already queued; one after it wakes us again. Clearing first
@@ -197,15 +201,23 @@ class WorkerIO(threading.Thread):
         """Send every queued request, highest priority first. Requests queued meanwhile join
         the order before each send, so that one of a higher priority goes ahead of those still
         waiting (kvps.wire.ordering: arrival order within one priority, and a key part's
-        requests to one server in the order they were queued)."""
-        queue, order = self._queue, self._order
+        requests to one server in the order they were queued). Socket pushes beyond what zmq
+        may queue, and what must follow them, are held (kvps.worker.holdback) until they may go,
+        ahead of the rest; when this thread stops, at once."""
+        queue, order, holdback = self._queue, self._order, self._holdback
         while True:
             while queue:
                 entry = queue.popleft()
                 order.add(entry[0], entry[1], entry)
-            entry = order.pop()
+            entry = holdback.next_ready(self._stopping) if holdback else None
             if entry is None:
-                return
+                entry = order.pop()
+                if entry is None:
+                    return
+                if not (self._stopping or entry[0] in self._lost
+                        or holdback.admit(entry, pushed_bytes(*entry[1:]))):
+                    self.counts.held += 1
+                    continue
             self._send(*entry)
 
     def _send(self, node, header, buffers, request):
@@ -227,7 +239,9 @@ class WorkerIO(threading.Thread):
         start = recording.now() if self.trace is not None else 0
         device = self._ready(node, request, header, buffers)
         if node not in self._lost:
-            self._servers[node].send(P.encode(*request.message))
+            taken = self._holdback.on_taken(node, pushed_bytes(*request.message, request),
+                                            self.waker.wake)
+            self._servers[node].send(P.encode(*request.message), on_taken=taken)
             self.counts.messages += 1
             if self.trace is not None and header['op'] in (P.PUSH, P.PULL):
                 self.trace.sent(start, node, *request.message, request.keep,
@@ -241,8 +255,8 @@ class WorkerIO(threading.Thread):
     def _stats(self):
         """The counts of a --stats line, and the gauges: requests awaiting answers, and
         those queued for this thread to send."""
-        return self.counts.rates(), {'in_flight': self.in_flight,
-                                     'queued': len(self._queue) + len(self._order)}
+        return self.counts.rates(), {'in_flight': self.in_flight, 'queued': len(self._queue)
+                                     + len(self._order) + len(self._holdback)}
 
     def _ready(self, node, request, header, buffers):
         """Make ``request``'s message readable by ``node`` as it is now; where it names blocks
@@ -304,6 +318,7 @@ class WorkerIO(threading.Thread):
         elif op == P.SERVER_LOST:
             log.warning('%s; its requests wait for it to rejoin', header['reason'])
             self._lost.add(server_name(header['rank']))
+            self._unhold(server_name(header['rank']))
             if self.staging is not None:
                 self.staging.detach(server_name(header['rank']))
         elif op == P.MEMBERS:   # (an elastic job's: read by the API threads' next call)
@@ -336,6 +351,7 @@ class WorkerIO(threading.Thread):
         with self.push_counts.lock:
             # Every push numbered so far is queued: take them in as unanswered (not sent
             # while the server counts as lost), so that none counts as acknowledged.
+            self._unhold(name)
             self._send_queued()
             counts = self.push_counts.copy(name)
         self._lost.discard(name)
@@ -348,6 +364,11 @@ class WorkerIO(threading.Thread):
         self._attach(name)   # it maps our segment through /proc: later payloads go there again
         log.warning('%s is back at %s:%d; sent %d unanswered requests again', name, host, port,
                     len(waiting))
+
+    def _unhold(self, name):
+        """Take the requests held for lost server ``name`` in as unanswered, in their order."""
+        for entry in self._holdback.release(name):
+            self._send(*entry)
 
     def _resume(self, name, acked, waiting):
         """Send ``name`` the RESUME: per key part, the pushes it acknowledged: ``acked``, the

@@ -98,13 +98,15 @@ class Request:
     into; they return to the segment when the request is answered and dropped (or lost), so
     never while a server may still read or write them. ``after``: called with the request
     when its answer comes, before anything else (where it names blocks of the device segment:
-    kvps.worker.device_staging.DeviceStaging.answer_of)."""
+    kvps.worker.device_staging.DeviceStaging.answer_of). ``paced``: a pushpull's push, which
+    its waves pace: never held back (kvps.worker.holdback)."""
 
-    __slots__ = ('op', 'node', 'on_data', 'message', 'keep', 'after')
+    __slots__ = ('op', 'node', 'on_data', 'message', 'keep', 'after', 'paced')
 
-    def __init__(self, op, node, on_data=None, keep=()):
+    def __init__(self, op, node, on_data=None, keep=(), paced=False):
         self.op, self.node, self.on_data, self.keep = op, node, on_data, keep
         self.message = self.after = None
+        self.paced = paced
 
 
 class PushCounts:

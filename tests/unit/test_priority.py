@@ -118,7 +118,7 @@ class _Dealer:
     def __init__(self, name, sent):
         self.name, self.sent = name, sent
 
-    def send(self, frames):
+    def send(self, frames, on_taken=None):
         header, _ = P.decode(frames)
         self.sent.append((self.name, header['op'], [item.key for item in header['keys']]))
 

@@ -4,6 +4,7 @@ a scheduler host not (yet) in DNS is said once, then retried quietly."""
 
 import logging
 import socket
+import threading
 
 import numpy as np
 import pytest
@@ -43,6 +44,24 @@ def test_a_tracked_message_is_pending_while_any_uncopied_frame_is(stalled_dealer
 
 def test_a_message_of_copied_frames_needs_no_tracking(stalled_dealer):
     assert Socket.send(stalled_dealer, [b'a', b'b' * SMALL], track=True) is None
+
+
+def test_a_sender_hears_once_zmq_has_taken_the_whole_message(stalled_dealer):
+    queued = threading.Event()
+    stalled_dealer.send([b'header', b'x' * SMALL], on_taken=queued.set)   # (small: tracked too)
+    assert not queued.wait(0.2)   # the peer never reads: zmq still holds it
+    ctx = new_context()
+    router, dealer = Router(ctx), Dealer(ctx, b'worker-0')
+    dealer.connect('127.0.0.1', router.bind('127.0.0.1'))
+    taken = threading.Event()
+    dealer.send([b'header', np.ones(BIG, np.uint8)], on_taken=taken.set)
+    assert taken.wait(30)
+    identity, frames = router.recv_from()
+    assert identity == b'worker-0' and bytes(frames[0]) == b'header'
+    assert memoryview(frames[1]).nbytes == BIG
+    dealer.close(0)
+    router.close(0)
+    ctx.term()
 
 
 def test_port_zero_is_the_operating_systems_choice():
