@@ -108,10 +108,11 @@ VARS = (
         'pushes on a slow link (pushes through shared memory take none). 0: no limit. auto: '
         '6 MiB while pushes are compressed (a sign the link is slow), else no limit.'),
     Var('socket_queue', ('KVPS_SOCKET_QUEUE',), parse.nonneg_int, 4 << 20,
-        'Bytes of a worker\'s pushes to one server that may wait in its socket\'s queue; more '
-        'wait in the worker, so that pulls asked for meanwhile leave ahead of them and results '
-        'come back while later keys are pushed (a push then pull loop across a slow link runs '
-        'as a pushpull; pushes through shared memory take none). 0: no limit.'),
+        'Bytes of a worker\'s pushes that may wait in its sockets\' queues (to all servers '
+        'together, whose connections share its link); more wait in the worker, so that pulls '
+        'asked for meanwhile leave ahead of them and results come back while later keys are '
+        'pushed (a push then pull loop across a slow link runs as a pushpull; pushes through '
+        'shared memory take none). 0: no limit.'),
     Var('max_message_bytes', ('KVPS_MAX_MESSAGE_BYTES',), parse.positive_int, 1 << 31,
         'Largest message a node accepts; larger ones are rejected and logged.'),
     Var('shm', ('KVPS_SHM',), parse.flag, True,

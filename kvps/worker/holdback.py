@@ -5,11 +5,12 @@ Handed to zmq at once, a step's pushes queue in front of the pull requests that 
 across a 1 Gbit/s link a worker's 48 MiB of pushes take 400 ms to leave, every pull request
 waits that long behind them, and no result comes back before the last push is out (the
 workers then drift out of step, see benchmarks/RESULTS.md). Held here while more than
-KVPS_SOCKET_QUEUE bytes of pushes to a server are still in zmq's queue, the pushes leave as
-fast as the link takes them (the kernel's socket buffer keeps it busy), and a pull of a key
-whose push has left goes ahead of the pushes still held: its result comes back while later
-keys are pushed, as a pushpull's do. Pushes through shared memory put no bytes on the socket
-and are never held.
+KVPS_SOCKET_QUEUE bytes of the worker's pushes are still in zmq's queues (its servers'
+connections together: they share the worker's link; one push per server always goes), the
+pushes leave as fast as the link takes them (the kernel's socket buffers keep it busy), and a
+pull of a key whose push has left goes ahead of the pushes still held: its result comes back
+while later keys are pushed, as a pushpull's do. Pushes through shared memory put no bytes on
+the socket and are never held.
 
 Nothing overtakes what it must follow (kvps.wire.ordering): a request naming a key part of a
 held one, and any message other than a push or a pull, wait for the held ones before them.
@@ -31,7 +32,7 @@ class Holdback:
     """Per server: the pushes sent and not yet taken by zmq (its SocketQueue) and the requests
     held, in the order they came. Entries are the I/O thread's ``(node, header, buffers,
     request)``; ``payload`` is the bytes a push puts on the socket (0 for other requests).
-    ``limit``: the bytes of pushes zmq may queue for a server (0: no limit, nothing held)."""
+    ``limit``: the bytes of pushes zmq may queue, all servers' together (0: no limit)."""
 
     def __init__(self, limit):
         self.limit = limit
@@ -103,13 +104,13 @@ class Holdback:
         return [entry for node in list(self._held) for entry in self.release(node)]
 
     def _fits(self, node, payload):
-        """Whether ``payload`` more bytes may go to ``node`` now: zmq queues nothing of its
-        pushes, or they and it stay within the limit (a push bigger than it goes alone)."""
+        """Whether ``payload`` more bytes may go to ``node`` now: zmq queues nothing of this
+        worker's pushes to it (a push goes alone whatever its size), or of its pushes to every
+        server, which share its link, it queues at most the limit with this one."""
         queue = self._queues.get(node)
-        if queue is None:
+        if queue is None or not queue.queued():
             return True
-        queued = queue.queued()
-        return not queued or queued + payload <= self.limit
+        return sum(each.queued() for each in self._queues.values()) + payload <= self.limit
 
 
 class SocketQueue:

@@ -1,6 +1,6 @@
 """The worker's holdback: socket pushes wait while zmq still queues more than KVPS_SOCKET_QUEUE
-bytes of them, and pulls of keys already pushed go ahead of them; nothing passes what it must
-follow."""
+bytes of them (all servers' together), and pulls of keys already pushed go ahead of them;
+nothing passes what it must follow."""
 
 from kvps.config import Config
 from kvps.wire import protocol as P
@@ -63,6 +63,22 @@ def test_other_servers_are_not_held_and_other_messages_follow_everything_held():
     assert send(holdback, pull('s0', 'c'), 0) is None             # nor does a pull pass it
     first()
     assert ready(holdback) == ["push s0 ('b',)", 'init s0', "pull s0 ('c',)"]
+
+
+def test_the_limit_is_the_workers_over_every_server_and_one_push_per_server_goes():
+    holdback = Holdback(4 * MiB)
+    to_s0 = send(holdback, push('s0', 'a'), 3 * MiB)
+    assert send(holdback, push('s1', 'b'), 2 * MiB) is not None   # s1 queues nothing yet
+    assert send(holdback, push('s1', 'c'), 1 * MiB) is None       # 6 MiB queued in all
+    assert send(holdback, push('s2', 'd'), 8 * MiB) is not None   # s2 queues nothing yet
+    to_s0()
+    assert ready(holdback) == []                                  # still 10 MiB
+    holdback = Holdback(4 * MiB)
+    to_s0 = send(holdback, push('s0', 'a'), 3 * MiB)
+    send(holdback, push('s1', 'b'), 1 * MiB)
+    assert send(holdback, push('s1', 'c'), 1 * MiB) is None
+    to_s0()                                                       # s0's 3 MiB left
+    assert ready(holdback) == ["push s1 ('c',)"]
 
 
 def test_pushes_keep_their_order_and_one_bigger_than_the_limit_goes_alone():
