@@ -83,16 +83,10 @@ class Socket:
         """Send as ``send`` does, and call ``on_taken()`` (on pyzmq's garbage collector
         thread) once zmq has taken the whole message off its queue toward the peer: its last
         frame goes uncopied, whatever its size, and zmq takes a message's frames in order."""
-        send, last = self._sock.send, len(frames) - 1
         # a view of its own, which only pyzmq holds once sent: it ends when zmq lets go
-        view = memoryview(frames[last])
+        view = memoryview(frames[-1])
         weakref.finalize(view, on_taken)
-        try:
-            for frame in frames[:last]:
-                send(frame, _MORE, copy=False)
-            send(zmq.Frame(view, copy=False), _LAST, copy=False)
-        except zmq.ZMQError as exc:
-            raise TransportError(f'send failed: {exc}') from None
+        Socket.send(self, [*frames[:-1], zmq.Frame(view, copy=False)])   # (signed: no subclass's)
 
     def recv(self):
         """Frames of one message; each supports the buffer protocol (no copy made)."""
