@@ -26,7 +26,7 @@ class Handover:
     job and holds no state yet."""
 
     def __init__(self, notes, params, local, exchange, layout, waiting):
-        if not getattr(local, 'hands_over', True):
+        if not local.hands_over:
             raise ConfigError('an elastic job whose workers update hands a member\'s optimizer '
                               'state to each joiner, and a torch.optim optimizer\'s travels '
                               'only as a pickle, which kvps never sends: give the Trainer a '

@@ -23,6 +23,7 @@ class LocalUpdates:
     (one kernel call instead of one per member)."""
 
     reads_grads = False   # step() leaves .grad as backward made it: the sums come apart
+    hands_over = True     # its state travels as kvps data to an elastic job's joiner
 
     def __init__(self, optimizer, params, layout):
         shapes = {p.key: tuple(p.tensor.shape) for p in params}   # (fused keys: flat)
