@@ -270,7 +270,7 @@ def main():
                     'against adding it first')
     ap.add_argument('--ilp', type=int, default=None,
                     help='elements each CUDA thread loads at once, in every kernel (default: '
-                    "kvps's own choice, cuda_source.ilp_of): the figures of another choice")
+                    "kvps's own, cuda_source.ILP): the figures of another choice")
     args = ap.parse_args()
     if args.ilp is not None:
         from kvps.optimizer.kernels import cuda_source

@@ -231,16 +231,18 @@ def test_every_update_kernel_compiles_in_each_layout():
 
 
 @needs_nvrtc
-def test_every_rule_compiles_loading_four_elements_a_thread_at_once(monkeypatch):
-    """bench_kernels --ilp 4 (cuda_source.FORCED_ILP) builds every rule's loop as the rules of
-    several passes have it: float32, float16 with a master copy, a grad of two arrays."""
-    monkeypatch.setattr(src, 'FORCED_ILP', 4)
+@pytest.mark.parametrize('ilp', [1, 4])
+def test_every_rule_compiles_loading_one_or_four_elements_a_thread_at_once(monkeypatch, ilp):
+    """Every rule's loop compiles as kvps builds it (4 elements a thread) and as bench_kernels
+    --ilp 1 does (cuda_source.FORCED_ILP): float32, float16 with a master copy, a grad of two
+    arrays."""
+    monkeypatch.setattr(src, 'FORCED_ILP', None if ilp == src.ILP else ilp)
     sources = {}
     for case in CASES:
         for grads, dtypes in ((1, DTYPES[0]), (1, DTYPES[4]), (2, TWO_GRADS[2])):
             sources.update(src.kernels_of(plan_of(*call(*case[:3], *dtypes, grads=grads))))
     for name, code in sources.items():
-        assert 'kv_at += 4 * kv_stride' in code, name
+        assert ('kv_at += 4 * kv_stride' in code) == (ilp == 4), name
         assert compile_errors(code) == '', name
 
 

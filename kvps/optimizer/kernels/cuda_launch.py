@@ -50,7 +50,7 @@ _KERNELS = {}   # (plan signature, multi, pass, ilp) -> RawKernel
 def kernel(plan, multi=False, index=0):
     """The compiled kernel of ``plan``, found by its signature: generating the source costs
     more than a launch, and the same few kernels run on every key."""
-    key = (plan.signature(), multi, index, src.ilp_of(plan))
+    key = (plan.signature(), multi, index, src.elements_per_thread())
     found = _KERNELS.get(key)
     if found is None:
         found = _KERNELS[key] = compiled(src.source(plan, multi, index),

@@ -15,8 +15,10 @@ by the key's last block to finish, in a fixed order, into the key's sums ``kv_s0
 ``kv_s1``, from which the pass's ``finish`` (C, once per key) keeps what later passes need in
 ``kv_keep[0..KV_SLOTS)``, read there as ``kv_r0``, ``kv_r1``... (LAMB: its trust ratio). The
 weights are written by the last pass only; nothing else is kept between passes.
-Rules of several passes load several elements a thread before computing any (_ilp_loop):
-their kernels ran at 0.25-0.63 of the copy rate with one element's loads in flight.
+Every rule loads several elements a thread before computing any (_ilp_loop): with one
+element's loads in flight, rules of several passes ran at 0.25-0.61 of the copy rate on an H200
+and rules of many state arrays (ftrl, adadelta, ftml) at 0.82-0.88; with four, 0.43-0.65 and
+0.97-0.99, the others unchanged at 0.96-1.08.
 A grad given as two arrays (a sync round's last pushes: ``p_g`` and ``p_g2``) is loaded as
 their sum, in the compute type, wherever a pass reads ``g``: the numpy kernels' sum of the
 same tuple, to the bit.
@@ -32,9 +34,9 @@ from .common import storage_name
 THREADS = 256           # threads per block, every kernel here
 MAX_BLOCKS = 8192       # grid-stride loops cover the rest
 KV_SLOTS = 4            # doubles per key that a pass's finish keeps for the passes after it
-# Elements a thread loads at once in rules of several passes (LAMB, LARS, LANS: _ilp_loop);
-# FORCED_ILP, where a benchmark sets it, applies to every kernel compiled after.
-ILP_SEVERAL_PASSES = 4
+# Elements a thread loads at once (_ilp_loop); FORCED_ILP, where a benchmark sets it, applies
+# to every kernel compiled after (1: the plain grid-stride loop).
+ILP = 4
 FORCED_ILP = None
 GRADS = ('g', 'g2')     # the arrays of a grad, one or two (added as it is loaded)
 
@@ -268,7 +270,7 @@ def definition(plan, multi=False, index=0):
             if uses(step.body, f'p_{name}')]
     # each array's element i, as ``p_<name>``
     refs = {n: f'{_pointer_type(a, w)[:-1]}& p_{n} = p_{n}_[i];' for n, a, w in used}
-    ilp = ilp_of(plan)
+    ilp = elements_per_thread()
     norms = multi and index < len(plan.passes) - 1
     tail = _finish_norms(step.finish) if norms else ''
     if multi:
@@ -297,12 +299,9 @@ def definition(plan, multi=False, index=0):
         *([tail] if tail else []), '}', ''])
 
 
-def ilp_of(plan):
-    """Elements each thread loads at once (see _ilp_loop): FORCED_ILP where set, else
-    ILP_SEVERAL_PASSES for rules of several passes, else 1."""
-    if FORCED_ILP is not None:
-        return FORCED_ILP
-    return ILP_SEVERAL_PASSES if len(plan.passes) > 1 else 1
+def elements_per_thread():
+    """Elements each thread loads at once (see _ilp_loop): FORCED_ILP where set, else ILP."""
+    return ILP if FORCED_ILP is None else FORCED_ILP
 
 
 def _ilp_loop(step, refs, first, stride, ilp):
