@@ -28,6 +28,7 @@ class WorkerCounts:
     backpressure_seconds: float = 0.0
     retries: int = 0               # requests sent again to a server that rejoined
     held: int = 0                  # requests held behind socket pushes (KVPS_SOCKET_QUEUE)
+    joined: int = 0                # pushes sent in the message of the one queued before
 
     def count_wait(self, kind, nanoseconds):
         """A call blocked ``nanoseconds`` for answers (``kind`` 'wait') or for room to push

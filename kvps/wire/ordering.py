@@ -13,6 +13,7 @@ goes first, at once (it holds the later one back wherever it is answered after i
 
 import collections
 import heapq
+import itertools
 
 from . import protocol as P
 
@@ -100,6 +101,29 @@ class PriorityOrder:
             self._waiting -= 1
             return chain[0].item
         return None
+
+    def take_run(self, peer, accept, scan=4096):
+        """Take, in arrival order, the waiting items for ``peer`` that ``accept(item)`` takes,
+        for as long as it takes them: the run ends at the first one for ``peer`` it refuses,
+        and at any message that is not a data request (nothing passes it); data requests for
+        other peers are passed over (none must follow another peer's). Looks at ``scan``
+        items at most; takes none while items taken along wait to go first."""
+        run = []
+        if self._ahead:
+            return run
+        for waiting in itertools.islice(self._arrivals, scan):
+            if waiting.taken:
+                continue
+            if waiting.parts is None:
+                break
+            if waiting.peer != peer:
+                continue
+            if not accept(waiting.item):
+                break
+            waiting.taken = True
+            self._waiting -= 1
+            run.append(waiting.item)
+        return run
 
     def _chain(self, waiting):
         """``waiting`` and the earlier messages that must go before it, in arrival order: those

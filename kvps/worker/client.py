@@ -168,6 +168,7 @@ class DistClient(RowRequests):
         queueing under one lock keep a key part's pushes to a server in the order of their
         numbers, whichever threads push at once."""
         counts, in_bytes = self.io.push_counts, P.SIZED_IN_BYTES
+        pusher = None if paced else threading.get_ident()   # (kvps.worker.joined)
         with counts.lock:
             for server, batch in batches:
                 node = server_name(server)
@@ -194,7 +195,8 @@ class DistClient(RowRequests):
                     header['step'] = step
                 if priority:
                     header['priority'] = priority
-                self._submit(server, header, frames, Request(op, node, keep=keep, paced=paced))
+                self._submit(server, header, frames,
+                             Request(op, node, keep=keep, paced=paced, pusher=pusher))
 
     def _count_pushes(self, items):
         """The step a sync push carries (None in async): without it a server whose keys are

@@ -23,6 +23,7 @@ from ..wire.ordering import PriorityOrder
 from ..wire.pieces import continued
 from ..wire.transport import Dealer, Poller, Waker, guard_from, new_context
 from .holdback import POLL_S, Holdback, pushed_bytes
+from .joined import join_pushes
 from .messages import server_name
 from .pending import Attaching, PendingTable, PushCounts, Request
 from .staging import Staging
@@ -52,8 +53,7 @@ class WorkerIO(threading.Thread):
         self._holdback = Holdback(config.socket_queue)   # taken, held (socket pushes)
         self._wake_pending = False
         self._pending = PendingTable()
-        # Scheduler requests (barrier, finish) are few and keyed by their own sequence numbers.
-        self._scheduler_requests = {}
+        self._scheduler_requests = {}   # (barrier, finish...: by their own sequence numbers)
         self._stopping = False
         self._abort_reason = None   # set when this process is failing: told to the scheduler
         self._servers = {}          # node name ('server N') -> Dealer
@@ -200,10 +200,9 @@ class WorkerIO(threading.Thread):
     def _send_queued(self):
         """Send every queued request, highest priority first. Requests queued meanwhile join
         the order before each send, so that one of a higher priority goes ahead of those still
-        waiting (kvps.wire.ordering: arrival order within one priority, and a key part's
-        requests to one server in the order they were queued). Socket pushes beyond what zmq
-        may queue, and what must follow them, are held (kvps.worker.holdback) until they may go,
-        ahead of the rest; when this thread stops, at once."""
+        waiting (kvps.wire.ordering). A thread's pushes queued back to back share a message
+        (kvps.worker.joined). Socket pushes beyond what zmq may queue, and what must follow
+        them, are held (kvps.worker.holdback) until they may go, ahead of the rest."""
         queue, order, holdback = self._queue, self._order, self._holdback
         while True:
             while queue:
@@ -214,6 +213,7 @@ class WorkerIO(threading.Thread):
                 entry = order.pop()
                 if entry is None:
                     return
+                entry = join_pushes(entry, order, self.counts)
                 if not (self._stopping or entry[0] in self._lost
                         or holdback.admit(entry, pushed_bytes(*entry[1:]))):
                     self.counts.held += 1

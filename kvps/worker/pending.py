@@ -99,14 +99,15 @@ class Request:
     never while a server may still read or write them. ``after``: called with the request
     when its answer comes, before anything else (where it names blocks of the device segment:
     kvps.worker.device_staging.DeviceStaging.answer_of). ``paced``: a pushpull's push, which
-    its waves pace: never held back (kvps.worker.holdback)."""
+    its waves pace: never held back (kvps.worker.holdback). ``pusher``: the thread that made
+    a push which may share a message with its next ones (kvps.worker.joined), else None."""
 
-    __slots__ = ('op', 'node', 'on_data', 'message', 'keep', 'after', 'paced')
+    __slots__ = ('op', 'node', 'on_data', 'message', 'keep', 'after', 'paced', 'pusher')
 
-    def __init__(self, op, node, on_data=None, keep=(), paced=False):
+    def __init__(self, op, node, on_data=None, keep=(), paced=False, pusher=None):
         self.op, self.node, self.on_data, self.keep = op, node, on_data, keep
         self.message = self.after = None
-        self.paced = paced
+        self.paced, self.pusher = paced, pusher
 
 
 class PushCounts:

@@ -1,0 +1,95 @@
+"""A thread's pushes queued back to back for one server, sent as one message: a call per key
+(MXNet's loop, `kv.push(k, v)` key after key) otherwise costs a message each way per key, and
+on a busy box those per-message costs, not the bytes, set the pace.
+
+Only a backlog is joined: the I/O thread sends what is queued as soon as it can, so a push never
+waits for another. Joining keeps what a list push of the same keys would do: the server gets
+the keys in their order, in one message, and answers it once all of them are in their rounds'
+updates; every joined call counts that answer as its own. Pushes of different threads are
+never joined (a thread waiting for room for its pushes waits only on its own,
+kvps.worker.pending.PushWindow), nor a pushpull's (it paces its own waves), nor pushes that
+name a key part in common (each keeps its own round's answer).
+"""
+
+from ..wire import protocol as P
+from .messages import FUSE_BYTES
+from .pending import Request
+
+_SAME = ('sync', 'step', 'priority')   # header fields joined pushes must have alike
+
+
+class Joined:
+    """The Operations of the pushes that share one message: its answer is one part of each,
+    its failure each one's."""
+
+    __slots__ = ('ops', 'what', 'waiting_on')
+
+    def __init__(self, ops):
+        self.ops = ops
+        self.what = ops[0].what
+        self.waiting_on = set()   # (each op names the server itself: see join_pushes)
+
+    def part_done(self):
+        for op in self.ops:
+            op.part_done()
+
+    def fail(self, exc):
+        for op in self.ops:
+            op.fail(exc)
+
+
+def join_pushes(entry, order, counts):
+    """``entry`` ((node, header, buffers, request), just taken from ``order``, a
+    kvps.wire.ordering.PriorityOrder) with the pushes queued right behind it that may share
+    its message (see the module), taken from ``order`` too; ``entry`` itself where none may.
+    ``counts.joined`` (the worker's WorkerCounts) counts the pushes that joined another's."""
+    node, header, buffers, request = entry
+    if header['op'] != P.PUSH or request.pusher is None:
+        return entry
+    joined = order.take_run(node, _Message(entry).takes)
+    if not joined:
+        return entry
+    counts.joined += len(joined)
+    everything = [entry, *joined]
+    ops = [each[3].op for each in everything]
+    for op in ops:
+        op.waiting_on.add(node)
+    keep = [block for each in everything for block in each[3].keep]
+    return (node, {**header, 'keys': [item for each in everything for item in each[1]['keys']]},
+            [frame for each in everything for frame in each[2]],
+            Request(Joined(ops), node, keep=keep, pusher=request.pusher))
+
+
+class _Message:
+    """The message a push starts, as later pushes join it: who may join, and what it holds."""
+
+    def __init__(self, entry):
+        self.node, self.header, buffers, request = entry
+        self.pusher = request.pusher
+        self.parts = {(item.key, item.part) for item in self.header['keys']}
+        self.socket = _socket_bytes(buffers)
+        self.listed = _listed_bytes(self.header['keys'])
+
+    def takes(self, later):
+        """Whether the push ``later`` (an entry as join_pushes's) joins; if so, it counts in."""
+        node, header, frames, request = later
+        if (node != self.node or header['op'] != P.PUSH or request.pusher != self.pusher
+                or any(header.get(f) != self.header.get(f) for f in _SAME)):
+            return False
+        socket, listed = _socket_bytes(frames), _listed_bytes(header['keys'])
+        parts = {(item.key, item.part) for item in header['keys']}
+        if (self.socket + socket > FUSE_BYTES or self.listed + listed > P.ITEMS_BUDGET
+                or not self.parts.isdisjoint(parts)):
+            return False
+        self.socket += socket
+        self.listed += listed
+        self.parts |= parts
+        return True
+
+
+def _socket_bytes(frames):
+    return sum(memoryview(frame).nbytes for frame in frames)
+
+
+def _listed_bytes(items):
+    return sum(P.item_bytes(item.key) for item in items)
