@@ -104,13 +104,16 @@ class PriorityOrder:
 
     def take_run(self, peer, accept, scan=4096):
         """Take, in arrival order, the waiting items for ``peer`` that ``accept(item)`` takes,
-        for as long as it takes them: the run ends at the first one for ``peer`` it refuses,
-        and at any message that is not a data request (nothing passes it); data requests for
-        other peers are passed over (none must follow another peer's). Looks at ``scan``
-        items at most; takes none while items taken along wait to go first."""
+        for as long as it takes them, to go with the item just popped: the run ends at the
+        first one for ``peer`` it refuses, at any message that is not a data request (nothing
+        passes it), and at one of a lower priority than another still waiting (``pop`` would
+        give that one first). Data requests for other peers are passed over (none must follow
+        another peer's). Looks at ``scan`` items at most; takes none while items taken along
+        wait to go first."""
         run = []
         if self._ahead:
             return run
+        heap = self._heap
         for waiting in itertools.islice(self._arrivals, scan):
             if waiting.taken:
                 continue
@@ -118,7 +121,9 @@ class PriorityOrder:
                 break
             if waiting.peer != peer:
                 continue
-            if not accept(waiting.item):
+            while heap[0][2].taken:   # (the waiting one itself is in the heap)
+                heapq.heappop(heap)
+            if -heap[0][0] > waiting.header.get('priority', 0) or not accept(waiting.item):
                 break
             waiting.taken = True
             self._waiting -= 1

@@ -5,17 +5,20 @@ on a busy box those per-message costs, not the bytes, set the pace.
 Only a backlog is joined: the I/O thread sends what is queued as soon as it can, so a push never
 waits for another. Joining keeps what a list push of the same keys would do: the server gets
 the keys in their order, in one message, and answers it once all of them are in their rounds'
-updates; every joined call counts that answer as its own. Pushes of different threads are
-never joined (a thread waiting for room for its pushes waits only on its own,
-kvps.worker.pending.PushWindow), nor a pushpull's (it paces its own waves), nor pushes that
-name a key part in common (each keeps its own round's answer).
+updates; every joined call counts that answer as its own. A push of a lower priority joins
+(MXNet's Gluon loop gives each key its own) only while none waits of a higher one: it goes
+when it would have gone alone (kvps.wire.ordering.PriorityOrder.take_run); the message keeps
+the first's priority. Pushes of different threads are never joined (a thread waiting for
+room for its pushes waits only on its own, kvps.worker.pending.PushWindow), nor a
+pushpull's (it paces its own waves), nor pushes that name a key part in common (each keeps
+its own round's answer).
 """
 
 from ..wire import protocol as P
 from .messages import FUSE_BYTES
 from .pending import Request
 
-_SAME = ('sync', 'step', 'priority')   # header fields joined pushes must have alike
+_SAME = ('sync', 'step')   # header fields joined pushes must have alike
 
 
 class Joined:

@@ -1,7 +1,8 @@
 """One-key pushes that leave in shared messages (kvps.worker.joined) change no result: MXNet's
-loop (a push per key, then a pull per key) over two servers, through shared memory and over
-the socket, gives the exact values in dist_sync and dist_async, with pushes of other threads
-and a barrier between; and pushes were joined."""
+loop (a push per key, then a pull per key; in one round with a priority per key, as Gluon's)
+over two servers, through shared memory and over the socket, gives the exact values in
+dist_sync and dist_async, with pushes of another thread and a barrier between; and pushes
+were joined."""
 
 import pytest
 
@@ -25,8 +26,8 @@ helper = threading.Thread(target=pushing_other_keys)
 helper.start()
 seen = []
 for step in range(3):
-    for k in keys:
-        kv.push(k, grad(k, step))
+    for k in keys:   # (in round 1 with MXNet's Gluon priorities: the first keys highest)
+        kv.push(k, grad(k, step), priority=-k if step == 1 else 0)
     outs = [np.zeros(7, np.float32) for _ in keys]
     waits = [kv.pull_begin(k, out) for k, out in zip(keys, outs)]
     for wait in waits:

@@ -27,9 +27,11 @@ def push(*keys, priority=0, step=1, nbytes=4, pusher=ME):
     return header, frames, Request(Operation(f'push {keys}', 1), None, pusher=pusher)
 
 
-def pull(*keys):
-    return {'op': P.PULL, 'keys': [PullItem(k, 0, None) for k in keys]}, [], Request(
-        Operation(f'pull {keys}', 1), None)
+def pull(*keys, priority=0):
+    header = {'op': P.PULL, 'keys': [PullItem(k, 0, None) for k in keys]}
+    if priority:
+        header['priority'] = priority
+    return header, [], Request(Operation(f'pull {keys}', 1), None)
 
 
 class _Dealer:
@@ -77,15 +79,28 @@ def test_a_pull_between_pushes_keeps_them_apart():
     assert sent == [(0, P.PUSH, [1], 1), (0, P.PULL, [1], 0), (0, P.PUSH, [2, 3], 2)]
 
 
-def test_pushes_join_only_with_the_same_thread_step_and_priority_and_no_key_in_common():
+def test_pushes_join_only_with_the_same_thread_and_step_and_no_key_in_common():
     sent, counts = sent_by_io_thread([
         (0, push(1)), (0, push(2, pusher=OTHER)),   # another thread's
         (0, push(3, pusher=None)),                  # a pushpull's wave (paced)
         (0, push(4)), (0, push(5, step=2)),         # a later step
-        (0, push(6, step=2)), (0, push(6, step=2)),   # the same key again
-        (0, push(7, step=2, priority=3))])          # another priority (it goes first)
-    assert [keys for _, _, keys, _ in sent] == [[7], [1], [2], [3], [4], [5, 6], [6]]
+        (0, push(6, step=2)), (0, push(6, step=2))])   # the same key again
+    assert [keys for _, _, keys, _ in sent] == [[1], [2], [3], [4], [5, 6], [6]]
     assert counts.joined == 1
+
+
+def test_a_push_of_a_lower_priority_joins_only_when_it_would_go_next_alone():
+    # MXNet's Gluon loop: a priority per key, the first keys highest
+    sent, _ = sent_by_io_thread([(0, push(k, priority=-k)) for k in range(4)])
+    assert [keys for _, _, keys, _ in sent] == [[0, 1, 2, 3]]
+    # a pull of a higher priority for another server goes before the lower push
+    sent, _ = sent_by_io_thread([(0, push(1, priority=5)), (0, push(2)),
+                                 (1, pull(9, priority=3))])
+    assert [(rank, keys) for rank, _, keys, _ in sent] == [(0, [1]), (1, [9]), (0, [2])]
+    # pushes queued out of priority order go in priority order
+    sent, _ = sent_by_io_thread([(0, push(1, priority=5)), (0, push(2, priority=-5)),
+                                 (0, push(3, priority=-1))])
+    assert [keys for _, _, keys, _ in sent] == [[1], [3, 2]]
 
 
 def test_a_message_of_joined_pushes_stays_within_the_fused_message_size():
