@@ -9,7 +9,7 @@ from ..timeline import recording
 from ..timeline.counters import ServerCounts, Ticker
 from ..wire import protocol as P
 from ..wire.identities import identity_label, worker_identity
-from ..wire.link import SchedulerLink, decode_or_refusal
+from ..wire.link import SchedulerLink, answers_or_refusals
 from ..wire.ordering import by_priority
 from ..wire.refusals import REFUSALS
 from ..wire.transport import Poller, Router, bind_host, guard_from, new_context
@@ -192,35 +192,35 @@ class Server:
         key part keep their order)."""
         burst = []
         for _ in range(BURST):
-            request = self._admit(*self.router.recv_from())
-            if request is not None:
-                burst.append(request)
+            burst += self._admit(*self.router.recv_from())
             if not self.router.raw.poll(0):
                 break
         for identity, header, buffers in by_priority(burst):
             self._serve(identity, header, buffers)
 
     def _admit(self, identity, frames):
-        """``(identity, header, buffers)`` of a request from a worker of this job; None for
-        anything else (refused, or answered with why it cannot be read)."""
+        """The ``(identity, header, buffers)`` of each request a message from a worker of this
+        job carries (a bundle's: several, kvps.wire.bundle); none for anything else (refused,
+        or answered with why it cannot be read)."""
         if frames is None:           # authentication refused it, and said why
-            return None
+            return []
         self.counts.requests += 1
         self.counts.request_bytes += sum(len(frame) for frame in frames)
         if identity not in self.workers:
             REFUSALS.refuse(identity, 'not a worker of this job',
                             '%s: refused a message from %r: not a worker of this job',
                             self.name, identity)
-            return None
-        decoded = decode_or_refusal(frames, self.config, identity)
-        if isinstance(decoded, ProtocolError):   # tell the member why rather than leave it waiting
-            req_id = P.request_id(frames)
-            if req_id is not None:
-                exc = ProtocolError(f'the server could not read this request: {decoded}')
-                self.replies.send(Reply(ReplyKind.ERROR, (identity, req_id), exc))
-            return None
-        header, buffers = decoded
-        return identity, header, buffers
+            return []
+        admitted = []
+        for message, decoded in answers_or_refusals(frames, self.config, identity):
+            if isinstance(decoded, ProtocolError):   # tell the member why: it would wait
+                req_id = P.request_id(message)
+                if req_id is not None:
+                    exc = ProtocolError(f'the server could not read this request: {decoded}')
+                    self.replies.send(Reply(ReplyKind.ERROR, (identity, req_id), exc))
+                continue
+            admitted.append((identity, *decoded))
+        return admitted
 
     def _serve(self, identity, header, buffers):
         """Serve one request: now, or once this restarted server's workers have resumed."""

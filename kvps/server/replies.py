@@ -7,6 +7,7 @@ from ..errors import KVPSError
 from ..timeline import recording
 from ..timeline.counters import ServerCounts
 from ..wire import protocol as P
+from ..wire.bundle import MAX_MESSAGES, bundle
 from ..wire.identities import identity_label
 from ..wire.pieces import continued, state_pieces
 from .batch import Batch
@@ -15,19 +16,22 @@ from .records import ReplyKind
 log = logging.getLogger('kvps.server')
 ACK, DATA = ReplyKind.ACK, ReplyKind.DATA
 _SPAN_NAMES = {kind: f'reply {kind.value}' for kind in ReplyKind}   # made once, not per reply
+BUNDLE_BYTES = 1 << 20   # frames' bytes in one bundle of pulled values (the rest go alone)
 
 
 class Replies:
     """A server's outgoing Replies: held until the loop flushes them (once the checkpoint
     that covers them is written), then each sent to its request; the replies to a Batch's
-    keys become one answer once the batch is settled. ``lending`` says how pulled values
-    travel; ``send_to(identity, frames, track)`` sends (the ROUTER's)."""
+    keys become one answer once the batch is settled, and the pulled values a flush sends a
+    worker go in one message (kvps.wire.bundle). ``lending`` says how pulled values travel;
+    ``send_to(identity, frames, track)`` sends (the ROUTER's)."""
 
     def __init__(self, send_to, name, lending, max_message_bytes=None, counts=None):
         self._send_to, self._name, self._lending = send_to, name, lending
         self._counts = counts or ServerCounts()   # the server's (replies and their bytes)
         self._max_message_bytes = max_message_bytes
         self._held = []
+        self._outbox = None   # while a flush runs: worker -> the _Bundle its DATA wait in
         self._senders = {ReplyKind.ACK: self._ack, ReplyKind.ERROR: self._error,
                          ReplyKind.DATA: self._data, ReplyKind.STATES: self._states,
                          ReplyKind.ROWS: self._rows}
@@ -50,11 +54,17 @@ class Replies:
                 outcomes.append(owner.outcome())
         riding = _riding_acks(outcomes)
         carried = set(riding)
-        for reply in outcomes:
-            identity = reply.token[0]
-            if identity in carried and _plain_ack(reply):
-                continue   # it rides (or has ridden) on the first DATA to its worker
-            self.send(reply, riding.pop(identity, None) if reply.kind is DATA else None)
+        self._outbox = {}
+        try:
+            for reply in outcomes:
+                identity = reply.token[0]
+                if identity in carried and _plain_ack(reply):
+                    continue   # it rides (or has ridden) on the first DATA to its worker
+                self.send(reply, riding.pop(identity, None) if reply.kind is DATA else None)
+        finally:
+            outbox, self._outbox = self._outbox, None
+            for identity, waiting in outbox.items():
+                self._post(identity, waiting)
 
     def send(self, reply, acks=None):
         """Send one Reply now, to the request its token names (a DATA with the ids of the
@@ -98,20 +108,68 @@ class Replies:
             header['acks'] = acks
         if delivery.lease is not None:
             header['lease'] = delivery.lease
-        tracker = self._send(identity, P.encode(header, delivery.frames),
-                             track=bool(delivery.frames))
-        for lease in delivery.framed:
-            lease.tracker = tracker
-            lease.released = tracker is None
+        self._send(identity, P.encode(header, delivery.frames), bool(delivery.frames),
+                   delivery.framed, may_bundle=True)
 
-    def _send(self, identity, frames, track=False):
+    def _send(self, identity, frames, track=False, leases=(), may_bundle=False):
+        """Send ``frames`` to worker ``identity`` (``leases``: those of the frames sent in
+        place, told when zmq lets go of them). During a flush a DATA (``may_bundle``) waits to
+        go with the worker's next ones; anything else first sends what waits (order kept)."""
+        outbox = self._outbox
+        if outbox is not None:
+            waiting = outbox.get(identity)
+            if may_bundle:
+                if waiting is None or not waiting.fits(frames):
+                    if waiting is not None:
+                        self._post(identity, waiting)
+                    waiting = outbox[identity] = _Bundle()
+                waiting.add(frames, track, leases)
+                return
+            if waiting is not None:
+                del outbox[identity]
+                self._post(identity, waiting)
+        self._transmit(identity, frames, track, leases)
+
+    def _post(self, identity, waiting):
+        if len(waiting.messages) == 1:
+            self._transmit(identity, waiting.messages[0], waiting.track, waiting.leases)
+        else:
+            self._transmit(identity, bundle(waiting.messages), waiting.track, waiting.leases)
+
+    def _transmit(self, identity, frames, track, leases):
         self._counts.replies += 1
         self._counts.reply_bytes += sum(memoryview(frame).nbytes for frame in frames)
         try:
-            return self._send_to(identity, frames, track)
+            tracker = self._send_to(identity, frames, track)
         except KVPSError as exc:  # that worker is gone; liveness will report it
             log.info('%s: could not answer %r: %s', self._name, identity, exc)
-            return None
+            tracker = None
+        for lease in leases:
+            lease.tracker = tracker
+            lease.released = tracker is None
+
+
+class _Bundle:
+    """DATA messages waiting to go to one worker as one (kvps.wire.bundle): up to about
+    BUNDLE_BYTES of frames and half a header's worth of headers."""
+
+    __slots__ = ('messages', 'track', 'leases', 'nbytes', 'header_bytes')
+
+    def __init__(self):
+        self.messages, self.track, self.leases = [], False, []
+        self.nbytes = self.header_bytes = 0
+
+    def fits(self, frames):
+        return (len(self.messages) < MAX_MESSAGES
+                and self.nbytes + sum(memoryview(f).nbytes for f in frames[1:]) <= BUNDLE_BYTES
+                and self.header_bytes + len(frames[0]) <= P.MAX_HEADER_BYTES // 2)
+
+    def add(self, frames, track, leases):
+        self.messages.append(frames)
+        self.track = self.track or track
+        self.leases += leases
+        self.nbytes += sum(memoryview(f).nbytes for f in frames[1:])
+        self.header_bytes += len(frames[0])
 
 
 def _riding_acks(outcomes):

@@ -20,7 +20,7 @@ class WorkerCounts:
     pulled_socket: int = 0         # server's) and over the socket
     pushed_ipc: int = 0            # bytes pushed and pulled through the worker's device
     pulled_ipc: int = 0            # segment (the ipc route: CUDA IPC)
-    messages: int = 0              # requests sent to servers
+    messages: int = 0              # requests sent to servers (several may share a message)
     answers: int = 0               # requests servers answered (acks riding on a DATA too)
     waits: int = 0                 # times a call blocked for answers
     wait_seconds: float = 0.0      # and for how long in all
@@ -70,9 +70,9 @@ class SchedulerCounts:
 @dataclasses.dataclass
 class ServerCounts:
     """A server's counts since it started."""
-    requests: int = 0              # messages from workers
+    requests: int = 0              # messages from workers (a bundle: one, kvps.wire.bundle)
     request_bytes: int = 0         # bytes of their frames (shared-memory payloads not counted)
-    replies: int = 0
+    replies: int = 0               # messages to workers (a bundle: one)
     reply_bytes: int = 0           # bytes of the replies' frames
 
 

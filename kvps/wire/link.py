@@ -9,6 +9,7 @@ from ..errors import (ConfigError, KVPSError, PeerLostError, ProtocolError, Requ
                       from_remote)
 from ..timeline import recording
 from . import protocol as P
+from .bundle import unbundled
 from .refusals import REFUSALS
 from .transport import Dealer, advertised_host, guard_from, resolve
 
@@ -173,3 +174,16 @@ def decode_or_refusal(frames, config, source):
     except ProtocolError as exc:
         REFUSALS.refuse(source, 'malformed', 'rejected a message from %s: %s', source, exc)
         return exc
+
+
+def answers_or_refusals(frames, config, source):
+    """``(frames, decode_or_refusal of them)`` for each message ``frames`` carries (one, or a
+    bundle's: kvps.wire.bundle); none where authentication refused it."""
+    if frames is None:
+        return []
+    try:
+        messages = unbundled(frames)
+    except ProtocolError as exc:
+        REFUSALS.refuse(source, 'malformed', 'rejected a message from %s: %s', source, exc)
+        return [(frames, exc)]
+    return [(message, decode_or_refusal(message, config, source)) for message in messages]

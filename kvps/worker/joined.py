@@ -1,6 +1,10 @@
-"""A thread's pushes queued back to back for one server, sent as one message: a call per key
-(MXNet's loop, `kv.push(k, v)` key after key) otherwise costs a message each way per key, and
-on a busy box those per-message costs, not the bytes, set the pace.
+"""Requests queued back to back for one server, sent as one message: a call per key (MXNet's
+loop, `kv.push(k, v)` then `kv.pull(k, out)` key after key) otherwise costs a message each way
+per key, and on a busy box those per-message costs, not the bytes, set the pace.
+
+A thread's pushes join into one request (join_pushes); other requests ride in the same message
+as a bundle (riders, kvps.wire.bundle), each with its own answer: a pull is answered once its
+own key's round is in, whatever the others wait for.
 
 Only a backlog is joined: the I/O thread sends what is queued as soon as it can, so a push never
 waits for another. Joining keeps what a list push of the same keys would do: the server gets
@@ -15,6 +19,8 @@ its own round's answer).
 """
 
 from ..wire import protocol as P
+from ..wire.bundle import MAX_MESSAGES
+from .holdback import pushed_bytes
 from .messages import FUSE_BYTES
 from .pending import Request
 
@@ -61,6 +67,33 @@ def join_pushes(entry, order, counts):
     return (node, {**header, 'keys': [item for each in everything for item in each[1]['keys']]},
             [frame for each in everything for frame in each[2]],
             Request(Joined(ops), node, keep=keep, pusher=request.pusher))
+
+
+def riders(entry, order, holdback):
+    """The requests taken from ``order`` to go in ``entry``'s message: the pulls and pushes
+    queued right behind it for the same server that put no push bytes on the socket (those
+    through shared memory), up to about FUSE_BYTES of frames; none while socket pushes are
+    held (kvps.worker.holdback tracks a message per socket push)."""
+    if holdback or not _rides(entry):
+        return []
+    room = [FUSE_BYTES - _socket_bytes(entry[2]), MAX_MESSAGES - 1,
+            P.MAX_HEADER_BYTES // 2 - _listed_bytes(entry[1]['keys'])]
+
+    def takes(later):
+        if later[0] != entry[0] or not _rides(later):
+            return False
+        need = (_socket_bytes(later[2]), 1, _listed_bytes(later[1]['keys']))
+        if any(n > left for n, left in zip(need, room)):
+            return False
+        room[:] = [left - n for n, left in zip(need, room)]
+        return True
+    return order.take_run(entry[0], takes)
+
+
+def _rides(entry):
+    """Whether ``entry`` may share a message: a pull, or a push with no socket bytes to track."""
+    header = entry[1]
+    return header['op'] == P.PULL or (header['op'] == P.PUSH and not pushed_bytes(*entry[1:]))
 
 
 class _Message:

@@ -97,3 +97,13 @@ class JobNotes:
         self._request(0, f'get of blob {name!r}', {'op': P.GET_BLOB, 'name': name}, (),
                       state_collector(got.append)).wait(self._config.timeout)
         return bytes(got[0])
+
+
+def membership_of(message):
+    """``(epoch, member ranks, [(rank, incarnation)])`` of a WELCOME or MEMBERS (a fixed job:
+    epoch 0, every rank, incarnation 0)."""
+    if 'workers' not in message:
+        ranks = list(range(message['num_workers']))
+        return 0, ranks, [(rank, 0) for rank in ranks]
+    workers = [tuple(pair) for pair in message['workers']]
+    return message['epoch'], [rank for rank, _ in workers], workers

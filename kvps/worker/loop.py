@@ -16,14 +16,16 @@ from ..errors import KVPSError, PeerLostError, ProtocolError, StoreClosedError
 from ..timeline import recording
 from ..timeline.counters import Ticker, WorkerCounts
 from ..wire import protocol as P
+from ..wire.bundle import bundle
 from ..wire.identities import members_on, worker_identity
 from ..wire.items import ResumeItem
-from ..wire.link import SchedulerLink, decode_or_refusal
+from ..wire.link import SchedulerLink, answers_or_refusals
 from ..wire.ordering import PriorityOrder
 from ..wire.pieces import continued
 from ..wire.transport import Dealer, Poller, Waker, guard_from, new_context
 from .holdback import POLL_S, Holdback, pushed_bytes
-from .joined import join_pushes
+from .joined import join_pushes, riders
+from .joining import membership_of
 from .messages import server_name
 from .pending import Attaching, PendingTable, PushCounts, Request
 from .staging import Staging
@@ -200,9 +202,10 @@ class WorkerIO(threading.Thread):
     def _send_queued(self):
         """Send every queued request, highest priority first. Requests queued meanwhile join
         the order before each send, so that one of a higher priority goes ahead of those still
-        waiting (kvps.wire.ordering). A thread's pushes queued back to back share a message
-        (kvps.worker.joined). Socket pushes beyond what zmq may queue, and what must follow
-        them, are held (kvps.worker.holdback) until they may go, ahead of the rest."""
+        waiting (kvps.wire.ordering). A thread's pushes queued back to back share a request,
+        and requests queued back to back a message (kvps.worker.joined). Socket pushes beyond
+        what zmq may queue, and what must follow them, are held (kvps.worker.holdback) until
+        they may go, ahead of the rest."""
         queue, order, holdback = self._queue, self._order, self._holdback
         while True:
             while queue:
@@ -218,18 +221,30 @@ class WorkerIO(threading.Thread):
                         or holdback.admit(entry, pushed_bytes(*entry[1:]))):
                     self.counts.held += 1
                     continue
-            self._send(*entry)
+            self._send(entry, riders(entry, order, holdback))
 
-    def _send(self, node, header, buffers, request):
-        """Send one request (fail it if this worker's link to the job is broken)."""
+    def _send(self, entry, more=()):
+        """Send the request ``entry``, with ``more`` (requests for the same server) in the same
+        message (kvps.wire.bundle); fail them if this worker's link to the job is broken."""
+        node, request = entry[0], entry[3]
+        messages = [m for m in (self._prepared(*each) for each in (entry, *more)) if m]
+        if messages and node not in self._lost:
+            taken = None if more else self._holdback.on_taken(
+                node, pushed_bytes(*request.message, request), self.waker.wake)
+            self._servers[node].send(bundle(messages) if more else messages[0], on_taken=taken)
+            self.counts.messages += len(messages)   # (requests: a bundle carries several)
+
+    def _prepared(self, node, header, buffers, request):
+        """The frames of one request to a server, made ready to send now; None for one that
+        goes another way (to the scheduler, or failed since this worker's link is broken)."""
         if self.fatal is not None:
             request.op.fail(self.fatal)
-            return
+            return None
         if node == SCHEDULER:
             self._scheduler_requests[header['id']] = request
             request.op.waiting_on.add(SCHEDULER)
             self._link.send(header)
-            return
+            return None
         header['id'] = self._pending.add(request)
         arena = None if self.staging is None else self.staging.arenas.get(node)
         if arena is not None and header['op'] in (P.PUSH, P.PULL):
@@ -238,14 +253,9 @@ class WorkerIO(threading.Thread):
             header['seen'] = arena.seen
         start = recording.now() if self.trace is not None else 0
         device = self._ready(node, request, header, buffers)
-        if node not in self._lost:
-            taken = self._holdback.on_taken(node, pushed_bytes(*request.message, request),
-                                            self.waker.wake)
-            self._servers[node].send(P.encode(*request.message), on_taken=taken)
-            self.counts.messages += 1
-            if self.trace is not None and header['op'] in (P.PUSH, P.PULL):
-                self.trace.sent(start, node, *request.message, request.keep,
-                                device is not None)
+        if self.trace is not None and header['op'] in (P.PUSH, P.PULL) and node not in self._lost:
+            self.trace.sent(start, node, *request.message, request.keep, device is not None)
+        return P.encode(*request.message)
 
     @property
     def in_flight(self):
@@ -275,13 +285,12 @@ class WorkerIO(threading.Thread):
 
     def _from_server(self, sock):
         node = self._by_socket[sock]
-        frames = sock.recv()
-        decoded = decode_or_refusal(frames, self.config, node)
-        if isinstance(decoded, ProtocolError):
-            # The call it answers would wait for it until KVPS_TIMEOUT: fail it now, saying why.
-            self._pending.fail(P.request_id(frames), ProtocolError(
-                f'the answer of {node} could not be read: {decoded}'))
-        elif decoded is not None:
+        for frames, decoded in answers_or_refusals(sock.recv(), self.config, node):
+            if isinstance(decoded, ProtocolError):
+                # Its call would wait for it until KVPS_TIMEOUT: fail it now, saying why.
+                self._pending.fail(P.request_id(frames), ProtocolError(
+                    f'the answer of {node} could not be read: {decoded}'))
+                continue
             self.counts.answers += 1 + len(decoded[0].get('acks', ()))   # (acks riding on it)
             self._pending.resolve(*decoded)
             if 'lease' in decoded[0] and self.staging is not None:
@@ -368,7 +377,7 @@ class WorkerIO(threading.Thread):
     def _unhold(self, name):
         """Take the requests held for lost server ``name`` in as unanswered, in their order."""
         for entry in self._holdback.release(name):
-            self._send(*entry)
+            self._send(entry)
 
     def _resume(self, name, acked, waiting):
         """Send ``name`` the RESUME: per key part, the pushes it acknowledged: ``acked``, the
@@ -409,12 +418,3 @@ class WorkerIO(threading.Thread):
         self.waker.close()
         self.ctx.term()
 
-
-def membership_of(message):
-    """``(epoch, member ranks, [(rank, incarnation)])`` of a WELCOME or MEMBERS (a fixed job:
-    epoch 0, every rank, incarnation 0)."""
-    if 'workers' not in message:
-        ranks = list(range(message['num_workers']))
-        return 0, ranks, [(rank, 0) for rank in ranks]
-    workers = [tuple(pair) for pair in message['workers']]
-    return message['epoch'], [rank for rank, _ in workers], workers

@@ -1,6 +1,7 @@
-"""A thread's pushes queued back to back for one server leave in one message (kvps.worker.joined):
-which ones join, in what order their keys go, and how the one answer completes or fails each
-call. Orders and counts, never timings."""
+"""Requests queued back to back for one server leave in one message (kvps.worker.joined): a
+thread's pushes as one request (which ones join, in what order their keys go, how the one answer
+completes or fails each call), and pulls and pushes through shared memory as a bundle, each
+answered alone. Orders and counts, never timings."""
 
 import threading
 
@@ -9,6 +10,7 @@ import numpy as np
 from kvps.config import Config
 from kvps.errors import DTypeError
 from kvps.wire import protocol as P
+from kvps.wire.bundle import unbundled
 from kvps.wire.items import PullItem, PushItem
 from kvps.wire.ordering import PriorityOrder
 from kvps.worker.loop import WorkerIO
@@ -18,12 +20,13 @@ from kvps.worker.pending import Operation, PendingTable, Request
 ME, OTHER = threading.get_ident(), -1
 
 
-def push(*keys, priority=0, step=1, nbytes=4, pusher=ME):
-    header = {'op': P.PUSH, 'sync': True, 'step': step,
-              'keys': [PushItem(k, 0, 'float32', nbytes // 4, None, 0) for k in keys]}
+def push(*keys, priority=0, step=1, nbytes=4, pusher=ME, shm=False):
+    """A push of ``keys`` as a client queues it (``shm``: its values in shared memory)."""
+    header = {'op': P.PUSH, 'sync': True, 'step': step, 'keys': [
+        PushItem(k, 0, 'float32', nbytes // 4, 64 * k if shm else None, 0) for k in keys]}
     if priority:
         header['priority'] = priority
-    frames = [np.zeros(nbytes // 4, np.float32) for _ in keys]
+    frames = [] if shm else [np.zeros(nbytes // 4, np.float32) for _ in keys]
     return header, frames, Request(Operation(f'push {keys}', 1), None, pusher=pusher)
 
 
@@ -35,26 +38,31 @@ def pull(*keys, priority=0):
 
 
 class _Dealer:
-    """A server's socket that records what is sent on it."""
+    """A server's socket that records what is sent on it: each request, and in ``bundles``
+    each zmq message, as the list of its requests' first keys (several: kvps.wire.bundle)."""
 
-    def __init__(self, name, sent):
-        self.name, self.sent = name, sent
+    def __init__(self, name, sent, bundles=None):
+        self.name, self.sent, self.bundles = name, sent, bundles
 
     def send(self, frames, on_taken=None):
-        header, buffers = P.decode(frames)
-        self.sent.append((self.name, header['op'], [item.key for item in header['keys']],
-                          len(buffers)))
+        messages = unbundled(frames)
+        for message in messages:
+            header, buffers = P.decode(message)
+            self.sent.append((self.name, header['op'], [item.key for item in header['keys']],
+                              len(buffers)))
+        if self.bundles is not None:
+            self.bundles.append([P.decode(m)[0]['keys'][0].key for m in messages])
 
     def close(self, linger_s):
         pass
 
 
-def sent_by_io_thread(messages):
+def sent_by_io_thread(messages, bundles=None):
     """What a worker's I/O thread sends of ``messages`` ((server rank, (header, frames,
     request))), all queued before it looks; and the thread's counts."""
     io = WorkerIO(Config())
     sent = []
-    io._servers = {f'server {r}': _Dealer(r, sent) for r in range(2)}
+    io._servers = {f'server {r}': _Dealer(r, sent, bundles) for r in range(2)}
     try:
         for rank, (header, frames, request) in messages:
             request.node = f'server {rank}'
@@ -63,6 +71,22 @@ def sent_by_io_thread(messages):
     finally:
         io._close()
     return sent, io.counts
+
+
+def sent_to_server_0(calls):
+    """A worker's I/O thread once it has sent ``calls`` (header, frames, request) to server 0,
+    all queued before it looks: its table of requests awaiting answers, its counts."""
+    io = WorkerIO(Config())
+    io._servers = {'server 0': _Dealer(0, [], [])}
+    io._pending = PendingTable()
+    for header, frames, request in calls:
+        request.node = 'server 0'
+        io._queue.append(('server 0', header, frames, request))
+    try:
+        io._send_queued()
+    finally:
+        io._close()
+    return io
 
 
 def test_pushes_of_one_thread_to_one_server_share_a_message_in_their_order():
@@ -135,18 +159,10 @@ def test_the_one_answer_completes_or_fails_every_joined_call():
                            ({'op': P.ERROR, 'type': 'DTypeError', 'message': 'bad',
                              'node': 'server 0'}, DTypeError)]:
         errors = []
-        io = WorkerIO(Config())
-        io._servers = {'server 0': _Dealer(0, [])}
-        io._pending = PendingTable()
         calls = [push(k) for k in range(3)]
-        for header, frames, request in calls:
+        for _, _, request in calls:
             request.op.on_error = errors.append
-            request.node = 'server 0'
-            io._queue.append(('server 0', header, frames, request))
-        try:
-            io._send_queued()
-        finally:
-            io._close()
+        io = sent_to_server_0(calls)
         assert len(io._pending) == 1   # one message, one request waiting
         req_id = next(iter(io._pending._by_id))
         io._pending.resolve({**answer, 'id': req_id}, ())
@@ -157,3 +173,25 @@ def test_the_one_answer_completes_or_fails_every_joined_call():
             assert errors == [] and all(op.error is None for op in ops)
         else:
             assert len(errors) == 3 and all(isinstance(op.error, raised) for op in ops)
+
+
+def test_pulls_and_pushes_through_shared_memory_share_a_message_each_with_its_answer():
+    bundles = []
+    sent, counts = sent_by_io_thread([
+        (0, pull(1)), (0, pull(2)), (1, pull(3)), (0, push(4, shm=True, pusher=OTHER)),
+        (0, pull(5)),
+        (0, push(6)),   # over the socket: a message of its own (holdback tracks it)
+        (0, pull(7)), (0, pull(8))], bundles)
+    assert bundles == [[1, 2, 4, 5], [3], [6], [7, 8]]
+    assert [keys for _, _, keys, _ in sent] == [[1], [2], [4], [5], [3], [6], [7], [8]]
+    assert counts.messages == 8   # (requests)
+
+
+def test_requests_sharing_a_message_are_each_answered_by_their_own_reply():
+    calls = [pull(k) for k in range(3)]
+    io = sent_to_server_0(calls)
+    assert io._servers['server 0'].bundles == [[0, 1, 2]]   # one zmq message
+    assert io.counts.messages == len(io._pending) == 3
+    first, second, third = sorted(io._pending._by_id)
+    io._pending.resolve({'op': P.ACK, 'id': second}, ())
+    assert [request.op.done.is_set() for _, _, request in calls] == [False, True, False]

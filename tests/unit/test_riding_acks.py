@@ -10,6 +10,7 @@ from kvps.errors import KVPSError, ProtocolError
 from kvps.server.records import PullAnswer, Reply, ReplyKind
 from kvps.server.replies import Replies
 from kvps.wire import protocol as P
+from kvps.wire.bundle import unbundled
 from kvps.worker.pending import Operation, PendingTable, Request
 
 ACK, DATA, ERROR = ReplyKind.ACK, ReplyKind.DATA, ReplyKind.ERROR
@@ -21,13 +22,19 @@ class NoLending:
         return SimpleNamespace(items=[], lease=None, frames=[], framed=[])
 
 
-def flushed(held):
+def sent_messages(held):
+    """What flushing ``held`` sends: per message, its worker and the headers it carries (more
+    than one where the DATA of a flush to one worker went as a bundle)."""
     sent = []
-    replies = Replies(lambda who, frames, track: sent.append((who, msgpack.unpackb(frames[0]))),
-                      'server 0', NoLending())
+    replies = Replies(lambda who, frames, track: sent.append((who, [
+        msgpack.unpackb(message[0]) for message in unbundled(frames)])), 'server 0', NoLending())
     replies.hold(held)
     replies.flush()
-    return [(who, h['op'], h['id'], h.get('acks')) for who, h in sent]
+    return [(who, [(h['op'], h['id'], h.get('acks')) for h in headers]) for who, headers in sent]
+
+
+def flushed(held):
+    return [(who, *each) for who, headers in sent_messages(held) for each in headers]
 
 
 def test_plain_acks_ride_on_the_first_data_to_their_worker():
@@ -70,3 +77,18 @@ def test_acks_only_on_data_and_as_request_ids():
                 {'op': P.ACK, 'id': 1, 'acks': [3]}):
         with pytest.raises(ProtocolError, match='acks'):
             P.validate_header(bad)
+
+
+def test_the_data_of_a_flush_to_one_worker_go_as_one_message_in_their_order():
+    assert sent_messages([Reply(DATA, (b'w0', 1), NOTHING), Reply(DATA, (b'w1', 2), NOTHING),
+                          Reply(ACK, (b'w0', 3), None), Reply(DATA, (b'w0', 4), NOTHING)]) == [
+        (b'w0', [(P.DATA, 1, [3]), (P.DATA, 4, None)]), (b'w1', [(P.DATA, 2, None)])]
+
+
+def test_a_reply_that_is_not_data_keeps_its_place_among_the_data():
+    """A push's error must reach the worker before the values of a pull made after it."""
+    assert sent_messages([Reply(DATA, (b'w0', 1), NOTHING), Reply(ERROR, (b'w0', 2),
+                                                                   KVPSError('bad')),
+                          Reply(DATA, (b'w0', 3), NOTHING), Reply(DATA, (b'w0', 4), NOTHING)]) == [
+        (b'w0', [(P.DATA, 1, None)]), (b'w0', [(P.ERROR, 2, None)]),
+        (b'w0', [(P.DATA, 3, None), (P.DATA, 4, None)])]
