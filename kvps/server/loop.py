@@ -9,7 +9,7 @@ from ..timeline import recording
 from ..timeline.counters import ServerCounts, Ticker
 from ..wire import protocol as P
 from ..wire.identities import identity_label, worker_identity
-from ..wire.link import SchedulerLink, answers_or_refusals
+from ..wire.link import SchedulerLink, decoded_or_refusals
 from ..wire.ordering import by_priority
 from ..wire.refusals import REFUSALS
 from ..wire.transport import Poller, Router, bind_host, guard_from, new_context
@@ -212,7 +212,7 @@ class Server:
                             self.name, identity)
             return []
         admitted = []
-        for message, decoded in answers_or_refusals(frames, self.config, identity):
+        for message, decoded in decoded_or_refusals(frames, self.config, identity):
             if isinstance(decoded, ProtocolError):   # tell the member why: it would wait
                 req_id = P.request_id(message)
                 if req_id is not None:

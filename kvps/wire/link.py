@@ -176,7 +176,7 @@ def decode_or_refusal(frames, config, source):
         return exc
 
 
-def answers_or_refusals(frames, config, source):
+def decoded_or_refusals(frames, config, source):
     """``(frames, decode_or_refusal of them)`` for each message ``frames`` carries (one, or a
     bundle's: kvps.wire.bundle); none where authentication refused it."""
     if frames is None:

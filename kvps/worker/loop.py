@@ -19,7 +19,7 @@ from ..wire import protocol as P
 from ..wire.bundle import bundle
 from ..wire.identities import members_on, worker_identity
 from ..wire.items import ResumeItem
-from ..wire.link import SchedulerLink, answers_or_refusals
+from ..wire.link import SchedulerLink, decoded_or_refusals
 from ..wire.ordering import PriorityOrder
 from ..wire.pieces import continued
 from ..wire.transport import Dealer, Poller, Waker, guard_from, new_context
@@ -285,7 +285,7 @@ class WorkerIO(threading.Thread):
 
     def _from_server(self, sock):
         node = self._by_socket[sock]
-        for frames, decoded in answers_or_refusals(sock.recv(), self.config, node):
+        for frames, decoded in decoded_or_refusals(sock.recv(), self.config, node):
             if isinstance(decoded, ProtocolError):
                 # Its call would wait for it until KVPS_TIMEOUT: fail it now, saying why.
                 self._pending.fail(P.request_id(frames), ProtocolError(

@@ -5,6 +5,7 @@ server never reordered), and the calls that take it. Orders, never timings."""
 import numpy as np
 import pytest
 
+from fake_sockets import Router
 from kvps.config import Config
 from kvps.errors import ProtocolError
 from kvps.kvstore import create
@@ -146,24 +147,10 @@ def test_the_io_thread_sends_the_highest_priority_first_a_keys_pull_after_its_pu
 
 
 # -- the server's burst ---------------------------------------------------------------------
-class _Router:
-    """A server's socket holding a burst of received messages."""
-
-    def __init__(self, messages):
-        self.messages = list(messages)
-        self.raw = self
-
-    def recv_from(self):
-        return self.messages.pop(0)
-
-    def poll(self, timeout):
-        return bool(self.messages)
-
-
 def test_a_server_serves_a_burst_by_priority():
     server = Server.__new__(Server)   # its sockets and shard are not needed to order
     frames = [np.zeros(1, np.float32)]
-    server.router = _Router([(b'worker-0', P.encode(push(1), frames)),
+    server.router = Router([(b'worker-0', P.encode(push(1), frames)),
                              (b'worker-1', P.encode(push(1), frames)),
                              (b'worker-1', P.encode(pull(1, priority=3))),
                              (b'worker-0', P.encode(pull(5, priority=2)))])
