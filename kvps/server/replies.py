@@ -7,7 +7,7 @@ from ..errors import KVPSError
 from ..timeline import recording
 from ..timeline.counters import ServerCounts
 from ..wire import protocol as P
-from ..wire.bundle import MAX_MESSAGES, bundle
+from ..wire.bundle import INDEX_BYTES, MAX_MESSAGES, bundle
 from ..wire.identities import identity_label
 from ..wire.pieces import continued, state_pieces
 from .batch import Batch
@@ -119,11 +119,11 @@ class Replies:
         if outbox is not None:
             waiting = outbox.get(identity)
             if may_bundle:
-                if waiting is None or not waiting.fits(frames):
-                    if waiting is not None:
-                        self._post(identity, waiting)
-                    waiting = outbox[identity] = _Bundle()
-                waiting.add(frames, track, leases)
+                if waiting is not None and waiting.takes(frames, track, leases):
+                    return
+                if waiting is not None:
+                    self._post(identity, waiting)
+                outbox[identity] = _Bundle(frames, track, leases)
                 return
             if waiting is not None:
                 del outbox[identity]
@@ -150,26 +150,28 @@ class Replies:
 
 
 class _Bundle:
-    """DATA messages waiting to go to one worker as one (kvps.wire.bundle): up to about
-    BUNDLE_BYTES of frames and half a header's worth of headers."""
+    """DATA messages waiting to go to one worker as one (kvps.wire.bundle): the first, and
+    those that fit with it in BUNDLE_BYTES of frames and the index's bytes of headers."""
 
     __slots__ = ('messages', 'track', 'leases', 'nbytes', 'header_bytes')
 
-    def __init__(self):
-        self.messages, self.track, self.leases = [], False, []
-        self.nbytes = self.header_bytes = 0
+    def __init__(self, frames, track, leases):
+        self.messages, self.track, self.leases = [frames], track, list(leases)
+        self.nbytes = sum(memoryview(f).nbytes for f in frames[1:])
+        self.header_bytes = len(frames[0])
 
-    def fits(self, frames):
-        return (len(self.messages) < MAX_MESSAGES
-                and self.nbytes + sum(memoryview(f).nbytes for f in frames[1:]) <= BUNDLE_BYTES
-                and self.header_bytes + len(frames[0]) <= P.MAX_HEADER_BYTES // 2)
-
-    def add(self, frames, track, leases):
+    def takes(self, frames, track, leases):
+        """Add the message ``frames`` (``track``, ``leases``: as Replies._send's) if it fits."""
+        nbytes = sum(memoryview(f).nbytes for f in frames[1:])
+        if (len(self.messages) == MAX_MESSAGES or self.nbytes + nbytes > BUNDLE_BYTES
+                or self.header_bytes + len(frames[0]) > INDEX_BYTES):
+            return False
         self.messages.append(frames)
         self.track = self.track or track
         self.leases += leases
-        self.nbytes += sum(memoryview(f).nbytes for f in frames[1:])
+        self.nbytes += nbytes
         self.header_bytes += len(frames[0])
+        return True
 
 
 def _riding_acks(outcomes):

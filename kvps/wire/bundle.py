@@ -15,6 +15,7 @@ from ..errors import ProtocolError
 from .protocol import MAX_HEADER_BYTES
 
 MAX_MESSAGES = 1 << 12   # messages in one bundle
+INDEX_BYTES = MAX_HEADER_BYTES // 2   # their headers together, at most: the index stays below
 # msgpack's array markers: fixarray, array 16, array 32 (a map's are 0x80-0x8f, 0xde, 0xdf)
 _ARRAY_FIRST_BYTES = frozenset([*range(0x90, 0xa0), 0xdc, 0xdd])
 

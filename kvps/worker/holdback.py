@@ -155,4 +155,9 @@ def pushed_bytes(header, buffers, request):
     pushpull paces its pushes itself: its pulls follow each wave, kvps.worker.credit)."""
     if header['op'] != P.PUSH or not buffers or request.paced:
         return 0
-    return sum(memoryview(frame).nbytes for frame in buffers)
+    return socket_bytes(buffers)
+
+
+def socket_bytes(frames):
+    """The bytes of a message's ``frames`` (what it puts on the socket beside its header)."""
+    return sum(memoryview(frame).nbytes for frame in frames)

@@ -19,8 +19,8 @@ its own round's answer).
 """
 
 from ..wire import protocol as P
-from ..wire.bundle import MAX_MESSAGES
-from .holdback import pushed_bytes
+from ..wire.bundle import INDEX_BYTES, MAX_MESSAGES
+from .holdback import pushed_bytes, socket_bytes
 from .messages import FUSE_BYTES
 from .pending import Request
 
@@ -76,13 +76,13 @@ def riders(entry, order, holdback):
     held (kvps.worker.holdback tracks a message per socket push)."""
     if holdback or not _rides(entry):
         return []
-    room = [FUSE_BYTES - _socket_bytes(entry[2]), MAX_MESSAGES - 1,
-            P.MAX_HEADER_BYTES // 2 - _listed_bytes(entry[1]['keys'])]
+    room = [FUSE_BYTES - socket_bytes(entry[2]), MAX_MESSAGES - 1,
+            INDEX_BYTES - _listed_bytes(entry[1]['keys'])]
 
     def takes(later):
         if later[0] != entry[0] or not _rides(later):
             return False
-        need = (_socket_bytes(later[2]), 1, _listed_bytes(later[1]['keys']))
+        need = (socket_bytes(later[2]), 1, _listed_bytes(later[1]['keys']))
         if any(n > left for n, left in zip(need, room)):
             return False
         room[:] = [left - n for n, left in zip(need, room)]
@@ -103,7 +103,7 @@ class _Message:
         self.node, self.header, buffers, request = entry
         self.pusher = request.pusher
         self.parts = {(item.key, item.part) for item in self.header['keys']}
-        self.socket = _socket_bytes(buffers)
+        self.socket = socket_bytes(buffers)
         self.listed = _listed_bytes(self.header['keys'])
 
     def takes(self, later):
@@ -112,7 +112,7 @@ class _Message:
         if (node != self.node or header['op'] != P.PUSH or request.pusher != self.pusher
                 or any(header.get(f) != self.header.get(f) for f in _SAME)):
             return False
-        socket, listed = _socket_bytes(frames), _listed_bytes(header['keys'])
+        socket, listed = socket_bytes(frames), _listed_bytes(header['keys'])
         parts = {(item.key, item.part) for item in header['keys']}
         if (self.socket + socket > FUSE_BYTES or self.listed + listed > P.ITEMS_BUDGET
                 or not self.parts.isdisjoint(parts)):
@@ -121,10 +121,6 @@ class _Message:
         self.listed += listed
         self.parts |= parts
         return True
-
-
-def _socket_bytes(frames):
-    return sum(memoryview(frame).nbytes for frame in frames)
 
 
 def _listed_bytes(items):
