@@ -168,7 +168,7 @@ class DistClient(RowRequests):
         queueing under one lock keep a key part's pushes to a server in the order of their
         numbers, whichever threads push at once."""
         counts, in_bytes = self.io.push_counts, P.SIZED_IN_BYTES
-        pusher = None if paced else threading.get_ident()   # (kvps.worker.joined)
+        pusher = None if paced else threading.get_ident()   # (see pending.Request)
         with counts.lock:
             for server, batch in batches:
                 node = server_name(server)
@@ -196,7 +196,7 @@ class DistClient(RowRequests):
                 if priority:
                     header['priority'] = priority
                 self._submit(server, header, frames,
-                             Request(op, node, keep=keep, paced=paced, pusher=pusher))
+                             Request(op, node, keep=keep, pusher=pusher))
 
     def _count_pushes(self, items):
         """The step a sync push carries (None in async): without it a server whose keys are

@@ -152,8 +152,9 @@ def _follows(parts, held):
 
 def pushed_bytes(header, buffers, request):
     """The bytes a request puts on the socket if it is a push that may be held, else 0 (a
-    pushpull paces its pushes itself: its pulls follow each wave, kvps.worker.credit)."""
-    if header['op'] != P.PUSH or not buffers or request.paced:
+    pushpull paces its pushes itself, which come with no ``pusher``: its pulls follow each
+    wave, kvps.worker.credit)."""
+    if header['op'] != P.PUSH or not buffers or request.pusher is None:
         return 0
     return socket_bytes(buffers)
 

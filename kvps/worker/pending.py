@@ -98,16 +98,17 @@ class Request:
     into; they return to the segment when the request is answered and dropped (or lost), so
     never while a server may still read or write them. ``after``: called with the request
     when its answer comes, before anything else (where it names blocks of the device segment:
-    kvps.worker.device_staging.DeviceStaging.answer_of). ``paced``: a pushpull's push, which
-    its waves pace: never held back (kvps.worker.holdback). ``pusher``: the thread that made
-    a push which may share a message with its next ones (kvps.worker.joined), else None."""
+    kvps.worker.device_staging.DeviceStaging.answer_of). ``pusher``: the thread that made a
+    push, which may share a request with its next ones (kvps.worker.joined); None for other
+    requests and a pushpull's pushes, which its waves pace: never held back
+    (kvps.worker.holdback) nor joined."""
 
-    __slots__ = ('op', 'node', 'on_data', 'message', 'keep', 'after', 'paced', 'pusher')
+    __slots__ = ('op', 'node', 'on_data', 'message', 'keep', 'after', 'pusher')
 
-    def __init__(self, op, node, on_data=None, keep=(), paced=False, pusher=None):
+    def __init__(self, op, node, on_data=None, keep=(), pusher=None):
         self.op, self.node, self.on_data, self.keep = op, node, on_data, keep
         self.message = self.after = None
-        self.paced, self.pusher = paced, pusher
+        self.pusher = pusher
 
 
 class PushCounts:

@@ -136,7 +136,7 @@ def test_release_gives_back_what_was_held_in_order_and_forgets_the_queue():
 
 
 def test_pushed_bytes_counts_the_frames_of_pushes_only_not_of_a_pushpulls():
-    plain, paced = Request(None, 's0'), Request(None, 's0', paced=True)
+    plain, paced = Request(None, 's0', pusher=1), Request(None, 's0')   # (a pushpull's: none)
     assert pushed_bytes({'op': P.PUSH}, [b'x' * 10, memoryview(b'y' * 5)], plain) == 15
     assert pushed_bytes({'op': P.PUSH}, [], plain) == 0
     assert pushed_bytes({'op': P.INIT}, [b'x' * 10], plain) == 0

@@ -2,6 +2,8 @@
 (highest first, arrival order within one, a key part's requests between one worker and one
 server never reordered), and the calls that take it. Orders, never timings."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -137,8 +139,10 @@ def test_the_io_thread_sends_the_highest_priority_first_a_keys_pull_after_its_pu
                              ('server 1', pull(2, priority=7)),
                              ('server 0', pull(3, priority=1)),
                              ('server 0', pull(4, priority=7))]:
-            frames = [np.zeros(1, np.float32)] if header['op'] == P.PUSH else []
-            io._queue.append((node, header, frames, Request(Operation('call', 1), node)))
+            pushing = header['op'] == P.PUSH   # (a thread's push, over the socket)
+            frames = [np.zeros(1, np.float32)] if pushing else []
+            io._queue.append((node, header, frames, Request(
+                Operation('call', 1), node, pusher=threading.get_ident() if pushing else None)))
         io._send_queued()
     finally:
         io._close()
