@@ -176,11 +176,6 @@ NOTHING = 'nothing'
 PUSH_CODECS = GRADIENT_CODECS + (ROW_SPARSE, NOTHING)
 SIZED_IN_BYTES = (ONE_BIT, TOP_K, ROW_SPARSE, NOTHING)   # push kinds whose `n` counts bytes
 MAX_HEADER_BYTES = 1 << 20   # headers are small maps; a bigger one is hostile or broken
-# The items of one multi-key message pack to at most this many bytes (its sender cuts a longer
-# list of keys into several messages): the header, and a DATA answer to a PULL, stay far
-# below MAX_HEADER_BYTES, and the keys below MAX_KEYS_PER_MESSAGE.
-ITEMS_BUDGET = MAX_HEADER_BYTES // 2
-INT_ITEM_BYTES = 64   # an item with an int key: its list, 5 fields and key, 1 + 6 * 9 bytes
 MAX_KEY_CHARS = 1024
 PRIORITIES = range(-2 ** 31, 2 ** 31)   # MXNet's priority is a C int
 
@@ -235,54 +230,34 @@ def validate_header(header):
     op = header.get('op')
     if not isinstance(op, str) or op not in OPS:   # type first: a list is unhashable
         raise ProtocolError(f'unknown op {op!r}')
-    if not isinstance(header.get('id', 0), int) or isinstance(header.get('id'), bool):
-        raise ProtocolError(f'{op}: id must be an int')
     for name, kind in _FIELDS.get(op, {}).items():
         value = header.get(name)
         if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
             raise ProtocolError(f'{op}: field {name!r} missing or of wrong type')
-    since = header.get('since')
-    if since is not None and not (type(since) is list and len(since) == 2
-                                  and all(_natural(v) for v in since)):
-        raise ProtocolError(f'{op}: since must be [epoch, count], two ints >= 0')
-    priority = header.get('priority')
-    if priority is not None and not (type(priority) is int and priority in PRIORITIES):
-        raise ProtocolError(f'{op}: priority must be an int of 32 bits')
-    for flag in ('device', 'stage', 'ids', 'live', 'more', 'check', 'whole'):
-        if not isinstance(header.get(flag, False), bool):
-            raise ProtocolError(f'{op}: {flag} must be true or false')
-    if 'key' in header:
-        check_key(header['key'])
-    if 'dtype' in header:
-        _check_dtype(op, header['dtype'])
-    for name in ('n', 'part', 'rank', 'port', 'size', 'seen', 'lease', 'pid', 'fd', 'step',
-                 'epoch', 'count', 'piece', 'clock', 'round'):
-        value = header.get(name)
-        if name in header and not _natural(value) and not (name == 'rank' and value is None):
-            raise ProtocolError(f'{op}: {name} must be an int >= 0')
+    # Each field the header carries, by its name (a data message has a few of the many
+    # names: asking each name whether it is there cost more than the rest of decoding)
+    for name, value in header.items():
+        check = _FIELD_CHECKS.get(name)
+        if check is not None and not check(op, value):
+            raise ProtocolError(f'{op}: {_FIELD_RULES.get(name) or name + " must be an int >= 0"}')
     layout = _LAYOUTS.get(op)
-    items = None if layout is None else _typed_items(op, layout, header['keys'])
-    if 'shared' in header:   # REGISTER's only: no cost on the data path's messages
-        _check_shared(op, header['shared'])
-    rank_from = header.get('rank_from')
-    if rank_from is not None and not (isinstance(rank_from, str) and len(rank_from) <= 200):
-        raise ProtocolError(f'{op}: rank_from must be a string of at most 200 characters')
-    codec = header.get('codec')
-    if codec is not None and not (type(codec) is str and codec in PULL_CODECS):
-        raise ProtocolError(f'{op}: codec must be one of {", ".join(PULL_CODECS)}')
-    acks = header.get('acks')
-    if acks is not None and not (op == DATA and type(acks) is list
-                                 and len(acks) <= MAX_KEYS_PER_MESSAGE
-                                 and all(type(a) is int and a > 0 for a in acks)):
-        raise ProtocolError(f'{op}: acks must be a list of request ids')
-    digest = header.get('digest')
-    if digest is not None and not (isinstance(digest, bytes) and len(digest) <= MAX_DIGEST_BYTES):
-        raise ProtocolError(f'{op}: digest must be at most {MAX_DIGEST_BYTES} bytes')
-    total = header.get('sum')
-    if total is not None and not (type(total) is bytes and 0 < len(total) <= MAX_SUM_BYTES
-                                  and len(total) % 8 == 0):
-        raise ProtocolError(f'{op}: sum must be float64 values, at most {MAX_SUM_BYTES} bytes')
-    return items
+    return None if layout is None else _typed_items(op, layout, header['keys'])
+
+
+def _flag(op, value):
+    return type(value) is bool
+
+
+def _optional(test):
+    return lambda op, value: value is None or test(value)
+
+
+def _raising(check):
+    """A field check made of one that raises its own ProtocolError, saying more."""
+    def checked(op, value):
+        check(op, value)
+        return True
+    return checked
 
 
 def _check_shared(op, shared):
@@ -299,6 +274,41 @@ def _natural(value):
 def _check_dtype(op, dtype):
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise ProtocolError(f'{op}: unsupported dtype {dtype!r}')
+
+
+# Header fields checked wherever they appear, by name -> (op, value) -> whether it is fine;
+# what a failed check says is in _FIELD_RULES (else: an int >= 0). The fields an op must
+# carry are _FIELDS's.
+_FLAGS = ('device', 'stage', 'ids', 'live', 'more', 'check', 'whole')
+_FIELD_CHECKS = {
+    'id': lambda op, value: isinstance(value, int) and not isinstance(value, bool),
+    'since': _optional(lambda v: type(v) is list and len(v) == 2 and all(map(_natural, v))),
+    'priority': _optional(lambda v: type(v) is int and v in PRIORITIES),
+    **dict.fromkeys(_FLAGS, _flag),
+    'key': _raising(lambda op, key: check_key(key)),
+    'dtype': _raising(_check_dtype),
+    **dict.fromkeys(('n', 'part', 'port', 'size', 'seen', 'lease', 'pid', 'fd', 'step', 'epoch',
+                     'count', 'piece', 'clock', 'round'), lambda op, value: _natural(value)),
+    'rank': lambda op, value: value is None or _natural(value),
+    'shared': _raising(_check_shared),   # REGISTER's only
+    'rank_from': _optional(lambda v: isinstance(v, str) and len(v) <= 200),
+    'codec': _optional(lambda v: type(v) is str and v in PULL_CODECS),
+    'acks': lambda op, v: v is None or (op == DATA and type(v) is list and len(
+        v) <= MAX_KEYS_PER_MESSAGE and all(type(a) is int and a > 0 for a in v)),
+    'digest': _optional(lambda v: isinstance(v, bytes) and len(v) <= MAX_DIGEST_BYTES),
+    'sum': _optional(lambda v: type(v) is bytes and 0 < len(v) <= MAX_SUM_BYTES
+                     and len(v) % 8 == 0),
+}
+_FIELD_RULES = {
+    'id': 'id must be an int', 'since': 'since must be [epoch, count], two ints >= 0',
+    'priority': 'priority must be an int of 32 bits',
+    **{flag: f'{flag} must be true or false' for flag in _FLAGS},
+    'rank_from': 'rank_from must be a string of at most 200 characters',
+    'codec': f'codec must be one of {", ".join(PULL_CODECS)}',
+    'acks': 'acks must be a list of request ids',
+    'digest': f'digest must be at most {MAX_DIGEST_BYTES} bytes',
+    'sum': f'sum must be float64 values, at most {MAX_SUM_BYTES} bytes',
+}
 
 
 def _typed_items(op, layout, items):
@@ -338,35 +348,6 @@ def _check_shape(op, shape):
     if not (type(shape) is list and len(shape) <= MAX_DIMS and all(
             type(d) is int and d >= 0 for d in shape)):
         raise ProtocolError(f'{op}: shape must list at most {MAX_DIMS} ints >= 0')
-
-
-def item_bytes(key):
-    """At most how many bytes an item of a multi-key message (PUSH, PULL, RESUME) about
-    ``key`` packs to (an int packs to at most 9 bytes; a str to 5 + its UTF-8 bytes); an
-    INIT or CHECK item also lists a shape (shape_bytes); a DATA answer's items are smaller."""
-    if type(key) is not str:
-        return INT_ITEM_BYTES
-    return INT_ITEM_BYTES + 5 + (len(key) if key.isascii() else 4 * len(key))
-
-
-def shape_bytes(shape):
-    """At most how many bytes ``shape`` adds to an INIT or CHECK item."""
-    return 5 + 9 * len(shape)
-
-
-def within_budget(items):
-    """``items`` (of kvps.wire.items, with a key) cut into runs that one message each may
-    carry (ITEMS_BUDGET); no items: one empty run."""
-    runs, run, used = [], [], 0
-    for item in items:
-        size = item_bytes(item.key)
-        if run and used + size > ITEMS_BUDGET:
-            runs.append(run)
-            run, used = [], 0
-        run.append(item)
-        used += size
-    runs.append(run)
-    return runs
 
 
 def check_key(key):

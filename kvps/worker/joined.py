@@ -18,7 +18,7 @@ pushpull's (it paces its own waves), nor pushes that name a key part in common (
 its own round's answer).
 """
 
-from ..wire import protocol as P
+from ..wire import budget, protocol as P
 from ..wire.bundle import INDEX_BYTES, MAX_MESSAGES
 from .holdback import pushed_bytes, socket_bytes
 from .messages import FUSE_BYTES
@@ -114,7 +114,7 @@ class _Message:
             return False
         socket, listed = socket_bytes(frames), _listed_bytes(header['keys'])
         parts = {(item.key, item.part) for item in header['keys']}
-        if (self.socket + socket > FUSE_BYTES or self.listed + listed > P.ITEMS_BUDGET
+        if (self.socket + socket > FUSE_BYTES or self.listed + listed > budget.ITEMS_BUDGET
                 or not self.parts.isdisjoint(parts)):
             return False
         self.socket += socket
@@ -124,4 +124,4 @@ class _Message:
 
 
 def _listed_bytes(items):
-    return sum(P.item_bytes(item.key) for item in items)
+    return sum(budget.item_bytes(item.key) for item in items)

@@ -15,7 +15,7 @@ import time
 from ..errors import KVPSError, PeerLostError, ProtocolError, StoreClosedError
 from ..timeline import recording
 from ..timeline.counters import Ticker, WorkerCounts
-from ..wire import protocol as P
+from ..wire import budget, protocol as P
 from ..wire.bundle import bundle
 from ..wire.identities import members_on, worker_identity
 from ..wire.items import ResumeItem
@@ -389,7 +389,7 @@ class WorkerIO(threading.Thread):
                 where = (item.key, item.part)
                 acked[where] = min(acked[where], item.seq)
         firsts = self.push_counts.firsts.get(name, {})
-        runs = P.within_budget([ResumeItem(key, part, count, firsts.get((key, part), 0))
+        runs = budget.within_budget([ResumeItem(key, part, count, firsts.get((key, part), 0))
                                 for (key, part), count in acked.items()])
         for header, run in zip(continued({'op': P.RESUME, 'id': 0}, len(runs)), runs):
             self._servers[name].send(P.encode({**header, 'keys': run}))

@@ -8,7 +8,7 @@ from ..arrays import flat_view
 from ..compression import land_pulled, pulled_dtype
 from ..errors import ProtocolError
 from ..timeline import recording
-from ..wire import protocol as P
+from ..wire import budget, protocol as P
 from ..wire.device_segments import DEVICE_BASE
 from ..wire.pieces import joined
 
@@ -43,20 +43,20 @@ def fuse(parts, wire_bytes=part_nbytes, shaped=False):
     message per server instead of one per key), a big part alone, so the server starts on
     it while the next one is still on the wire. ``wire_bytes(item)``: what a part puts on the
     wire (0 through shared memory: such parts all share one message). A message also lists
-    no more keys than its header may carry (P.ITEMS_BUDGET; ``shaped``: INIT and CHECK items
-    also list the key's shape, ``item[4]``)."""
+    no more keys than its header may carry (budget.ITEMS_BUDGET; ``shaped``: INIT and CHECK
+    items also list the key's shape, ``item[4]``)."""
     open_batches, batches = {}, []
-    int_item, budget = P.INT_ITEM_BYTES, P.ITEMS_BUDGET   # (locals: this runs per key part)
+    int_item, most = budget.INT_ITEM_BYTES, budget.ITEMS_BUDGET   # (locals: this runs per key part)
     for item in parts:
         server, nbytes = item[1].server, wire_bytes(item)
         if nbytes > FUSE_BYTES:
             batches.append((server, [item]))
             continue
-        listed = int_item if type(item[0]) is int else P.item_bytes(item[0])
+        listed = int_item if type(item[0]) is int else budget.item_bytes(item[0])
         if shaped:
-            listed += P.shape_bytes(item[4])
+            listed += budget.shape_bytes(item[4])
         batch = open_batches.get(server)
-        if batch is None or batch[0] + nbytes > FUSE_BYTES or batch[1] + listed > budget:
+        if batch is None or batch[0] + nbytes > FUSE_BYTES or batch[1] + listed > most:
             batch = open_batches[server] = [0, 0, []]
             batches.append((server, batch[2]))
         batch[0] += nbytes

@@ -198,6 +198,33 @@ def test_a_states_answer_resent_from_a_restarted_server_starts_afresh():
     assert got[-1] == b'one'
 
 
+@pytest.mark.parametrize('field, bad, reason', [
+    ('id', 'x', 'id must be an int'), ('id', True, 'id must be an int'),
+    ('since', [1], 'since must be'), ('priority', 2 ** 31, 'priority must be an int of 32'),
+    ('device', 1, 'device must be true or false'), ('more', None, 'more must be true or'),
+    ('key', 1.5, 'key must be int or str'), ('key', None, 'key must be int or str'),
+    ('dtype', 'complex64', 'unsupported dtype'), ('n', -1, 'n must be an int >= 0'),
+    ('step', True, 'step must be an int >= 0'), ('rank', -1, 'rank must be an int >= 0'),
+    ('shared', [], 'shared must map'), ('rank_from', 5, 'rank_from must be a string'),
+    ('codec', 'zip', 'codec must be one of'), ('acks', [1], 'acks must be a list'),
+    ('digest', 'x', 'digest must be at most'), ('sum', b'1234567', 'sum must be float64')])
+def test_every_field_is_checked_wherever_it_appears(field, bad, reason):
+    """A node reads these fields from any message that carries them: each is checked by its
+    name, whatever the op (here an ACK, which needs none of them)."""
+    with pytest.raises(ProtocolError, match=reason):
+        P.validate_header({'op': P.ACK, 'id': 1, field: bad})
+
+
+@pytest.mark.parametrize('field, value', [
+    ('since', None), ('priority', None), ('priority', -2 ** 31), ('rank', None), ('rank', 3),
+    ('rank_from', None), ('codec', None), ('codec', 'fp16'), ('acks', None), ('digest', None),
+    ('digest', b'x' * P.MAX_DIGEST_BYTES), ('sum', None), ('sum', bytes(8)),
+    ('unknown', object())])
+def test_optional_fields_may_be_none_and_unknown_ones_are_not_read(field, value):
+    P.validate_header({'op': P.ACK, 'id': 1, field: value})
+    assert P.validate_header({'op': P.DATA, 'id': 1, 'keys': [[None, 0]], 'acks': [2, 3]})
+
+
 def test_init_may_ask_for_the_gpu_with_a_boolean_only():
     header = {'op': P.INIT, 'id': 1, 'keys': [[3, 0, 'float32', 2, [2]]], 'sync': True}
     P.validate_header({**header, 'device': True})

@@ -91,7 +91,7 @@ def test_a_message_lists_no_more_keys_than_a_header_may_carry(key_of):
     would the DATA answer of a pull be; so are an init's and a check's, which list shapes.
     Every field here packs to its widest."""
     import numpy as np
-    from kvps.wire import protocol as P
+    from kvps.wire import budget, protocol as P
     from kvps.wire.items import ResumeItem
     from kvps.worker.messages import fuse
     from kvps.worker.sharding import Part
@@ -120,11 +120,11 @@ def test_a_message_lists_no_more_keys_than_a_header_may_carry(key_of):
             header = {'op': op, 'id': widest, 'keys': items, 'sync': True, 'device': True}
             frames = P.encode(header, [b''] * len(batch) if op == P.INIT else [])
             assert len(frames[0]) <= P.MAX_HEADER_BYTES
-    runs = P.within_budget([ResumeItem(key, widest, widest) for key, *_ in parts])
+    runs = budget.within_budget([ResumeItem(key, widest, widest) for key, *_ in parts])
     assert [len(run) for run in runs] == [len(batch) for _, batch in batches]
     for run in runs:
         P.decode(P.encode({'op': P.RESUME, 'id': 0, 'keys': run, 'more': True}))
-    assert P.within_budget([]) == [[]]   # a worker with no key there still resumes
+    assert budget.within_budget([]) == [[]]   # a worker with no key there still resumes
 
 def test_keys_over_the_partition_size_are_cut_in_whole_rounds_of_the_servers():
     """As BytePS: parts of at most partition_bytes, as many on every server."""
