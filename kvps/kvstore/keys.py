@@ -191,6 +191,8 @@ class StoreKeys:
         """The backend items of a push that plain_dtypes takes, none of its keys split over
         servers: their copies staged as host_copies stages them, without its checks; None
         for any other push (nothing is staged then)."""
+        if type(key) is int and type(value) is np.ndarray:   # (a call per key: Gluon's loop)
+            key, value = [key], [value]
         names = self.plain_dtypes(key, value)
         cuts = self._cut_cache
         if names is None or any(cuts.get(k, 0) is not None for k in key):

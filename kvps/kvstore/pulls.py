@@ -11,7 +11,9 @@ def plan(keys, backend, key, out):
     """``(landings, backend items)`` for a pull into ``out``, every target checked first
     (a pull raises before it writes any of them); see _plan. A pull that StoreKeys.plain_dtypes
     takes, into writable C-contiguous arrays (most pulls of many keys), skips its checks and
-    landings: the backend writes each array itself."""
+    landings: the backend writes each array itself; so does a pull of one such key."""
+    if type(key) is int and type(out) is np.ndarray:   # (a call per key: Gluon's loop)
+        key, out = [key], [out]
     names = keys.plain_dtypes(key, out)
     if names is not None and all(t.flags.writeable and t.flags.c_contiguous for t in out):
         return [], list(zip(key, out, names))
@@ -57,6 +59,20 @@ def _plan(keys, backend, key, out):
         landings.append((None, list(zip(views, names)), first, dtype))
         items.append((k, first, dtype))
     return landings, items
+
+
+def landed_after(wait, landings):
+    """What a pull_begin returns: ``wait`` for the answers, then ``land`` them (``wait``
+    itself where nothing is left to land: one call less per pull of a loop of one-key
+    calls)."""
+    if not landings:
+        return wait
+
+    def landed():
+        wait()
+        land(landings)
+    return landed
+
 
 def land(landings):
     """Copy what a pull wrote into its first target or host buffer onto the rest."""

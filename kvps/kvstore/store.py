@@ -198,12 +198,8 @@ class KVStore(KVStoreBase):
         self._open()
         priority = checked_priority(priority)
         landings, items = pulls.plan(self._keys, self._backend, key, out)
-        wait = self._backend.pull_begin(items, priority, self._pull_codec)
-
-        def landed():
-            wait()
-            pulls.land(landings)
-        return landed
+        return pulls.landed_after(self._backend.pull_begin(items, priority, self._pull_codec),
+                                  landings)
 
     @traced('row_sparse_pull', 'pull')
     def row_sparse_pull(self, key, out=None, priority=0, row_ids=None):

@@ -23,7 +23,7 @@ class Operation:
         self.remaining = parts
         self.error = None
         self.on_error = on_error
-        self.done = threading.Event()
+        self.done = Completion()
         self.waiting_on = set()      # node names still owing an answer, for timeout messages
         if parts == 0:
             self.done.set()
@@ -53,6 +53,37 @@ class Operation:
         who = ', '.join(sorted(self.waiting_on)) or 'the cluster'
         return RequestTimeout(f'{self.what}: no answer from {who} within {timeout:g} s '
                               f'(KVPS_TIMEOUT){hint}')
+
+
+class Completion:
+    """``threading.Event``'s ``set``, ``is_set`` and ``wait``, the Event made only once a wait
+    must block: most calls are answered before anything waits on them, and an Event (a
+    Condition and its lock) cost a few microseconds of every call of a loop of one-key calls."""
+
+    __slots__ = ('_set', '_event')
+    _making = threading.Lock()
+
+    def __init__(self):
+        self._set, self._event = False, None
+
+    def is_set(self):
+        return self._set
+
+    def set(self):
+        self._set = True
+        event = self._event   # (read after the flag: a waiter that made it sees either)
+        if event is not None:
+            event.set()
+
+    def wait(self, timeout=None):
+        if self._set:
+            return True
+        with Completion._making:
+            if self._event is None:
+                self._event = threading.Event()
+        if self._set:   # set before the Event was there to be set
+            return True
+        return self._event.wait(timeout)
 
 
 class Attaching(Operation):

@@ -314,6 +314,44 @@ def test_a_pull_message_cuts_its_blocks_from_one_allocation(tmp_path):
     assert len(ring) == 0
 
 
+def test_small_takes_of_successive_calls_are_cut_from_one_chunk_that_pins_nothing(tmp_path):
+    """A loop of one-key calls takes a block a call: cut from one chunk of the segment, which
+    returns to it once its last cut is gone, whether or not more calls follow."""
+    from kvps.worker import staging as staging_module
+    staging = Staging(Segment.create(1 << 24, directory=tmp_path, grows=True))
+    staging.attach_header('server 0')
+    staging.answered('server 0')
+    ring = staging.segment.blocks
+    (first,), (second,) = staging.stage([4000]), staging.stage([3000])
+    pulled, = staging.blocks_for('server 0', [(5000, ('k', 0))])
+    assert len(ring) == 1                                  # one chunk for the three
+    assert staging.offset_in('server 0', second) == staging.offset_in(
+        'server 0', first) + aligned(4000)                 # cut end to end
+    assert pulled[0] == staging.offset_in('server 0', second) + aligned(3000)
+    big, = staging.stage([staging_module.CUT_MOST + 1])
+    assert len(ring) == 2 and big.nbytes == staging_module.CUT_MOST + 1   # a block of its own
+    del first, second, big
+    gc.collect()
+    assert len(ring) == 2          # the pull's cut holds the chunk (a ring frees in order)
+    del pulled
+    gc.collect()
+    assert len(ring) == 0                                  # nothing pinned by the staging
+    again, = staging.stage([4000])
+    assert len(ring) == 1 and again.nbytes == 4000         # a fresh chunk
+    del again
+    staging.close()
+
+
+def test_a_cut_finds_a_block_of_its_own_where_no_chunk_fits(tmp_path):
+    staging = Staging(Segment.create(HEADER_BYTES + (256 << 10), directory=tmp_path))
+    staging.attach_header('server 0')
+    staging.answered('server 0')
+    block, = staging.stage([4000])                         # the segment holds no 1 MiB chunk
+    assert block.nbytes == 4000 and staging.offset_in('server 0', block) == HEADER_BYTES
+    del block
+    staging.close()
+
+
 def test_staging_is_off_when_configured_off():
     assert Staging.create(Config(shm=False)) is None
 

@@ -9,7 +9,7 @@ from kvps.wire import protocol as P
 from kvps.config import Config
 from kvps.errors import RequestTimeout, StoreClosedError
 from kvps.worker.loop import WorkerIO
-from kvps.worker.pending import Operation, PushWindow, Request
+from kvps.worker.pending import Completion, Operation, PushWindow, Request
 
 
 def pushed_by_another_thread(window, nbytes):
@@ -72,6 +72,32 @@ def test_every_thread_waiting_for_the_pushes_waits_until_they_are_done():
         thread.join()
     assert saw == [True, True]
     assert window.nbytes == 0
+
+
+def test_a_completion_wakes_every_waiter_whenever_it_is_set():
+    """An Operation's completion makes its Event only once a wait must block: waiters that
+    block before the set, during it or after it all return."""
+    done = Completion()
+    assert done.wait(timeout=0.01) is False and not done.is_set()   # nobody set it
+    woken, started = [], threading.Semaphore(0)
+
+    def waiter():
+        started.release()
+        woken.append(done.wait(timeout=30))
+
+    threads = [threading.Thread(target=waiter) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for _ in threads:
+        started.acquire()
+    done.set()
+    for thread in threads:
+        thread.join()
+    assert woken == [True] * 3 and done.is_set()
+    done.set()                        # again: no harm
+    finished = Completion()
+    finished.set()
+    assert finished.wait(timeout=0) is True and finished._event is None   # no Event made
 
 
 def test_calls_fail_with_store_closed_once_the_io_thread_has_ended():
