@@ -200,9 +200,9 @@ class Staging:
 
     def _cut(self, nbytes):
         """``(offset, block)`` of ``nbytes`` (aligned) cut from the current chunk of the
-        segment, or from a new one; None when the segment has no room for one. The chunk is
-        held weakly: it returns to the segment once its last cut is gone, as a block of its
-        own would, and a thread that stops taking pins nothing."""
+        segment, or from a new one; where no chunk fits, a block of its own (None: none fits
+        either). The chunk is held weakly: it returns to the segment once its last cut is
+        gone, as a block of its own would, and a thread that stops taking pins nothing."""
         with self._cutting:
             ref, offset, used = self._chunk
             chunk = ref()
