@@ -23,9 +23,9 @@ from ..wire.shm import HEADER_BYTES, MIN_BYTES, SHM_DIR, Mapping, Segment, align
 
 log = logging.getLogger('kvps.worker')
 
-# Takes of at most CUT_MOST bytes are cut from a chunk of CHUNK_BYTES of the segment: taking a
-# block costs ~3 us (its allocation and finalizer), a cut a tenth of that, and a loop of
-# one-key calls takes two blocks a key (its push and its pull).
+# Takes of at most CUT_MOST bytes are cut from a chunk of CHUNK_BYTES of the segment (at most
+# a sixteenth of it): taking a block costs ~3 us (its allocation and finalizer), a cut a tenth
+# of that, and a loop of one-key calls takes two blocks a key (its push and its pull).
 CHUNK_BYTES = 1 << 20
 CUT_MOST = 64 << 10
 
@@ -66,6 +66,7 @@ class Staging:
         self.device_tried = False     # whether that was tried (the first GPU push or pull)
         self._cutting = threading.Lock()
         self._chunk = (lambda: None, 0, 0)   # (weakref to the block, its offset, bytes cut)
+        self._chunk_bytes = min(CHUNK_BYTES, max(CUT_MOST, segment.size // 16))
 
     @classmethod
     def create(cls, config, sharers=1):
@@ -207,7 +208,7 @@ class Staging:
             ref, offset, used = self._chunk
             chunk = ref()
             if chunk is None or used + nbytes > chunk.size:
-                taken = self.segment.take(CHUNK_BYTES)
+                taken = self.segment.take(self._chunk_bytes)
                 if taken is None:
                     return self.segment.take(nbytes)
                 (offset, chunk), used = taken, 0

@@ -343,12 +343,16 @@ def test_small_takes_of_successive_calls_are_cut_from_one_chunk_that_pins_nothin
 
 
 def test_a_cut_finds_a_block_of_its_own_where_no_chunk_fits(tmp_path):
+    from kvps.worker import staging as staging_module
     staging = Staging(Segment.create(HEADER_BYTES + (256 << 10), directory=tmp_path))
     staging.attach_header('server 0')
     staging.answered('server 0')
-    block, = staging.stage([4000])                         # the segment holds no 1 MiB chunk
-    assert block.nbytes == 4000 and staging.offset_in('server 0', block) == HEADER_BYTES
-    del block
+    assert staging._chunk_bytes == staging_module.CUT_MOST   # a small segment's chunks are small
+    big, = staging.stage([200 << 10])                      # leaves less than a chunk
+    block, = staging.stage([4000])
+    assert block.nbytes == 4000
+    assert staging.offset_in('server 0', block) == HEADER_BYTES + aligned(200 << 10)
+    del big, block
     staging.close()
 
 
