@@ -31,6 +31,12 @@ from .row_requests import RowRequests
 from .sharding import Sharding
 
 
+# How many forks this process descends through, counted in each child: asked at every call
+# (whether a fork makes it), where os.getpid() is a system call.
+_FORKS = [0]
+os.register_at_fork(after_in_child=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
+
+
 class DistClient(RowRequests):
     """One worker's membership in a job; at most one per process. A KVStore's backend: it
     conforms to kvps.kvstore.backend.Backend, where each method's contract is written. The
@@ -40,6 +46,7 @@ class DistClient(RowRequests):
         self.config = config.require_worker().require_cluster()
         self.sync = sync
         self.pid = os.getpid()    # the only process that may use it (a fork has no I/O thread)
+        self._forks = _FORKS[0]
         keep_freed_memory(config.malloc_trim_bytes)
         self.counts = WorkerCounts()   # kv.stats()
         self.io = WorkerIO(config, self.counts)
@@ -83,7 +90,7 @@ class DistClient(RowRequests):
     @property
     def forked(self):
         """Whether this process is a fork of the worker that made the client (no I/O thread)."""
-        return self.pid != os.getpid()
+        return self._forks != _FORKS[0]
 
     def parts(self, key, size):
         return [(p.server, p.part, p.start, p.stop) for p in self.sharding.parts(key)]
