@@ -31,8 +31,9 @@ from .row_requests import RowRequests
 from .sharding import Sharding
 
 
-# How many forks this process descends through, counted in each child: asked at every call
-# (whether a fork makes it), where os.getpid() is a system call.
+# Forks between this process and the one that started, counted in each child: a store asks
+# at every call whether it runs in a fork of its worker, and a count costs less than
+# os.getpid(), a system call.
 _FORKS = [0]
 os.register_at_fork(after_in_child=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
 

@@ -390,7 +390,7 @@ class WorkerIO(threading.Thread):
                 acked[where] = min(acked[where], item.seq)
         firsts = self.push_counts.firsts.get(name, {})
         runs = budget.within_budget([ResumeItem(key, part, count, firsts.get((key, part), 0))
-                                for (key, part), count in acked.items()])
+                                     for (key, part), count in acked.items()])
         for header, run in zip(continued({'op': P.RESUME, 'id': 0}, len(runs)), runs):
             self._servers[name].send(P.encode({**header, 'keys': run}))
 

@@ -46,7 +46,7 @@ def fuse(parts, wire_bytes=part_nbytes, shaped=False):
     no more keys than its header may carry (budget.ITEMS_BUDGET; ``shaped``: INIT and CHECK
     items also list the key's shape, ``item[4]``)."""
     open_batches, batches = {}, []
-    int_item, most = budget.INT_ITEM_BYTES, budget.ITEMS_BUDGET   # (locals: this runs per key part)
+    int_item, most = budget.INT_ITEM_BYTES, budget.ITEMS_BUDGET   # (locals: runs per key part)
     for item in parts:
         server, nbytes = item[1].server, wire_bytes(item)
         if nbytes > FUSE_BYTES:

@@ -189,8 +189,12 @@ class Staging:
         source = source or self.segment
         spans = [aligned(n) if n else 0 for n in sizes]
         total = sum(spans)
-        taken = None if not total else self._cut(total) if total <= CUT_MOST and \
-            source is self.segment else source.take(total)
+        if not total:
+            taken = None
+        elif total <= CUT_MOST and source is self.segment:
+            taken = self._cut(total)
+        else:
+            taken = source.take(total)
         if taken is None:
             return [source.take(n) if n else None for n in sizes]
         (offset, block), out, at = taken, [], 0
