@@ -172,11 +172,14 @@ class StoreKeys:
             from_gpu.finish(self._backend.device_written)
         return copies
 
-    def plain_dtypes(self, key, values):
-        """The dtype names of a call's keys when it lists int keys, each with one numpy array
-        of the key's shape and dtype, no key twice (most calls of many keys; bfloat16 keys
-        left out: a uint16 array of one is no such array); None for any other call."""
-        if type(key) is not list or type(values) is not list or len(key) != len(values):
+    def plain_call(self, key, values):
+        """``(keys, values, dtype names)`` as lists, of a call that lists int keys, each with
+        one numpy array of the key's shape and dtype, no key twice (most calls of many keys;
+        bfloat16 keys left out: a uint16 array of one is no such array), or names one such key
+        and array (Gluon's loop makes a call per key); None for any other call."""
+        if type(key) is int and type(values) is np.ndarray:
+            key, values = [key], [values]
+        elif type(key) is not list or type(values) is not list or len(key) != len(values):
             return None
         meta, wire, names = self.meta, DTYPES, []
         for k, a in zip(key, values):
@@ -185,21 +188,20 @@ class StoreKeys:
                     or a.dtype is not wire.get(known[1]) or known[1] == 'bfloat16':
                 return None
             names.append(known[1])
-        return names if len(set(key)) == len(key) else None
+        return (key, values, names) if len(set(key)) == len(key) else None
 
     def plain_copies(self, key, value):
-        """The backend items of a push that plain_dtypes takes, none of its keys split over
+        """The backend items of a push that plain_call takes, none of its keys split over
         servers: their copies staged as host_copies stages them, without its checks; None
         for any other push (nothing is staged then)."""
-        if type(key) is int and type(value) is np.ndarray:   # (a call per key: Gluon's loop)
-            key, value = [key], [value]
-        names = self.plain_dtypes(key, value)
+        plain = self.plain_call(key, value)
         cuts = self._cut_cache
-        if names is None or any(cuts.get(k, 0) is not None for k in key):
+        if plain is None or any(cuts.get(k, 0) is not None for k in plain[0]):
             return None   # (a key placed in one part has None there)
-        blocks = self._backend.stage([v.nbytes for v in value])
+        keys, values, names = plain
+        blocks = self._backend.stage([v.nbytes for v in values])
         return [(k, arrays.flat_copy(v, block), name)
-                for k, v, block, name in zip(key, value, blocks, names)]
+                for k, v, block, name in zip(keys, values, blocks, names)]
 
     def gradient_buffer(self, like):
         """A tensor like GPU tensor ``like`` (flat, contiguous) in GPU memory the servers

@@ -9,14 +9,12 @@ from ..wire.protocol import DTYPES
 
 def plan(keys, backend, key, out):
     """``(landings, backend items)`` for a pull into ``out``, every target checked first
-    (a pull raises before it writes any of them); see _plan. A pull that StoreKeys.plain_dtypes
-    takes, into writable C-contiguous arrays (most pulls of many keys), skips its checks and
-    landings: the backend writes each array itself; so does a pull of one such key."""
-    if type(key) is int and type(out) is np.ndarray:   # (a call per key: Gluon's loop)
-        key, out = [key], [out]
-    names = keys.plain_dtypes(key, out)
-    if names is not None and all(t.flags.writeable and t.flags.c_contiguous for t in out):
-        return [], list(zip(key, out, names))
+    (a pull raises before it writes any of them); see _plan. A pull that StoreKeys.plain_call
+    takes, into writable C-contiguous arrays (most pulls of many keys, and of one), skips its
+    checks and landings: the backend writes each array itself."""
+    plain = keys.plain_call(key, out)
+    if plain is not None and all(t.flags.writeable and t.flags.c_contiguous for t in plain[1]):
+        return [], list(zip(*plain))
     return _plan(keys, backend, key, out)
 
 

@@ -172,8 +172,7 @@ def decode_or_refusal(frames, config, source):
     try:
         return P.decode(frames, config.max_message_bytes)
     except ProtocolError as exc:
-        REFUSALS.refuse(source, 'malformed', 'rejected a message from %s: %s', source, exc)
-        return exc
+        return _refused_as_malformed(source, exc)
 
 
 def decoded_or_refusals(frames, config, source):
@@ -184,6 +183,11 @@ def decoded_or_refusals(frames, config, source):
     try:
         messages = unbundled(frames)
     except ProtocolError as exc:
-        REFUSALS.refuse(source, 'malformed', 'rejected a message from %s: %s', source, exc)
-        return [(frames, exc)]
+        return [(frames, _refused_as_malformed(source, exc))]
     return [(message, decode_or_refusal(message, config, source)) for message in messages]
+
+
+def _refused_as_malformed(source, exc):
+    """``exc``, a message's ProtocolError, logged (rate-limited) as a refusal of ``source``."""
+    REFUSALS.refuse(source, 'malformed', 'rejected a message from %s: %s', source, exc)
+    return exc
