@@ -18,7 +18,6 @@ from ..timeline.counters import Ticker, WorkerCounts
 from ..wire import budget, protocol as P
 from ..wire.bundle import bundle
 from ..wire.identities import members_on, worker_identity
-from ..wire.items import ResumeItem
 from ..wire.link import SchedulerLink, decoded_or_refusals
 from ..wire.ordering import PriorityOrder
 from ..wire.pieces import continued
@@ -358,14 +357,16 @@ class WorkerIO(threading.Thread):
         if self.staging is not None:   # the new process has not mapped our segment (yet)
             self.staging.detach(name)
         with self.push_counts.lock:
-            # Every push numbered so far is queued: take them in as unanswered (not sent
-            # while the server counts as lost), so that none counts as acknowledged.
+            # Every push numbered so far is queued: take them in as unanswered, none sent (it
+            # counts as lost here even where restarted before we were told of its loss: a push
+            # sent before the RESUME, or held back again, would count as acknowledged).
+            self._lost.add(name)
             self._unhold(name)
             self._send_queued()
             counts = self.push_counts.copy(name)
         self._lost.discard(name)
         waiting = self._pending.of_node(name)
-        self._resume(name, acked=counts, waiting=waiting)
+        self._resume(name, self.push_counts.resumed(name, counts, waiting))
         for request in waiting:
             self._ready(name, request, *request.message)
             self._servers[name].send(P.encode(*request.message))
@@ -379,18 +380,9 @@ class WorkerIO(threading.Thread):
         for entry in self._holdback.release(name):
             self._send(entry)
 
-    def _resume(self, name, acked, waiting):
-        """Send ``name`` the RESUME: per key part, the pushes it acknowledged: ``acked``, the
-        pushes numbered (lowered here to the first of those still ``waiting`` for an answer),
-        and where a joiner's numbering began."""
-        for request in waiting:
-            header = request.message[0]
-            for item in header['keys'] if header['op'] == P.PUSH else ():
-                where = (item.key, item.part)
-                acked[where] = min(acked[where], item.seq)
-        firsts = self.push_counts.firsts.get(name, {})
-        runs = budget.within_budget([ResumeItem(key, part, count, firsts.get((key, part), 0))
-                                     for (key, part), count in acked.items()])
+    def _resume(self, name, items):
+        """Send ``name`` the RESUME of ``items`` (ResumeItem), in as many messages as needed."""
+        runs = budget.within_budget(items)
         for header, run in zip(continued({'op': P.RESUME, 'id': 0}, len(runs)), runs):
             self._servers[name].send(P.encode({**header, 'keys': run}))
 

@@ -6,6 +6,7 @@ import threading
 from ..errors import KVPSError, RequestTimeout, from_remote
 from ..timeline import recording
 from ..wire import protocol as P
+from ..wire.items import ResumeItem
 
 # Why a dist_sync server may rightly keep a push (and a pull after it) unanswered: a timeout's
 # message ends with it.
@@ -168,6 +169,19 @@ class PushCounts:
     def copy(self, node):
         """A copy of ``node``'s counts (under ``lock``)."""
         return dict(self._by_node.get(node, {}))
+
+    def resumed(self, node, counts, waiting):
+        """The RESUME items for restarted ``node``: per key part, the pushes it acknowledged,
+        ``counts`` (a copy of the pushes numbered) lowered to the first of those still
+        ``waiting`` (Requests) for an answer, and where a joiner's numbering began."""
+        for request in waiting:
+            header = request.message[0]
+            for item in header['keys'] if header['op'] == P.PUSH else ():
+                where = (item.key, item.part)
+                counts[where] = min(counts[where], item.seq)
+        firsts = self.firsts.get(node, {})
+        return [ResumeItem(key, part, count, firsts.get((key, part), 0))
+                for (key, part), count in counts.items()]
 
 
 class PushWindow:

@@ -98,6 +98,45 @@ def test_a_killed_server_is_restarted_and_no_update_is_lost_or_doubled(job, tmp_
         assert report['at_after'] is not None, report   # (-1 in async: not asked)
 
 
+@pytest.mark.parametrize('mode', ['dist_sync', 'dist_async'])
+def test_pushes_held_back_when_the_server_is_restarted_are_applied_once(job, tmp_path, mode):
+    """The launcher restarts a killed server before the scheduler declares it lost, while the
+    workers go on pushing through the socket: zmq takes nothing for the dead server, so the
+    workers hold their later pushes (KVPS_SOCKET_QUEUE). Every push numbered then, held or
+    queued, counts as unanswered in the RESUME and reaches the replacement: none is taken
+    for acknowledged and dropped, none applied twice."""
+    script = """
+    import signal
+    SYNC = 'async' not in os.environ['MODE']
+    SHAPES = {'a': (5,), 'b': (40, 30), 'c': (200, 300)}
+    kv = kvps.create(os.environ['MODE'])
+    kv.init(list(SHAPES), [np.ones(s, np.float32) for s in SHAPES.values()])
+    kv.set_optimizer(kvps.optimizer.create('test'))   # w += each push (sync: each round's sum)
+    for step in range(120):
+        kv.push(list(SHAPES), [np.full(s, (kv.rank + 1) * (step + 1), np.float32)
+                               for s in SHAPES.values()])
+        if step == 30 and kv.rank == 0:
+            os.kill(next(n['pid'] for n in kv._backend.io.welcome['nodes']
+                         if n['role'] == 'server'), signal.SIGKILL)
+    kv.barrier()
+    outs = [np.zeros(s, np.float32) for s in SHAPES.values()]
+    kv.pull(list(SHAPES), out=outs)
+    want = 1 + sum((r + 1) * (s + 1) for r in range(kv.num_workers) for s in range(120))
+    report(got=sorted({float(v) for o in outs for v in o.ravel()}), want=want,
+           held=kv.stats()['held'])
+    """
+    env = {**RECOVERY, 'MODE': mode, 'KVPS_CHECKPOINT_DIR': str(tmp_path / 'ckpt'),
+           'KVPS_SHM': '0', 'KVPS_SOCKET_QUEUE': str(64 << 10)}
+    result = job(script, workers=2, servers=1, env=env, launcher_args=['--restart-servers', '1'])
+    assert result.returncode == 0, result.output
+    assert 'restarting it' in result.stderr and 'rejoined' in result.output
+    reports = result.results()
+    assert sorted(reports) == [0, 1], result.output
+    for report in reports.values():
+        assert report['got'] == [report['want']], report
+    assert any(report['held'] for report in reports.values()), reports   # (the case at stake)
+
+
 def test_a_worker_with_many_long_keys_on_the_restarted_server_resumes_them_all(job, tmp_path):
     """1500 keys of 1000-character names: every push, pull and answer lists them in several
     messages (one would exceed the header limit), and so does the worker's RESUME to the
