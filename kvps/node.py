@@ -8,6 +8,7 @@ from .allocator import collect_garbage_rarely, keep_freed_memory
 from .config import LOG_FORMAT, Config
 from .errors import KVPSError
 from .timeline import recording
+from .timeline.stderr import STDERR
 from .wire.refusals import REFUSALS
 
 
@@ -15,7 +16,8 @@ def run_role(config=None):
     """Run the scheduler or server loop to its end; return the exit code."""
     config = config or Config.from_env()
     _end_cleanly_on_termination()
-    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
+    # (through a thread of its own: a reader of stderr that stops stalls no loop, no heartbeat)
+    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT, stream=STDERR)
     REFUSALS.configure(config.log_refusals)
     try:
         recording.start(config.timeline, config.role)

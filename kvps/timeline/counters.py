@@ -6,7 +6,8 @@ kvps.launch --stats SEC`) asks for a line every so many seconds.
 """
 
 import dataclasses
-import sys
+
+from .stderr import STDERR
 
 
 @dataclasses.dataclass
@@ -78,9 +79,11 @@ class ServerCounts:
 
 class Ticker:
     """Writes a node's line every ``seconds`` (0: never) from its loop's tick: the rate of
-    each count since the last line (``read()`` gives the counts now, and the gauges)."""
+    each count since the last line (``read()`` gives the counts now, and the gauges). To
+    ``out``, by default stderr through kvps.timeline.stderr (a blocked stderr never stalls
+    the loop)."""
 
-    def __init__(self, seconds, name, read, out=None):
+    def __init__(self, seconds, name, read, out=STDERR):
         self.seconds, self.name, self.read = seconds, name, read
         self.out = out
         self._last = self._next = None
@@ -98,8 +101,8 @@ class Ticker:
         elapsed = max(now - then, 1e-9)
         rates = {k: (counts[k] - before.get(k, 0)) / elapsed for k in counts}
         self._last, self._next = (now, counts), now + self.seconds
-        (self.out or sys.stderr).write(f'kvps stats {self.name}: {line(rates, gauges)}\n')
-        (self.out or sys.stderr).flush()
+        self.out.write(f'kvps stats {self.name}: {line(rates, gauges)}\n')
+        self.out.flush()
 
 
 def line(rates, gauges):

@@ -1,5 +1,6 @@
 """A traced job (python -m kvps.launch --timeline) gives one Chrome trace of every node that the summary reads."""
 
+import fcntl
 import json
 import subprocess
 import sys
@@ -201,6 +202,34 @@ kv.barrier()
     assert result.returncode == 0, result.output
     for node in ('scheduler', 'server 0', 'worker 0'):
         assert f'kvps stats {node}: ' in result.output, result.output
+
+
+def test_stats_lines_nobody_reads_stall_no_node(by_hand):
+    """Every node writes --stats lines into a pipe that nobody reads while the job runs (a
+    paused terminal, `| less` left unscrolled): the pipes fill, and the nodes' loops go on,
+    heartbeats and all, where a loop blocked on its line was declared lost."""
+    def unread(proc):   # a pipe of one page, never read until the job ends
+        fcntl.fcntl(proc.stdout.fileno(), fcntl.F_SETPIPE_SZ, 4096)
+        return proc
+    fast = {'KVPS_STATS': '0.005', 'KVPS_HEARTBEAT_TIMEOUT': '2'}
+    scheduler, env = by_hand.scheduler(1, 1, extra=fast)
+    unread(scheduler)
+    server = unread(by_hand('server', env))
+    worker = unread(by_hand('worker', env, script=ROUNDS + '''
+start = time.monotonic()
+while time.monotonic() - start < 4:   # twice the heartbeat timeout, the pipes full
+    kv.push('big', np.ones(3000, np.float32))
+    kv.pull('big', out=out[1])
+    time.sleep(0.05)
+kv.barrier()
+report(pulled=float(out[1][0]))
+'''))
+    code, out = by_hand.finish(worker)
+    assert code == 0 and 'RESULT' in out, out
+    assert 'kvps stats worker 0: ' in out
+    for proc in (server, scheduler):
+        code, out = by_hand.finish(proc)
+        assert code == 0, out
 
 
 def test_a_job_started_by_hand_writes_part_files_that_merge_joins(by_hand, tmp_path):

@@ -278,6 +278,39 @@ def test_stats_lines_give_rates_since_the_last_line():
     Ticker(0, 'off', None, out).tick(99.0)   # 0 seconds: never a line (and nothing read)
 
 
+class _Blocked:
+    """A stream whose writes block until ``go`` is set (a pipe nobody reads)."""
+
+    def __init__(self):
+        self.go, self.writing, self.text = threading.Event(), threading.Event(), []
+
+    def write(self, text):
+        self.writing.set()
+        self.go.wait(10)
+        self.text.append(text)
+
+    def flush(self):
+        pass
+
+
+def test_lines_to_a_blocked_stderr_never_block_the_writer_and_say_what_they_dropped():
+    from kvps.timeline import stderr
+    stream = _Blocked()
+    lines = stderr.Lines(stream)
+    lines.write('first\n')
+    assert stream.writing.wait(5)          # the thread is stuck in that write
+    for n in range(stderr.MOST_WAITING + 5):   # each returns at once: 5 of them find no room
+        lines.write(f'{n}\n')
+    assert not lines.drain(0.1)            # (still waiting)
+    stream.go.set()
+    assert lines.drain(5)
+    written = ''.join(stream.text).splitlines()
+    assert written[:2] == ['first', 'kvps: 5 line(s) to stderr dropped while it was not read']
+    assert written[2:] == [str(n) for n in range(stderr.MOST_WAITING)]
+    lines.write('later\n')                 # the thread goes on
+    assert lines.drain(5) and stream.text[-1] == 'later\n'
+
+
 def test_a_local_store_counts_its_calls():
     import numpy as np
     import kvps
