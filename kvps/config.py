@@ -303,6 +303,13 @@ class Config:
         return None if not self.port_file else self.port_file + '.formed'
 
     @property
+    def done_file(self):
+        """The file the scheduler writes when the job ends with every worker finished (beside
+        the port file; None without one): a server a launcher restarted as the job ended can
+        never rejoin it, and is stopped rather than waited for."""
+        return None if not self.port_file else self.port_file + '.done'
+
+    @property
     def blame_file(self):
         """The file the scheduler writes when a node ends the job (lost, failed, never
         registered), naming it (beside the port file; None without one): the processes a

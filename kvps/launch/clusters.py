@@ -114,7 +114,7 @@ def batch_carrier(specs, base, opts, environ, wait):
 
 
 def remove_rendezvous(base):
-    for suffix in ('.spec', '.host', '.port', '.port.formed', '.port.blame'):
+    for suffix in ('.spec', '.host', '.port', '.port.formed', '.port.blame', '.port.done'):
         try:
             os.unlink(base + suffix)
         except FileNotFoundError:

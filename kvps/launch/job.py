@@ -14,7 +14,8 @@ from ..wire.auth import new_secret
 from . import clusters, mps
 from .plan import kvps_node, plan_nodes, plan_scheduler
 from .processes import Sweeper
-from .supervise import Supervisor, forwarding_signals
+from .forwarding import forwarding_signals
+from .supervise import Supervisor
 
 # How long a failure waits for the scheduler's blame file when it comes from another host
 # (reported by its runner, or read on a shared directory): the exit of a node it stopped
@@ -51,6 +52,7 @@ def run(opts, environ=None, node_argv=None, out=None, err=None):
                                           'worker': opts.restart_workers},
                                 tolerated={'worker'} if elastic else (),
                                 formed_file=config.formed_file, blame_file=config.blame_file,
+                                done_file=config.done_file,
                                 sweeper=Sweeper(), mirror_to=port_file if not local else None,
                                 blame_wait=0.0 if local else REMOTE_BLAME_WAIT)
         # from here a signal is an event of the supervisor's: one that comes while the MPS

@@ -147,6 +147,8 @@ class Child:
         self.reader = None
         self.tasks = []          # a carrier's Tasks
         self.respawn = spec      # what starts it again
+        self.replacement = False   # started again after it failed (--restart-*)
+        self.dropped = False       # stopped as one that can no longer join: no failure
 
     def close_stdin(self):
         """Close the pipe to its stdin; whether it had one open (its way to be stopped)."""

@@ -1,7 +1,6 @@
 """Run generic process specs, prefix their output, stop them all on the first failure, reap all."""
 
 import codecs
-import contextlib
 import json
 import os
 import queue
@@ -32,7 +31,8 @@ class Supervisor:
 
     def __init__(self, out=None, err=None, grace=5.0, tail_lines=TAIL_LINES, restarts=None,
                  primary_role='worker', formed_file=None, unjoined_grace=UNJOINED_GRACE,
-                 blame_file=None, sweeper=None, tolerated=(), mirror_to=None, blame_wait=0.0):
+                 blame_file=None, sweeper=None, tolerated=(), mirror_to=None, blame_wait=0.0,
+                 done_file=None):
         self.out = out if out is not None else sys.stdout
         self.err = err if err is not None else sys.stderr
         self.grace = grace
@@ -53,6 +53,10 @@ class Supervisor:
         # JSON {'blame': [[role, rank], ...], 'reason': ...}, written by the job's coordinator
         # when a child ends the job without exiting first (found lost, never registered)
         self.blame_file = blame_file
+        # Written by the coordinator when the job ends with every primary child finished: a
+        # replacement still starting then can never join it (Config.done_file)
+        self.done_file = done_file
+        self._late = None                  # when such replacements are stopped
         self.sweeper = sweeper             # a Sweeper: told each child, closed at stop
         # Roles whose failures the job survives (an elastic job's workers): the coordinator
         # ends the job if it cannot go on, naming them in the blame file
@@ -195,7 +199,7 @@ class Supervisor:
             self.say(f'got {signal.Signals(what).name}; stopping all processes')
             return self.stop(128 + what)
         what.done = True
-        if what.returncode != 0:
+        if what.returncode != 0 and not what.dropped:
             blamed = self._blamed(self.blame_wait)   # this exit may only be the job ending
             # because of it
             if blamed is not None:
@@ -257,7 +261,27 @@ class Supervisor:
         self.restarts[child.spec.role] = left - 1
         self.say(f'{child.name} (pid {child.pid}) failed: {describe(child.returncode)}; '
                  f'restarting it ({left - 1} restart(s) left)')
-        return self.start(child.respawn) is not None
+        started = self.start(child.respawn)
+        if started is not None:
+            started.replacement = True
+        return started is not None
+
+    def _stop_late_replacements(self):
+        """Once every primary child is done and the job ended well (the done file): the
+        replacements still running were restarted as it ended and can never rejoin it. They
+        get the grace to end on their own (one that rejoined was told to), then are stopped;
+        nothing failed."""
+        if self.done_file is None or not os.path.exists(self.done_file):
+            return
+        late = [c for c in self.children if c.replacement and not (c.done or c.dropped)]
+        if late and self._late is None:
+            self._late = time.monotonic() + self.grace
+        elif late and time.monotonic() >= self._late:
+            for child in late:
+                child.dropped = True
+                self.say(f'{child.name} (pid {child.pid}) was restarted as the job ended, which '
+                         'it can no longer join; stopping it')
+                getattr(child, 'carrier', child).signal_group(signal.SIGTERM)
 
     def _tolerate(self, child):
         """Let the job go on without a failed child of a tolerated role; return whether so."""
@@ -315,6 +339,8 @@ class Supervisor:
             if deadline is None and all(c.done for c in self.children
                                         if c.spec.role == primary_role):
                 deadline = time.monotonic() + shutdown_timeout
+            if deadline is not None:
+                self._stop_late_replacements()
             if deadline is not None and time.monotonic() >= deadline:
                 for child in running:
                     self.say(f'{child.name} did not exit within {shutdown_timeout:g} s '
@@ -381,33 +407,3 @@ def _read_port(path):
     except FileNotFoundError:
         return None
     return int(text) if text.isdigit() and 0 < int(text) < 65536 else None
-
-
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-@contextlib.contextmanager
-def forwarding_signals(supervisor):
-    """Route SIGINT/SIGTERM/SIGHUP to the supervisor while the job runs (main thread only)."""
-    saved = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in FORWARDED_SIGNALS:
-            saved[signum] = signal.signal(signum, supervisor.on_signal)
-    try:
-        yield supervisor
-    finally:
-        for signum, handler in saved.items():
-            signal.signal(signum, handler)
-
-
-def run_specs(specs, grace=5.0, shutdown_timeout=600.0, out=None, err=None):
-    """Start every spec, supervise them and return the exit code (for tests and simple uses)."""
-    supervisor = Supervisor(out=out, err=err, grace=grace)
-    with forwarding_signals(supervisor):
-        try:
-            for spec in specs:
-                if supervisor.start(spec) is None:
-                    return supervisor.stopped
-            return supervisor.supervise(shutdown_timeout)
-        finally:
-            supervisor.stop(supervisor.stopped if supervisor.stopped is not None else 1)

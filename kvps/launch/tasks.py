@@ -13,7 +13,7 @@ import json
 
 MARK = '\x1ekvps.launch '   # ASCII record separator: no program's output line starts so
 # Files the scheduler writes beside its port file that a runner reports, by suffix.
-MIRRORED = ('', '.formed', '.blame')
+MIRRORED = ('', '.formed', '.blame', '.done')
 
 
 def control_line(task, event, **fields):
@@ -45,6 +45,8 @@ class Task:
         self.host = None
         self.status = None       # the child's wait status, as its runner reported it
         self.reported = False    # its exit event was queued (once)
+        self.replacement = False   # as a Child's
+        self.dropped = False
 
     @property
     def pid(self):

@@ -343,6 +343,8 @@ class Scheduler:
     def end(self, code, reason):
         if code:
             log.error('ending the job: %s', reason)
+        elif self.config.done_file:   # (a launcher's: see Config.done_file)
+            write_atomically(self.config.done_file, 'done')
         for node in self.members.nodes.values():
             if node.role == 'server' or (code and not node.finished):
                 self.send(node.identity, {'op': P.SHUTDOWN, 'id': 0, 'reason': reason})

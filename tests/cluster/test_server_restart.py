@@ -196,6 +196,36 @@ def test_restarts_are_bounded_by_the_launcher_option(job, tmp_path):
     assert result.returncode != 0 and 'server 0' in result.stderr and 'failed first' in result.stderr
 
 
+def test_a_server_lost_as_the_workers_finish_ends_nothing(job, tmp_path):
+    """Every round done, a server dies as the workers exit: the launcher restarts it, but the
+    job ends (every worker finished) before the replacement can rejoin. The replacement is
+    stopped after the grace, not waited for until a timeout, and the job succeeds."""
+    script = """
+    import signal
+    kv = kvps.create('dist_sync')
+    kv.init(0, np.zeros(4, np.float32))
+    kv.set_optimizer(kvps.optimizer.create('test'))
+    for step in range(10):
+        kv.push(0, np.ones(4, np.float32))
+    kv.barrier()
+    out = np.zeros(4, np.float32)
+    kv.pull(0, out=out)
+    report(value=out.tolist())
+    kv.barrier()
+    if kv.rank == 0:
+        os.kill(next(n['pid'] for n in kv._backend.io.welcome['nodes']
+                     if n['role'] == 'server'), signal.SIGKILL)
+    """
+    env = {**RECOVERY, 'KVPS_CHECKPOINT_DIR': str(tmp_path / 'ckpt')}
+    result = job(script, workers=2, servers=1, env=env,
+                 launcher_args=['--restart-servers', '1', '--timeout', '60'], timeout=50,
+                 ends_when='the job ends with its workers')
+    assert result.returncode == 0, result.output
+    assert result.results() == {0: {'value': [20.0] * 4}, 1: {'value': [20.0] * 4}}
+    if 'restarting it' in result.stderr:   # (else the job ended before the launcher saw it)
+        assert 'was restarted as the job ended, which it can no longer join' in result.stderr
+
+
 def test_restart_needs_a_checkpoint_directory(job):
     result = job('kv = kvps.create("dist_sync")\n', workers=1, servers=1,
                  launcher_args=['--restart-servers', '2'])

@@ -18,7 +18,8 @@ import pytest
 from kvps.config import Config
 from kvps.launch import cli as launch, supervise as launch_supervise
 from kvps.launch.processes import ProcSpec
-from kvps.launch.supervise import Supervisor, run_specs
+from kvps.launch.forwarding import run_specs
+from kvps.launch.supervise import Supervisor
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -534,7 +535,7 @@ def _launcher_subprocess(code, count):
 SLEEPERS = '''
     import sys
     from kvps.launch.processes import ProcSpec
-    from kvps.launch.supervise import run_specs
+    from kvps.launch.forwarding import run_specs
     code = 'import os, time; print("pid", os.getpid(), flush=True); time.sleep(60)'
     specs = [ProcSpec('server', r, (sys.executable, '-c', code), {}) for r in (0, 1)]
     code = ('import os, subprocess, time; p = subprocess.Popen(["sleep", "60"]); '
