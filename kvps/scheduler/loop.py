@@ -189,6 +189,11 @@ class Scheduler:
         elif identity in self.members.replaced:   # it woke up after its successor came
             self.send(identity, {'op': P.SHUTDOWN, 'id': 0,
                                   'reason': 'another server has taken this rank'})
+        elif any(node.identity == identity for node in self.members.lost_workers):
+            self.send(identity, {'op': P.SHUTDOWN, 'id': 0, 'reason': (
+                'this worker was silent for longer than KVPS_HEARTBEAT_TIMEOUT (stopped, '
+                'suspended, or its I/O thread held up), so the elastic job took it for lost '
+                'and went on without it')})
 
     def _on_barrier(self, identity, header):
         node = self._worker(identity)

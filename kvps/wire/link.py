@@ -34,7 +34,7 @@ class SchedulerLink:
         self.socket = Dealer(ctx, f'{role}-{uuid.uuid4().hex[:12]}'.encode(),
                              guard_from(config))
         self.socket.connect(self.scheduler_ip, config.scheduler_port)
-        self._last_heard = self._last_sent = time.monotonic()
+        self._last_heard = self._last_sent = self._last_tick = time.monotonic()
         self._beats = {}     # heartbeat id -> when it left (ns), to read the scheduler's clock
         self._beat = 0
 
@@ -66,6 +66,7 @@ class SchedulerLink:
             if header is None:
                 continue
             if header['op'] == P.WELCOME:
+                self._last_tick = time.monotonic()   # (this wait beat on its own)
                 # a first reading of the scheduler's clock, from a quiet moment (not the
                 # welcome's)
                 if recording.recorder_kept() is not None:
@@ -136,6 +137,14 @@ class SchedulerLink:
         interval = self.config.heartbeat_interval
         if recording.recorder_kept() is not None and self._beat < CLOCK_READINGS:
             interval = min(interval, 0.05)   # read the scheduler's clock a few times at first
+        if now - self._last_tick > self.config.heartbeat_timeout:
+            # This node did not run (stopped, suspended, its loop held up): the silence was its
+            # own, not the scheduler's, which gets a whole timeout to answer a beat sent now
+            # (one that took us for lost says so).
+            log.warning('this %s did not run for %.1f s, longer than KVPS_HEARTBEAT_TIMEOUT: '
+                        'the job may have taken it for lost', self.role, now - self._last_tick)
+            self._last_heard, self._last_sent = now, 0.0
+        self._last_tick = now
         if now - self._last_sent >= interval:
             self._heartbeat()
         silent = now - self._last_heard

@@ -45,6 +45,40 @@ def test_a_worker_killed_mid_round_is_discarded_and_the_survivors_go_on(job):
     assert result.results() == {0: want, 1: want, 2: want}, result.output
 
 
+def test_a_worker_frozen_past_the_heartbeat_timeout_learns_it_was_taken_for_lost(job):
+    """Worker 2 stops itself (SIGSTOP: a suspended process, a paused VM) for longer than the
+    heartbeat timeout; the job goes on without it, and worker 0 wakes it once it has. The
+    woken worker's next call says it was taken for lost, where it blamed the scheduler's
+    silence, which was its own."""
+    script = ROUNDS + textwrap.dedent('''
+    if kv.rank == 2:
+        one_round(kv, 3)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        try:
+            while True:
+                one_round(kv, 3)
+        except kvps.KVPSError as exc:
+            report(error=f'{type(exc).__name__}: {exc}')
+    else:
+        one_round(kv, kv.rank + 1)
+        while kv.num_workers == 3:
+            time.sleep(0.05)
+        pid = next(n['pid'] for n in kv._backend.io.welcome['nodes']
+                   if n['role'] == 'worker' and n['rank'] == 2)
+        if kv.rank == 0:
+            os.kill(pid, signal.SIGCONT)
+        report(delta=one_round(kv, kv.rank + 1), changes=changes)
+    ''')
+    result = job(script, workers=3, servers=1, launcher_args=['--min-workers', '2'],
+                 env={'KVPS_HEARTBEAT_TIMEOUT': '2'}, ends_when='worker 2 wakes and fails')
+    assert result.returncode == 0, result.output
+    reports = result.results()
+    want = {'delta': 3.0, 'changes': [[2, [0, 1]]]}
+    assert reports[0] == reports[1] == want, result.output
+    assert 'took it for lost' in reports[2]['error'], reports[2]
+    assert 'worker 2' in result.output and 'did not run for' in result.output
+
+
 def test_a_worker_that_joins_counts_in_the_next_rounds_and_only_in_them(job):
     """Rank 0 starts a fifth worker by hand (the job's contract, no rank) at round 3; it gets
     rank 4, pushes 5 for 5 rounds and leaves. Every round is 10 (the four) or 15 (with it),
