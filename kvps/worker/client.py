@@ -158,7 +158,7 @@ class DistClient(RowRequests):
         step = self._count_pushes(items)
         nbytes = sum(sum(p.nbytes for p in flat) if type(flat) is list else flat.nbytes
                      for _, flat, _ in items)
-        self._window.make_room(nbytes, self.config.timeout, self._round_hint)
+        self._window.make_room(nbytes, self.config.timeout, self._hint)
         staging = self.io.staging
         parts = []   # (key, part, its payload, dtype, its offset in shared memory or None)
         for key, part, flat, dtype in self._parts_of(items):
@@ -280,7 +280,7 @@ class DistClient(RowRequests):
         return op, finish
 
     def _finish_pull(self, op, finish):
-        op.wait(self.config.timeout, self._round_hint)
+        op.wait(self.config.timeout, self._hint)
         for out, target in finish:
             np.copyto(out, target.reshape(out.shape))
         # A push whose round failed on a server (its update raised) was answered before this
@@ -334,7 +334,7 @@ class DistClient(RowRequests):
     def wait_pushes(self):
         """Block until every push so far, of any thread, is acknowledged; raise the first
         error met."""
-        self._window.wait_all(self.config.timeout, self._round_hint)
+        self._window.wait_all(self.config.timeout, self._hint)
         self._raise_pending_errors()
 
     def stats(self):
@@ -382,8 +382,13 @@ class DistClient(RowRequests):
     def _submit(self, server, header, buffers, request):
         self.io.submit(server_name(server), header, buffers, request)
 
-    @property
-    def _round_hint(self):
+    def _hint(self):
+        """What may hold up a call that timed out (asked then): servers the job waits for to
+        rejoin; else, in dist_sync, a round some worker has not pushed into."""
+        lost = self.io.lost_servers
+        if lost:
+            return (f'; the job lost {", ".join(lost)} and waits for a replacement '
+                    '(KVPS_RECOVERY_TIMEOUT, here longer than KVPS_TIMEOUT)')
         return SYNC_ROUND_HINT if self.sync else ''
 
     def _raise_pending_errors(self):

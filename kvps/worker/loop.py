@@ -257,6 +257,11 @@ class WorkerIO(threading.Thread):
         return P.encode(*request.message)
 
     @property
+    def lost_servers(self):
+        """The servers the job waits for to rejoin, by name (for API threads: a copy)."""
+        return sorted(frozenset(self._lost))
+
+    @property
     def in_flight(self):
         """Requests sent and awaiting their answers."""
         return len(self._pending)

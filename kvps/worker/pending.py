@@ -50,8 +50,10 @@ class Operation:
             raise self.error
 
     def timed_out(self, timeout, hint=''):
-        """The RequestTimeout for a wait of ``timeout`` s that this outlasted."""
+        """The RequestTimeout for a wait of ``timeout`` s that this outlasted; ``hint`` (or
+        what it returns, asked now) says what may have held it up."""
         who = ', '.join(sorted(self.waiting_on)) or 'the cluster'
+        hint = hint() if callable(hint) else hint
         return RequestTimeout(f'{self.what}: no answer from {who} within {timeout:g} s '
                               f'(KVPS_TIMEOUT){hint}')
 

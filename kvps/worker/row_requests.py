@@ -8,7 +8,7 @@ from .messages import live_collector, row_writer
 
 class RowRequests:
     """DistClient's PULL_ROWS requests, one per part of each key (it gives ``sharding``,
-    ``config``, ``_request``, ``_raise_pending_errors`` and ``_round_hint``)."""
+    ``config``, ``_request``, ``_raise_pending_errors`` and ``_hint``)."""
 
     def pull_rows(self, items, priority=0):
         """Backend.pull_rows_begin's requests, waited for (``marks``: part -> [epoch, count],
@@ -59,6 +59,6 @@ class RowRequests:
         """The wait for requests ``ops``: each answered, then any error a server reported."""
         def wait():
             for op in ops:
-                op.wait(self.config.timeout, self._round_hint)
+                op.wait(self.config.timeout, self._hint)
             self._raise_pending_errors()
         return wait

@@ -266,11 +266,12 @@ def _wait_for(proc, word):
     raise AssertionError(f'{word} never printed')
 
 
-def _job_losing_server_1(by_hand, tmp_path, recovery_s):
+def _job_losing_server_1(by_hand, tmp_path, recovery_s, **extra):
     """A job started by hand, one worker and two servers (key 0 is split over both), whose
-    server 1 is killed mid-training while the worker waits for the file ``go``."""
+    server 1 is killed mid-training while the worker waits for the file ``go``. ``extra``:
+    more settings of every node."""
     env = {'KVPS_RECOVERY_TIMEOUT': recovery_s, 'KVPS_CHECKPOINT_DIR': str(tmp_path / 'ckpt'),
-           'KVPS_CHECKPOINT_EVERY': '1', 'KVPS_BIGARRAY_BOUND': '2'}
+           'KVPS_CHECKPOINT_EVERY': '1', 'KVPS_BIGARRAY_BOUND': '2', **extra}
     _, env = by_hand.scheduler(num_workers=1, num_servers=2, extra=env)
     servers = [by_hand('server', env, rank=i) for i in range(2)]
     go = tmp_path / 'go'
@@ -298,6 +299,20 @@ def test_a_lost_server_not_replaced_in_time_ends_the_job_naming_it(by_hand, tmp_
     assert code != 0
     assert 'server 1' in out and 'not replaced within 2 s' in out
     assert servers[0].wait(30) != 0
+
+
+def test_a_call_that_times_out_waiting_for_a_lost_server_says_the_job_waits_for_it(
+        by_hand, tmp_path):
+    """KVPS_TIMEOUT shorter than the wait for a replacement: the worker's call times out
+    naming the lost server the job waits for, not a round some worker did not push into."""
+    _, _, worker, go = _job_losing_server_1(by_hand, tmp_path, '60', KVPS_TIMEOUT='5',
+                                            KVPS_HEARTBEAT_TIMEOUT='2')
+    go.touch()
+    code, out = by_hand.finish(worker)
+    assert code != 0 and 'RequestTimeout' in out, out
+    assert ('the job lost server 1 and waits for a replacement (KVPS_RECOVERY_TIMEOUT, here '
+            'longer than KVPS_TIMEOUT)') in out, out
+    assert 'is some worker not pushing' not in out
 
 
 def test_a_rejoining_server_without_the_lost_ones_checkpoint_ends_the_job_saying_so(
