@@ -108,6 +108,16 @@ def pdeathsig_preexec():
     return preexec
 
 
+def stopped(pid):
+    """Whether process ``pid`` is stopped (SIGSTOP, a debugger): alive, and running nothing."""
+    try:
+        with open(f'/proc/{pid}/stat', 'rb') as f:
+            state = f.read().rsplit(b')', 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in (b'T', b't')
+
+
 def group_alive(pgid):
     """Whether any non-zombie process remains in process group `pgid`.
 

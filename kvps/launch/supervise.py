@@ -11,7 +11,7 @@ import threading
 import time
 
 from ..wire.shm import remove_leftovers
-from .processes import Child, describe, exit_code, pdeathsig_preexec
+from .processes import Child, describe, exit_code, pdeathsig_preexec, stopped
 from .tasks import MIRRORED, Task, parse_control, route, untagged
 
 TAIL_LINES = 20
@@ -200,8 +200,8 @@ class Supervisor:
             return self.stop(128 + what)
         what.done = True
         if what.returncode != 0 and not what.dropped:
-            blamed = self._blamed(self.blame_wait)   # this exit may only be the job ending
-            # because of it
+            # this exit may only be the job ending because of another child
+            blamed = self._blamed(self.blame_wait) or self._stopped_peer(what)
             if blamed is not None:
                 return self.fail(*blamed)
             if not self._restart(what) and not self._tolerate(what):
@@ -249,6 +249,15 @@ class Supervisor:
         for child in reversed(self.children):   # a restarted spec's latest process
             if [child.spec.role, child.spec.rank] in named:
                 return child, f'the scheduler ended the job: {reason}'
+        return None
+
+    def _stopped_peer(self, failed):
+        """``(child, why)`` for a local child that is stopped as ``failed`` ends (its peers,
+        the scheduler first, may not tell: a stopped scheduler writes no blame), or None."""
+        for child in self.procs:
+            if child is not failed and child.returncode is None and stopped(child.pid):
+                return child, ('stopped (SIGSTOP, or a debugger) while the job ran: the others '
+                               'found it silent')
         return None
 
     def _restart(self, child):

@@ -34,6 +34,34 @@ def test_a_stopped_server_is_blamed_not_the_first_process_to_exit(job):
                     r'lost: no heartbeat for [\d.]+ s \(KVPS_HEARTBEAT_TIMEOUT\)', blamed[0][1])
 
 
+def test_a_stopped_scheduler_is_blamed_not_the_node_that_lost_it(job):
+    """Nobody writes the blame when the scheduler is the one stopped: the launcher finds it
+    stopped as the nodes that lost it exit."""
+    script = '''
+import signal
+kv = kvps.create('dist_sync')
+kv.init(0, np.zeros(2))
+if kv.rank == 0:
+    tag = os.environ['KVPS_TEST_TAG'].encode()
+    for pid in (int(d) for d in os.listdir('/proc') if d.isdigit()):
+        try:
+            env = open(f'/proc/{pid}/environ', 'rb').read().split(b'\\0')
+        except OSError:
+            continue
+        if b'KVPS_TEST_TAG=' + tag in env and b'DMLC_ROLE=scheduler' in env:
+            os.kill(pid, signal.SIGSTOP)
+for step in range(100000):
+    kv.push(0, np.ones(2))
+    kv.pull(0, out=np.zeros(2))
+    time.sleep(0.01)
+'''
+    result = job(script, 2, 1, env={'KVPS_HEARTBEAT_TIMEOUT': '2'},
+                 launcher_args=('--grace', '1'))
+    assert result.returncode == 1, result.output
+    assert re.search(r'^kvps.launch: scheduler \(pid \d+\) failed first: stopped \(SIGSTOP, or '
+                     r'a debugger\) while the job ran', result.stderr, re.M), result.stderr
+
+
 NEVER_JOINING_SCRIPT = '''
 if os.environ['KVPS_RANK'] == '1':
     time.sleep(170)        # busy elsewhere: never creates its store (the launcher stops it)
