@@ -218,6 +218,20 @@ import kvps
 def report(**values):
     print('RESULT', json.dumps(values), flush=True)
 
+def job_pids(role):
+    """The pids of this test's processes of ``role`` (their DMLC_ROLE), found in /proc."""
+    tag = f'KVPS_TEST_TAG={os.environ["KVPS_TEST_TAG"]}'.encode()
+    want = f'DMLC_ROLE={role}'.encode()
+    found = []
+    for pid in (int(d) for d in os.listdir('/proc') if d.isdigit()):
+        try:
+            environ = open(f'/proc/{pid}/environ', 'rb').read().split(b'\\0')
+        except OSError:
+            continue
+        if tag in environ and want in environ:
+            found.append(pid)
+    return found
+
 '''
 
 

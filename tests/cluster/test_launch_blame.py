@@ -42,14 +42,7 @@ import signal
 kv = kvps.create('dist_sync')
 kv.init(0, np.zeros(2))
 if kv.rank == 0:
-    tag = os.environ['KVPS_TEST_TAG'].encode()
-    for pid in (int(d) for d in os.listdir('/proc') if d.isdigit()):
-        try:
-            env = open(f'/proc/{pid}/environ', 'rb').read().split(b'\\0')
-        except OSError:
-            continue
-        if b'KVPS_TEST_TAG=' + tag in env and b'DMLC_ROLE=scheduler' in env:
-            os.kill(pid, signal.SIGSTOP)
+    os.kill(*job_pids('scheduler'), signal.SIGSTOP)
 for step in range(100000):
     kv.push(0, np.ones(2))
     kv.pull(0, out=np.zeros(2))

@@ -170,13 +170,8 @@ def test_restarts_are_bounded_by_the_launcher_option(job, tmp_path):
     killed = set()
 
     def kill_the_server():
-        tag = os.environ['KVPS_TEST_TAG'].encode()
-        for pid in (int(d) for d in os.listdir('/proc') if d.isdigit()):
-            try:
-                env = open(f'/proc/{pid}/environ', 'rb').read().split(b'\\0')
-            except OSError:
-                continue
-            if b'KVPS_TEST_TAG=' + tag in env and b'DMLC_ROLE=server' in env and pid not in killed:
+        for pid in job_pids('server'):
+            if pid not in killed:
                 killed.add(pid)
                 os.kill(pid, signal.SIGKILL)
                 return
