@@ -123,8 +123,13 @@ def open_for(config, welcome, shard, name):
                                 config.checkpoint_every, config.checkpoint_seconds,
                                 time.monotonic(), welcome.get('job'))
     loaded = checkpointer.load(shard, rounds=restarted)
-    if loaded:
+    if loaded and restarted:
         log.info('%s resumed %d key parts from %s', name, len(shard.entries), checkpointer.path)
+    elif loaded:   # (seen by default: a user who meant to start afresh learns why not)
+        log.warning('%s resumed %d key parts from %s, an earlier job\'s checkpoint in '
+                    'KVPS_CHECKPOINT_DIR: inits of those keys keep its values and optimizer '
+                    'state (another directory starts afresh)', name, len(shard.entries),
+                    checkpointer.path)
     checkpointer.unsaved = loaded and not restarted
     return checkpointer, checkpointer.unsaved
 

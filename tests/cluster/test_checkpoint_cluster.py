@@ -1,6 +1,8 @@
 """Server checkpoints in real jobs: a checkpoint that cannot be written ends the job with
 its reason, and the previous checkpoint stays loadable."""
 
+import re
+
 import pytest
 
 from kvps.server.checkpoint import Checkpointer
@@ -71,6 +73,10 @@ def test_a_dist_async_job_resumed_from_its_directory_goes_on_as_if_it_never_stop
         # 100 + 0.5 * sum over steps and both workers of (rank + 1) * (step + 1)
         want = 100 + 0.5 * 3 * sum(range(1, steps + 1))
         assert result.results() == {r: {'values': [[want], [want]]} for r in (0, 1)}
+        # the second job says, at the default log level, where its values came from
+        resumed = re.findall(r'server (\d) resumed \d+ key parts from .*server-\d-of-2.kvps, an '
+                             r"earlier job's checkpoint", result.output)
+        assert sorted(resumed) == ([] if first == 0 else ['0', '1']), result.output
 
 
 # Keys 0 and 1, equal in size: each lands on the server with the least load so far, so the
