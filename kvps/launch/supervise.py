@@ -290,6 +290,7 @@ class Supervisor:
                 child.dropped = True
                 self.say(f'{child.name} (pid {child.pid}) was restarted as the job ended, which '
                          'it can no longer join; stopping it')
+                # (a replacement on another host is its own carrier's only task)
                 getattr(child, 'carrier', child).signal_group(signal.SIGTERM)
 
     def _tolerate(self, child):
