@@ -109,9 +109,9 @@ def restore(shard, blob, rounds=False, job=None):
 def open_for(config, welcome, shard, name):
     """The Checkpointer of a server joining its job with ``welcome`` (None without
     KVPS_CHECKPOINT_DIR), after resuming ``shard`` from its file, and whether a new job
-    resumed from it (``name``: the server's, for its log). A new job counts rounds from 0:
-    its checkpointer has a change unsaved, so that the file is rewritten at once and a
-    server replacing this one never reads the previous job's counts."""
+    resumed from it (``name``: the server's, for its log). A new job's server writes its
+    file at once, before it serves anything: a replacement always finds one of this job (one
+    lost before its first change included), never the previous job's counts."""
     restarted = bool(welcome.get('restarted'))
     # The scheduler's KVPS_RECOVERY_TIMEOUT rules (set by hand, this server may lack it).
     problem = config.unrecoverable(welcome.get('recovery_timeout') or float(restarted))
@@ -130,8 +130,9 @@ def open_for(config, welcome, shard, name):
                     'KVPS_CHECKPOINT_DIR: inits of those keys keep its values and optimizer '
                     'state (another directory starts afresh)', name, len(shard.entries),
                     checkpointer.path)
-    checkpointer.unsaved = loaded and not restarted
-    return checkpointer, checkpointer.unsaved
+    if not restarted:   # written before anything is served: see the docstring
+        checkpointer.write(shard, time.monotonic())
+    return checkpointer, loaded and not restarted
 
 
 class Checkpointer:
@@ -158,8 +159,8 @@ class Checkpointer:
         if not os.path.exists(self.path):
             if rounds:
                 raise ConfigError(f'this server replaces a lost one but finds no checkpoint at '
-                                  f'{self.path}: it has nothing to resume from (is '
-                                  'KVPS_CHECKPOINT_DIR shared with the lost server\'s host?)')
+                                  f'{self.path}, which every server writes as it joins: is '
+                                  'KVPS_CHECKPOINT_DIR shared with the lost server\'s host?')
             self._refuse_other_sizes()
             self._refuse_half_resume()
             return False

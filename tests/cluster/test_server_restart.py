@@ -191,6 +191,30 @@ def test_restarts_are_bounded_by_the_launcher_option(job, tmp_path):
     assert result.returncode != 0 and 'server 0' in result.stderr and 'failed first' in result.stderr
 
 
+def test_a_server_lost_before_its_first_change_is_replaced_too(job, tmp_path):
+    """Killed as the job forms, before any init reached it: its replacement finds the file
+    every server writes as it joins (where it found none, and ended the job)."""
+    script = """
+    import signal
+    kv = kvps.create('dist_sync')
+    if kv.rank == 0:
+        os.kill(next(n['pid'] for n in kv._backend.io.welcome['nodes']
+                     if n['role'] == 'server'), signal.SIGKILL)
+    kv.init('a', np.zeros(3, np.float32))
+    kv.set_optimizer(kvps.optimizer.create('test'))
+    out = np.zeros(3, np.float32)
+    for step in range(3):
+        kv.push('a', np.ones(3, np.float32))
+        kv.pull('a', out=out)
+    report(value=out.tolist())
+    """
+    env = {**RECOVERY, 'KVPS_CHECKPOINT_DIR': str(tmp_path / 'ckpt')}
+    result = job(script, workers=2, servers=1, env=env, launcher_args=['--restart-servers', '1'])
+    assert result.returncode == 0, result.output
+    assert 'restarting it' in result.stderr and 'rejoined' in result.output
+    assert result.results() == {0: {'value': [6.0] * 3}, 1: {'value': [6.0] * 3}}
+
+
 def test_a_server_lost_as_the_workers_finish_ends_nothing(job, tmp_path):
     """Every round done, a server dies as the workers exit: the launcher restarts it, but the
     job ends (every worker finished) before the replacement can rejoin. The replacement is
