@@ -159,7 +159,7 @@ class Scheduler:
                                          header.get('pid', 0), time.monotonic(),
                                          header.get('rank_from'))
         if old.lost_since is None:   # if it still lives, it must not serve beside its successor
-            self.send(old.identity, {'op': P.SHUTDOWN, 'id': 0,
+            self.send(old.identity, {'op': P.SHUTDOWN, 'id': 0, 'fenced': 'replaced',
                                       'reason': 'replaced by a server that rejoined with its rank'})
         self.welcome(node, restarted=True)
         for worker in self.members.of_role('worker'):
@@ -182,12 +182,19 @@ class Scheduler:
         if dropped is not None:   # it was not dead after all: it must not wait on
             self.send(identity, P.error_header(header.get('id', 0), ConfigError(
                 f'this node left the forming job: {dropped}'), 'scheduler'))
+        elif getattr(self.members.nodes.get(identity), 'lost_since', None) is not None:
+            # a server taken for lost woke up: the workers wait for its replacement (and take
+            # nothing more from it), which only its end lets a launcher start
+            self.send(identity, {'op': P.SHUTDOWN, 'id': 0, 'fenced': 'lost', 'reason': (
+                'this server was silent for longer than KVPS_HEARTBEAT_TIMEOUT (stopped, '
+                'suspended, or its loop held up), so the job took it for lost and waits for '
+                'its replacement')})
         elif identity in self.members.nodes:
             # (its clock: a node's timeline aligns its spans with it)
             self.send(identity, {'op': P.HEARTBEAT_ACK, 'id': header.get('id', 0),
                                   'clock': recording.now()})
         elif identity in self.members.replaced:   # it woke up after its successor came
-            self.send(identity, {'op': P.SHUTDOWN, 'id': 0,
+            self.send(identity, {'op': P.SHUTDOWN, 'id': 0, 'fenced': 'replaced',
                                   'reason': 'another server has taken this rank'})
         elif any(node.identity == identity for node in self.members.lost_workers):
             self.send(identity, {'op': P.SHUTDOWN, 'id': 0, 'reason': (

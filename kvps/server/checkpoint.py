@@ -16,7 +16,7 @@ import time
 import msgpack
 
 from ..atomic import write_atomically
-from ..errors import ConfigError
+from ..errors import ConfigError, KVPSError
 from ..timeline.recording import traced
 
 log = logging.getLogger('kvps.server')
@@ -34,37 +34,38 @@ def path_for(directory, rank, num_servers):
 _FILE_NAME = re.compile(r'server-(\d+)-of-(\d+)\.kvps')   # path_for's names: rank, servers
 
 
-def snapshot(shard, job=None, resumed=False):
+def snapshot(shard, job=None, resumed=False, writer=None):
     """The shard's weights and optimizer state as bytes; ``job``: the run writing it,
-    ``resumed``: whether that run started from an earlier run's file."""
+    ``resumed``: whether that run started from an earlier run's file, ``writer``: the
+    server process writing it (Checkpointer.write)."""
     entries = [[e.key, e.part, e.dtype, list(e.shape), e.sync,
                 e.arrays.to_host(e.weight).tobytes(), e.version, _applied_pushes(e), e.device,
                 e.scale_to]
                for e in shard.entries.values()]
     updater = shard.updater.get_states(dump_optimizer=True) if shard.updater else None
     # The header comes first, so that _header reads it without the weights.
-    return msgpack.packb({'format': FORMAT, 'job': job, 'resumed': resumed, 'entries': entries,
-                          'updater': updater}, use_bin_type=True)
+    return msgpack.packb({'format': FORMAT, 'job': job, 'resumed': resumed, 'writer': writer,
+                          'entries': entries, 'updater': updater}, use_bin_type=True)
 
 
 def _header(path):
-    """The job that wrote the checkpoint at ``path`` and whether it resumed it, read without
-    the weights; (None, True) for a file older than /5 or one that cannot be read: from an
-    earlier job."""
+    """The job that wrote the checkpoint at ``path``, whether it resumed it, and the server
+    process that wrote it, read without the weights; (None, True, None) for a file older than
+    /5 or one that cannot be read: from an earlier job."""
     header = {}
     try:
         with open(path, 'rb') as f:
             unpacker = msgpack.Unpacker(f, raw=False)
             for _ in range(unpacker.read_map_header()):
                 name = unpacker.unpack()
-                if name not in ('format', 'job', 'resumed'):
+                if name not in ('format', 'job', 'resumed', 'writer'):
                     break
                 header[name] = unpacker.unpack()
     except (OSError, ValueError, msgpack.UnpackException):
         pass
     if header.get('format') != FORMAT:
-        return None, True
-    return header.get('job'), header.get('resumed')
+        return None, True, None
+    return header.get('job'), header.get('resumed'), header.get('writer')
 
 
 def _applied_pushes(entry):
@@ -109,9 +110,10 @@ def restore(shard, blob, rounds=False, job=None):
 def open_for(config, welcome, shard, name):
     """The Checkpointer of a server joining its job with ``welcome`` (None without
     KVPS_CHECKPOINT_DIR), after resuming ``shard`` from its file, and whether a new job
-    resumed from it (``name``: the server's, for its log). A new job's server writes its
-    file at once, before it serves anything: a replacement always finds one of this job (one
-    lost before its first change included), never the previous job's counts."""
+    resumed from it (``name``: the server's, for its log). A server writes its file at once,
+    before it serves anything: a replacement always finds one of this job (of one lost before
+    its first change too), never the previous job's counts; and once a replacement has, the
+    server it replaced writes no more (Superseded), should it still live."""
     restarted = bool(welcome.get('restarted'))
     # The scheduler's KVPS_RECOVERY_TIMEOUT rules (set by hand, this server may lack it).
     problem = config.unrecoverable(welcome.get('recovery_timeout') or float(restarted))
@@ -130,9 +132,12 @@ def open_for(config, welcome, shard, name):
                     'KVPS_CHECKPOINT_DIR: inits of those keys keep its values and optimizer '
                     'state (another directory starts afresh)', name, len(shard.entries),
                     checkpointer.path)
-    if not restarted:   # written before anything is served: see the docstring
-        checkpointer.write(shard, time.monotonic())
+    checkpointer.write(shard, time.monotonic())   # before anything is served: see above
     return checkpointer, loaded and not restarted
+
+
+class Superseded(KVPSError):
+    """This server's file was written by a replacement of it: it is the job's no more."""
 
 
 class Checkpointer:
@@ -152,6 +157,9 @@ class Checkpointer:
         self.every, self.seconds = every, seconds
         self._last_updates, self._last_time = 0, now
         self.unsaved = False
+        # This process's mark in its files: once it has written one, a file with another's is
+        # its successor's (a server that took its rank while it was stopped): see write
+        self.writer, self._wrote = os.urandom(8).hex(), False
 
     def load(self, shard, rounds=False):
         """Resume ``shard`` from this server's file if there is one; return whether it did.
@@ -193,7 +201,7 @@ class Checkpointer:
         for rank in range(self.num_servers):
             path = path_for(self.directory, rank, self.num_servers)
             if rank != self.rank and os.path.exists(path):
-                job, resumed = _header(path)
+                job, resumed, _ = _header(path)
                 if job != self.job or resumed:
                     earlier.append(os.path.basename(path))
         if earlier:
@@ -215,9 +223,13 @@ class Checkpointer:
     @traced('checkpoint', 'checkpoint')
     def write(self, shard, now):
         """Write the checkpoint; ConfigError if the file system refuses (the previous file
-        is left whole)."""
+        is left whole), Superseded if a replacement of this server wrote it since we did."""
         try:
-            write_atomically(self.path, snapshot(shard, self.job, self.resumed))
+            if self._wrote and _header(self.path)[2] not in (None, self.writer):
+                raise Superseded(f'{self.path} was written by another server of this rank (a '
+                                 'replacement) since this one last wrote it')
+            write_atomically(self.path, snapshot(shard, self.job, self.resumed, self.writer))
+            self._wrote = True
         except OSError as exc:
             raise ConfigError(f'cannot write the checkpoint {self.path}: {exc}; the previous '
                               'checkpoint is kept, and nothing since it is acknowledged') from None

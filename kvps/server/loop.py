@@ -79,6 +79,7 @@ class Server:
                         len(self.recovery.awaiting))
             self._recovered_if_done()   # (every worker may have left already)
         self.exit_code = None
+        self.fenced = False      # told it is no longer the job's server (SHUTDOWN fenced)
 
     def run(self):
         """Serve until SHUTDOWN (exit 0) or a lost peer (exit 1); return the exit code."""
@@ -95,7 +96,8 @@ class Server:
                         self._from_scheduler()
                 self._tick()
                 self._flush()
-            self._checkpoint()   # a clean or aborted end keeps every applied round
+            if not self.fenced:
+                self._checkpoint()   # a clean or aborted end keeps every applied round
         except KVPSError as exc:   # (a checkpoint write failed) the job learns why at once
             self.link.abort(f'{exc}')
             raise
@@ -133,14 +135,22 @@ class Server:
         """Checkpoint if due, then send the replies: an acknowledged init or optimizer change
         is always in the checkpoint (a restarted server must have it), and with
         KVPS_CHECKPOINT_EVERY=1 so is every acknowledged update."""
-        if self.checkpointer and self.checkpointer.due(self.shard.updates, time.monotonic()):
+        if self.checkpointer and not self.fenced and self.checkpointer.due(
+                self.shard.updates, time.monotonic()):
             self._checkpoint()
+        if self.fenced:   # its checkpoint is its successor's, and so are the workers
+            return
         self.shard.storage.order()   # a device's copies out of the workers' blocks are done
         self.replies.flush()
 
     def _checkpoint(self):
-        if self.checkpointer is not None:
+        if self.checkpointer is None:
+            return
+        try:
             self.checkpointer.write(self.shard, time.monotonic())
+        except checkpoint.Superseded as exc:   # it will be told so, or was while it slept
+            log.error('%s: %s: it serves no more', self.name, exc)
+            self.fenced, self.exit_code = True, 0
 
     def _from_scheduler(self):
         header = self.link.next_message()
@@ -158,6 +168,11 @@ class Server:
                 self.replies.hold(members.worker_finished(self.shard, worker))
         elif op == P.MEMBERS:
             self._members_changed(header)
+        elif op == P.SHUTDOWN and header.get('fenced'):
+            # no longer the job's server: its checkpoint is its successor's to write, and
+            # one taken for lost fails, so that a launcher starts that successor
+            log.error('%s: %s', self.name, header.get('reason', ''))
+            self.fenced, self.exit_code = True, int(header['fenced'] == 'lost')
         elif op == P.SHUTDOWN:
             log.info('%s: shutting down: %s', self.name, header.get('reason', ''))
             self.exit_code = 0

@@ -15,7 +15,7 @@ from .codecs import GRADIENT_CODECS, ONE_BIT, PULL_CODECS, TOP_K, coded_nbytes
 from .items import CheckItem, DataItem, InitItem, Layout, PullItem, PushItem, ResumeItem
 
 # Node <-> scheduler.
-VERSION = 22                 # bumped on any change of the wire format; checked at REGISTER
+VERSION = 23                 # bumped on any change of the wire format; checked at REGISTER
 # node -> scheduler: {role, host, port, rank, pid, version, shared, rank_from (the setting
 # that gave the rank, for messages: 'DMLC_WORKER_ID=3'), beat (its heartbeat interval, s)}
 REGISTER = 'register'
@@ -35,8 +35,11 @@ MAX_DIGEST_BYTES = 64
 MAX_SUM_BYTES = 1 << 16      # all_sum: small arrays (metrics, counts), summed by the scheduler
 FINISH = 'finish'            # worker -> scheduler: done; answered by ACK
 ABORT = 'abort'              # node -> scheduler: {reason}; it is failing: the job ends at once
-SHUTDOWN = 'shutdown'        # scheduler -> node: exit now ({reason})
+# scheduler -> node: exit now ({reason}); to a server no longer the job's, `fenced`: 'lost' (the
+# job waits for a replacement) or 'replaced': it exits without writing its checkpoint
+SHUTDOWN = 'shutdown'
 PEER_LOST = 'peer_lost'      # scheduler -> node: {role, rank, host, reason}
+FENCED = ('lost', 'replaced')
 SERVER_LOST = 'server_lost'  # scheduler -> worker: {rank, reason}; the job waits for its return
 SERVER_BACK = 'server_back'  # scheduler -> worker: {rank, host, port} of the replacement
 # scheduler -> server, worker (elastic jobs): {epoch (= id), workers, gone, joined: lists of
@@ -292,6 +295,7 @@ _FIELD_CHECKS = {
     'rank': lambda op, value: value is None or _natural(value),
     'shared': _raising(_check_shared),   # REGISTER's only
     'rank_from': _optional(lambda v: isinstance(v, str) and len(v) <= 200),
+    'fenced': _optional(lambda v: v in FENCED),
     'codec': _optional(lambda v: type(v) is str and v in PULL_CODECS),
     'acks': lambda op, v: v is None or (op == DATA and type(v) is list and len(
         v) <= MAX_KEYS_PER_MESSAGE and all(type(a) is int and a > 0 for a in v)),
@@ -304,6 +308,7 @@ _FIELD_RULES = {
     'priority': 'priority must be an int of 32 bits',
     **{flag: f'{flag} must be true or false' for flag in _FLAGS},
     'rank_from': 'rank_from must be a string of at most 200 characters',
+    'fenced': f'fenced must be one of {", ".join(FENCED)}',
     'codec': f'codec must be one of {", ".join(PULL_CODECS)}',
     'acks': 'acks must be a list of request ids',
     'digest': f'digest must be at most {MAX_DIGEST_BYTES} bytes',

@@ -289,6 +289,9 @@ class WorkerIO(threading.Thread):
 
     def _from_server(self, sock):
         node = self._by_socket[sock]
+        if node in self._lost:   # taken for lost: its requests wait for its replacement
+            sock.recv()
+            return
         for frames, decoded in decoded_or_refusals(sock.recv(), self.config, node):
             if isinstance(decoded, ProtocolError):
                 # Its call would wait for it until KVPS_TIMEOUT: fail it now, saying why.

@@ -191,6 +191,37 @@ def test_restarts_are_bounded_by_the_launcher_option(job, tmp_path):
     assert result.returncode != 0 and 'server 0' in result.stderr and 'failed first' in result.stderr
 
 
+@pytest.mark.parametrize('shm', ['1', '0'])
+def test_a_server_woken_after_the_job_took_it_for_lost_gives_way_to_its_replacement(
+        job, tmp_path, shm):
+    """Stopped past the heartbeat timeout (a paused VM, a swap storm), then woken: the job has
+    taken it for lost and waits for a replacement. The workers take no answer of it (one lent
+    from its arena crashed them), the scheduler tells it to go, it exits without writing its
+    checkpoint, the launcher starts its replacement, and nothing is lost or doubled."""
+    script = """
+    import signal, threading
+    kv = kvps.create('dist_sync')
+    kv.init('w', np.zeros(1000, np.float32))   # 4 KB: pulls answered from the server's arena
+    kv.set_optimizer(kvps.optimizer.create('test'))
+    out = np.zeros(1000, np.float32)
+    for step in range(6):
+        kv.push('w', np.ones(1000, np.float32))
+        if step == 2 and kv.rank == 0:
+            pid, = job_pids('server')
+            os.kill(pid, signal.SIGSTOP)
+            threading.Timer(4, os.kill, (pid, signal.SIGCONT)).start()
+        kv.pull('w', out=out)
+    report(value=sorted(set(out.tolist())))
+    """
+    env = {**RECOVERY, 'KVPS_CHECKPOINT_DIR': str(tmp_path / 'ckpt'), 'KVPS_SHM': shm,
+           'KVPS_HEARTBEAT_TIMEOUT': '2'}
+    result = job(script, workers=2, servers=1, env=env, launcher_args=['--restart-servers', '1'])
+    assert result.returncode == 0, result.output
+    assert 'so the job took it for lost and waits for its replacement' in result.output
+    assert 'failed: exit code 1; restarting it' in result.stderr
+    assert result.results() == {0: {'value': [12.0]}, 1: {'value': [12.0]}}, result.output
+
+
 def test_a_server_lost_before_its_first_change_is_replaced_too(job, tmp_path):
     """Killed as the job forms, before any init reached it: its replacement finds the file
     every server writes as it joins (where it found none, and ended the job)."""
@@ -285,10 +316,10 @@ def _wait_for(proc, word):
     raise AssertionError(f'{word} never printed')
 
 
-def _job_losing_server_1(by_hand, tmp_path, recovery_s, **extra):
+def _job_losing_server_1(by_hand, tmp_path, recovery_s, how=signal.SIGKILL, **extra):
     """A job started by hand, one worker and two servers (key 0 is split over both), whose
-    server 1 is killed mid-training while the worker waits for the file ``go``. ``extra``:
-    more settings of every node."""
+    server 1 is killed (signal ``how``) mid-training while the worker waits for the file
+    ``go``. ``extra``: more settings of every node."""
     env = {'KVPS_RECOVERY_TIMEOUT': recovery_s, 'KVPS_CHECKPOINT_DIR': str(tmp_path / 'ckpt'),
            'KVPS_CHECKPOINT_EVERY': '1', 'KVPS_BIGARRAY_BOUND': '2', **extra}
     _, env = by_hand.scheduler(num_workers=1, num_servers=2, extra=env)
@@ -296,8 +327,9 @@ def _job_losing_server_1(by_hand, tmp_path, recovery_s, **extra):
     go = tmp_path / 'go'
     worker = by_hand('worker', {**env, 'STEPS': '6', 'GO': str(go)}, script=HAND_TRAIN)
     _wait_for(worker, 'WAITING')
-    os.kill(servers[1].pid, signal.SIGKILL)
-    servers[1].wait(10)
+    os.kill(servers[1].pid, how)
+    if how == signal.SIGKILL:
+        servers[1].wait(10)
     return env, servers, worker, go
 
 
@@ -309,6 +341,26 @@ def test_a_server_restarted_by_hand_with_its_rank_rejoins(by_hand, tmp_path):
     assert code == 0, out
     assert '"value": [6.0, 6.0, 6.0, 6.0]' in out    # the last round replaces the value
     assert by_hand.finish(replacement)[0] == 0 and by_hand.finish(servers[0])[0] == 0
+
+
+def test_a_server_replaced_while_it_lived_leaves_the_checkpoint_to_its_successor(
+        by_hand, tmp_path):
+    """Server 1 is stopped, and a replacement takes its rank before the job finds it lost;
+    woken after the job, it serves what was queued for it, but finds (by the scheduler, or
+    by its file, which its successor wrote) that it was replaced, and exits 0 without writing
+    its stale checkpoint over its successor's."""
+    env, servers, worker, go = _job_losing_server_1(by_hand, tmp_path, '60', signal.SIGSTOP)
+    replacement = by_hand('server', env, rank=1)
+    go.touch()
+    code, out = by_hand.finish(worker)
+    assert code == 0 and '"value": [6.0, 6.0, 6.0, 6.0]' in out, out
+    assert by_hand.finish(replacement)[0] == 0 and by_hand.finish(servers[0])[0] == 0
+    successors = (tmp_path / 'ckpt' / 'server-1-of-2.kvps').read_bytes()
+    os.kill(servers[1].pid, signal.SIGCONT)
+    code, out = by_hand.finish(servers[1])
+    assert code == 0 and ('replaced by a server that rejoined with its rank' in out
+                          or 'written by another server of this rank' in out), out
+    assert (tmp_path / 'ckpt' / 'server-1-of-2.kvps').read_bytes() == successors
 
 
 def test_a_lost_server_not_replaced_in_time_ends_the_job_naming_it(by_hand, tmp_path):

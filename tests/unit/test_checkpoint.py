@@ -1,5 +1,7 @@
 """Server checkpoints: exact round trip, the resume rule for init, and when one is due."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -163,3 +165,20 @@ def test_a_checkpoint_dir_that_cannot_be_made_is_named(tmp_path):
     with pytest.raises(ConfigError, match=f"KVPS_CHECKPOINT_DIR='{taken}/sub': cannot create "
                                           'it: Not a directory'):
         Checkpointer(str(taken / 'sub'), 0, 1)
+
+
+def test_a_server_whose_replacement_wrote_its_file_writes_no_more(tmp_path):
+    """A server stopped while a replacement took its rank must not write its stale state
+    over its successor's once it wakes; a file gone, or of no writer, fences nothing."""
+    from kvps.server.checkpoint import Superseded
+    old, new = (Checkpointer(str(tmp_path), 0, 1, job='j') for _ in range(2))
+    old.write(trained_shard(), 0.0)
+    old.write(trained_shard(), 1.0)                  # its own file: goes on writing
+    new.write(Shard(1), 2.0)                         # the replacement joins
+    successors = (tmp_path / 'server-0-of-1.kvps').read_bytes()
+    with pytest.raises(Superseded, match='written by another server of this rank'):
+        old.write(trained_shard(), 3.0)
+    assert (tmp_path / 'server-0-of-1.kvps').read_bytes() == successors
+    new.write(Shard(1), 4.0)                         # the successor is not fenced by itself
+    os.unlink(tmp_path / 'server-0-of-1.kvps')
+    new.write(Shard(1), 5.0)                         # (a file removed by hand fences nothing)

@@ -207,7 +207,8 @@ def test_a_states_answer_resent_from_a_restarted_server_starts_afresh():
     ('step', True, 'step must be an int >= 0'), ('rank', -1, 'rank must be an int >= 0'),
     ('shared', [], 'shared must map'), ('rank_from', 5, 'rank_from must be a string'),
     ('codec', 'zip', 'codec must be one of'), ('acks', [1], 'acks must be a list'),
-    ('digest', 'x', 'digest must be at most'), ('sum', b'1234567', 'sum must be float64')])
+    ('digest', 'x', 'digest must be at most'), ('sum', b'1234567', 'sum must be float64'),
+    ('fenced', 'gone', 'fenced must be one of lost, replaced')])
 def test_every_field_is_checked_wherever_it_appears(field, bad, reason):
     """A node reads these fields from any message that carries them: each is checked by its
     name, whatever the op (here an ACK, which needs none of them)."""
@@ -219,6 +220,7 @@ def test_every_field_is_checked_wherever_it_appears(field, bad, reason):
     ('since', None), ('priority', None), ('priority', -2 ** 31), ('rank', None), ('rank', 3),
     ('rank_from', None), ('codec', None), ('codec', 'fp16'), ('acks', None), ('digest', None),
     ('digest', b'x' * P.MAX_DIGEST_BYTES), ('sum', None), ('sum', bytes(8)),
+    ('fenced', None), ('fenced', 'lost'), ('fenced', 'replaced'),
     ('unknown', object())])
 def test_optional_fields_may_be_none_and_unknown_ones_are_not_read(field, value):
     P.validate_header({'op': P.ACK, 'id': 1, field: value})
