@@ -150,7 +150,8 @@ class Server:
             self.checkpointer.write(self.shard, time.monotonic())
         except checkpoint.Superseded as exc:   # it will be told so, or was while it slept
             log.error('%s: %s: it serves no more', self.name, exc)
-            self.fenced, self.exit_code = True, 0
+            self.fenced = True
+            self.exit_code = 0 if self.exit_code is None else self.exit_code
 
     def _from_scheduler(self):
         header = self.link.next_message()
