@@ -200,7 +200,7 @@ def test_a_weight_updated_before_its_pull_is_answered_is_answered_as_it_was(tmp_
 
 def test_the_loop_orders_the_replies_behind_the_copies_before_it_sends_them():
     events = []
-    fake = SimpleNamespace(checkpointer=None,
+    fake = SimpleNamespace(checkpointer=None, fenced=False,
                            shard=SimpleNamespace(storage=SimpleNamespace(
                                order=lambda: events.append('order'))),
                            replies=SimpleNamespace(flush=lambda: events.append('flush')))
