@@ -13,7 +13,7 @@ import threading
 import numpy as np
 
 from ..allocator import keep_freed_memory
-from ..errors import ConfigError
+from ..errors import ConfigError, KVPSError
 from ..timeline import recording
 from ..timeline.counters import WorkerCounts
 from ..wire import protocol as P
@@ -354,7 +354,11 @@ class DistClient(RowRequests):
             self.closed = True
         try:
             if self.io.fatal is None:
-                self.wait_pushes()
+                try:
+                    self.wait_pushes()
+                except KVPSError as exc:   # the job ends now, with why: a worker that went
+                    self.io.abort(f'could not finish: {exc}', 2.0)   # on left it to time out
+                    raise
                 op = Operation('finish', 1)
                 self.io.submit(SCHEDULER, {'op': P.FINISH, 'id': -1}, (), Request(op, SCHEDULER))
                 op.wait(min(self.config.timeout, 30.0))

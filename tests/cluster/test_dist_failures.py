@@ -206,6 +206,28 @@ def test_a_round_some_worker_never_pushes_times_out_saying_why(job):
     assert 'every worker has called it' in other['message']
 
 
+def test_a_close_that_cannot_flush_ends_the_job_at_once_with_its_reason(job):
+    """Worker 1 pushes once more than worker 0, which finishes: worker 1's close() raises, and
+    its script catches that and ends normally. The job ends with that reason, naming worker
+    1, not when the others find it silent."""
+    script = '''
+    kv = kvps.create('dist_sync')
+    kv.init(0, np.zeros(4, np.float32))
+    for _ in range(kv.rank + 1):
+        kv.push(0, np.ones(4, np.float32))
+    try:
+        kv.close()
+    except kvps.KVPSError as exc:
+        report(close=str(exc))
+    '''
+    result = job(script, 2, 1)
+    assert result.returncode != 0, result.output
+    assert result.results()[1]['close'].startswith('a sync round of key 0 can never complete')
+    assert re.search(r'^kvps.launch: worker 1 \(pid \d+\) failed first: the scheduler ended the '
+                     r'job: worker 1 .* failed: could not finish: a sync round of key 0 can never '
+                     r'complete', result.stderr, re.M), result.stderr
+
+
 RAISING_SCRIPT = '''
 kv = kvps.create('dist_sync')
 kv.init(0, np.zeros(2))
