@@ -102,10 +102,12 @@ class Socket:
 class Router(Socket):
     """A bound ROUTER: receives ``[identity, *frames]`` and answers by identity."""
 
-    def __init__(self, ctx, guard=None):
+    def __init__(self, ctx, guard=None, max_frame_bytes=None):
         super().__init__(ctx, zmq.ROUTER, guard=guard)
         # Replying to a peer that is gone raises instead of vanishing silently.
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if max_frame_bytes:   # a peer announcing a bigger frame is cut off before it is kept
+            self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
 
     def bind(self, host, port=0, port_range=None):
         """Bind host:port and return the port bound. Port 0: one the OS picks, or, with a

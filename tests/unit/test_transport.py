@@ -198,3 +198,28 @@ def test_a_port_range_restricts_the_ports_bound_until_every_one_is_taken():
         for r in routers:
             r.close(linger_s=0)
         ctx.term()
+
+
+def test_a_router_cuts_off_a_peer_announcing_a_frame_over_its_bound():
+    """Without the secret a peer could make a node keep gigabytes of one frame (checked only
+    once whole): one announcing more than the bound is dropped, and others are served."""
+    import zmq
+    ctx = new_context()
+    router = Router(ctx, max_frame_bytes=1024)
+    hostile, honest = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        port = router.bind('127.0.0.1')
+        for sock in (hostile, honest):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f'tcp://127.0.0.1:{port}')
+        hostile.send(b'x' * 4096)
+        honest.send(b'y' * 1024)
+        assert router.raw.poll(5000)
+        identity, frame = router.raw.recv_multipart()
+        assert frame == b'y' * 1024
+        assert not router.raw.poll(300)              # the big frame never arrives
+    finally:
+        hostile.close()
+        honest.close()
+        router.close(linger_s=0)
+        ctx.term()
