@@ -46,7 +46,7 @@ class Scheduler:
                                   stale_after=3)
         self.elastic = Elastic(self)
         self.ctx = new_context()
-        self.router = Router(self.ctx, guard_from(config), 2 * config.max_message_bytes)
+        self.router = Router(self.ctx, guard_from(config), 4 * config.max_message_bytes)
         host = resolve(config.scheduler_host, config.connect_timeout)
         self.port = self.router.bind(bind_host(config, host), config.scheduler_port or 0,
                                      config.port_range)

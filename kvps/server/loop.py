@@ -42,10 +42,10 @@ class Server:
         use_update_threads(config.update_threads)
         self.ctx = new_context()
         self.link = SchedulerLink(self.ctx, config, 'server')
-        # Frames of up to twice KVPS_MAX_MESSAGE_BYTES are read (a message over it is refused,
+        # Frames of up to 4x KVPS_MAX_MESSAGE_BYTES are read (a message over it is refused,
         # saying why); a peer announcing a bigger one, a hostile or broken one, is cut off
         # before its bytes are kept (authentication comes only once they all are)
-        self.router = Router(self.ctx, guard_from(config), 2 * config.max_message_bytes)
+        self.router = Router(self.ctx, guard_from(config), 4 * config.max_message_bytes)
         port = self.router.bind(bind_host(config, self.link.host), 0, config.port_range)
         welcome = self.link.register(port)
         try:
