@@ -223,12 +223,18 @@ def test_a_server_woken_after_the_job_took_it_for_lost_gives_way_to_its_replacem
 
 
 def test_a_server_lost_before_its_first_change_is_replaced_too(job, tmp_path):
-    """Killed as the job forms, before any init reached it: its replacement finds the file
-    every server writes as it joins (where it found none, and ended the job)."""
+    """Every server writes its file as it joins, before anything changes: one killed then
+    (here before any init reached it) has a replacement that finds the file, where it found
+    none and ended the job."""
     script = """
     import signal
     kv = kvps.create('dist_sync')
     if kv.rank == 0:
+        path = os.path.join(os.environ['KVPS_CHECKPOINT_DIR'], 'server-0-of-1.kvps')
+        deadline = time.monotonic() + 30
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert os.path.exists(path), 'the server wrote no file as it joined'
         os.kill(next(n['pid'] for n in kv._backend.io.welcome['nodes']
                      if n['role'] == 'server'), signal.SIGKILL)
     kv.init('a', np.zeros(3, np.float32))
