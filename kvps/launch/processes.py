@@ -108,14 +108,20 @@ def pdeathsig_preexec():
     return preexec
 
 
-def stopped(pid):
-    """Whether process ``pid`` is stopped (SIGSTOP, a debugger): alive, and running nothing."""
+def _stat(pid):
+    """The fields of /proc/<pid>/stat after the command name (state first, pgid third), or
+    [] for a process gone (or no /proc)."""
     try:
         with open(f'/proc/{pid}/stat', 'rb') as f:
-            state = f.read().rsplit(b')', 1)[1].split()[0]
+            return f.read().rsplit(b')', 1)[1].split()
     except (OSError, IndexError):
-        return False
-    return state in (b'T', b't')
+        return []
+
+
+def stopped(pid):
+    """Whether process ``pid`` is stopped (SIGSTOP, a debugger): alive, and running nothing."""
+    fields = _stat(pid)
+    return bool(fields) and fields[0] in (b'T', b't')
 
 
 def group_alive(pgid):
@@ -133,13 +139,7 @@ def group_alive(pgid):
     if not os.path.isdir('/proc'):
         return True
     for entry in os.listdir('/proc'):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f'/proc/{entry}/stat', 'rb') as f:
-                fields = f.read().rsplit(b')', 1)[1].split()
-        except (OSError, IndexError):
-            continue
+        fields = _stat(entry) if entry.isdigit() else []
         if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b'Z':
             return True
     return False

@@ -13,7 +13,7 @@ from ..timeline.counters import SchedulerCounts, Ticker
 from ..wire import protocol as P
 from ..wire.link import decode_or_log
 from ..wire.refusals import REFUSALS
-from ..wire.transport import Poller, Router, bind_host, guard_from, new_context, resolve
+from ..wire.transport import Poller, bind_host, job_router, new_context, resolve
 from .elastic import Elastic, bounds
 from .membership import Membership
 
@@ -46,7 +46,7 @@ class Scheduler:
                                   stale_after=3)
         self.elastic = Elastic(self)
         self.ctx = new_context()
-        self.router = Router(self.ctx, guard_from(config), 4 * config.max_message_bytes)
+        self.router = job_router(self.ctx, config)
         host = resolve(config.scheduler_host, config.connect_timeout)
         self.port = self.router.bind(bind_host(config, host), config.scheduler_port or 0,
                                      config.port_range)
@@ -185,10 +185,8 @@ class Scheduler:
         elif getattr(self.members.nodes.get(identity), 'lost_since', None) is not None:
             # a server taken for lost woke up: the workers wait for its replacement (and take
             # nothing more from it), which only its end lets a launcher start
-            self.send(identity, {'op': P.SHUTDOWN, 'id': 0, 'fenced': 'lost', 'reason': (
-                'this server was silent for longer than KVPS_HEARTBEAT_TIMEOUT (stopped, '
-                'suspended, or its loop held up), so the job took it for lost and waits for '
-                'its replacement')})
+            self.send(identity, {'op': P.SHUTDOWN, 'id': 0, 'fenced': 'lost',
+                                  'reason': _taken_for_lost('server', 'waits for its replacement')})
         elif identity in self.members.nodes:
             # (its clock: a node's timeline aligns its spans with it)
             self.send(identity, {'op': P.HEARTBEAT_ACK, 'id': header.get('id', 0),
@@ -197,10 +195,8 @@ class Scheduler:
             self.send(identity, {'op': P.SHUTDOWN, 'id': 0, 'fenced': 'replaced',
                                   'reason': 'another server has taken this rank'})
         elif any(node.identity == identity for node in self.members.lost_workers):
-            self.send(identity, {'op': P.SHUTDOWN, 'id': 0, 'reason': (
-                'this worker was silent for longer than KVPS_HEARTBEAT_TIMEOUT (stopped, '
-                'suspended, or its I/O thread held up), so the elastic job took it for lost '
-                'and went on without it')})
+            self.send(identity, {'op': P.SHUTDOWN, 'id': 0,
+                                  'reason': _taken_for_lost('worker', 'went on without it')})
 
     def _on_barrier(self, identity, header):
         node = self._worker(identity)
@@ -367,3 +363,9 @@ class Scheduler:
             self.router.send_to(identity, P.encode(header))
         except KVPSError as exc:  # the peer is gone; liveness reports it
             log.warning('could not send %s to %r: %s', header['op'], identity, exc)
+
+
+def _taken_for_lost(role, then):
+    """Why a node that woke after the job took it for lost is told to go."""
+    return (f'this {role} was silent for longer than KVPS_HEARTBEAT_TIMEOUT (stopped, suspended, '
+            f'or its loop held up), so the job took it for lost and {then}')

@@ -12,7 +12,7 @@ from ..wire.identities import identity_label, worker_identity
 from ..wire.link import SchedulerLink, decoded_or_refusals
 from ..wire.ordering import by_priority
 from ..wire.refusals import REFUSALS
-from ..wire.transport import Poller, Router, bind_host, guard_from, new_context
+from ..wire.transport import Poller, bind_host, job_router, new_context
 from . import checkpoint, members
 from .lending import Lending
 from .records import Reply, ReplyKind
@@ -42,10 +42,7 @@ class Server:
         use_update_threads(config.update_threads)
         self.ctx = new_context()
         self.link = SchedulerLink(self.ctx, config, 'server')
-        # Frames of up to 4x KVPS_MAX_MESSAGE_BYTES are read (a message over it is refused,
-        # saying why); a peer announcing a bigger one, a hostile or broken one, is cut off
-        # before its bytes are kept (authentication comes only once they all are)
-        self.router = Router(self.ctx, guard_from(config), 4 * config.max_message_bytes)
+        self.router = job_router(self.ctx, config)
         port = self.router.bind(bind_host(config, self.link.host), 0, config.port_range)
         welcome = self.link.register(port)
         try:

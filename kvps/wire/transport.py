@@ -99,6 +99,14 @@ class Socket:
         self._sock.close(linger=int(linger_s * 1000))
 
 
+def job_router(ctx, config):
+    """A scheduler's or server's Router, signed as guard_from says. It reads frames of up to
+    4x KVPS_MAX_MESSAGE_BYTES (a message over that bound is refused, saying why); a peer
+    announcing a bigger one, a hostile or broken one, is cut off before its bytes are kept
+    (authentication comes only once they all are)."""
+    return Router(ctx, guard_from(config), 4 * config.max_message_bytes)
+
+
 class Router(Socket):
     """A bound ROUTER: receives ``[identity, *frames]`` and answers by identity."""
 

@@ -86,20 +86,9 @@ kv.barrier()
 PAUSING = ROUNDS + """
 import signal
 
-def nodes_of_this_job(role):
-    launcher = os.getppid()
-    for pid in filter(str.isdigit, os.listdir('/proc')):
-        try:
-            stat = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()
-            environ = open(f'/proc/{pid}/environ', 'rb').read().split(b'\\0')
-        except (OSError, ValueError):
-            continue
-        if int(stat[1]) == launcher and f'DMLC_ROLE={role}'.encode() in environ:
-            yield int(pid)
-
 def switch(to):
     if kv.rank == 0:   # one SIGUSR2 per node pauses, the next resumes
-        for pid in [*nodes_of_this_job('server'), *nodes_of_this_job('worker')]:
+        for pid in [*job_pids('server'), *job_pids('worker')]:
             os.kill(pid, signal.SIGUSR2)
     while kvps.timeline.enabled() is not to:   # (each worker waits for its own)
         time.sleep(0.01)
