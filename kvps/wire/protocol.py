@@ -216,12 +216,20 @@ def decode(frames, max_message_bytes=None):
 def request_id(frames):
     """The id a malformed message asked under, if it can be read, so a job member can be told
     what was wrong with it instead of waiting for an answer that never comes."""
+    return request_ids(frames)[0]
+
+
+def request_ids(frames):
+    """``(id, acks)`` of a malformed message, as far as its header can be read: request_id's,
+    and the ids of the pushes whose plain acks ride on it (a DATA's ``acks``), answered even
+    where the message's own values cannot be taken."""
     try:
         header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
-        req_id = header.get('id')
-        return req_id if isinstance(req_id, int) and not isinstance(req_id, bool) else None
+        ids = [header.get('id'), *header.get('acks', ())]
     except Exception:  # garbage has no id
-        return None
+        return None, []
+    ids = [i if isinstance(i, int) and not isinstance(i, bool) else None for i in ids]
+    return ids[0], [i for i in ids[1:] if i is not None]
 
 
 def validate_header(header):

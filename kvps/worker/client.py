@@ -24,8 +24,8 @@ from .credit import Credit
 from .device_staging import device_route
 from .joining import JobNotes, Members
 from .loop import SCHEDULER, WorkerIO
-from .messages import (copier, describe, fuse, landing_on_gpu, part_nbytes, payload, pull_targets,
-                       pushpull_waves, server_name)
+from .messages import (copier, describe, fuse, fuse_bytes, landing_on_gpu, part_nbytes, payload,
+                       pull_targets, pushpull_waves, server_name)
 from .pending import SYNC_ROUND_HINT, Operation, PushWindow, Request
 from .row_requests import RowRequests
 from .sharding import Sharding
@@ -165,7 +165,8 @@ class DistClient(RowRequests):
             data = payload(part, flat)
             at = None if staging is None else staging.offset_in(server_name(part.server), data)
             parts.append((key, part, data, dtype, at))
-        batches = fuse(parts, lambda item: 0 if item[4] is not None else item[2].nbytes)
+        batches = fuse(parts, lambda item: 0 if item[4] is not None else item[2].nbytes,
+                       most_bytes=fuse_bytes(self.config))
         op = Operation(describe('push', items), len(batches), on_error=self._errors.append,
                        counts=self.counts)
         self._send_pushes(batches, op, step, priority, paced)
@@ -259,7 +260,7 @@ class DistClient(RowRequests):
             in_shm = staging is not None and staging.would_place(server_name(item[1].server),
                                                                  nbytes)
             return 0 if in_shm else nbytes
-        batches = fuse(self._parts_of(targets), wire_bytes)
+        batches = fuse(self._parts_of(targets), wire_bytes, most_bytes=fuse_bytes(self.config))
         self.counts.pull_calls += 1
         op = Operation(describe('pull', items), len(batches), counts=self.counts)
         for server, batch in batches:

@@ -8,7 +8,7 @@ from ..optimizer.optimizers import Optimizer, registered_class
 from ..wire import protocol as P
 from ..wire.items import CheckItem, InitItem
 from ..wire.pieces import continued, state_pieces
-from .messages import describe, fuse, server_name, state_collector
+from .messages import describe, fuse, fuse_bytes, server_name, state_collector
 
 _REFUSED = b'refused'   # rank 0's word at the barrier ending a collective the servers refused
 
@@ -59,7 +59,8 @@ class Collectives:
                 parts.append((key, part, flat[part.start:part.stop] if init else None, dtype,
                               list(shape)))
         ops = []
-        for server, batch in fuse(parts, _init_bytes if init else _no_bytes, shaped=True):
+        for server, batch in fuse(parts, _init_bytes if init else _no_bytes, shaped=True,
+                                  most_bytes=fuse_bytes(self.config)):
             keys = [InitItem(key, part.part, dtype, part.stop - part.start, shape) if init
                     else CheckItem(key, part.part, dtype, shape)
                     for key, part, _, dtype, shape in batch]

@@ -21,7 +21,6 @@ its own round's answer).
 from ..wire import budget, protocol as P
 from ..wire.bundle import INDEX_BYTES, MAX_MESSAGES
 from .holdback import pushed_bytes, socket_bytes
-from .messages import FUSE_BYTES
 from .pending import Request
 
 _SAME = ('sync', 'step')   # header fields joined pushes must have alike
@@ -47,15 +46,16 @@ class Joined:
             op.fail(exc)
 
 
-def join_pushes(entry, order, counts):
+def join_pushes(entry, order, counts, most_bytes):
     """``entry`` ((node, header, buffers, request), just taken from ``order``, a
     kvps.wire.ordering.PriorityOrder) with the pushes queued right behind it that may share
     its message (see the module), taken from ``order`` too; ``entry`` itself where none may.
-    ``counts.joined`` (the worker's WorkerCounts) counts the pushes that joined another's."""
+    ``counts.joined`` (the worker's WorkerCounts) counts the pushes that joined another's;
+    the joined request puts at most ``most_bytes`` on the socket (messages.fuse_bytes)."""
     node, header, buffers, request = entry
     if header['op'] != P.PUSH or request.pusher is None:
         return entry
-    joined = order.take_run(node, _Message(entry).takes)
+    joined = order.take_run(node, _Message(entry, most_bytes).takes)
     if not joined:
         return entry
     counts.joined += len(joined)
@@ -69,14 +69,14 @@ def join_pushes(entry, order, counts):
             Request(Joined(ops), node, keep=keep, pusher=request.pusher))
 
 
-def riders(entry, order, holdback):
+def riders(entry, order, holdback, most_bytes):
     """The requests taken from ``order`` to go in ``entry``'s message: the pulls and pushes
     queued right behind it for the same server that put no push bytes on the socket (those
-    through shared memory), up to about FUSE_BYTES of frames; none while socket pushes are
+    through shared memory), up to ``most_bytes`` of frames; none while socket pushes are
     held (kvps.worker.holdback tracks a message per socket push)."""
     if holdback or not _rides(entry):
         return []
-    room = [FUSE_BYTES - socket_bytes(entry[2]), MAX_MESSAGES - 1,
+    room = [most_bytes - socket_bytes(entry[2]), MAX_MESSAGES - 1,
             INDEX_BYTES - _listed_bytes(entry[1]['keys'])]
 
     def takes(later):
@@ -99,8 +99,9 @@ def _rides(entry):
 class _Message:
     """The message a push starts, as later pushes join it: who may join, and what it holds."""
 
-    def __init__(self, entry):
+    def __init__(self, entry, most_bytes):
         self.node, self.header, buffers, request = entry
+        self.most_bytes = most_bytes
         self.pusher = request.pusher
         self.parts = {(item.key, item.part) for item in self.header['keys']}
         self.socket = socket_bytes(buffers)
@@ -114,7 +115,7 @@ class _Message:
             return False
         socket, listed = socket_bytes(frames), _listed_bytes(header['keys'])
         parts = {(item.key, item.part) for item in header['keys']}
-        if (self.socket + socket > FUSE_BYTES or self.listed + listed > budget.ITEMS_BUDGET
+        if (self.socket + socket > self.most_bytes or self.listed + listed > budget.ITEMS_BUDGET
                 or not self.parts.isdisjoint(parts)):
             return False
         self.socket += socket

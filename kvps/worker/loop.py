@@ -25,7 +25,7 @@ from ..wire.transport import Dealer, Poller, Waker, guard_from, new_context
 from .holdback import POLL_S, Holdback, pushed_bytes
 from .joined import join_pushes, riders
 from .joining import membership_of
-from .messages import server_name
+from .messages import fuse_bytes, server_name
 from .pending import Attaching, PendingTable, PushCounts, Request
 from .staging import Staging
 from .tracing import MessageTrace
@@ -215,12 +215,12 @@ class WorkerIO(threading.Thread):
                 entry = order.pop()
                 if entry is None:
                     return
-                entry = join_pushes(entry, order, self.counts)
+                entry = join_pushes(entry, order, self.counts, fuse_bytes(self.config))
                 if not (self._stopping or entry[0] in self._lost
                         or holdback.admit(entry, pushed_bytes(*entry[1:]))):
                     self.counts.held += 1
                     continue
-            self._send(entry, riders(entry, order, holdback))
+            self._send(entry, riders(entry, order, holdback, fuse_bytes(self.config)))
 
     def _send(self, entry, more=()):
         """Send the request ``entry``, with ``more`` (requests for the same server) in the same
@@ -295,7 +295,7 @@ class WorkerIO(threading.Thread):
         for frames, decoded in decoded_or_refusals(sock.recv(), self.config, node):
             if isinstance(decoded, ProtocolError):
                 # Its call would wait for it until KVPS_TIMEOUT: fail it now, saying why.
-                self._pending.fail(P.request_id(frames), ProtocolError(
+                self._pending.refused(frames, ProtocolError(
                     f'the answer of {node} could not be read: {decoded}'))
                 continue
             self.counts.answers += 1 + len(decoded[0].get('acks', ()))   # (acks riding on it)

@@ -38,25 +38,31 @@ def part_nbytes(item):
     return (item[1].stop - item[1].start) * P.ITEMSIZE[item[3]]
 
 
-def fuse(parts, wire_bytes=part_nbytes, shaped=False):
+def fuse_bytes(config):
+    """Socket bytes up to which parts share a message: FUSE_BYTES, less where the job's
+    KVPS_MAX_MESSAGE_BYTES is lower (a message of small keys must stay one the server reads)."""
+    return min(FUSE_BYTES, config.max_message_bytes)
+
+
+def fuse(parts, wire_bytes=part_nbytes, shaped=False, most_bytes=FUSE_BYTES):
     """Group ``(key, part, array, dtype, ...)`` by server into messages: small parts together (one
     message per server instead of one per key), a big part alone, so the server starts on
     it while the next one is still on the wire. ``wire_bytes(item)``: what a part puts on the
     wire (0 through shared memory: such parts all share one message). A message also lists
     no more keys than its header may carry (budget.ITEMS_BUDGET; ``shaped``: INIT and CHECK
-    items also list the key's shape, ``item[4]``)."""
+    items also list the key's shape, ``item[4]``). ``most_bytes``: fuse_bytes's."""
     open_batches, batches = {}, []
     int_item, most = budget.INT_ITEM_BYTES, budget.ITEMS_BUDGET   # (locals: runs per key part)
     for item in parts:
         server, nbytes = item[1].server, wire_bytes(item)
-        if nbytes > FUSE_BYTES:
+        if nbytes > most_bytes:
             batches.append((server, [item]))
             continue
         listed = int_item if type(item[0]) is int else budget.item_bytes(item[0])
         if shaped:
             listed += budget.shape_bytes(item[4])
         batch = open_batches.get(server)
-        if batch is None or batch[0] + nbytes > FUSE_BYTES or batch[1] + listed > most:
+        if batch is None or batch[0] + nbytes > most_bytes or batch[1] + listed > most:
             batch = open_batches[server] = [0, 0, []]
             batches.append((server, batch[2]))
         batch[0] += nbytes

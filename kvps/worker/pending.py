@@ -293,6 +293,15 @@ class PendingTable:
         if request is not None:
             request.op.fail(exc)
 
+    def refused(self, frames, exc):
+        """An answer that could not be read (``exc``, a ProtocolError saying why): its request
+        fails with ``exc``; the pushes whose plain acks ride on it are answered (their server
+        applied them: a later close() must not wait for acks that were sent)."""
+        req_id, acks = P.request_ids(frames)
+        self.fail(req_id, exc)
+        for acked in acks:
+            self.resolve({'op': P.ACK, 'id': acked}, ())
+
     def of_node(self, node):
         """Unanswered requests to ``node``, oldest first."""
         return [r for _, r in sorted(self._by_id.items()) if r.node == node]

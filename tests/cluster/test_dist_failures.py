@@ -467,6 +467,60 @@ def test_a_stalled_server_holds_pushes_back_instead_of_queueing_them(by_hand, tm
     assert count.read_text() == '50'
 
 
+def test_list_calls_of_small_keys_keep_within_a_lowered_message_limit(job):
+    # 300 keys of 4 KB each (1.2 MB in all) over the socket, every node taking messages of up
+    # to 100 kB: small keys share messages only up to that limit, so each call goes through.
+    script = '''
+    keys = list(range(300))
+    kv = kvps.create('dist_sync')
+    kv.init(keys, [np.full(1000, k, np.float32) for k in keys])
+    outs = [np.zeros(1000, np.float32) for _ in keys]
+    kv.pull(keys, out=outs)
+    first = all((o == k).all() for k, o in zip(keys, outs))
+    kv.push(keys, [np.full(1000, 2 * k, np.float32) for k in keys])
+    kv.pull(keys, out=outs)
+    second = all((o == 2 * k).all() for k, o in zip(keys, outs))
+    kv.pushpull(keys, [np.full(1000, 3 * k, np.float32) for k in keys], out=outs)
+    third = all((o == 3 * k).all() for k, o in zip(keys, outs))
+    report(first=first, second=second, third=third, messages=kv.stats()['messages'])
+    '''
+    result = job(script, 1, 1, env={'KVPS_MAX_MESSAGE_BYTES': '100000', 'KVPS_SHM': '0'})
+    assert result.returncode == 0, result.output
+    res = result.results()[0]
+    assert res['first'] and res['second'] and res['third'], res
+    assert res['messages'] >= 5 * 1200000 // 100000, res   # (init, pull, push, pushpull)
+
+
+def test_an_answer_refused_as_too_big_still_answers_the_pushes_riding_on_it(job):
+    # Worker 0 alone takes answers of up to 100 kB. Its pull's 2 MB answer, which carries the
+    # ack of the push before it (both are answered as worker 1's push closes the round), is
+    # refused: the pull fails saying why, and the push counts as answered, so close() does
+    # not wait KVPS_TIMEOUT for an ack that came.
+    script = '''
+    if os.environ['KVPS_RANK'] == '0':
+        os.environ['KVPS_MAX_MESSAGE_BYTES'] = '100000'
+    kv = kvps.create('dist_sync')
+    kv.init(0, np.zeros(500000, np.float32))
+    if kv.rank == 1:
+        time.sleep(1)   # (so that worker 0's pull waits for the round with its push)
+    kv.push(0, np.ones(500000, np.float32))
+    out = np.zeros(500000, np.float32)
+    try:
+        kv.pull(0, out=out)
+        pulled = float(out[0])
+    except kvps.errors.ProtocolError as exc:
+        pulled = str(exc)
+    kv.close()
+    report(pulled=pulled)
+    '''
+    result = job(script, 2, 1, env={'KVPS_SHM': '0'})
+    assert result.returncode == 0, result.output
+    results = result.results()
+    assert results[1]['pulled'] == 2.0, results
+    assert results[0]['pulled'].startswith('the answer of server 0 could not be read: data: '
+                                           '2000000 bytes exceeds the limit of 100000'), results
+
+
 def test_a_server_asked_for_gpu_shards_without_a_gpu_says_so(by_hand):
     if importlib.util.find_spec('cupy') is not None:   # then it may well keep GPU shards
         pytest.skip('cupy is installed')

@@ -182,6 +182,13 @@ def test_request_id_of_an_unreadable_request():
     assert P.request_id([b'\xc1']) is None
 
 
+def test_request_ids_of_an_unreadable_answer_name_the_acks_riding_on_it():
+    header = {'op': P.DATA, 'id': 7, 'keys': [], 'acks': [3, True, 'x', 5]}
+    assert P.request_ids([msgpack.packb(header)]) == (7, [3, 5])
+    assert P.request_ids([msgpack.packb({'op': P.DATA, 'id': 7})]) == (7, [])
+    assert P.request_ids([b'\xc1']) == (None, [])
+
+
 def test_a_states_answer_resent_from_a_restarted_server_starts_afresh():
     """The worker keeps a STATES answer's pieces until the last; a server lost part way is
     asked again by its replacement, whose answer starts at piece 0: only that one counts."""

@@ -68,6 +68,18 @@ def test_a_worker_completes_the_riding_acks_before_the_data():
     table.resolve({'op': P.DATA, 'id': 99, 'acks': [98]}, [])   # late: nothing to complete
 
 
+def test_an_answer_that_cannot_be_read_fails_its_pull_and_completes_its_riding_acks():
+    table = PendingTable()
+    push, pull = Operation('push', 1), Operation('pull', 1)
+    push_id, pull_id = table.add(Request(push, 'server 0')), table.add(Request(pull, 'server 0'))
+    frames = [msgpack.packb({'op': P.DATA, 'id': pull_id, 'keys': [], 'acks': [push_id]})]
+    table.refused(frames, ProtocolError('too big'))
+    assert push.done.is_set() and push.error is None
+    with pytest.raises(ProtocolError, match='too big'):
+        pull.wait(1)
+    assert len(table) == 0
+
+
 def test_acks_only_on_data_and_as_request_ids():
     item = [[None, None]]
     P.validate_header({'op': P.DATA, 'id': 1, 'keys': item, 'acks': [3, 4]})

@@ -81,6 +81,21 @@ def test_small_parts_share_a_message_per_server_and_shared_memory_parts_all_shar
         (0, [0, 2, 4, 6]), (1, [1, 3]), (1, [5, 7])]
 
 
+def test_small_parts_share_messages_only_up_to_a_lowered_message_limit():
+    """KVPS_MAX_MESSAGE_BYTES below FUSE_BYTES bounds the fused messages: they must stay
+    readable by a server taking no more."""
+    import numpy as np
+    from kvps.config import Config
+    from kvps.worker.messages import FUSE_BYTES, fuse, fuse_bytes
+    from kvps.worker.sharding import Part
+    assert fuse_bytes(Config()) == FUSE_BYTES
+    most = fuse_bytes(Config(max_message_bytes=10000))
+    assert most == 10000
+    small = np.zeros(4000, np.uint8)
+    parts = [(k, Part(0, 0, 0, small.size), small, 'uint8') for k in range(5)]
+    assert [len(batch) for _, batch in fuse(parts, most_bytes=most)] == [2, 2, 1]
+
+
 
 @pytest.mark.parametrize('key_of', [lambda k: 2 ** 64 - 1 - k,          # 9 bytes packed
                                     lambda k: f'{k:04}' + 'x' * 1020,   # 1024 chars
