@@ -161,7 +161,7 @@ class Scheduler:
         if old.lost_since is None:   # if it still lives, it must not serve beside its successor
             self.send(old.identity, {'op': P.SHUTDOWN, 'id': 0, 'fenced': 'replaced',
                                       'reason': 'replaced by a server that rejoined with its rank'})
-        self.welcome(node, restarted=True)
+        self.welcome(node, restarted=True, checkpointed=node.checkpointed)
         for worker in self.members.of_role('worker'):
             if not worker.finished:
                 self.send(worker.identity, {'op': P.SERVER_BACK, 'id': 0, 'rank': node.rank,
@@ -169,8 +169,8 @@ class Scheduler:
         recording.note('rejoin', 'membership', {'node': node.describe()})
         log.warning('%s rejoined the job in place of pid %d', node.describe(), old.pid)
 
-    def welcome(self, node, restarted=False):
-        self.send(node.identity, {'op': P.WELCOME, 'id': 0, 'restarted': restarted,
+    def welcome(self, node, restarted=False, **fields):
+        self.send(node.identity, {'op': P.WELCOME, 'id': 0, 'restarted': restarted, **fields,
                                    'clock': recording.now(),
                                    'recovery_timeout': self.config.recovery_timeout,
                                    'job': self.job,
@@ -188,6 +188,8 @@ class Scheduler:
             self.send(identity, {'op': P.SHUTDOWN, 'id': 0, 'fenced': 'lost',
                                   'reason': _taken_for_lost('server', 'waits for its replacement')})
         elif identity in self.members.nodes:
+            if header.get('checkpointed'):   # (a server: a replacement of it will find a file)
+                self.members.nodes[identity].checkpointed = True
             # (its clock: a node's timeline aligns its spans with it)
             self.send(identity, {'op': P.HEARTBEAT_ACK, 'id': header.get('id', 0),
                                   'clock': recording.now()})

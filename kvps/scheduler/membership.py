@@ -24,6 +24,7 @@ class Node:
     incarnation: int = 0         # elastic: the epoch this worker joined at (0: it formed the job)
     first_barrier: int = 1       # the first barrier this worker is counted at
     beat: float = None           # the heartbeat interval it said it keeps (s), if it did
+    checkpointed: bool = False   # a server of this rank has written its checkpoint file
 
     def describe(self):
         rank = '?' if self.rank is None else self.rank
@@ -167,8 +168,9 @@ class Membership:
         old = next(n for n in self.of_role('server') if n.rank == rank)
         del self.nodes[old.identity]
         self.replaced.add(old.identity)
+        # (its file is the rank's: written by any server that held it, this one's to load)
         node = Node(identity, role, host, port, pid, rank_hint, now, rank=rank,
-                    rank_from=rank_from)
+                    rank_from=rank_from, checkpointed=old.checkpointed)
         self.nodes[identity] = node
         return node, old
 

@@ -124,7 +124,8 @@ def open_for(config, welcome, shard, name):
     checkpointer = Checkpointer(config.checkpoint_dir, welcome['rank'], welcome['num_servers'],
                                 config.checkpoint_every, config.checkpoint_seconds,
                                 time.monotonic(), welcome.get('job'))
-    loaded = checkpointer.load(shard, rounds=restarted)
+    loaded = checkpointer.load(shard, rounds=restarted,
+                               predecessor_wrote=welcome.get('checkpointed', True))
     if loaded and restarted:
         log.info('%s resumed %d key parts from %s', name, len(shard.entries), checkpointer.path)
     elif loaded:   # (seen by default: a user who meant to start afresh learns why not)
@@ -161,10 +162,16 @@ class Checkpointer:
         # its successor's (a server that took its rank while it was stopped): see write
         self.writer, self._wrote = os.urandom(8).hex(), False
 
-    def load(self, shard, rounds=False):
+    def load(self, shard, rounds=False, predecessor_wrote=True):
         """Resume ``shard`` from this server's file if there is one; return whether it did.
-        With ``rounds`` (rejoining this job) the file must be there, written by this job."""
+        With ``rounds`` (rejoining this job) the file must be there, written by this job,
+        unless no server of this rank wrote it (``predecessor_wrote``, as the scheduler heard:
+        one lost as it joined served nothing, and its replacement starts empty)."""
         if not os.path.exists(self.path):
+            if rounds and not predecessor_wrote:
+                log.warning('server %d was lost before it wrote %s as it joined: it served '
+                            'nothing, and this one starts empty', self.rank, self.path)
+                return False
             if rounds:
                 raise ConfigError(f'this server replaces a lost one but finds no checkpoint at '
                                   f'{self.path}, which every server writes as it joins: is '

@@ -69,6 +69,8 @@ class Server:
                                config.max_message_bytes, self.counts)
         self.ticker = Ticker(config.stats_seconds, self.name, self._stats)
         self.checkpointer, resuming = checkpoint.open_for(config, welcome, self.shard, self.name)
+        if self.checkpointer is not None:   # before serving anything (see Checkpointer.load)
+            self.link.heartbeat(checkpointed=True)
         self.requests = Requests(self.shard, self.lending, self.name,
                                  self.checkpointer.path if resuming else None)
         self.recovery = None

@@ -54,7 +54,7 @@ class SchedulerLink:
             now = time.monotonic()
             left = deadline - now
             if now - self._last_sent >= interval:   # alive while it waits: one that dies
-                self._heartbeat()                   # here frees its rank for a restarted one
+                self.heartbeat()                    # here frees its rank for a restarted one
             if left <= 0:
                 raise RequestTimeout(
                     f'{self.role} waited {self.config.connect_timeout:.0f} s for the scheduler at '
@@ -70,7 +70,7 @@ class SchedulerLink:
                 # a first reading of the scheduler's clock, from a quiet moment (not the
                 # welcome's)
                 if recording.recorder_kept() is not None:
-                    self._heartbeat()
+                    self.heartbeat()
                 return header
             self.raise_if_fatal(header)
 
@@ -146,7 +146,7 @@ class SchedulerLink:
             self._last_heard, self._last_sent = now, 0.0
         self._last_tick = now
         if now - self._last_sent >= interval:
-            self._heartbeat()
+            self.heartbeat()
         silent = now - self._last_heard
         if silent > self.config.heartbeat_timeout:
             raise PeerLostError(
@@ -155,12 +155,13 @@ class SchedulerLink:
                 f'(KVPS_HEARTBEAT_TIMEOUT={self.config.heartbeat_timeout:g})',
                 'scheduler', 0, self.config.scheduler_host)
 
-    def _heartbeat(self):
+    def heartbeat(self, **fields):
+        """Send a heartbeat now (``fields``: news for the scheduler, as ``checkpointed``)."""
         self._beat += 1
         if len(self._beats) > 8:   # acks that never came (the scheduler was busy)
             self._beats.clear()
         self._beats[self._beat] = recording.now()
-        self.send({'op': P.HEARTBEAT, 'id': self._beat})
+        self.send({'op': P.HEARTBEAT, 'id': self._beat, **fields})
 
     def close(self):
         self.socket.close()

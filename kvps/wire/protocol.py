@@ -15,16 +15,18 @@ from .codecs import GRADIENT_CODECS, ONE_BIT, PULL_CODECS, TOP_K, coded_nbytes
 from .items import CheckItem, DataItem, InitItem, Layout, PullItem, PushItem, ResumeItem
 
 # Node <-> scheduler.
-VERSION = 23                 # bumped on any change of the wire format; checked at REGISTER
+VERSION = 24                 # bumped on any change of the wire format; checked at REGISTER
 # node -> scheduler: {role, host, port, rank, pid, version, shared, rank_from (the setting
 # that gave the rank, for messages: 'DMLC_WORKER_ID=3'), beat (its heartbeat interval, s)}
 REGISTER = 'register'
 # scheduler -> node: {rank, num_workers, num_servers, servers, nodes, recovery_timeout, job (a
 # token naming this run, kept in server checkpoints), clock (the scheduler's monotonic ns: a
 # node's timeline aligns with it)}; to a server that replaces a lost one also
-# {restarted: True, finished: [worker ranks]}
+# {restarted: True, finished: [worker ranks], checkpointed: a server of its rank wrote its file}
 WELCOME = 'welcome'
-HEARTBEAT = 'heartbeat'      # node -> scheduler, answered by HEARTBEAT_ACK {clock} (same id)
+# node -> scheduler, answered by HEARTBEAT_ACK {clock} (same id); a server's first after it
+# joined and wrote its checkpoint file also says {checkpointed: True}
+HEARTBEAT = 'heartbeat'
 HEARTBEAT_ACK = 'heartbeat_ack'
 # worker -> scheduler: {seq, digest (optional bytes), sum (optional float64 bytes: all_sum)};
 # answered by BARRIER_DONE when all arrive: {differs: [ranks whose digest is not rank 0's]}
@@ -290,7 +292,7 @@ def _check_dtype(op, dtype):
 # Header fields checked wherever they appear, by name -> (op, value) -> whether it is fine;
 # what a failed check says is in _FIELD_RULES (else: an int >= 0). The fields an op must
 # carry are _FIELDS's.
-_FLAGS = ('device', 'stage', 'ids', 'live', 'more', 'check', 'whole')
+_FLAGS = ('device', 'stage', 'ids', 'live', 'more', 'check', 'whole', 'checkpointed')
 _FIELD_CHECKS = {
     'id': lambda op, value: isinstance(value, int) and not isinstance(value, bool),
     'since': _optional(lambda v: type(v) is list and len(v) == 2 and all(map(_natural, v))),

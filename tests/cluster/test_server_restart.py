@@ -3,6 +3,7 @@ launcher's --restart-servers, or by hand; without a replacement the job ends nam
 
 import os
 import signal
+import sys
 
 import pytest
 
@@ -347,6 +348,39 @@ def test_a_server_restarted_by_hand_with_its_rank_rejoins(by_hand, tmp_path):
     assert code == 0, out
     assert '"value": [6.0, 6.0, 6.0, 6.0]' in out    # the last round replaces the value
     assert by_hand.finish(replacement)[0] == 0 and by_hand.finish(servers[0])[0] == 0
+
+
+# A server that dies as it joins: welcomed into the job, gone before it wrote its checkpoint
+# file (a kill in those milliseconds, made certain here). (Its role is taken from its settings:
+# importing kvps as a server would serve.)
+DIES_AS_IT_JOINS = '''
+import os
+os.environ.pop('DMLC_ROLE')
+from kvps.config import Config
+from kvps.wire.link import SchedulerLink
+from kvps.wire.transport import new_context
+SchedulerLink(new_context(), Config.from_env().require_cluster(), 'server').register(port=1)
+os._exit(0)
+'''
+
+
+def test_a_server_lost_before_it_wrote_its_file_is_replaced_by_one_that_starts_empty(
+        by_hand, tmp_path):
+    """The scheduler hears from each server once it has written its file as it joined: the
+    replacement of one lost before (which served nothing) starts empty, where it found no file
+    and ended the job."""
+    env = {'KVPS_RECOVERY_TIMEOUT': '60', 'KVPS_CHECKPOINT_DIR': str(tmp_path / 'ckpt'),
+           'KVPS_CHECKPOINT_EVERY': '1'}
+    _, env = by_hand.scheduler(num_workers=1, num_servers=1, extra=env)
+    lost = by_hand('server', env, argv=[sys.executable, '-c', DIES_AS_IT_JOINS])
+    worker = by_hand('worker', {**env, 'STEPS': '3', 'GO': str(tmp_path)}, script=HAND_TRAIN)
+    assert by_hand.finish(lost)[0] == 0
+    replacement = by_hand('server', env, rank=0)
+    code, out = by_hand.finish(worker)
+    assert code == 0, out
+    assert '"value": [3.0, 3.0, 3.0, 3.0]' in out
+    code, out = by_hand.finish(replacement)
+    assert code == 0 and 'it served nothing, and this one starts empty' in out, out
 
 
 def test_a_server_replaced_while_it_lived_leaves_the_checkpoint_to_its_successor(

@@ -90,6 +90,11 @@ def test_a_rejoining_server_takes_only_its_own_jobs_checkpoint(tmp_path):
     # workers' acknowledged pushes would be silently lost. A missing file is as bad.
     with pytest.raises(ConfigError, match='finds no checkpoint'):
         Checkpointer(str(tmp_path), 0, 1, job='this').load(Shard(1), rounds=True)
+    # ... unless no server of its rank wrote one (lost as it joined: it served nothing)
+    empty = Shard(1)
+    assert not Checkpointer(str(tmp_path), 0, 1, job='this').load(empty, rounds=True,
+                                                                  predecessor_wrote=False)
+    assert empty.entries == {}
     Checkpointer(str(tmp_path), 0, 1, job='earlier').write(trained_shard(), now=0)
     with pytest.raises(ConfigError, match='written by another job'):
         Checkpointer(str(tmp_path), 0, 1, job='this').load(Shard(1), rounds=True)

@@ -300,6 +300,15 @@ def test_a_server_rejoins_with_its_rank_and_replaces_the_old_one():
     assert node.rank == 0 and m.welcome(node)['servers'] == [['h2', 6000]]
 
 
+def test_a_rank_counts_as_checkpointed_once_any_of_its_servers_wrote_its_file():
+    m = running()
+    assert not m.nodes[b's'].checkpointed
+    m.nodes[b's'].checkpointed = True   # (its heartbeat said so)
+    first, _ = m.replace(b's2', 'server', 'h2', 6000, 0, 99, now=5)
+    second, _ = m.replace(b's3', 'server', 'h3', 6000, 0, 99, now=6)   # lost as it joined
+    assert first.checkpointed and second.checkpointed
+
+
 def test_a_lost_server_is_awaited_not_lost_again_and_its_rank_is_taken_by_default():
     m = running()
     m.nodes[b's'].lost_since = 40
