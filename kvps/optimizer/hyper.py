@@ -1,5 +1,6 @@
 """Hyper-parameter checking shared by optimizers and lr schedulers: types, aliases, defaults."""
 
+import math
 import numbers
 
 import numpy as np
@@ -18,6 +19,8 @@ def coerce(kind, name, value, owner):
     base = kind.rstrip('?')
     ok = not isinstance(value, bool) or base == 'bool'
     if base == 'float' and ok and isinstance(value, numbers.Real):
+        if not math.isfinite(value):   # it would turn every weight it touches into NaN
+            raise ConfigError(f'{owner}: {name!r} must be a finite number, got {value!r}')
         return float(value)
     if base == 'int' and ok and isinstance(value, numbers.Integral):
         return int(value)

@@ -102,6 +102,11 @@ def test_spec_with_str_keys_survives_default_msgpack_and_pairs_are_accepted():
     ({'name': 'sgd', 'lr_mult': {1.5: 1.0}}, 'int or str'),
     ({'name': 'sgd', 'lr_mult': {1: 'x'}}, 'must be a number'),
     ({'name': 'sgd', 'lr_mult': 7}, 'dict of key'),
+    ({'name': 'sgd', 'params': {'learning_rate': float('nan')}}, 'finite number, got nan'),
+    ({'name': 'adam', 'params': {'beta1': float('inf')}}, 'finite number, got inf'),
+    ({'name': 'sgd', 'lr_mult': {1: float('nan')}}, 'finite number'),
+    ({'name': 'sgd', 'lr_scheduler': {'name': 'factor', 'params': {'factor': float('nan')}}},
+     'finite number'),
     ({'name': 'sgd', 'lr_scheduler': {'name': 'warp'}}, 'unknown lr_scheduler.*cosine'),
     ({'name': 'sgd', 'lr_scheduler': {'name': 'factor', 'params': {'step': 0}}}, 'step >= 1'),
     ({'name': 'sgd', 'lr_scheduler': {'name': 'factor', 'params': {'stp': 1}}}, 'unknown'),
@@ -122,6 +127,8 @@ def test_learning_rate_and_scheduler_ownership():
     opt2.num_update = 5
     assert opt2.learning_rate == pytest.approx(0.1)
     plain = create('sgd', learning_rate=0.3)
+    with pytest.raises(ConfigError, match='finite'):   # it would turn every weight into NaN
+        plain.set_learning_rate(float('nan'))
     plain.set_learning_rate(0.2)
     assert plain.learning_rate == 0.2 and plain.get_lr('k', 99) == 0.2
     plain.set_lr_mult({'k': 3})
