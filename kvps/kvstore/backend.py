@@ -133,9 +133,10 @@ class Backend(Protocol):
         """Install one share per server (as get_states gives them); collective. A share any
         server refuses raises ConfigError and changes no server's state."""
 
-    def barrier(self, digest=None):
+    def barrier(self, digest=None, call='barrier'):
         """Block until every worker is here and this worker's pushes are applied; returns the
-        ranks whose ``digest`` (bytes) differs from rank 0's, [] when all agree."""
+        ranks whose ``digest`` (bytes) differs from rank 0's, [] when all agree. ``call``: the
+        store call it is part of; workers that meet from different calls raise ConfigError."""
 
     def all_sum(self, values):
         """A barrier at which every worker brings ``values`` (float64 bytes): their sum over

@@ -281,7 +281,7 @@ class KVStore(KVStoreBase):
         value = bytes(value)
         if len(value) > 64:
             raise ValueError(f'agree takes at most 64 bytes (a digest), got {len(value)}')
-        return self._backend.barrier(value)
+        return self._backend.barrier(value, call='agree')
 
     @traced('all_sum', 'barrier')
     def all_sum(self, values):

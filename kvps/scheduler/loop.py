@@ -205,7 +205,7 @@ class Scheduler:
         if recording.RECORDER is not None:
             self._barrier_began.setdefault(header['seq'], recording.now())
         self.release(self.members.arrive(node.identity, header['seq'], header.get('digest'),
-                                         header.get('sum')))
+                                         header.get('sum'), header.get('call', 'barrier')))
         self._fail_blocked_barriers()
 
     def release(self, barriers):

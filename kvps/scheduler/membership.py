@@ -75,7 +75,7 @@ class Membership:
         self.ranked = False
         self.hosts = None          # how many hosts the workers and servers were on at forming
         self._barrier = {}         # seq -> {worker identity arrived: its digest or None}
-        self._sums = {}            # seq -> {worker identity arrived: its all_sum values or None}
+        self._brought = {}         # seq -> {worker identity arrived: (its call, all_sum values)}
         self._last_digests = {}    # the digests of the last completed barrier
         self.barriers_done = 0
         self.refusals = collections.deque(maxlen=3)   # the last registrations refused, why
@@ -274,7 +274,7 @@ class Membership:
     def leave(self, identity, lost):
         """Take a worker out of an elastic job (``lost``: not finished); a new epoch."""
         node = self.nodes.pop(identity)
-        for arrived in (*self._barrier.values(), *self._sums.values()):
+        for arrived in (*self._barrier.values(), *self._brought.values()):
             arrived.pop(identity, None)
         if lost:
             self.lost_workers.append(node)
@@ -312,17 +312,17 @@ class Membership:
         return len(self.of_role('worker')) < self.elastic[0]
 
     # -- barriers and finishing -------------------------------------------------------------
-    def arrive(self, identity, seq, digest=None, values=None):
-        """Record a worker at barrier ``seq``, with what it asks everyone to agree on and the
-        values it adds to theirs (all_sum: float64 bytes); return the barriers to release
-        (``releasable``). Workers meet at one barrier at a time, so only the next one may be
-        waited at."""
+    def arrive(self, identity, seq, digest=None, values=None, call='barrier'):
+        """Record a worker at barrier ``seq``, with what it asks everyone to agree on, the
+        values it adds to theirs (all_sum: float64 bytes) and the call it came from (every
+        worker must come from the same); return the barriers to release (``releasable``).
+        Workers meet at one barrier at a time, so only the next one may be waited at."""
         first = self.nodes[identity].first_barrier
         if seq != max(self.barriers_done + 1, first):
             raise ConfigError(f'barrier {seq} is out of step: the job is at barrier '
                               f'{self.barriers_done + 1}')
         self._barrier.setdefault(seq, {})[identity] = digest
-        self._sums.setdefault(seq, {})[identity] = values
+        self._brought.setdefault(seq, {})[identity] = (call, values)
         return self.releasable()
 
     def releasable(self):
@@ -343,8 +343,8 @@ class Membership:
             del self._barrier[seq]
             self.barriers_done = seq
             self._last_digests = arrived
-            released.append((seq, sorted(arrived), self.disagreeing(),
-                             barrier_sum(self._sums.pop(seq, {}).values())))
+            brought = {self.nodes[i].rank: each for i, each in self._brought.pop(seq, {}).items()}
+            released.append((seq, sorted(arrived), self.disagreeing(), met(seq, brought)))
 
     def disagreeing(self):
         """Ranks whose digest at the last completed barrier differs from rank 0's."""
@@ -359,7 +359,7 @@ class Membership:
             return [], None
         waiting = sorted((i, seq) for seq, ids in self._barrier.items() for i in ids)
         self._barrier.clear()
-        self._sums.clear()
+        self._brought.clear()
         return waiting, finished[0]
 
     def finish(self, identity):
@@ -385,6 +385,19 @@ class Membership:
         """Lost servers that have not been replaced within ``timeout``."""
         return [n for n in self.of_role('server')
                 if n.lost_since is not None and now - n.lost_since > timeout]
+
+
+def met(seq, brought):
+    """The BARRIER_DONE fields of barrier ``seq`` from what the workers brought (rank ->
+    (call, all_sum values or None)): a mismatch where they came from different calls (one's
+    init met another's barrier: each would go on out of step), else barrier_sum's."""
+    calls = {rank: call for rank, (call, _) in brought.items()}
+    if len(set(calls.values())) > 1:
+        where = ', '.join(f'rank {rank} in {call}' for rank, call in sorted(calls.items()))
+        return {'mismatch': f'the workers met at barrier {seq} from different calls ({where}): '
+                            'collective calls (init, set_optimizer, barrier, agree, all_sum, '
+                            'optimizer states) must come in the same order on every worker'}
+    return barrier_sum(values for _, values in brought.values())
 
 
 def barrier_sum(values):

@@ -28,9 +28,10 @@ WELCOME = 'welcome'
 # joined and wrote its checkpoint file also says {checkpointed: True}
 HEARTBEAT = 'heartbeat'
 HEARTBEAT_ACK = 'heartbeat_ack'
-# worker -> scheduler: {seq, digest (optional bytes), sum (optional float64 bytes: all_sum)};
-# answered by BARRIER_DONE when all arrive: {differs: [ranks whose digest is not rank 0's]}
-# (agree), and where they brought values {sum: their total} or {sum_error: why none}
+# worker -> scheduler: {seq, call (the store call it is part of), digest (optional bytes), sum
+# (optional float64 bytes: all_sum)}; answered by BARRIER_DONE when all arrive: {differs: [ranks
+# whose digest is not rank 0's]} (agree), where they brought values {sum: their total} or
+# {sum_error: why none}, and {mismatch: why} where they came from different calls
 BARRIER = 'barrier'
 BARRIER_DONE = 'barrier_done'
 MAX_DIGEST_BYTES = 64
@@ -304,7 +305,7 @@ _FIELD_CHECKS = {
                      'count', 'piece', 'clock', 'round'), lambda op, value: _natural(value)),
     'rank': lambda op, value: value is None or _natural(value),
     'shared': _raising(_check_shared),   # REGISTER's only
-    'rank_from': _optional(lambda v: isinstance(v, str) and len(v) <= 200),
+    **dict.fromkeys(('rank_from', 'call'), _optional(lambda v: type(v) is str and len(v) <= 200)),
     'fenced': _optional(lambda v: v in FENCED),
     'codec': _optional(lambda v: type(v) is str and v in PULL_CODECS),
     'acks': lambda op, v: v is None or (op == DATA and type(v) is list and len(
@@ -317,7 +318,8 @@ _FIELD_RULES = {
     'id': 'id must be an int', 'since': 'since must be [epoch, count], two ints >= 0',
     'priority': 'priority must be an int of 32 bits',
     **{flag: f'{flag} must be true or false' for flag in _FLAGS},
-    'rank_from': 'rank_from must be a string of at most 200 characters',
+    **{name: f'{name} must be a string of at most 200 characters'
+       for name in ('rank_from', 'call')},
     'fenced': f'fenced must be one of {", ".join(FENCED)}',
     'codec': f'codec must be one of {", ".join(PULL_CODECS)}',
     'acks': 'acks must be a list of request ids',

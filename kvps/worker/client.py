@@ -293,13 +293,14 @@ class DistClient(RowRequests):
         return [(key, part, array, dtype) for key, array, dtype in items
                 for part in self.sharding.parts(key)]
 
-    def barrier(self, digest=None):
+    def barrier(self, digest=None, call='barrier'):
         """Return when every worker is here and this worker's pushes are all applied: the
-        ranks whose ``digest`` (bytes) differs from rank 0's, [] when all agree. An elastic
-        job's joiner meets no one before its first push (the job is past its setup)."""
+        ranks whose ``digest`` (bytes) differs from rank 0's, [] when all agree. ``call``: the
+        store call it is part of (workers meeting from different ones raise ConfigError). An
+        elastic job's joiner meets no one before its first push (the job is past its setup)."""
         if self.members.catching_up:
             return []
-        return self._meet(digest=digest).get('differs', [])
+        return self._meet(digest=digest, call=call).get('differs', [])
 
     def all_sum(self, values):
         """A barrier at which every worker brings ``values`` (float64 bytes); their sum, as
@@ -307,19 +308,19 @@ class DistClient(RowRequests):
         if self.members.catching_up:
             raise ConfigError('all_sum: this worker joined a running elastic job and meets the '
                               'others only from its first push on; call it after a step')
-        reply = self._meet(values=values)
+        reply = self._meet(values=values, call='all_sum')
         if 'sum' not in reply:
             raise ConfigError(f'all_sum: {reply.get("sum_error", "no sum came back")}')
         return reply['sum']
 
-    def _meet(self, digest=None, values=None):
+    def _meet(self, digest=None, values=None, call='barrier'):
         """The job's next barrier, this worker's pushes applied first: the scheduler's
-        answer (BARRIER_DONE's fields), once every worker has come."""
+        answer (BARRIER_DONE's fields), once every worker has come (from the same ``call``)."""
         self.wait_pushes()
         with self._lock:   # one number per barrier, whichever threads call at once
             self._barrier_seq += 1
             seq = self._barrier_seq
-        header = {'op': P.BARRIER, 'id': seq, 'seq': seq}
+        header = {'op': P.BARRIER, 'id': seq, 'seq': seq, 'call': call}
         if digest is not None:
             header['digest'] = bytes(digest)
         if values is not None:
@@ -330,6 +331,8 @@ class DistClient(RowRequests):
             op, SCHEDULER, lambda reply, _: answer.update(reply)))
         op.wait(self.config.timeout, '; a barrier returns once every worker has called it, each '
                                      'with its pushes applied')
+        if 'mismatch' in answer:
+            raise ConfigError(answer['mismatch'])
         return answer
 
     def wait_pushes(self):

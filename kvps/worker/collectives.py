@@ -135,7 +135,7 @@ class Collectives:
         they were pushed for: else, in async, a worker still behind would have its last
         gradients applied by an optimizer set after them (at a new learning rate)."""
         if after_pushes:
-            self._barrier()
+            self._barrier(call=what)
         failure = None
         if self.rank == 0:
             try:
@@ -143,7 +143,7 @@ class Collectives:
             except KVPSError as exc:
                 failure = exc
         try:
-            refused = self._barrier(_REFUSED if failure is not None else None)
+            refused = self._barrier(_REFUSED if failure is not None else None, call=what)
         except KVPSError:
             if failure is None:
                 raise

@@ -400,7 +400,8 @@ def test_init_of_many_keys_takes_a_message_per_server_and_names_a_mismatch(job):
 def test_all_sum_gives_every_worker_the_sum_and_a_mismatch_says_so(job, store):
     """A global accuracy: each worker brings its counts, every worker gets the job's, with
     the servers running an optimizer (no store key is used). Workers that meet with different
-    calls (all_sum against barrier) get a ConfigError, not a hang."""
+    calls (all_sum or init against barrier) all get a ConfigError, neither a hang nor calls
+    that go on out of step."""
     result = job(f'''
         kv = kvps.create({store!r})
         kv.init(0, np.zeros(2, np.float32))
@@ -410,11 +411,18 @@ def test_all_sum_gives_every_worker_the_sum_and_a_mismatch_says_so(job, store):
         grid = kv.all_sum(np.full((2, 2), 0.25 * (kv.rank + 1)))
         most = kv.all_sum(np.arange(8192.0))   # the most one call takes (64 KiB)
         assert most.tolist() == (np.arange(8192.0) * 3).tolist()
-        try:
-            kv.all_sum([1.0]) if kv.rank == 0 else kv.barrier()
-            mismatch = None
-        except kvps.errors.ConfigError as exc:
-            mismatch = str(exc)
+        mismatch = []
+        for call in ('all_sum', 'init'):
+            try:
+                if kv.rank > 0:
+                    kv.barrier()
+                elif call == 'all_sum':
+                    kv.all_sum([1.0])
+                else:
+                    kv.init(1, np.zeros(2, np.float32))
+                mismatch.append(None)
+            except kvps.errors.ConfigError as exc:
+                mismatch.append(str(exc))
         report(rank=kv.rank, counts=[correct, total], grid=grid.tolist(), mismatch=mismatch)
     ''', 3, 1, timeout=90)
     assert result.returncode == 0, result.output
@@ -423,5 +431,7 @@ def test_all_sum_gives_every_worker_the_sum_and_a_mismatch_says_so(job, store):
     for rank, values in found.items():
         assert values['counts'] == [93.0, 150.0]
         assert values['grid'] == [[1.5, 1.5], [1.5, 1.5]]
-        assert (values['mismatch'] is not None) == (rank == 0)
-    assert 'different calls' in found[0]['mismatch']
+        # every worker is told, not only the one whose call it was
+        with_all_sum, with_init = values['mismatch']
+        assert 'rank 0 in all_sum, rank 1 in barrier, rank 2 in barrier' in with_all_sum, values
+        assert 'rank 0 in init, rank 1 in barrier, rank 2 in barrier' in with_init, values

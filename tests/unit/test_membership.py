@@ -254,6 +254,20 @@ def test_a_barrier_with_values_answers_their_sum_or_why_there_is_none():
     assert 'different lengths' in fields['sum_error']
 
 
+def test_workers_meeting_from_different_calls_are_all_told_so():
+    """One worker's init met another's barrier: each would go on out of step with the
+    other, so every one of them is answered why instead."""
+    m = running()
+    assert m.arrive(b'w-a', 1, call='init') == []
+    (_, workers, _, fields), = m.arrive(b'w-b', 1, call='barrier')
+    assert workers == [b'w-a', b'w-b'] and fields == {'mismatch': (
+        'the workers met at barrier 1 from different calls (rank 0 in init, rank 1 in '
+        'barrier): collective calls (init, set_optimizer, barrier, agree, all_sum, optimizer '
+        'states) must come in the same order on every worker')}
+    m.arrive(b'w-a', 2, call='init')
+    assert m.arrive(b'w-b', 2, call='init') == [(2, [b'w-a', b'w-b'], [], {})]
+
+
 def test_finished_worker_blocks_barriers_and_liveness_skips_it():
     m = full()
     m.assign_ranks()
