@@ -8,7 +8,7 @@ from ..errors import KVPSError, PeerLostError, ProtocolError
 from ..timeline import recording
 from ..timeline.counters import ServerCounts, Ticker
 from ..wire import protocol as P
-from ..wire.identities import identity_label, worker_identity
+from ..wire.identities import identity_label, identity_salt, worker_identity
 from ..wire.link import SchedulerLink, decoded_or_refusals
 from ..wire.ordering import by_priority
 from ..wire.refusals import REFUSALS
@@ -61,8 +61,10 @@ class Server:
         elastic = welcome.get('elastic', False)
         self.shard = Shard(welcome['num_workers'], storage=storage, elastic=elastic)
         # Only the job's workers may talk to a server; anyone else is refused and logged.
-        self.workers = set(members.identities(welcome['workers']) if elastic else
-                           (worker_identity(r) for r in range(welcome['num_workers'])))
+        self.salt = identity_salt(config.secret_value(), welcome['job'])
+        self.workers = set(members.identities(welcome['workers'], self.salt) if elastic else
+                           (worker_identity(r, salt=self.salt)
+                            for r in range(welcome['num_workers'])))
         self.lending = Lending.on_host(self.link.host, config, welcome, storage)
         self.counts = ServerCounts()
         self.replies = Replies(self.router.send_to, self.name, self.lending,
@@ -75,7 +77,7 @@ class Server:
                                  self.checkpointer.path if resuming else None)
         self.recovery = None
         if welcome.get('restarted'):
-            finished = {worker_identity(r) for r in welcome.get('finished', ())}
+            finished = {worker_identity(r, salt=self.salt) for r in welcome.get('finished', ())}
             self.recovery = Recovery(self.name, self.workers - finished, finished)
             log.warning('%s rejoined the job; waiting for %d workers to resume', self.name,
                         len(self.recovery.awaiting))
@@ -161,7 +163,7 @@ class Server:
             return
         op = header['op']
         if op == P.FINISH:
-            worker = worker_identity(header['rank'])
+            worker = worker_identity(header['rank'], salt=self.salt)
             if self.recovery is not None:
                 self.recovery.finish(worker)
                 self._recovered_if_done()
@@ -186,7 +188,8 @@ class Server:
     def _members_changed(self, header):
         """An elastic job's workers changed: rounds go on with the members (kvps.server.members);
         the scheduler welcomes a joiner once every server has acknowledged."""
-        gone, joined = members.identities(header['gone']), members.identities(header['joined'])
+        gone, joined = (members.identities(header[change], self.salt)
+                        for change in ('gone', 'joined'))
         for worker in gone:
             self.workers.discard(worker)
             self.lending.forget(worker)

@@ -55,9 +55,10 @@ def zeros(entry):
     return merge
 
 
-def identities(pairs):
-    """Worker socket identities of ``[[rank, incarnation]]`` (a MEMBERS message's lists)."""
-    return [worker_identity(rank, incarnation) for rank, incarnation in pairs]
+def identities(pairs, salt=None):
+    """Worker socket identities of ``[[rank, incarnation]]`` (a MEMBERS message's lists) in the
+    job of identity ``salt``."""
+    return [worker_identity(rank, incarnation, salt) for rank, incarnation in pairs]
 
 
 def change(shard, gone, joined):

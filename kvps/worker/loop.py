@@ -17,7 +17,7 @@ from ..timeline import recording
 from ..timeline.counters import Ticker, WorkerCounts
 from ..wire import budget, protocol as P
 from ..wire.bundle import bundle
-from ..wire.identities import members_on, worker_identity
+from ..wire.identities import members_on, own_identity
 from ..wire.link import SchedulerLink, decoded_or_refusals
 from ..wire.ordering import PriorityOrder
 from ..wire.pieces import continued
@@ -168,7 +168,7 @@ class WorkerIO(threading.Thread):
             self._connect(rank, host, port)
 
     def _connect(self, rank, host, port):
-        identity = worker_identity(self.welcome['rank'], self.welcome.get('incarnation', 0))
+        identity = own_identity(self.welcome, self.config.secret_value())
         dealer = Dealer(self.ctx, identity, guard_from(self.config))
         dealer.connect(host, port)
         self._servers[server_name(rank)] = dealer

@@ -12,6 +12,7 @@ import zmq
 
 from kvps.wire import protocol as P
 from kvps.wire.auth import TO_DEALER, TO_ROUTER, Guard
+from kvps.wire.identities import identity_salt, worker_identity
 
 SECRET = 'hostile-input-test-secret'
 
@@ -95,7 +96,9 @@ class Signed:
 class FakeWorker:
     """The test as a worker of the job: registered, heartbeating, waiting at every barrier."""
 
-    def __init__(self, ctx, scheduler_addr, secret, rank):
+    def __init__(self, ctx, scheduler_addr, secret, rank, calls=lambda seq: 'barrier'):
+        """``calls(seq)``: the store call the job's real worker meets barrier ``seq`` from."""
+        self.secret, self.calls = secret, calls
         self.link = Signed(ctx, scheduler_addr, f'worker-{uuid.uuid4().hex[:12]}'.encode(),
                            secret)
         self.link.send(P.encode({'op': P.REGISTER, 'id': 0, 'role': 'worker',
@@ -121,7 +124,15 @@ class FakeWorker:
                 self._barrier(header['id'] + 1)
 
     def _barrier(self, seq):
-        self.link.send(P.encode({'op': P.BARRIER, 'id': seq, 'seq': seq}))
+        self.link.send(P.encode({'op': P.BARRIER, 'id': seq, 'seq': seq,
+                                 'call': self.calls(seq)}))
+
+    def member(self, rank):
+        """The identity worker ``rank`` of this job has towards the servers (once welcomed)."""
+        while self.welcome is None:
+            self.tick()
+            time.sleep(0.01)
+        return worker_identity(rank, salt=identity_salt(self.secret, self.welcome['job']))
 
     def finish(self):
         self.link.send(P.encode({'op': P.FINISH, 'id': -1}))
@@ -147,7 +158,7 @@ def lone_server(by_hand, ctx, extra=None):
                             rank=0))
     fake = FakeWorker(ctx, f'tcp://127.0.0.1:{env["DMLC_PS_ROOT_PORT"]}', SECRET, rank=0)
     host, port = server.wait_for(r'serving on (\S+):(\d+)', 60, fake.tick).groups()
-    return server, fake, Signed(ctx, f'tcp://{host}:{port}', b'worker-0', SECRET)
+    return server, fake, Signed(ctx, f'tcp://{host}:{port}', fake.member(0), SECRET)
 
 
 def reply(signed, header, timeout=10.0, buffers=()):

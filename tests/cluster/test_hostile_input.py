@@ -101,7 +101,10 @@ def start_cluster(by_hand, tmp_path, ctx, secret=SECRET):
                'go': tmp_path / 'GO'}
     cluster['server'] = Output(by_hand('server', {**env, 'KVPS_LOG_LEVEL': 'INFO'}, rank=0))
     cluster['worker'] = Output(by_hand('worker', env, script=WORKER_SCRIPT, rank=0))
-    fake = cluster['fake'] = FakeWorker(ctx, cluster['scheduler_addr'], secret, rank=1)
+    # (the real worker meets a barrier at each key's init, then one at its end)
+    fake = cluster['fake'] = FakeWorker(
+        ctx, cluster['scheduler_addr'], secret, rank=1,
+        calls=lambda seq: 'init' if seq <= len(REAL_KEYS) else 'barrier')
     host, port = cluster['server'].wait_for(r'server 0 serving on (\S+):(\d+)', 60,
                                             fake.tick).groups()
     cluster['server_addr'] = f'tcp://{host}:{port}'
@@ -378,8 +381,9 @@ class Fuzzer:
     Insiders sign with the job secret; outsiders send raw frames, frames signed with a wrong
     secret, or frames signed for another identity; every one of theirs must be refused."""
 
-    def __init__(self, ctx, address, target, identities, secret, insider):
-        self.target, self.insider = target, insider
+    def __init__(self, ctx, address, target, identities, secret, insider, captured=None):
+        """``captured``: the member identity an outsider's captured messages were signed for."""
+        self.target, self.insider, self.captured = target, insider, captured
         self.socks = [Signed(ctx, address, i, secret if insider else None) for i in identities]
         self.wrong = Guard('not-the-secret')
         self.right = Guard(secret)
@@ -417,7 +421,7 @@ class Fuzzer:
         if way == 1:
             frames = self.wrong.sign(frames, TO_ROUTER, sock.identity)
         elif way == 2:   # signed with the secret, but for another sender (a captured message)
-            frames = self.right.sign(frames, TO_ROUTER, b'worker-1')
+            frames = self.right.sign(frames, TO_ROUTER, self.captured)
         elif way == 3:
             frames = [os.urandom(48) + bytes(frames[0]), *frames[1:]]
         sock.sock.send_multipart(frames)
@@ -496,17 +500,17 @@ def test_fuzzed_server_and_scheduler_keep_serving_exact_values(by_hand, tmp_path
         cluster = start_cluster(by_hand, tmp_path, ctx)
         fake = cluster['fake']
         sched, server = cluster['scheduler_addr'], cluster['server_addr']
-        outsiders = [b'intruder', b'worker-7']
+        outsiders, worker_1 = [b'intruder', b'worker-7'], fake.member(1)
         runs = [
-            (Fuzzer(ctx, sched, 'scheduler', outsiders, SECRET, False), SCHEDULER_OPS,
-             OUTSIDER_MESSAGES),
-            (Fuzzer(ctx, server, 'server', outsiders, SECRET, False), SERVER_OPS,
+            (Fuzzer(ctx, sched, 'scheduler', outsiders, SECRET, False, worker_1),
+             SCHEDULER_OPS, OUTSIDER_MESSAGES),
+            (Fuzzer(ctx, server, 'server', outsiders, SECRET, False, worker_1), SERVER_OPS,
              OUTSIDER_MESSAGES),
             # Members that are not registered workers: the scheduler refuses what they ask.
             (Fuzzer(ctx, sched, 'scheduler', [b'member-a', b'member-b'], SECRET, True),
              SCHEDULER_OPS, SCHEDULER_MESSAGES),
             # Worker 1, the one identity besides worker 0 that a server talks to.
-            (Fuzzer(ctx, server, 'server', [b'worker-1'], SECRET, True), SERVER_OPS,
+            (Fuzzer(ctx, server, 'server', [worker_1], SECRET, True), SERVER_OPS,
              SERVER_MESSAGES),
         ]
         for fuzzer, ops, count in runs:
