@@ -108,9 +108,9 @@ if MODE == 'dist_async' and kv.rank == 0:
     collectives = kv._backend._collectives
     real_barrier = collectives._barrier
 
-    def barrier(digest=None):
+    def barrier(digest=None, **call):
         open(f'at_barrier_of_step_{len(seen)}', 'w').close()
-        return real_barrier(digest)
+        return real_barrier(digest, **call)
     collectives._barrier = barrier
 
 
