@@ -48,6 +48,7 @@ class Updater:
         # (key, part) -> (id of its state, weight dtype, shape, kernels) last checked to fit
         self._fits = {}
         self._num_update = optimizer.begin_num_update
+        self._step_offset = 0   # added to the workers' push step: see start_at
         # Host states of small keys, cut end to end: they are updated in place, packed.
         self._slabs = Slabs()
         # The device kernels' prepared launches of recent rounds (cuda_launch.Round): they
@@ -95,7 +96,8 @@ class Updater:
         keys updating on (else it is raised)."""
         checked = [self._check(key, part, weight, grad) for key, part, weight, grad in items]
         counts = [self._tick(key, part) for key, part, _, _ in items]
-        self._num_update = max(self._num_update, self._opt.begin_num_update + step)
+        self._num_update = max(self._num_update,
+                               self._opt.begin_num_update + self._step_offset + step)
         self._opt.num_update = self._num_update
         if self._opt.runs_python:
             python_rules.run(self._opt, [
@@ -285,17 +287,24 @@ class Updater:
         return ((lambda key: lr * lr_mult.get(key, 1.0)), (lambda key: wd * wd_mult.get(key, 1.0)),
                 False)
 
+    def start_at(self, step):
+        """The workers' push step as this updater takes over (a new optimizer, a load of
+        states): they count sync steps from the job's start, and later steps count from here,
+        so the lr schedule goes on from this updater's own num_update."""
+        self._step_offset = self._num_update - self._opt.begin_num_update - step
+
     # -- checkpoints ---------------------------------------------------------------------
     def get_states(self, dump_optimizer=False):
         """All optimizer state as msgpack-able plain data (arrays copied to the host).
 
-        {'format': 'kvps.updater.states/1', 'num_update': int,
+        {'format': 'kvps.updater.states/1', 'num_update': int, 'step_offset': int,
          'counts': [[key, part, count], ...],
          'states': [[key, part, {name: {'dtype', 'shape', 'data'}}], ...],
          'optimizer': spec}  (the last only with dump_optimizer=True)
         Keys sit in lists, not map keys, so int keys survive msgpack's default strict_map_key.
         """
         out = {'format': STATE_FORMAT, 'num_update': self._num_update,
+               'step_offset': self._step_offset,
                'counts': [[k, p, c] for (k, p), c in self._counts.items()],
                'states': [[k, p, {n: pack(a) for n, a in st.items()}]
                           for (k, p), st in self._states.items()]}
@@ -321,6 +330,7 @@ class Updater:
             counts = {(k, int(p)): int(c) for k, p, c in states['counts']}
             restored = dict(unpacked_state(*item) for item in states['states'])
             num_update = int(states['num_update'])
+            offset = int(states.get('step_offset', 0))   # (a file of an older kvps has none)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ConfigError(f'set_states: malformed state dict ({exc})') from None
         if not opt.runs_python:   # (a Python update's names: its create_state's, below)
@@ -333,7 +343,7 @@ class Updater:
                 raise ConfigError(problem[1])
             if weight is not None and opt.runs_python:
                 self._fits_python(opt, where, state, weight)
-        return opt, counts, restored, num_update
+        return opt, counts, restored, num_update, offset
 
     def _fits_python(self, opt, where, state, weight):
         """ConfigError unless a loaded ``state`` is what ``opt``'s create_state makes."""
@@ -346,7 +356,7 @@ class Updater:
 
     def install(self, checked):
         """Take ``checked`` (from checked_states) in place of every key's state and count."""
-        opt, self._counts, states, num_update = checked
+        opt, self._counts, states, num_update, self._step_offset = checked
         self._states = {where: self._in_slabs(state) for where, state in states.items()}
         self._opt = opt
         self._fits = {}

@@ -103,8 +103,8 @@ def restore(shard, blob, rounds=False, job=None):
     except (ValueError, KeyError, TypeError, AttributeError,
             msgpack.UnpackException) as exc:
         raise ConfigError(f'unreadable server checkpoint: {exc!r}') from None
-    if state['updater'] is not None:
-        shard.set_states(state['updater'])
+    if state['updater'] is not None:   # (a new job's workers count push steps from 0 again)
+        shard.set_states(state['updater'], step=None if rounds else 0)
 
 
 def open_for(config, welcome, shard, name):

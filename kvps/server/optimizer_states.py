@@ -14,12 +14,13 @@ class OptimizerStates:
         self._shape_of = shape_of
         self._staged = None        # (updater, checked states) awaiting commit_states
 
-    def set_optimizer(self, spec):
+    def set_optimizer(self, spec, step=0):
         """Run ``spec`` on every later update. The same kind of optimizer again (new learning
         rate, a resumed job setting it anew) keeps every key's state and update count;
-        another kind starts fresh."""
+        another kind starts fresh, counting from the workers' push ``step`` now."""
         if self.updater is None or not self.updater.retune(spec):
             self.updater = _updater(spec, self._shape_of)
+            self.updater.start_at(step)
 
     def check_optimizer(self, spec):
         """Whether ``spec`` names an optimizer this server runs, with valid hyper-parameters
@@ -63,12 +64,13 @@ class OptimizerStates:
             raise ConfigError('no optimizer is set on the servers: there is no state to save')
         return self.updater.get_states(dump_optimizer)
 
-    def set_states(self, states, weights, stage=False):
+    def set_states(self, states, weights, stage=False, step=None):
         """Install ``states`` (an updater state dict), each checked against its key part's
         weight in ``weights`` ({(key, part): array}), or with ``stage`` only check and hold
         them for commit_states: a job's servers all check theirs before any installs, so a
         load that one of them refuses changes none. Nothing changes before all is checked
-        (the optimizer a file brings included)."""
+        (the optimizer a file brings included). ``step``: the workers' push step now, which
+        later steps count from (None: the states' own count from it, a checkpoint's)."""
         updater = self.updater
         if updater is None:
             if 'optimizer' not in states:
@@ -80,18 +82,20 @@ class OptimizerStates:
         if stage:
             self._staged = staged
         else:
-            self._install(*staged)
+            self._install(*staged, step)
 
-    def commit_states(self):
+    def commit_states(self, step=0):
         """Install the states held by ``set_states(..., stage=True)``."""
         if self._staged is None:
             raise ConfigError('commit_states: no optimizer states are staged on this server '
                               '(it restarted since, or they were installed already)')
         staged, self._staged = self._staged, None
-        self._install(*staged)
+        self._install(*staged, step)
 
-    def _install(self, updater, checked):
+    def _install(self, updater, checked, step):
         updater.install(checked)
+        if step is not None:
+            updater.start_at(step)
         self.updater = updater
 
 

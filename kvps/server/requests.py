@@ -183,7 +183,7 @@ class Requests:
         spec = _map_in(buffers[0], 'set_optimizer: the spec')
         if h.get('check'):   # a worker asks before rank 0 sets it on any server
             return [Reply(ACK, token, {'whole': self.shard.optimizer.check_optimizer(spec)})]
-        self.shard.set_optimizer(spec)
+        self.shard.set_optimizer(spec, h.get('step', 0))
         return [Reply(ACK, token, None)]
 
     def _get_states(self, token, h, buffers):
@@ -202,11 +202,11 @@ class Requests:
             self._state_pieces[worker] = pieces
             return [Reply(ACK, token, None)]
         states = _map_in(joined(pieces), 'set_states: the state')
-        self.shard.set_states(states, stage=h.get('stage', False))
+        self.shard.set_states(states, stage=h.get('stage', False), step=h.get('step', 0))
         return [Reply(ACK, token, None)]
 
     def _commit_states(self, token, h, buffers):
-        self.shard.commit_states()
+        self.shard.commit_states(h.get('step', 0))
         return [Reply(ACK, token, None)]
 
     def _claim(self, token, h, buffers):

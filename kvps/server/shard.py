@@ -393,19 +393,19 @@ class Shard:
     def updater(self, updater):
         self.optimizer.updater = updater
 
-    def set_optimizer(self, spec):
-        self.optimizer.set_optimizer(spec)
+    def set_optimizer(self, spec, step=0):
+        self.optimizer.set_optimizer(spec, step)
 
     def get_states(self, dump_optimizer):
         return self.optimizer.get_states(dump_optimizer)
 
-    def set_states(self, states, stage=False):
+    def set_states(self, states, stage=False, step=None):
         """OptimizerStates.set_states, each state checked against its key part's weight."""
         weights = {where: entry.weight for where, entry in self.entries.items()}
-        self.optimizer.set_states(states, weights, stage)
+        self.optimizer.set_states(states, weights, stage, step)
 
-    def commit_states(self):
-        self.optimizer.commit_states()
+    def commit_states(self, step=0):
+        self.optimizer.commit_states(step)
 
     # -- lookup ---------------------------------------------------------------------------
     def _entry(self, key, part):

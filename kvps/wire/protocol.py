@@ -80,7 +80,8 @@ ROWS = 'row_data'
 PULL = 'pull'
 # + 1 buffer: the optimizer's spec (a map), msgpack. With `check` true the server only
 # checks that it runs that optimizer with those parameters (an ERROR if not) and answers
-# ACK {whole: whether it reads each weight whole}; nothing changes
+# ACK {whole: whether it reads each weight whole}; nothing changes. `step` (it and
+# COMMIT_STATES): the workers' sync push step now, which a new updater counts later ones from
 SET_OPTIMIZER = 'set_optimizer'
 GET_STATES = 'get_states'    # {dump}: answered by STATES
 # + 1 buffer: the updater state dict, msgpack; installed at once, or with `stage` true only

@@ -76,7 +76,8 @@ class DistClient(RowRequests):
         self.keys = {}            # key -> (shape, dtype name), for every store of this process
         self.closed = False
         self._collectives = Collectives(self.config, sync, self.rank, self.sharding,
-                                        self._request, self.barrier, self.wait_pushes)
+                                        self._request, self.barrier, self.wait_pushes,
+                                        lambda: self._step)
         self.members = Members(self.io, sync, self._pushes)
         self._collectives.joining = self.members.joining
         self.notes = JobNotes(self.io, self._request, self.config, self.sharding, self._pushes)

@@ -17,12 +17,14 @@ class Collectives:
     """The collective calls of one worker, made with what its DistClient gives: ``config``
     (KVPS_TIMEOUT, KVPS_MAX_MESSAGE_BYTES), ``sync`` (the store's mode), its ``rank``, the
     ``sharding`` of its keys, ``request(server, what, header, buffers=(), on_data=None)``
-    that sends one message and returns its Operation, ``barrier(digest=None)`` (the job's,
-    answering the ranks that differ) and ``wait_pushes()``."""
+    that sends one message and returns its Operation, ``barrier(digest=None, call=...)``
+    (the job's, answering the ranks that differ), ``wait_pushes()`` and ``step()`` (the sync
+    push step it has reached: a new optimizer or loaded states count later steps from it)."""
 
-    def __init__(self, config, sync, rank, sharding, request, barrier, wait_pushes):
+    def __init__(self, config, sync, rank, sharding, request, barrier, wait_pushes, step):
         self.config, self.sync, self.rank, self.sharding = config, sync, rank, sharding
         self._request, self._barrier, self._wait_pushes = request, barrier, wait_pushes
+        self._step = step
         # joining(counts=None): whether this worker joined a running elastic job and has not
         # pushed yet (its setup calls are then checks against the job's: the servers have the
         # keys and the optimizer); ``counts`` hands it the push counts its CHECKs answered
@@ -79,7 +81,8 @@ class Collectives:
         if self.joining():   # the servers run the job's optimizer already
             return
         self._by_rank_0('set_optimizer', lambda: self._wait_all([
-            self._request(s, 'set_optimizer', {'op': P.SET_OPTIMIZER}, (blob,))
+            self._request(s, 'set_optimizer', {'op': P.SET_OPTIMIZER, 'step': self._step()},
+                          (blob,))
             for s in range(self.sharding.num_servers)]), after_pushes=True)
 
     def get_states(self, dump_optimizer):
@@ -113,7 +116,7 @@ class Collectives:
             what = 'load_optimizer_states'
             self._wait_all([op for s, states in enumerate(per_server)
                             for op in self._send_state(s, states, what)])
-            self._wait_all([self._request(s, what, {'op': P.COMMIT_STATES})
+            self._wait_all([self._request(s, what, {'op': P.COMMIT_STATES, 'step': self._step()})
                             for s in range(len(per_server))])
         self._by_rank_0('load_optimizer_states', send, after_pushes=True)
 

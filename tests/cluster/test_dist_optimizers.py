@@ -302,6 +302,45 @@ def test_lr_schedule_counts_every_key_whatever_server_holds_it(job):
         assert res['once'] == sorted(set(expected.tolist())) == [-0.25]
 
 
+def test_lr_schedule_counts_from_the_optimizer_or_the_states_a_job_sets(job, tmp_path):
+    """The workers' sync push step counts from the job's start; a server counts a new
+    optimizer's schedule from when it was set (not from the rounds before: pushes without an
+    optimizer, or another kind's), and loaded states' from their own count, as a local store
+    does. A round's gradients sum to 1, so each weight moves by that update's lr."""
+    script = f'''
+    def sched(name, **params):
+        return kvps.optimizer.create(name, lr_scheduler={{'name': 'factor', 'params': {{
+            'step': 2, 'factor': 0.5, 'base_lr': 0.8}}}}, **params)
+    kv = kvps.create('dist_sync')
+    kv.init(0, np.zeros(4))
+    out, before = np.zeros(4), np.zeros(4)
+
+    def moves(rounds):
+        got = []
+        for _ in range(rounds):
+            kv.push(0, np.full(4, 0.5))
+            kv.pull(0, out=out)
+            got.append(round(float(before[0] - out[0]), 6))
+            before[:] = out
+        return got
+    moves(3)                                  # no optimizer: the value is the round's sum
+    kv.set_optimizer(sched('sgd'))
+    first = moves(3)
+    kv.set_optimizer(sched('nag', momentum=0.0))   # another kind: its schedule starts afresh
+    second = moves(2)
+    path = os.path.join({str(tmp_path)!r}, f'states{{kv.rank}}')
+    kv.save_optimizer_states(path)            # at its count of 2
+    moves(4)
+    kv.load_optimizer_states(path)            # back to 2
+    kv.pull(0, out=before)
+    report(first=first, second=second, loaded=moves(2))
+    '''
+    result = job(script, 2, 1)
+    assert result.returncode == 0, result.output
+    for res in result.results().values():
+        assert res == {'first': [0.8, 0.8, 0.4], 'second': [0.8, 0.8], 'loaded': [0.4, 0.4]}, res
+
+
 def test_per_key_options_of_very_many_keys_reach_the_servers(job):
     # 20,000 named multipliers pack to ~1.3 MB, more than a message header may carry: the
     # spec travels as a frame of its own.

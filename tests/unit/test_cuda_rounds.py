@@ -272,7 +272,7 @@ def test_the_updater_keeps_its_launches_and_drops_them_with_its_states(gpu, monk
         updater.update_many([(key, 0, w, CupyLike(w.shape, 'float16'))
                              for key, w in weights.items()])
     assert gpu.rounds == 1 and len(gpu.launches) == 3
-    updater.install((updater.optimizer, {}, {}, 0))
+    updater.install((updater.optimizer, {}, {}, 0, 0))
     assert updater._launches == {}       # they held the states just replaced
     updater.update_many([(key, 0, w, CupyLike(w.shape, 'float16'))
                          for key, w in weights.items()])

@@ -60,6 +60,30 @@ def test_scheduler_runs_on_max_update_count_and_counts_tick_before_lr():
     assert _sgd_delta(u, 'b') == 0.25  # 'a' at 6 -> (6-1)//2 = 2 decays
 
 
+def test_sync_steps_count_from_when_the_updater_took_over():
+    """The workers' push step counts from the job's start: an updater set at step 6 (or
+    states loaded then) counts the lr schedule from its own num_update, and keeps where it
+    counts from in its states, for a restarted server."""
+    sched = FactorScheduler(step=2, factor=0.5, base_lr=1.0)
+
+    def delta(u, step):
+        w = np.zeros(3, np.float64)
+        u.update_many([('a', 0, w, np.ones(3))], step=step)
+        return -w[0]
+    u = Updater(create('sgd', lr_scheduler=sched))
+    u.start_at(6)
+    assert [delta(u, step) for step in (7, 8, 9)] == [1.0, 1.0, 0.5]   # counts 1, 2, 3
+    saved = u.get_states()
+    assert saved['step_offset'] == -6
+    restarted = Updater(create('sgd', lr_scheduler=sched))
+    restarted.set_states(saved)       # (a checkpoint: where it counts from comes with it)
+    assert [delta(restarted, step) for step in (10, 11)] == [0.5, 0.25]
+    loaded = Updater(create('sgd', lr_scheduler=sched))
+    loaded.set_states(saved)
+    loaded.start_at(20)               # (loaded in a job at step 20: counts on from 3)
+    assert [delta(loaded, step) for step in (21, 22)] == [0.5, 0.25]
+
+
 def test_bias_correction_uses_the_keys_own_count():
     u = Updater(create('adam', learning_rate=0.1))
     for g in grads(10, 5):
