@@ -11,11 +11,14 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 @contextlib.contextmanager
 def forwarding_signals(supervisor):
-    """Route SIGINT/SIGTERM/SIGHUP to the supervisor while the job runs (main thread only)."""
+    """Route SIGINT/SIGTERM/SIGHUP to the supervisor while the job runs (main thread only).
+    A signal ignored when the launcher started stays ignored: `nohup` (SIGHUP), a shell's
+    background job (SIGINT)."""
     saved = {}
     if threading.current_thread() is threading.main_thread():
         for signum in FORWARDED_SIGNALS:
-            saved[signum] = signal.signal(signum, supervisor.on_signal)
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                saved[signum] = signal.signal(signum, supervisor.on_signal)
     try:
         yield supervisor
     finally:

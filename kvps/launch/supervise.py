@@ -74,7 +74,8 @@ class Supervisor:
             try:
                 stream.write(text)
                 stream.flush()
-            except (BrokenPipeError, ValueError):  # our reader went away: keep draining pipes
+            # reader gone, stream closed (None: started so) or disk full: keep draining pipes
+            except (OSError, ValueError, AttributeError):
                 pass
 
     def say(self, message):

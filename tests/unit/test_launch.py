@@ -556,6 +556,37 @@ def test_signal_to_the_launcher_is_forwarded(signum):
     proc.stdout.close(), proc.stderr.close()
 
 
+def test_signals_ignored_at_start_stay_ignored():
+    """`nohup kvps.launch ...` ignores SIGHUP (a closed terminal must not end the job), and a
+    shell's background job SIGINT: the launcher forwards only the signals it is not told to
+    ignore."""
+    code = SLEEPERS.replace('import sys\n',
+                            'import signal, sys\n    signal.signal(signal.SIGHUP, signal.SIG_IGN)\n')
+    proc, pids = _launcher_subprocess(code, 4)
+    proc.send_signal(signal.SIGHUP)
+    proc.send_signal(signal.SIGTERM)   # (not ignored: forwarded, as ever)
+    assert proc.wait(timeout=10) == 128 + signal.SIGTERM
+    err = proc.stderr.read()
+    assert 'got SIGTERM' in err and 'SIGHUP' not in err, err
+    assert_gone(pids.values())
+    proc.stdout.close(), proc.stderr.close()
+
+
+def test_a_launcher_that_cannot_write_its_output_still_runs_the_job_to_its_end(monkeypatch):
+    """A full disk (or a closed stdout) fails every write of the children's lines: the
+    launcher keeps draining their pipes, so they never block writing, and returns their
+    exit code."""
+    class Full(io.StringIO):
+        def write(self, text):
+            raise OSError(28, 'No space left on device')
+    noisy = 'import sys; [print("x" * 1000) for _ in range(2000)]; sys.exit(3)'
+    rc = run_specs([py('worker', 0, noisy)], grace=1.0, out=Full(), err=Full())
+    assert rc == 3
+    monkeypatch.setattr(sys, 'stdout', None)   # (started with them closed: `>&- 2>&-`)
+    monkeypatch.setattr(sys, 'stderr', None)
+    assert run_specs([py('worker', 0, noisy)], grace=1.0) == 3
+
+
 def test_children_die_with_a_killed_launcher():
     proc, pids = _launcher_subprocess(SLEEPERS, 4)
     proc.kill()
