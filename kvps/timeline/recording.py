@@ -74,7 +74,7 @@ class Recorder:
         except OSError as exc:
             raise ConfigError(f'KVPS_TIMELINE={path}: cannot write the timeline there '
                               f'({exc.strerror or exc})') from None
-        self.role = role
+        self.role, self._pid = role, os.getpid()
         self._events = collections.deque(maxlen=capacity)
         self._capacity = capacity
         self._dropped = self._reported = 0   # events the full buffer lost; those written down
@@ -162,7 +162,11 @@ class Recorder:
                 self._file.flush()
 
     def close(self):
-        """Write everything and close the file (at exit, or when the node fails)."""
+        """Write everything and close the file (at exit, or when the node fails). In a
+        process forked from the node nothing is written: the file and what it buffered are
+        the node's, which writes them itself."""
+        if os.getpid() != self._pid:
+            return
         self._stop.set()
         if self._writer is not threading.current_thread():
             self._writer.join(5.0)

@@ -84,6 +84,22 @@ def test_nodes_of_one_role_and_pid_keep_their_own_part_files(path, monkeypatch):
     assert sorted(merge.read_part(p).events[0][1] for p in parts) == ['here', 'here']
 
 
+def test_a_forked_child_leaves_the_recording_to_its_node(path):
+    """A worker's os.fork() child (a data loader) that exits normally runs the atexit close
+    of the Recorder it inherited: it must not write the node's buffered events again."""
+    recorder = Recorder(path, 'worker')
+    recorder.instant('before', 'x')
+    pid = os.fork()
+    if pid == 0:   # the child: what its exit would do, then gone without pytest's exit
+        recorder.instant('in the child', 'x')
+        recorder.close()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    recorder.close()
+    part_path, = merge.part_files([path])
+    assert [e[1] for e in merge.read_part(part_path).events] == ['before']
+
+
 def test_the_buffer_is_bounded_and_says_what_it_lost(path):
     recorder = Recorder(path, 'worker', capacity=8)
     recorder._stop.set()   # no writer: the buffer fills
