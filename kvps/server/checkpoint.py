@@ -8,6 +8,8 @@ applied since the last checkpoint when a server dies, which is why a clean shutd
 checkpoints.
 """
 
+import contextlib
+import fcntl
 import logging
 import os
 import re
@@ -124,6 +126,7 @@ def open_for(config, welcome, shard, name):
     checkpointer = Checkpointer(config.checkpoint_dir, welcome['rank'], welcome['num_servers'],
                                 config.checkpoint_every, config.checkpoint_seconds,
                                 time.monotonic(), welcome.get('job'))
+    checkpointer.claim()
     loaded = checkpointer.load(shard, rounds=restarted,
                                predecessor_wrote=welcome.get('checkpointed', True))
     if loaded and restarted:
@@ -161,6 +164,38 @@ class Checkpointer:
         # This process's mark in its files: once it has written one, a file with another's is
         # its successor's (a server that took its rank while it was stopped): see write
         self.writer, self._wrote = os.urandom(8).hex(), False
+        self._lock_fd = None   # the lock file's, while this server holds it (claim)
+
+    def claim(self):
+        """Hold this rank's lock file (``<file>.lock``) for the life of this process (the
+        kernel lets go of it when the process ends), or raise ConfigError where a server of
+        another job that still runs holds it: two jobs sharing KVPS_CHECKPOINT_DIR would
+        resume from, and write over, each other's live files. A server of this job holding
+        it (one this server replaces, stopped but alive) is fenced by the writer marks."""
+        fd = os.open(self.path + '.lock', os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors='replace')
+            os.close(fd)
+            if holder != self.job:
+                raise ConfigError(f'{self.path} is held by a server of another job that is '
+                                  f'still running (run {holder}): two jobs cannot share '
+                                  f'KVPS_CHECKPOINT_DIR={self.directory}; give each its own'
+                                  ) from None
+            return
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (self.job or '').encode(), 0)
+        self._lock_fd = fd   # (kept open: closing it would let go of the lock)
+
+    def release(self):
+        """At this server's clean end, remove and let go of the lock file it holds (claim):
+        the directory keeps only the checkpoints."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path + '.lock')
+            os.close(fd)
 
     def load(self, shard, rounds=False, predecessor_wrote=True):
         """Resume ``shard`` from this server's file if there is one; return whether it did.
@@ -232,7 +267,12 @@ class Checkpointer:
         """Write the checkpoint; ConfigError if the file system refuses (the previous file
         is left whole), Superseded if a replacement of this server wrote it since we did."""
         try:
-            if self._wrote and _header(self.path)[2] not in (None, self.writer):
+            job, _, writer = _header(self.path) if self._wrote else (None, None, None)
+            if writer not in (None, self.writer) and job != self.job:
+                raise ConfigError(f'{self.path} was written by another job (run {job}) since '
+                                  'this server last wrote it: two running jobs share '
+                                  f'KVPS_CHECKPOINT_DIR={self.directory}; give each its own')
+            if writer not in (None, self.writer):
                 raise Superseded(f'{self.path} was written by another server of this rank (a '
                                  'replacement) since this one last wrote it')
             write_atomically(self.path, snapshot(shard, self.job, self.resumed, self.writer))

@@ -102,6 +102,8 @@ class Server:
                 self._flush()
             if not self.fenced:
                 self._checkpoint()   # a clean or aborted end keeps every applied round
+                if self.checkpointer is not None:
+                    self.checkpointer.release()
         except KVPSError as exc:   # (a checkpoint write failed) the job learns why at once
             self.link.abort(f'{exc}')
             raise

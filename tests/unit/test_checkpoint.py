@@ -102,6 +102,25 @@ def test_a_rejoining_server_takes_only_its_own_jobs_checkpoint(tmp_path):
     assert Checkpointer(str(tmp_path), 0, 1, job='earlier').load(Shard(1), rounds=True)
 
 
+def test_two_running_jobs_cannot_share_a_checkpoint_directory(tmp_path):
+    """A server holds its rank's lock file while it lives: a server of another job is refused
+    (it would resume from a live job's file and write over it), one of the same job (the
+    replacement of a stopped server) is not; and a server whose file another job wrote since
+    says so, rather than take itself for replaced."""
+    live = Checkpointer(str(tmp_path), 0, 1, job='first')
+    live.claim()
+    with pytest.raises(ConfigError, match=r'another job that is still running \(run first\)'):
+        Checkpointer(str(tmp_path), 0, 1, job='second').claim()
+    Checkpointer(str(tmp_path), 0, 1, job='first').claim()   # its replacement
+    Checkpointer(str(tmp_path), 1, 2, job='second').claim()   # (another file: no conflict)
+    live.write(trained_shard(), now=0)
+    Checkpointer(str(tmp_path), 0, 1, job='second').write(trained_shard(), now=0)
+    with pytest.raises(ConfigError, match=r'written by another job \(run second\)'):
+        live.write(trained_shard(), now=1)
+    live.release()   # (its clean end: the directory keeps only the checkpoints)
+    assert not os.path.exists(live.path + '.lock')
+
+
 def test_rebase_counts_the_rounds_a_checkpoint_missed():
     shard = trained_shard()   # 'w' at round 3
     restored = Shard(1)
