@@ -76,16 +76,18 @@ def _applied_pushes(entry):
     return {} if entry.sync else dict(entry.pushed)
 
 
-def restore(shard, blob, rounds=False, job=None):
+def restore(shard, blob, rounds=False, job=None, path=None):
     """Load ``blob`` (from snapshot) into an empty shard; raise ConfigError if it is not one.
     With ``rounds`` (a server rejoining its running job ``job``) each key keeps its round and
-    push counts, and the file must be that job's; a new job starts counting again."""
+    push counts, and the file must be that job's; a new job starts counting again.
+    ``path``: the file's, for the error that says it cannot be read."""
+    unreadable = 'unreadable server checkpoint' + (f' {path}' if path else '')
     try:
         state = msgpack.unpackb(blob, raw=False, strict_map_key=False)
         if state.get('format') not in READABLE:
             raise ValueError(f'format {state.get("format")!r}')
     except (ValueError, AttributeError, msgpack.UnpackException) as exc:
-        raise ConfigError(f'unreadable server checkpoint: {exc!r}') from None
+        raise ConfigError(f'{unreadable}: {exc!r}') from None
     if rounds and state.get('job') != job:
         # Another run's weights and counts would pass for this job's: the workers'
         # acknowledged pushes would silently be lost (or applied to the wrong values).
@@ -104,7 +106,7 @@ def restore(shard, blob, rounds=False, job=None):
             shard.entries[(key, part)] = entry
     except (ValueError, KeyError, TypeError, AttributeError,
             msgpack.UnpackException) as exc:
-        raise ConfigError(f'unreadable server checkpoint: {exc!r}') from None
+        raise ConfigError(f'{unreadable}: {exc!r}') from None
     if state['updater'] is not None:   # (a new job's workers count push steps from 0 again)
         shard.set_states(state['updater'], step=None if rounds else 0)
 
@@ -215,7 +217,7 @@ class Checkpointer:
             self._refuse_half_resume()
             return False
         with open(self.path, 'rb') as f:
-            restore(shard, f.read(), rounds, self.job)
+            restore(shard, f.read(), rounds, self.job, self.path)
         # A replacement goes on with the job's own file; a new job marks it as resumed.
         self.resumed = not rounds or _header(self.path)[1]
         self._last_updates = shard.updates

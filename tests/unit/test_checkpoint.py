@@ -52,9 +52,14 @@ def test_init_of_a_restored_key_keeps_the_checkpoint_once():
         resumed.init(None, 7, 1, 'float16', [4], False, buf([0, 0, 0, 0], np.float16))
 
 
-def test_garbage_is_not_a_checkpoint():
+def test_garbage_is_not_a_checkpoint(tmp_path):
     with pytest.raises(ConfigError, match='unreadable server checkpoint'):
         restore(Shard(1), b'\x93\x01\x02\x03')
+    torn = Checkpointer(str(tmp_path), 0, 1, job='this')
+    with open(torn.path, 'wb') as f:   # (say, truncated by a full disk outside kvps)
+        f.write(snapshot(trained_shard(), 'this')[:-9])
+    with pytest.raises(ConfigError, match=f'unreadable server checkpoint {torn.path}: '):
+        torn.load(Shard(1), rounds=True)
 
 
 def test_due_by_updates_or_seconds_and_only_after_changes(tmp_path):
