@@ -294,8 +294,12 @@ class Updater:
         self._step_offset = self._num_update - self._opt.begin_num_update - step
 
     # -- checkpoints ---------------------------------------------------------------------
-    def get_states(self, dump_optimizer=False):
-        """All optimizer state as msgpack-able plain data (arrays copied to the host).
+    def get_states(self, dump_optimizer=False, step=None):
+        """All optimizer state as msgpack-able plain data (arrays copied to the host). For a
+        checkpoint (``step`` None) with where the workers' push steps count from; for the
+        workers (save_optimizer_states, at their push ``step``) without it (a load counts from
+        its own step: start_at), num_update brought up to ``step`` first, as an update would
+        (a server none of whose keys were pushed since saves the job's count too).
 
         {'format': 'kvps.updater.states/1', 'num_update': int, 'step_offset': int,
          'counts': [[key, part, count], ...],
@@ -303,11 +307,15 @@ class Updater:
          'optimizer': spec}  (the last only with dump_optimizer=True)
         Keys sit in lists, not map keys, so int keys survive msgpack's default strict_map_key.
         """
+        if step is not None:
+            self._num_update = max(self._num_update,
+                                   self._opt.begin_num_update + self._step_offset + step)
         out = {'format': STATE_FORMAT, 'num_update': self._num_update,
-               'step_offset': self._step_offset,
                'counts': [[k, p, c] for (k, p), c in self._counts.items()],
                'states': [[k, p, {n: pack(a) for n, a in st.items()}]
                           for (k, p), st in self._states.items()]}
+        if step is None:
+            out['step_offset'] = self._step_offset
         if dump_optimizer:
             out['optimizer'] = self._opt.to_spec()
         return out

@@ -59,10 +59,12 @@ class OptimizerStates:
             return exc
         return None
 
-    def get_states(self, dump_optimizer):
+    def get_states(self, dump_optimizer, step=None):
         if self.updater is None:
             raise ConfigError('no optimizer is set on the servers: there is no state to save')
-        return self.updater.get_states(dump_optimizer)
+        if step is None:   # (a checkpoint's, or a local store's: its updater may be a function)
+            return self.updater.get_states(dump_optimizer)
+        return self.updater.get_states(dump_optimizer, step)
 
     def set_states(self, states, weights, stage=False, step=None):
         """Install ``states`` (an updater state dict), each checked against its key part's

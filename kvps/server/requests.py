@@ -187,7 +187,8 @@ class Requests:
         return [Reply(ACK, token, None)]
 
     def _get_states(self, token, h, buffers):
-        blob = msgpack.packb(self.shard.get_states(h['dump']), use_bin_type=True)
+        blob = msgpack.packb(self.shard.get_states(h['dump'], h.get('step', 0)),
+                             use_bin_type=True)
         return [Reply(STATES, token, blob)]
 
     def _set_states(self, token, h, buffers):

@@ -396,8 +396,8 @@ class Shard:
     def set_optimizer(self, spec, step=0):
         self.optimizer.set_optimizer(spec, step)
 
-    def get_states(self, dump_optimizer):
-        return self.optimizer.get_states(dump_optimizer)
+    def get_states(self, dump_optimizer, step=None):
+        return self.optimizer.get_states(dump_optimizer, step)
 
     def set_states(self, states, stage=False, step=None):
         """OptimizerStates.set_states, each state checked against its key part's weight."""

@@ -83,7 +83,7 @@ PULL = 'pull'
 # ACK {whole: whether it reads each weight whole}; nothing changes. `step` (it and
 # COMMIT_STATES): the workers' sync push step now, which a new updater counts later ones from
 SET_OPTIMIZER = 'set_optimizer'
-GET_STATES = 'get_states'    # {dump}: answered by STATES
+GET_STATES = 'get_states'    # {dump, step (as SET_OPTIMIZER's)}: answered by STATES
 # + 1 buffer: the updater state dict, msgpack; installed at once, or with `stage` true only
 # checked and held until COMMIT_STATES (so that no server installs any if one refuses).
 # A state bigger than STATE_CHUNK_BYTES comes in pieces: SET_STATES with `more` true (each

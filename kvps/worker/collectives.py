@@ -96,7 +96,8 @@ class Collectives:
                 blobs[server] = msgpack.unpackb(blob, raw=False, strict_map_key=False)
             return state_collector(keep)
         self._wait_all([self._request(s, 'save_optimizer_states',
-                                      {'op': P.GET_STATES, 'dump': dump_optimizer},
+                                      {'op': P.GET_STATES, 'dump': dump_optimizer,
+                                       'step': self._step()},
                                       on_data=keeper(s)) for s in servers])
         return blobs
 
