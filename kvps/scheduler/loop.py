@@ -57,6 +57,7 @@ class Scheduler:
         self.job = secrets.token_hex(8)   # names this run in server checkpoints
         self._finishing = {}      # identity -> when its FINISH takes effect
         self._barrier_began = {}  # barrier number -> when its first worker came (timeline)
+        self._last_barrier = (0, frozenset(), None)   # (seq, workers, answer) released last
         self.counts = SchedulerCounts()
         self.ticker = Ticker(config.stats_seconds, 'scheduler', lambda: (
             {**dataclasses.asdict(self.counts), 'refused': REFUSALS.total},
@@ -202,6 +203,10 @@ class Scheduler:
 
     def _on_barrier(self, identity, header):
         node = self._worker(identity)
+        seq, workers, answer = self._last_barrier
+        if header['seq'] == seq and identity in workers:   # sent again: its answer was lost
+            self.send(identity, answer)   # (in a reset connection: kvps.worker.resets)
+            return
         if recording.RECORDER is not None:
             self._barrier_began.setdefault(header['seq'], recording.now())
         self.release(self.members.arrive(node.identity, header['seq'], header.get('digest'),
@@ -217,9 +222,10 @@ class Scheduler:
             if recorder is not None:
                 recorder.span('barrier', 'barrier', recording.now() if began is None else began,
                               {'seq': seq, 'differs': differs})
+            answer = {'op': P.BARRIER_DONE, 'id': seq, 'differs': differs, **summed}
+            self._last_barrier = seq, frozenset(workers), answer
             for worker in workers:
-                self.send(worker, {'op': P.BARRIER_DONE, 'id': seq, 'differs': differs,
-                                   **summed})
+                self.send(worker, answer)
 
     def _on_finish(self, identity, header):
         self._worker(identity)

@@ -11,6 +11,7 @@ import time
 import weakref
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ..config import variable
 from ..errors import AuthError, ConfigError, TransportError
@@ -114,6 +115,10 @@ class Router(Socket):
         super().__init__(ctx, zmq.ROUTER, guard=guard)
         # Replying to a peer that is gone raises instead of vanishing silently.
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A peer connecting again under its name (after a reset this side may not have seen
+        # yet) takes it over. With a secret no stranger can: workers' names carry a tag only
+        # the job's members can make (kvps.wire.identities).
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if max_frame_bytes:   # a peer announcing a bigger frame is cut off before it is kept
             self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
 
@@ -183,6 +188,23 @@ class Dealer(Socket):
 
     def connect(self, host, port):
         self._sock.connect(f'tcp://{_bracket(host)}:{port}')
+
+
+class Monitor:
+    """The connection events of a socket (``raw``: what a Poller waits on): ``event()``
+    says 'reset' (its connection went down) or 'up' (connected, handshake done), else None."""
+
+    _EVENTS = {zmq.EVENT_DISCONNECTED: 'reset', zmq.EVENT_HANDSHAKE_SUCCEEDED: 'up'}
+
+    def __init__(self, sock):
+        self.raw = sock.raw.get_monitor_socket(zmq.EVENT_DISCONNECTED
+                                               | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+
+    def event(self):
+        return self._EVENTS.get(recv_monitor_message(self.raw)['event'])
+
+    def close(self):
+        self.raw.close(linger=0)
 
 
 class Poller:

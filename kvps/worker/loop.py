@@ -17,7 +17,7 @@ from ..timeline import recording
 from ..timeline.counters import Ticker, WorkerCounts
 from ..wire import budget, protocol as P
 from ..wire.bundle import bundle
-from ..wire.identities import members_on, own_identity
+from ..wire.identities import own_identity
 from ..wire.link import SchedulerLink, decoded_or_refusals
 from ..wire.ordering import PriorityOrder
 from ..wire.pieces import continued
@@ -27,6 +27,7 @@ from .joined import join_pushes, riders
 from .joining import membership_of
 from .messages import fuse_bytes, server_name
 from .pending import Attaching, PendingTable, PushCounts, Request
+from .resets import Resets
 from .staging import Staging
 from .tracing import MessageTrace
 
@@ -61,6 +62,7 @@ class WorkerIO(threading.Thread):
         self._by_socket = {}        # Dealer -> node name, to say where a bad reply came from
         self._lost = set()          # servers the job waits for: requests to them are held
         self.push_counts = PushCounts()   # each push's seq, numbered as API threads queue it
+        self._resets = Resets(self._pending, self._scheduler_requests, self._lost, SCHEDULER)
         self._poller = Poller()
         self.staging = None         # this worker's shared-memory segment, if it has one
         # (epoch, ranks): the job's member workers, as the last WELCOME or MEMBERS told
@@ -86,7 +88,7 @@ class WorkerIO(threading.Thread):
             self.waker.wake()
 
     def stop(self, timeout):
-        self._stopping = True
+        self._stopping = self._resets.leaving = True   # (the job's end resets connections)
         self.waker.wake()
         self.join(timeout)
 
@@ -107,7 +109,7 @@ class WorkerIO(threading.Thread):
             self._ticker = Ticker(self.config.stats_seconds, f'worker {self.welcome["rank"]}',
                                   self._stats)
             self._connect_servers(self.welcome)
-            self.staging = self._staging()
+            self.staging = Staging.for_job(self.config, self.welcome, self._link.host)
             for node in self._servers:
                 self._attach(node)
         except Exception as exc:  # reported to the API thread waiting on `ready`
@@ -152,18 +154,10 @@ class WorkerIO(threading.Thread):
                 return
             request.op.fail(self.fatal)
 
-    def _staging(self):
-        """A segment when a server shares this host (by address): others could never map it,
-        and its pages would only sit reserved in /dev/shm."""
-        host = self._link.host
-        servers = members_on(self.welcome, host, 'server')
-        if not servers:
-            return None
-        return Staging.create(self.config, servers + members_on(self.welcome, host, 'worker'))
-
     def _connect_servers(self, welcome):
         self._poller.register(self.waker.socket)
         self._poller.register(self._link.socket)
+        self._resets.watch(SCHEDULER, self._link.socket, self._poller)
         for rank, (host, port) in enumerate(welcome['servers']):
             self._connect(rank, host, port)
 
@@ -174,6 +168,7 @@ class WorkerIO(threading.Thread):
         self._servers[server_name(rank)] = dealer
         self._by_socket[dealer] = server_name(rank)
         self._poller.register(dealer)
+        self._resets.watch(server_name(rank), dealer, self._poller)
 
     def _serve(self):
         tick = min(self.config.heartbeat_interval, 0.5)
@@ -189,6 +184,8 @@ class WorkerIO(threading.Thread):
                     self._from_scheduler()
                 elif sock in self._by_socket:   # not closed by a rejoin earlier in this pass
                     self._from_server(sock)
+                elif sock in self._resets:
+                    self._resets.event(sock)
             self._send_queued()
             if self.fatal is None:
                 now = time.monotonic()
@@ -241,6 +238,7 @@ class WorkerIO(threading.Thread):
             return None
         if node == SCHEDULER:
             self._scheduler_requests[header['id']] = request
+            request.message = (header, ())   # (sent again after a reset: kvps.worker.resets)
             request.op.waiting_on.add(SCHEDULER)
             self._link.send(header)
             return None
@@ -411,6 +409,7 @@ class WorkerIO(threading.Thread):
     def _close(self):
         if self.staging is not None:
             self.staging.close()
+        self._resets.close()
         for dealer in self._servers.values():
             dealer.close(linger_s=0.5)
         if getattr(self, '_link', None) is not None:

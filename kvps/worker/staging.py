@@ -19,6 +19,7 @@ from .. import pinning
 from ..errors import KVPSError, ProtocolError
 from ..wire import protocol as P
 from ..wire.device_segments import DEVICE_BASE
+from ..wire.identities import members_on
 from ..wire.shm import HEADER_BYTES, MIN_BYTES, SHM_DIR, Mapping, Segment, aligned, segment_bytes
 
 log = logging.getLogger('kvps.worker')
@@ -67,6 +68,16 @@ class Staging:
         self._cutting = threading.Lock()
         self._chunk = (lambda: None, 0, 0)   # (weakref to the block, its offset, bytes cut)
         self._chunk_bytes = min(CHUNK_BYTES, max(CUT_MOST, segment.size // 16))
+
+    @classmethod
+    def for_job(cls, config, welcome, host):
+        """A Staging for a worker on ``host`` in the job of ``welcome`` when a server shares
+        the host (by address): others could never map its segment, whose pages would only
+        sit reserved in /dev/shm. Else None."""
+        servers = members_on(welcome, host, 'server')
+        if not servers:
+            return None
+        return cls.create(config, servers + members_on(welcome, host, 'worker'))
 
     @classmethod
     def create(cls, config, sharers=1):

@@ -13,7 +13,6 @@ from kvps.server.regions import Regions
 from kvps.wire import shm
 from kvps.wire.identities import members_on
 from kvps.wire.shm import Segment, segment_bytes, share_of
-from kvps.worker.loop import WorkerIO
 from kvps.worker.staging import Staging
 
 MiB = 1 << 20
@@ -88,9 +87,7 @@ def test_members_on_a_host_are_counted_by_role():
 
 def _staging_of(host, welcome, config=None):
     """What the worker I/O thread sets up for ``host`` with this welcome."""
-    io = types.SimpleNamespace(_link=types.SimpleNamespace(host=host), welcome=welcome,
-                               config=config or Config(shm_bytes=4 * MiB))
-    return WorkerIO._staging(io)
+    return Staging.for_job(config or Config(shm_bytes=4 * MiB), welcome, host)
 
 
 def test_a_worker_with_no_server_on_its_host_reserves_no_segment():
