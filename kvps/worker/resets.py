@@ -41,6 +41,10 @@ class Resets:
         self._monitors = {}   # node -> _Monitor
         self.broken = set()   # nodes whose connection reset and is not back yet
         self.leaving = False  # this worker is leaving the job: its end closes connections
+        # The shared-memory blocks of pulls sent again, kept while this worker lives: should
+        # both copies be answered, the second writes its block after the first answer let
+        # the worker go on (and reuse the block for another transfer). Bounded by the resets.
+        self._kept = []
 
     def __contains__(self, sock):
         return type(sock) is _Monitor
@@ -79,6 +83,8 @@ class Resets:
             header = request.message[0]
             if scheduler or header['op'] in RESENDABLE:
                 monitor.dealer.send(P.encode(*request.message))
+                if header['op'] == P.PULL and request.keep:
+                    self._kept.append(request.keep)
                 again += 1
             else:
                 self._pending.fail(header['id'], PeerLostError(
@@ -95,3 +101,4 @@ class Resets:
         for monitor in self._monitors.values():
             monitor.close()
         self._monitors.clear()
+        self._kept.clear()
