@@ -51,7 +51,7 @@ class FunctionUpdater:
     def retune(self, spec):
         return False     # an optimizer set later replaces the function
 
-    def get_states(self, dump_optimizer):
+    def get_states(self, dump_optimizer, step=None):
         raise ConfigError('the store runs a Python updater (set with _set_updater): it keeps '
                           'no optimizer state kvps can save')
 

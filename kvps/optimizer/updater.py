@@ -96,8 +96,7 @@ class Updater:
         keys updating on (else it is raised)."""
         checked = [self._check(key, part, weight, grad) for key, part, weight, grad in items]
         counts = [self._tick(key, part) for key, part, _, _ in items]
-        self._num_update = max(self._num_update,
-                               self._opt.begin_num_update + self._step_offset + step)
+        self._up_to(step)
         self._opt.num_update = self._num_update
         if self._opt.runs_python:
             python_rules.run(self._opt, [
@@ -287,6 +286,11 @@ class Updater:
         return ((lambda key: lr * lr_mult.get(key, 1.0)), (lambda key: wd * wd_mult.get(key, 1.0)),
                 False)
 
+    def _up_to(self, step):
+        """num_update brought up to the workers' push ``step`` (counted as start_at says)."""
+        self._num_update = max(self._num_update,
+                               self._opt.begin_num_update + self._step_offset + step)
+
     def start_at(self, step):
         """The workers' push step as this updater takes over (a new optimizer, a load of
         states): they count sync steps from the job's start, and later steps count from here,
@@ -308,8 +312,7 @@ class Updater:
         Keys sit in lists, not map keys, so int keys survive msgpack's default strict_map_key.
         """
         if step is not None:
-            self._num_update = max(self._num_update,
-                                   self._opt.begin_num_update + self._step_offset + step)
+            self._up_to(step)
         out = {'format': STATE_FORMAT, 'num_update': self._num_update,
                'counts': [[k, p, c] for (k, p), c in self._counts.items()],
                'states': [[k, p, {n: pack(a) for n, a in st.items()}]

@@ -62,8 +62,6 @@ class OptimizerStates:
     def get_states(self, dump_optimizer, step=None):
         if self.updater is None:
             raise ConfigError('no optimizer is set on the servers: there is no state to save')
-        if step is None:   # (a checkpoint's, or a local store's: its updater may be a function)
-            return self.updater.get_states(dump_optimizer)
         return self.updater.get_states(dump_optimizer, step)
 
     def set_states(self, states, weights, stage=False, step=None):

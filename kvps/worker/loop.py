@@ -53,6 +53,7 @@ class WorkerIO(threading.Thread):
         self._queue = collections.deque()   # submitted, not yet taken in by this thread
         self._order = PriorityOrder()       # taken in, waiting to be sent (this thread only)
         self._holdback = Holdback(config.socket_queue)   # taken, held (socket pushes)
+        self._fuse_bytes = fuse_bytes(config)   # what one message of fused requests carries
         self._wake_pending = False
         self._pending = PendingTable()
         self._scheduler_requests = {}   # (barrier, finish...: by their own sequence numbers)
@@ -212,12 +213,12 @@ class WorkerIO(threading.Thread):
                 entry = order.pop()
                 if entry is None:
                     return
-                entry = join_pushes(entry, order, self.counts, fuse_bytes(self.config))
+                entry = join_pushes(entry, order, self.counts, self._fuse_bytes)
                 if not (self._stopping or entry[0] in self._lost
                         or holdback.admit(entry, pushed_bytes(*entry[1:]))):
                     self.counts.held += 1
                     continue
-            self._send(entry, riders(entry, order, holdback, fuse_bytes(self.config)))
+            self._send(entry, riders(entry, order, holdback, self._fuse_bytes))
 
     def _send(self, entry, more=()):
         """Send the request ``entry``, with ``more`` (requests for the same server) in the same

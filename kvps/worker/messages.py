@@ -32,6 +32,11 @@ def server_name(rank):
     return name
 
 
+def server_rank(name):
+    """The rank in a server's node name (server_name's inverse)."""
+    return int(name[len('server '):])
+
+
 def part_nbytes(item):
     """Bytes of one ``(key, part, array, dtype)`` part of a pull (``dtype``: the one its
     values travel in)."""

@@ -15,6 +15,7 @@ import logging
 from ..errors import PeerLostError
 from ..wire import protocol as P
 from ..wire.transport import Monitor
+from .messages import server_rank
 
 log = logging.getLogger('kvps.worker')
 
@@ -90,7 +91,7 @@ class Resets:
                 self._pending.fail(header['id'], PeerLostError(
                     f'the connection to {node} was reset while this {header["op"]} request was '
                     'in flight: whether the server carried it out is unknown', 'server',
-                    int(node.split()[1])))
+                    server_rank(node)))
         log.warning('the connection to %s is back; sent %d unanswered requests again',
                     self._label(node), again)
 
